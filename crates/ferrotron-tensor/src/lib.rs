@@ -1,14 +1,20 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Ferrotron's lean tensor core: a contiguous CPU `Tensor` (f32 / bf16 / f16 storage),
+//! GEMM through the `gemm` crate (AVX-512 `x86-v4` kernels, runtime-dispatched),
+//! memory-bound GEMV kernels for decode, and the fused rayon kernels the transformer needs.
+//!
+//! Compute is always f32 (design.md: on this CPU the bf16 dot-product peak is half the f32
+//! FMA peak); bf16/f16 are storage formats that halve memory traffic.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod dtype;
+mod error;
+pub mod gemm;
+pub mod gemv;
+pub mod ops;
+mod tensor;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use dtype::{DType, Element};
+pub use error::TensorError;
+pub use tensor::{Device, Storage, Tensor};
+
+/// Result alias for tensor operations.
+pub type Result<T> = std::result::Result<T, TensorError>;

@@ -1,0 +1,276 @@
+//! Matrix multiplication: f32 GEMM through the `gemm` crate (its `x86-v4` AVX-512 kernels are
+//! selected at run time, so the binary still runs on CPUs without AVX-512), and
+//! weight-times-activation products for f32/bf16/f16 weights.
+
+use crate::gemv;
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// How an operand is read: as stored (row-major) or transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Use the stored row-major matrix.
+    N,
+    /// Use the transpose of the stored row-major matrix.
+    T,
+}
+
+/// `c[m, n] = op(a)[m, k] · op(b)[k, n]`, or `c += ...` when `accumulate`.
+///
+/// `a` is stored `[m, k]` for `Op::N` or `[k, m]` for `Op::T`; `b` is stored `[k, n]` for
+/// `Op::N` or `[n, k]` for `Op::T` (a linear layer's `[out, in]` weight). All row-major.
+/// Runs on the current rayon pool.
+///
+/// # Panics
+/// When a slice is shorter than its shape needs (a caller bug, not an input error).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive.
+    unsafe {
+        sgemm_raw(
+            m,
+            n,
+            k,
+            a.as_ptr(),
+            op_a,
+            b.as_ptr(),
+            op_b,
+            c.as_mut_ptr(),
+            n,
+            accumulate,
+        )
+    }
+}
+
+/// Raw-pointer GEMM with a destination row stride `ldc` (to write a column block of `c`).
+///
+/// # Safety
+/// The pointers must address the ranges implied by `m, n, k, op_a, op_b, ldc`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    op_a: Op,
+    b: *const f32,
+    op_b: Op,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // (column stride, row stride) of each operand as read.
+    let (a_cs, a_rs) = match op_a {
+        Op::N => (1, k as isize),
+        Op::T => (m as isize, 1),
+    };
+    let (b_cs, b_rs) = match op_b {
+        Op::N => (1, n as isize),
+        Op::T => (k as isize, 1),
+    };
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 && m * n * k >= 64 * 64 * 64 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c,
+            1,
+            ldc as isize,
+            accumulate,
+            a,
+            a_cs,
+            a_rs,
+            b,
+            b_cs,
+            b_rs,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// A linear layer's weight `[n, k]` (HF `[out, in]`), borrowed in its storage dtype.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightRef<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// Activations with at most this many rows use the memory-bound GEMV kernels (decode);
+/// larger products use GEMM.
+pub const GEMV_MAX_ROWS: usize = 2;
+
+/// Rows of a narrow weight converted to f32 at a time before GEMM (bounded scratch memory).
+const CONVERT_ROWS: usize = 512;
+
+/// `y[m, n] = x[m, k] · wᵀ` (or `+=` when `accumulate`) for a weight `w[n, k]` in any storage
+/// dtype. Few rows use the GEMV kernels; otherwise f32 weights go straight to GEMM and
+/// bf16/f16 weights are widened to f32 in blocks of rows first.
+pub fn matmul_weight_t(
+    x: &[f32],
+    w: WeightRef<'_>,
+    y: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    assert!(x.len() >= m * k && y.len() >= m * n);
+    if m <= GEMV_MAX_ROWS {
+        for r in 0..m {
+            let (xr, yr) = (&x[r * k..(r + 1) * k], &mut y[r * n..(r + 1) * n]);
+            match w {
+                WeightRef::F32(w) => gemv::gemv(w, xr, yr, accumulate),
+                WeightRef::BF16(w) => gemv::gemv(w, xr, yr, accumulate),
+                WeightRef::F16(w) => gemv::gemv(w, xr, yr, accumulate),
+            }
+        }
+        return;
+    }
+    match w {
+        WeightRef::F32(w) => sgemm(m, n, k, x, Op::N, w, Op::T, y, accumulate),
+        WeightRef::BF16(w) => blocked_narrow(x, w, y, m, n, k, accumulate),
+        WeightRef::F16(w) => blocked_narrow(x, w, y, m, n, k, accumulate),
+    }
+}
+
+fn blocked_narrow<W: crate::Element>(
+    x: &[f32],
+    w: &[W],
+    y: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    assert!(w.len() >= n * k);
+    let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
+    for j0 in (0..n).step_by(CONVERT_ROWS) {
+        let rows = CONVERT_ROWS.min(n - j0);
+        let block = &mut scratch[..rows * k];
+        block
+            .par_chunks_mut(k)
+            .zip(w[j0 * k..(j0 + rows) * k].par_chunks(k))
+            .for_each(|(dst, src)| {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = s.to_f32();
+                }
+            });
+        // SAFETY: block is [rows, k]; y's column block j0..j0+rows lies inside y[m, n].
+        unsafe {
+            sgemm_raw(
+                m,
+                rows,
+                k,
+                x.as_ptr(),
+                Op::N,
+                block.as_ptr(),
+                Op::T,
+                y.as_mut_ptr().add(j0),
+                n,
+                accumulate,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(m: usize, n: usize, k: usize, a: &[f32], op_a: Op, b: &[f32], op_b: Op) -> Vec<f32> {
+        let mut c = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0f64;
+                for p in 0..k {
+                    let av = if op_a == Op::N {
+                        a[i * k + p]
+                    } else {
+                        a[p * m + i]
+                    };
+                    let bv = if op_b == Op::N {
+                        b[p * n + j]
+                    } else {
+                        b[j * k + p]
+                    };
+                    s += av as f64 * bv as f64;
+                }
+                c[i * n + j] = s as f32;
+            }
+        }
+        c
+    }
+
+    fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sgemm_matches_naive_for_all_transposes() {
+        let (m, n, k) = (37, 29, 71);
+        for op_a in [Op::N, Op::T] {
+            for op_b in [Op::N, Op::T] {
+                let (a, b) = (data(m * k, 1), data(k * n, 2));
+                let want = naive(m, n, k, &a, op_a, &b, op_b);
+                let mut c = vec![1.0; m * n];
+                sgemm(m, n, k, &a, op_a, &b, op_b, &mut c, true);
+                for (got, want) in c.iter().zip(&want) {
+                    assert!((got - (want + 1.0)).abs() < 1e-4, "{got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weight_products_agree_across_dtypes_and_paths() {
+        let (n, k) = (1030, 80);
+        let w = data(n * k, 3);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wb_f32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        for m in [1, 2, 5] {
+            let x = data(m * k, 4);
+            let want = naive(m, n, k, &x, Op::N, &wb_f32, Op::T);
+            let mut y = vec![0f32; m * n];
+            matmul_weight_t(&x, WeightRef::BF16(&wb), &mut y, m, n, k, false);
+            for (g, w) in y.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4, "m={m}: {g} vs {w}");
+            }
+            let want = naive(m, n, k, &x, Op::N, &w, Op::T);
+            matmul_weight_t(&x, WeightRef::F32(&w), &mut y, m, n, k, false);
+            for (g, w) in y.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4, "m={m}: {g} vs {w}");
+            }
+        }
+    }
+}

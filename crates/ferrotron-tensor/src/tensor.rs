@@ -1,0 +1,213 @@
+use crate::{DType, Element, Result, TensorError};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Where a tensor's storage lives. Only the CPU exists today; CUDA comes later
+/// (design.md: everything must build and pass tests without a GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+}
+
+/// Contiguous, row-major element storage of one dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Storage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Storage {
+    /// Element count.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::BF16(v) => v.len(),
+            Storage::F16(v) => v.len(),
+        }
+    }
+
+    /// True when the storage holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::F32(_) => DType::F32,
+            Storage::BF16(_) => DType::BF16,
+            Storage::F16(_) => DType::F16,
+        }
+    }
+}
+
+/// A dense row-major tensor on the CPU: a shape and contiguous storage.
+///
+/// Parameters are `Tensor`s (HF layout, e.g. a linear weight is `[out, in]`); kernels take
+/// plain slices so activations can live in reusable buffers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+fn numel_of(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| TensorError::Overflow(shape.to_vec()))
+}
+
+impl Tensor {
+    /// Wraps storage with a shape. Errors when the element counts differ.
+    pub fn new(shape: &[usize], storage: Storage) -> Result<Tensor> {
+        let expected = numel_of(shape)?;
+        if expected != storage.len() {
+            return Err(TensorError::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: storage.len(),
+            });
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            storage,
+        })
+    }
+
+    /// An f32 tensor from data. Errors when `data.len()` differs from the shape's product.
+    pub fn from_f32(shape: &[usize], data: Vec<f32>) -> Result<Tensor> {
+        Tensor::new(shape, Storage::F32(data))
+    }
+
+    /// A zero-filled tensor.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let n = numel_of(shape)?;
+        let storage = match dtype {
+            DType::F32 => Storage::F32(vec![0.0; n]),
+            DType::BF16 => Storage::BF16(vec![bf16::ZERO; n]),
+            DType::F16 => Storage::F16(vec![f16::ZERO; n]),
+        };
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            storage,
+        })
+    }
+
+    /// The shape, outermost dimension first.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.storage.len()
+    }
+
+    /// Storage dtype.
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+
+    /// Always `Device::Cpu` today.
+    pub fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// The underlying storage.
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// Consumes the tensor, returning its storage.
+    pub fn into_storage(self) -> Storage {
+        self.storage
+    }
+
+    /// The elements as f32, or `DTypeMismatch` for another dtype.
+    pub fn as_f32(&self) -> Result<&[f32]> {
+        match &self.storage {
+            Storage::F32(v) => Ok(v),
+            other => Err(TensorError::DTypeMismatch {
+                expected: DType::F32,
+                actual: other.dtype(),
+            }),
+        }
+    }
+
+    /// The elements as mutable f32, or `DTypeMismatch` for another dtype.
+    pub fn as_f32_mut(&mut self) -> Result<&mut [f32]> {
+        match &mut self.storage {
+            Storage::F32(v) => Ok(v),
+            other => Err(TensorError::DTypeMismatch {
+                expected: DType::F32,
+                actual: other.dtype(),
+            }),
+        }
+    }
+
+    /// Same data with a new shape of equal element count.
+    pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
+        Tensor::new(shape, self.storage)
+    }
+
+    /// All elements converted to f32 (a copy, rayon-parallel).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match &self.storage {
+            Storage::F32(v) => v.clone(),
+            Storage::BF16(v) => convert_slice(v),
+            Storage::F16(v) => convert_slice(v),
+        }
+    }
+
+    /// Converts to another storage dtype (round-to-nearest-even for narrowing).
+    pub fn to_dtype(&self, dtype: DType) -> Tensor {
+        if dtype == self.dtype() {
+            return self.clone();
+        }
+        let f = self.to_f32_vec();
+        let storage = match dtype {
+            DType::F32 => Storage::F32(f),
+            DType::BF16 => Storage::BF16(convert_slice(&f)),
+            DType::F16 => Storage::F16(convert_slice(&f)),
+        };
+        Tensor {
+            shape: self.shape.clone(),
+            storage,
+        }
+    }
+}
+
+/// Converts a slice between storage element types through f32, in parallel.
+pub fn convert_slice<S: Element, D: Element>(src: &[S]) -> Vec<D> {
+    let mut out = Vec::with_capacity(src.len());
+    src.par_iter()
+        .map(|&x| D::from_f32(x.to_f32()))
+        .collect_into_vec(&mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_mismatch_is_an_error() {
+        let err = Tensor::from_f32(&[2, 3], vec![0.0; 5]).unwrap_err();
+        assert!(err.to_string().contains("needs 6 elements, got 5"), "{err}");
+    }
+
+    #[test]
+    fn dtype_round_trip() {
+        let t = Tensor::from_f32(&[3], vec![1.0, -2.5, 0.15625]).unwrap();
+        let b = t.to_dtype(DType::BF16);
+        assert_eq!(b.dtype(), DType::BF16);
+        assert_eq!(
+            b.to_dtype(DType::F32).as_f32().unwrap(),
+            &[1.0, -2.5, 0.15625]
+        );
+        assert!(b.as_f32().is_err());
+    }
+}
