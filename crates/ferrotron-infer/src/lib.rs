@@ -1,3 +1,6 @@
+pub mod chat;
+pub mod sampler;
+
 pub fn add(left: u64, right: u64) -> u64 {
     left + right
 }

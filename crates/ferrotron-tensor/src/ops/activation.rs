@@ -21,7 +21,7 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// SwiGLU on Megatron's packed `linear_fc1` output `fc1: [rows, 2f]` (each row is
 /// `[gate (f) | up (f)]`, megatron `bias_swiglu_impl` order) into `out: [rows, f]`.
 pub fn swiglu_packed(fc1: &[f32], out: &mut [f32], f: usize) {
-    assert!(f > 0 && fc1.len() == 2 * out.len() && out.len() % f == 0);
+    assert!(f > 0 && fc1.len() == 2 * out.len() && out.len().is_multiple_of(f));
     out.par_chunks_mut(f)
         .zip(fc1.par_chunks(2 * f))
         .for_each(|(o, row)| {

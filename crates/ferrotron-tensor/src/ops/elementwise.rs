@@ -11,7 +11,7 @@ pub fn add_inplace(a: &mut [f32], b: &[f32]) {
 /// `x[r, :] += bias` for `x: [rows, n]`, `bias: [n]`.
 pub fn add_bias(x: &mut [f32], bias: &[f32]) {
     let n = bias.len();
-    assert!(n > 0 && x.len() % n == 0);
+    assert!(n > 0 && x.len().is_multiple_of(n));
     x.par_chunks_mut(n)
         .for_each(|row| row.iter_mut().zip(bias).for_each(|(v, b)| *v += b));
 }

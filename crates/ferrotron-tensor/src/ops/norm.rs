@@ -7,7 +7,7 @@ use rayon::prelude::*;
 /// (Zhang & Sennrich 2019).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], rstd: Option<&mut [f32]>) {
     let h = weight.len();
-    assert!(h > 0 && x.len() % h == 0 && out.len() == x.len());
+    assert!(h > 0 && x.len().is_multiple_of(h) && out.len() == x.len());
     let norm_row = |(xr, or): (&[f32], &mut [f32])| -> f32 {
         let ss: f32 = sum_squares(xr);
         let r = 1.0 / (ss / h as f32 + eps).sqrt();

@@ -38,7 +38,7 @@ impl RopeTable {
         scaling: &RopeScaling,
         max_positions: usize,
     ) -> RopeTable {
-        assert!(head_dim % 2 == 0, "rotary head_dim must be even");
+        assert!(head_dim.is_multiple_of(2), "rotary head_dim must be even");
         let half = head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| {

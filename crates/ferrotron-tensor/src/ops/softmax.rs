@@ -2,7 +2,7 @@ use rayon::prelude::*;
 
 /// In-place softmax over each row of `x: [rows, n]` (max-subtracted for stability).
 pub fn softmax_rows(x: &mut [f32], n: usize) {
-    assert!(n > 0 && x.len() % n == 0);
+    assert!(n > 0 && x.len().is_multiple_of(n));
     x.par_chunks_mut(n).for_each(softmax_row);
 }
 
