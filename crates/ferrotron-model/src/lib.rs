@@ -1,14 +1,19 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! The GPT (decoder-only) model of LLaMA-family architectures: [`TransformerConfig`] with
+//! Megatron's names, [`GptModel`] built from explicit layers, the per-layer [`KvCache`], and
+//! `families/` that map HuggingFace configs and weight names onto them.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod config;
+mod error;
+pub mod families;
+mod gpt_model;
+mod kv_cache;
+mod transformer_layer;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use config::{ModelFamily, TransformerConfig};
+pub use error::ModelError;
+pub use gpt_model::{GptModel, LogitsMode};
+pub use kv_cache::KvCache;
+pub use transformer_layer::TransformerLayer;
+
+/// Result alias for model construction and forward passes.
+pub type Result<T> = std::result::Result<T, ModelError>;

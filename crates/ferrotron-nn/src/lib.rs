@@ -1,14 +1,23 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Transformer layers as explicit forward functions over f32 activations, each designed so its
+//! backward (a later issue) sits beside it: every forward states what it would save.
+//!
+//! Activations follow Megatron's `[s, b, h]` order, flattened to rows `s·b`. Parameters are
+//! [`ferrotron_tensor::Tensor`]s in HF orientation (`[out, in]` for linear weights) in any
+//! storage dtype; compute is f32.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod attention;
+mod embedding;
+mod error;
+mod linear;
+mod mlp;
+mod norm;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use attention::{AttentionMask, core_attention};
+pub use embedding::Embedding;
+pub use error::NnError;
+pub use linear::Linear;
+pub use mlp::SwiGluMlp;
+pub use norm::RmsNorm;
+
+/// Result alias for layer construction and forward passes.
+pub type Result<T> = std::result::Result<T, NnError>;

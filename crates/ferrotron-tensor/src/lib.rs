@@ -14,7 +14,7 @@ mod tensor;
 
 pub use dtype::{DType, Element};
 pub use error::TensorError;
-pub use tensor::{Device, Storage, Tensor};
+pub use tensor::{Device, Storage, Tensor, convert_slice};
 
 /// Result alias for tensor operations.
 pub type Result<T> = std::result::Result<T, TensorError>;

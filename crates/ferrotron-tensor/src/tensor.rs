@@ -1,3 +1,4 @@
+use crate::gemm::WeightRef;
 use crate::{DType, Element, Result, TensorError};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -148,6 +149,89 @@ impl Tensor {
         }
     }
 
+    /// Borrows the elements as a GEMM operand in their storage dtype.
+    pub fn weight_ref(&self) -> WeightRef<'_> {
+        match &self.storage {
+            Storage::F32(v) => WeightRef::F32(v),
+            Storage::BF16(v) => WeightRef::BF16(v),
+            Storage::F16(v) => WeightRef::F16(v),
+        }
+    }
+
+    /// Stacks row ranges of 2-D tensors (all of one dtype and column count) into one
+    /// `[Σ rows, cols]` tensor, in order. Used to pack HF projections into Megatron's fused
+    /// `linear_qkv` / `linear_fc1` layouts.
+    pub fn cat_rows(pieces: &[(&Tensor, std::ops::Range<usize>)]) -> Result<Tensor> {
+        let Some((first, _)) = pieces.first() else {
+            return Tensor::zeros(&[0, 0], DType::F32);
+        };
+        let cols = first.shape().get(1).copied().unwrap_or(0);
+        let dtype = first.dtype();
+        let mut rows = 0;
+        for (t, r) in pieces {
+            if t.shape().len() != 2 || t.shape()[1] != cols || r.end > t.shape()[0] {
+                return Err(TensorError::ShapeMismatch {
+                    shape: t.shape().to_vec(),
+                    expected: cols,
+                    actual: t.shape().get(1).copied().unwrap_or(0),
+                });
+            }
+            if t.dtype() != dtype {
+                return Err(TensorError::DTypeMismatch {
+                    expected: dtype,
+                    actual: t.dtype(),
+                });
+            }
+            rows += r.len();
+        }
+        fn cat<E: Copy>(parts: Vec<(&[E], std::ops::Range<usize>)>, cols: usize) -> Vec<E> {
+            let mut out = Vec::new();
+            for (data, r) in parts {
+                out.extend_from_slice(&data[r.start * cols..r.end * cols]);
+            }
+            out
+        }
+        let storage = match &first.storage {
+            Storage::F32(_) => Storage::F32(cat(
+                pieces
+                    .iter()
+                    .map(|(t, r)| (t.as_slice::<f32>(), r.clone()))
+                    .collect(),
+                cols,
+            )),
+            Storage::BF16(_) => Storage::BF16(cat(
+                pieces
+                    .iter()
+                    .map(|(t, r)| (t.as_slice::<bf16>(), r.clone()))
+                    .collect(),
+                cols,
+            )),
+            Storage::F16(_) => Storage::F16(cat(
+                pieces
+                    .iter()
+                    .map(|(t, r)| (t.as_slice::<f16>(), r.clone()))
+                    .collect(),
+                cols,
+            )),
+        };
+        Tensor::new(&[rows, cols], storage)
+    }
+
+    /// The elements as `E`; panics when `E` is not the storage dtype (internal use after a
+    /// dtype check).
+    fn as_slice<E: Element>(&self) -> &[E] {
+        fn cast<A: 'static, B: 'static>(v: &[A]) -> &[B] {
+            assert_eq!(std::any::TypeId::of::<A>(), std::any::TypeId::of::<B>());
+            // SAFETY: A and B are the same type (checked above).
+            unsafe { std::slice::from_raw_parts(v.as_ptr() as *const B, v.len()) }
+        }
+        match &self.storage {
+            Storage::F32(v) => cast(v),
+            Storage::BF16(v) => cast(v),
+            Storage::F16(v) => cast(v),
+        }
+    }
+
     /// Same data with a new shape of equal element count.
     pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
         Tensor::new(shape, self.storage)
@@ -197,6 +281,17 @@ mod tests {
     fn shape_mismatch_is_an_error() {
         let err = Tensor::from_f32(&[2, 3], vec![0.0; 5]).unwrap_err();
         assert!(err.to_string().contains("needs 6 elements, got 5"), "{err}");
+    }
+
+    #[test]
+    fn cat_rows_stacks_ranges() {
+        let a = Tensor::from_f32(&[3, 2], vec![0., 1., 2., 3., 4., 5.]).unwrap();
+        let b = Tensor::from_f32(&[1, 2], vec![9., 9.]).unwrap();
+        let c = Tensor::cat_rows(&[(&a, 2..3), (&b, 0..1), (&a, 0..1)]).unwrap();
+        assert_eq!(c.shape(), &[3, 2]);
+        assert_eq!(c.as_f32().unwrap(), &[4., 5., 9., 9., 0., 1.]);
+        let wrong = Tensor::from_f32(&[1, 3], vec![0.; 3]).unwrap();
+        assert!(Tensor::cat_rows(&[(&a, 0..1), (&wrong, 0..1)]).is_err());
     }
 
     #[test]

@@ -1,0 +1,136 @@
+use crate::{ModelError, Result};
+use ferrotron_tensor::ops::RopeScaling;
+
+/// Which HuggingFace architecture a model came from (selects weight naming and biases).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFamily {
+    /// `LlamaForCausalLM` (LLaMA 2/3/3.1, SmolLM).
+    Llama,
+    /// `MistralForCausalLM` (sliding-window attention).
+    Mistral,
+    /// `Qwen2ForCausalLM` (q/k/v biases).
+    Qwen2,
+}
+
+impl ModelFamily {
+    /// The HF `architectures[0]` name.
+    pub fn hf_architecture(self) -> &'static str {
+        match self {
+            ModelFamily::Llama => "LlamaForCausalLM",
+            ModelFamily::Mistral => "MistralForCausalLM",
+            ModelFamily::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+/// Model hyper-parameters with Megatron-Core's names (`TransformerConfig` /
+/// `megatron/training/arguments.py`). Normalization is RMSNorm, the MLP is SwiGLU and position
+/// embedding is rotary for every family supported today.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TransformerConfig {
+    pub family: ModelFamily,
+    pub num_layers: usize,
+    /// `h`.
+    pub hidden_size: usize,
+    /// `f`, the SwiGLU inner size.
+    pub ffn_hidden_size: usize,
+    /// `a`, query heads.
+    pub num_attention_heads: usize,
+    /// `g`, key/value heads (GQA); `a % g == 0`.
+    pub num_query_groups: usize,
+    /// `d`, head dim.
+    pub kv_channels: usize,
+    /// `v`, vocabulary rows in the embedding table.
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    /// RoPE base θ.
+    pub rotary_base: f32,
+    pub rope_scaling: RopeScaling,
+    /// RMSNorm epsilon.
+    pub layernorm_epsilon: f32,
+    /// Bias on the q/k/v projections (Qwen2, LLaMA `attention_bias`).
+    pub add_qkv_bias: bool,
+    /// Bias on the attention output projection (LLaMA `attention_bias`).
+    pub add_proj_bias: bool,
+    /// Biases on the MLP projections (LLaMA `mlp_bias`).
+    pub add_mlp_bias: bool,
+    /// Separate output-layer weight; `false` ties it to the embedding (HF `tie_word_embeddings`).
+    pub untie_embeddings_and_output_weights: bool,
+    /// Keys visible per query (Mistral `sliding_window`); `None` for full causal attention.
+    pub sliding_window: Option<usize>,
+}
+
+impl TransformerConfig {
+    /// Checks the divisibility and positivity constraints every layer relies on.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("num_layers", self.num_layers),
+            ("hidden_size", self.hidden_size),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.num_query_groups),
+            ("kv_channels", self.kv_channels),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(field_error(field, "must be > 0"));
+            }
+        }
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_query_groups)
+        {
+            return Err(field_error(
+                "num_query_groups",
+                format!(
+                    "{} query groups do not divide {} attention heads",
+                    self.num_query_groups, self.num_attention_heads
+                ),
+            ));
+        }
+        if !self.kv_channels.is_multiple_of(2) {
+            return Err(field_error(
+                "kv_channels",
+                "rotary embedding needs an even head dim",
+            ));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(field_error("sliding_window", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// Query heads per key/value group, `a / g`.
+    pub fn heads_per_group(&self) -> usize {
+        self.num_attention_heads / self.num_query_groups
+    }
+
+    /// Output width of the packed `linear_qkv`: `g · (a/g + 2) · d`.
+    pub fn qkv_size(&self) -> usize {
+        self.num_query_groups * (self.heads_per_group() + 2) * self.kv_channels
+    }
+
+    /// Parameter count (embedding counted once when tied).
+    pub fn num_parameters(&self) -> usize {
+        let (h, f, d) = (self.hidden_size, self.ffn_hidden_size, self.kv_channels);
+        let attn = h * self.qkv_size() + self.num_attention_heads * d * h;
+        let mlp = 3 * h * f;
+        let layer = attn + mlp + 2 * h;
+        let emb = self.vocab_size * h;
+        let out = if self.untie_embeddings_and_output_weights {
+            emb
+        } else {
+            0
+        };
+        self.num_layers * layer + emb + out + h
+    }
+}
+
+pub(crate) fn field_error(field: &str, message: impl Into<String>) -> ModelError {
+    ModelError::ConfigField {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}

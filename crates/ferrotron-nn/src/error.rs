@@ -1,0 +1,28 @@
+use ferrotron_tensor::TensorError;
+
+/// Errors from building layers (shape checks) and running them (bad token ids).
+#[derive(Debug, thiserror::Error)]
+pub enum NnError {
+    /// A parameter's shape differs from what the layer needs.
+    #[error("{name}: expected shape {expected:?}, got {actual:?}")]
+    ParamShape {
+        name: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
+    /// A tensor-level error (dtype, index out of range, ...).
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// Checks a parameter's shape, naming it in the error.
+pub(crate) fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<(), NnError> {
+    if actual != expected {
+        return Err(NnError::ParamShape {
+            name: name.to_string(),
+            expected: expected.to_vec(),
+            actual: actual.to_vec(),
+        });
+    }
+    Ok(())
+}

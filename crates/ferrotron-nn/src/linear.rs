@@ -1,0 +1,59 @@
+use crate::{Result, error::check_shape};
+use ferrotron_tensor::{Tensor, gemm::matmul_weight_t, ops::add_bias};
+
+/// A dense layer `y = x·Wᵀ + b` (Megatron `ColumnParallelLinear`/`RowParallelLinear` at
+/// tensor-parallel size 1).
+///
+/// `weight: [out, in]` in any storage dtype; `bias: [out]` in f32.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    /// Wraps a `[out, in]` weight and an optional `[out]` bias; `name` is used in shape errors.
+    pub fn new(name: &str, weight: Tensor, bias: Option<Tensor>) -> Result<Linear> {
+        if weight.shape().len() != 2 {
+            check_shape(name, weight.shape(), &[0, 0])?;
+        }
+        let bias = match bias {
+            Some(b) => {
+                check_shape(&format!("{name} bias"), b.shape(), &[weight.shape()[0]])?;
+                Some(b.to_f32_vec())
+            }
+            None => None,
+        };
+        Ok(Linear { weight, bias })
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.weight.shape()[0]
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.weight.shape()[1]
+    }
+
+    /// The `[out, in]` weight.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The `[out]` bias, if any.
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
+    }
+
+    /// `y[rows, out] = x[rows, in]·Wᵀ + b`. Backward needs `x` (for dW) and `W` (for dx).
+    pub fn forward(&self, x: &[f32], y: &mut [f32]) {
+        let (n, k) = (self.out_features(), self.in_features());
+        let rows = x.len() / k;
+        matmul_weight_t(x, self.weight.weight_ref(), y, rows, n, k, false);
+        if let Some(b) = &self.bias {
+            add_bias(y, b);
+        }
+    }
+}
