@@ -230,8 +230,9 @@ impl LlamaGgufConfig {
         })
     }
 
-    /// The HF `config.json` object for `LlamaForCausalLM` (transformers' `LlamaConfig` fields;
-    /// `rope_theta`/`rope_scaling` in the v4 spelling, which v5 also reads).
+    /// The HF `config.json` object for `LlamaForCausalLM` (transformers' `LlamaConfig` fields).
+    /// Rope is written both in the v4 spelling (`rope_theta`, `rope_scaling`) and the v5 one
+    /// (`rope_parameters`), so either version reads it.
     pub fn to_hf_json(&self, dtype: OutputDtype) -> Value {
         let mut v = json!({
             "architectures": ["LlamaForCausalLM"],
@@ -250,6 +251,10 @@ impl LlamaGgufConfig {
             "num_key_value_heads": self.num_key_value_heads,
             "pretraining_tp": 1,
             "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": match self.rope_linear_factor {
+                None => json!({"rope_theta": self.rope_theta, "rope_type": "default"}),
+                Some(f) => json!({"rope_theta": self.rope_theta, "rope_type": "linear", "factor": f}),
+            },
             "rope_scaling": self.rope_linear_factor.map(|f| json!({"rope_type": "linear", "factor": f})),
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": self.tie_word_embeddings,
