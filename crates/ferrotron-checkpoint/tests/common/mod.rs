@@ -16,6 +16,8 @@ pub struct RawTensor {
     pub type_id: u32,
     pub data: Vec<u8>,
     pub offset: Option<u64>,
+    /// Written to the tensor table instead of the real offset (the data stays where it is).
+    pub table_offset: Option<u64>,
 }
 
 /// Builds GGUF bytes (little-endian, as llama.cpp's `gguf_write_to_buf`).
@@ -135,6 +137,7 @@ impl GgufBuilder {
             type_id: type_id(ty),
             data,
             offset: None,
+            table_offset: None,
         });
         self
     }
@@ -170,7 +173,7 @@ impl GgufBuilder {
             out.extend((t.dims.len() as u32).to_le_bytes());
             t.dims.iter().for_each(|d| out.extend(d.to_le_bytes()));
             out.extend(t.type_id.to_le_bytes());
-            out.extend(off.to_le_bytes());
+            out.extend(t.table_offset.unwrap_or(*off).to_le_bytes());
         }
         let data_start = (out.len() as u64).next_multiple_of(align);
         out.resize(data_start as usize, 0);
