@@ -332,6 +332,20 @@ fn metadata_errors_name_the_key() {
         &["llama.attention.head_count_kv", "does not divide"],
     );
 
+    // Sizes from metadata never size an allocation: a huge layer count is just a missing tensor.
+    let (mut b, _) = tiny_llama(&TinyOpts::default());
+    b.kv("llama.block_count", GgufValue::U64(u64::MAX));
+    expect_conversion_error(&b.build(), &["tensor blk.2.attn_norm.weight: missing"]);
+    let (mut b, _) = tiny_llama(&TinyOpts::default());
+    b.kv("llama.embedding_length", GgufValue::U64(1 << 62));
+    expect_conversion_error(
+        &b.build(),
+        &[
+            "tensor token_embd.weight",
+            "expected HF shape [270, 4611686018427387904]",
+        ],
+    );
+
     let (mut b, _) = tiny_llama(&TinyOpts::default());
     b.kv("llama.rope.scaling.type", GgufValue::String("yarn".into()));
     expect_conversion_error(&b.build(), &["llama.rope.scaling.type", "yarn"]);

@@ -179,18 +179,24 @@ pub fn plan_llama_tensors(
         }
         plans.push(plan);
     }
+    // Every tensor the model needs must be there. Walk the names lazily: the layer count comes
+    // from the file and must not size an allocation; the walk stops at the first missing name,
+    // which is at most one layer past the number of tensors the file has.
     let present: BTreeSet<&str> = f.tensors().iter().map(|t| t.name.as_str()).collect();
-    let mut required = vec![
-        "token_embd.weight".to_string(),
-        "output_norm.weight".to_string(),
-    ];
-    for i in 0..c.num_hidden_layers {
-        required.extend(LAYER_TENSORS.iter().map(|(g, _)| format!("blk.{i}.{g}")));
-    }
-    if let Some(missing) = required.iter().find(|n| !present.contains(n.as_str())) {
+    let fixed = ["token_embd.weight", "output_norm.weight"].map(String::from);
+    let layers = (0..c.num_hidden_layers).flat_map(|i| {
+        LAYER_TENSORS
+            .iter()
+            .map(move |(g, _)| format!("blk.{i}.{g}"))
+    });
+    if let Some(missing) = fixed
+        .into_iter()
+        .chain(layers)
+        .find(|n| !present.contains(n.as_str()))
+    {
         return Err(tensor_err(
             file,
-            missing,
+            &missing,
             format!(
                 "missing: a llama model with {} layers needs it",
                 c.num_hidden_layers

@@ -348,8 +348,11 @@ pub fn tiny_vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
     (tokens, types, merges)
 }
 
+/// HF tensor name -> (HF shape, exact values).
+pub type Expected = BTreeMap<String, (Vec<u64>, Vec<f32>)>;
+
 /// A tiny LLaMA GGUF and the HF tensors (name -> (shape, values)) it must convert to.
-pub fn tiny_llama(o: &TinyOpts) -> (GgufBuilder, BTreeMap<String, (Vec<u64>, Vec<f32>)>) {
+pub fn tiny_llama(o: &TinyOpts) -> (GgufBuilder, Expected) {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let (tokens, token_types, merges) = tiny_vocab();
     let vocab = tokens.len() as u64;
