@@ -11,6 +11,7 @@
 
 mod config;
 mod dequant;
+mod metadata;
 mod parse;
 mod reader;
 mod tensors;

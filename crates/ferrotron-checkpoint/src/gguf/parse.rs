@@ -6,7 +6,8 @@
 //! (fastest-varying first), u32 ggml type, u64 offset relative to the data section.
 //! Strings are a u64 byte length followed by UTF-8 bytes.
 
-use super::types::GgufValueType;
+use super::reader::{TensorInfo, tensor_err};
+use super::types::{GgmlType, GgufValueType};
 use super::value::{GgufArray, GgufValue};
 use crate::CheckpointError;
 
@@ -212,4 +213,70 @@ impl<'a> Cursor<'a> {
             }
         })
     }
+}
+
+/// `GGML_MAX_DIMS`.
+const MAX_DIMS: u32 = 4;
+
+/// The rest of one tensor-table entry after its name: n_dims, `ne`, type, offset; with the
+/// element count and byte size computed with overflow checks.
+pub(crate) fn read_tensor_info(
+    c: &mut Cursor<'_>,
+    file: &str,
+    name: String,
+) -> Result<TensorInfo, CheckpointError> {
+    let n_dims = c.u32(&|| format!("tensor {name} n_dims"))?;
+    if n_dims == 0 || n_dims > MAX_DIMS {
+        return Err(tensor_err(
+            file,
+            &name,
+            format!("has {n_dims} dims, expected 1 to {MAX_DIMS}"),
+        ));
+    }
+    let mut dims = Vec::with_capacity(n_dims as usize);
+    for d in 0..n_dims {
+        dims.push(c.u64(&|| format!("tensor {name} ne[{d}]"))?);
+    }
+    let type_id = c.u32(&|| format!("tensor {name} type"))?;
+    let offset = c.u64(&|| format!("tensor {name} offset"))?;
+    let ggml_type = GgmlType::from_id(type_id)
+        .ok_or_else(|| tensor_err(file, &name, format!("unknown ggml type id {type_id}")))?;
+
+    let overflow = || {
+        tensor_err(
+            file,
+            &name,
+            format!("size of dims {dims:?} overflows 64 bits"),
+        )
+    };
+    let n_elements = dims
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(overflow)?;
+    let (block, block_bytes) = ggml_type.block_layout();
+    if !dims[0].is_multiple_of(block) {
+        return Err(tensor_err(
+            file,
+            &name,
+            format!(
+                "ne[0] = {} is not a multiple of the block size {block} of type {ggml_type}",
+                dims[0]
+            ),
+        ));
+    }
+    let row_bytes = (dims[0] / block)
+        .checked_mul(block_bytes)
+        .ok_or_else(overflow)?;
+    let n_bytes = dims[1..]
+        .iter()
+        .try_fold(row_bytes, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(overflow)?;
+    Ok(TensorInfo {
+        name,
+        dims,
+        ggml_type,
+        offset,
+        n_elements,
+        n_bytes,
+    })
 }

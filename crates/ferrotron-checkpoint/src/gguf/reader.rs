@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use super::dequant::dequantize;
-use super::parse::Cursor;
+use super::parse::{Cursor, read_tensor_info};
 use super::types::GgmlType;
-use super::value::{GgufArray, GgufValue};
+use super::value::GgufValue;
 use crate::CheckpointError;
 use crate::error::display_name;
 
@@ -25,8 +25,6 @@ const MIN_KV_BYTES: u64 = 13;
 /// Fewest bytes one tensor-table entry can take: name length (8) + n_dims (4) + one dim (8) +
 /// type (4) + offset (8).
 const MIN_TENSOR_INFO_BYTES: u64 = 32;
-/// `GGML_MAX_DIMS`.
-const MAX_DIMS: u32 = 4;
 
 /// One entry of the tensor table, validated against the file by [`GgufFile::open`].
 #[derive(Debug, Clone, PartialEq)]
@@ -352,96 +350,6 @@ impl GgufFile {
         self.tensor_info(name)
             .ok_or_else(|| tensor_err(&self.name, name, "no such tensor in the file".into()))
     }
-
-    fn meta_err(&self, key: &str, detail: String) -> CheckpointError {
-        CheckpointError::Metadata {
-            file: self.name.clone(),
-            key: key.to_string(),
-            detail,
-        }
-    }
-
-    /// `key` as a non-negative integer of any integer type; `None` when absent.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Metadata`] if present with another type or a negative value.
-    pub fn opt_u64(&self, key: &str) -> Result<Option<u64>, CheckpointError> {
-        self.get(key)
-            .map(|v| {
-                v.as_u64().ok_or_else(|| {
-                    self.meta_err(
-                        key,
-                        format!("expected a non-negative integer, found {}", brief(v)),
-                    )
-                })
-            })
-            .transpose()
-    }
-
-    /// `key` as a non-negative integer; see [`GgufFile::opt_u64`].
-    ///
-    /// # Errors
-    /// [`CheckpointError::Metadata`] if absent, of another type, or negative.
-    pub fn require_u64(&self, key: &str) -> Result<u64, CheckpointError> {
-        self.opt_u64(key)?
-            .ok_or_else(|| self.meta_err(key, "missing (expected a non-negative integer)".into()))
-    }
-
-    /// `key` as f64 (float or integer types); `None` when absent.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Metadata`] if present with a non-numeric type.
-    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>, CheckpointError> {
-        self.get(key)
-            .map(|v| {
-                v.as_f64().ok_or_else(|| {
-                    self.meta_err(key, format!("expected a number, found {}", brief(v)))
-                })
-            })
-            .transpose()
-    }
-
-    /// `key` as a bool; `None` when absent.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Metadata`] if present with another type.
-    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>, CheckpointError> {
-        self.get(key)
-            .map(|v| {
-                v.as_bool().ok_or_else(|| {
-                    self.meta_err(key, format!("expected a bool, found {}", brief(v)))
-                })
-            })
-            .transpose()
-    }
-
-    /// `key` as a string; `None` when absent.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Metadata`] if present with another type.
-    pub fn opt_str(&self, key: &str) -> Result<Option<&str>, CheckpointError> {
-        self.get(key)
-            .map(|v| {
-                v.as_str().ok_or_else(|| {
-                    self.meta_err(key, format!("expected a string, found {}", brief(v)))
-                })
-            })
-            .transpose()
-    }
-
-    /// `key` as an array; `None` when absent.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Metadata`] if present with another type.
-    pub fn opt_array(&self, key: &str) -> Result<Option<&GgufArray>, CheckpointError> {
-        self.get(key)
-            .map(|v| {
-                v.as_array().ok_or_else(|| {
-                    self.meta_err(key, format!("expected an array, found {}", brief(v)))
-                })
-            })
-            .transpose()
-    }
 }
 
 /// A short description of a value for error messages (type, and the value for scalars).
@@ -461,65 +369,4 @@ pub(crate) fn tensor_err(file: &str, tensor: &str, detail: String) -> Checkpoint
         tensor: tensor.to_string(),
         detail,
     }
-}
-
-fn read_tensor_info(
-    c: &mut Cursor<'_>,
-    file: &str,
-    name: String,
-) -> Result<TensorInfo, CheckpointError> {
-    let n_dims = c.u32(&|| format!("tensor {name} n_dims"))?;
-    if n_dims == 0 || n_dims > MAX_DIMS {
-        return Err(tensor_err(
-            file,
-            &name,
-            format!("has {n_dims} dims, expected 1 to {MAX_DIMS}"),
-        ));
-    }
-    let mut dims = Vec::with_capacity(n_dims as usize);
-    for d in 0..n_dims {
-        dims.push(c.u64(&|| format!("tensor {name} ne[{d}]"))?);
-    }
-    let type_id = c.u32(&|| format!("tensor {name} type"))?;
-    let offset = c.u64(&|| format!("tensor {name} offset"))?;
-    let ggml_type = GgmlType::from_id(type_id)
-        .ok_or_else(|| tensor_err(file, &name, format!("unknown ggml type id {type_id}")))?;
-
-    let overflow = || {
-        tensor_err(
-            file,
-            &name,
-            format!("size of dims {dims:?} overflows 64 bits"),
-        )
-    };
-    let n_elements = dims
-        .iter()
-        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(overflow)?;
-    let (block, block_bytes) = ggml_type.block_layout();
-    if !dims[0].is_multiple_of(block) {
-        return Err(tensor_err(
-            file,
-            &name,
-            format!(
-                "ne[0] = {} is not a multiple of the block size {block} of type {ggml_type}",
-                dims[0]
-            ),
-        ));
-    }
-    let row_bytes = (dims[0] / block)
-        .checked_mul(block_bytes)
-        .ok_or_else(overflow)?;
-    let n_bytes = dims[1..]
-        .iter()
-        .try_fold(row_bytes, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(overflow)?;
-    Ok(TensorInfo {
-        name,
-        dims,
-        ggml_type,
-        offset,
-        n_elements,
-        n_bytes,
-    })
 }
