@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command (README): format check, clippy with warnings as errors, and the whole
+# workspace test suite, including the end-to-end tests on the real SmolLM2 weights.
+# Installs what it needs on a fresh machine of this kind; safe to re-run.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+need_apt=()
+command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
+fi
+rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+
+FERROTRON_SMOLLM2_GGUF="$(bash scripts/fetch-smollm2.sh)"
+export FERROTRON_SMOLLM2_GGUF
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy --all-targets -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo test --workspace"
+cargo test --workspace
