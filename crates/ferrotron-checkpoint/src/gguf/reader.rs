@@ -217,29 +217,20 @@ impl GgufFile {
                     ),
                 ));
             }
-            let start = data_offset.checked_add(t.offset);
-            let end = start.and_then(|s| s.checked_add(t.n_bytes));
-            match (start, end) {
-                (Some(s), Some(e)) if e <= file_len => {
-                    let _ = s;
-                }
-                (Some(s), Some(e)) => {
-                    return Err(tensor_err(
-                        &name,
-                        &t.name,
-                        format!("data [{s}..{e}) lies past end of file ({file_len} bytes)"),
-                    ));
-                }
-                _ => {
-                    return Err(tensor_err(
-                        &name,
-                        &t.name,
-                        format!(
-                            "data offset {data_offset} + {} + {} bytes overflows",
-                            t.offset, t.n_bytes
-                        ),
-                    ));
-                }
+            let range = data_offset
+                .checked_add(t.offset)
+                .and_then(|s| Some((s, s.checked_add(t.n_bytes)?)));
+            let Some((start, end)) = range else {
+                let detail = format!(
+                    "data offset {data_offset} + {} + {} bytes overflows",
+                    t.offset, t.n_bytes
+                );
+                return Err(tensor_err(&name, &t.name, detail));
+            };
+            if end > file_len {
+                let detail =
+                    format!("data [{start}..{end}) lies past end of file ({file_len} bytes)");
+                return Err(tensor_err(&name, &t.name, detail));
             }
         }
 
