@@ -1,7 +1,8 @@
 //! Data for training and inference. Today: the [`Tokenizer`] wrapper over HF `tokenizer.json`
-//! (the `tokenizers` crate). Indexed datasets, GPT/SFT datasets and loaders come with the data
+//! (the `tokenizers` crate) and HF chat templates ([`chat`]). Indexed datasets, GPT/SFT datasets and loaders come with the data
 //! pipeline issue.
 
+pub mod chat;
 mod tokenizer;
 
 pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};

@@ -1,8 +1,7 @@
 //! Inference on a [`ferrotron_model::GptModel`]: token sampling with HF semantics
-//! ([`sampler`]), chat templates ([`chat`]), the KV-cached generation loop ([`generate`]) and
+//! ([`sampler`]), the KV-cached generation loop ([`generate`]) and
 //! per-token scoring ([`score`]).
 
-pub mod chat;
 pub mod generate;
 pub mod sampler;
 pub mod score;

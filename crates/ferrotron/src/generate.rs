@@ -2,7 +2,7 @@ use crate::model_dir::{LoadedModel, WeightDtype};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use ferrotron_data::StreamDecoder;
-use ferrotron_infer::chat::ChatMessage;
+use ferrotron_data::chat::ChatMessage;
 use ferrotron_infer::sampler::SamplingParams;
 use ferrotron_infer::{GenerateOptions, Generation, generate};
 use serde_json::json;

@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::ValueEnum;
 use ferrotron_data::Tokenizer;
-use ferrotron_infer::chat::{ChatError, ChatTemplate};
+use ferrotron_data::chat::{ChatError, ChatTemplate};
 use ferrotron_model::GptModel;
 use ferrotron_model::families::{HfModelInfo, load_hf_model};
 use ferrotron_tensor::DType;

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use ferrotron_infer::chat::{ChatError, ChatMessage, ChatTemplate, json_to_value};
+use ferrotron_data::chat::{ChatError, ChatMessage, ChatTemplate, json_to_value};
 use minijinja::Value;
 
 /// SmolLM2-Instruct's template as it reads after JSON decoding (`\n` are real newlines).
