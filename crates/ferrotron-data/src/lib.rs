@@ -3,6 +3,7 @@
 //! pipeline issue.
 
 pub mod chat;
+pub mod indexed;
 mod tokenizer;
 
 pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
