@@ -102,8 +102,9 @@ mod avx512 {
         }
     }
 
-    /// Rows in blocks of `R` (8, then 1 for the tail), two accumulators per row, so all
-    /// accumulators stay in registers and each `x` load feeds `R` weight streams.
+    /// One row at a time, front to back, four accumulators (64 weights per step). Reading each
+    /// row contiguously lets the hardware prefetcher stream the weights: measured 1.8x faster
+    /// than interleaving 8 rows (which stalls on load latency), and software prefetch only hurt.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn dot_rows<W: Element + Widen>(
         w: &[W],
@@ -111,57 +112,37 @@ mod avx512 {
         y: &mut [f32],
         accumulate: bool,
     ) {
-        let n = y.len();
-        let mut j = 0;
-        while j + 8 <= n {
-            // SAFETY: rows j..j+8 exist (checked by the loop condition).
-            unsafe { block::<8, W>(w, x, &mut y[j..j + 8], j, accumulate) };
-            j += 8;
-        }
-        while j < n {
-            // SAFETY: row j exists.
-            unsafe { block::<1, W>(w, x, &mut y[j..j + 1], j, accumulate) };
-            j += 1;
-        }
-    }
-
-    /// `y[r] (+)= w[j0 + r, :] · x` for `r < R`.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn block<const R: usize, W: Element + Widen>(
-        w: &[W],
-        x: &[f32],
-        y: &mut [f32],
-        j0: usize,
-        accumulate: bool,
-    ) {
         let k = x.len();
-        let k32 = k / 32 * 32;
-        debug_assert!(w.len() >= (j0 + R) * k && y.len() == R);
-        let wp = w.as_ptr();
+        let k64 = k / 64 * 64;
+        let k16 = k / 16 * 16;
+        assert!(w.len() >= y.len() * k);
         let xp = x.as_ptr();
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
-        let mut p = 0;
-        while p < k32 {
-            // SAFETY: p + 32 <= k and rows j0..j0+R lie inside w.
+        for (j, yj) in y.iter_mut().enumerate() {
+            let row = &w[j * k..(j + 1) * k];
+            let rp = row.as_ptr();
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut p = 0;
+            // SAFETY: every load below reads 16 elements at p + o < k16 <= k of row and x.
             unsafe {
-                let x0 = _mm512_loadu_ps(xp.add(p));
-                let x1 = _mm512_loadu_ps(xp.add(p + 16));
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let row = wp.add((j0 + r) * k + p);
-                    a[0] = _mm512_fmadd_ps(W::load16(row), x0, a[0]);
-                    a[1] = _mm512_fmadd_ps(W::load16(row.add(16)), x1, a[1]);
+                while p < k64 {
+                    for (o, a) in acc.iter_mut().enumerate() {
+                        let q = p + 16 * o;
+                        *a = _mm512_fmadd_ps(W::load16(rp.add(q)), _mm512_loadu_ps(xp.add(q)), *a);
+                    }
+                    p += 64;
+                }
+                while p < k16 {
+                    acc[0] =
+                        _mm512_fmadd_ps(W::load16(rp.add(p)), _mm512_loadu_ps(xp.add(p)), acc[0]);
+                    p += 16;
                 }
             }
-            p += 32;
-        }
-        for (r, a) in acc.iter().enumerate() {
-            let mut s = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
-            let row = &w[(j0 + r) * k..(j0 + r + 1) * k];
-            for q in k32..k {
+            let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            let mut s = _mm512_reduce_add_ps(sum);
+            for q in k16..k {
                 s += row[q].to_f32() * x[q];
             }
-            y[r] = if accumulate { y[r] + s } else { s };
+            *yj = if accumulate { *yj + s } else { s };
         }
     }
 }
