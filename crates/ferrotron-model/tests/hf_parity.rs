@@ -137,3 +137,53 @@ fn kv_cache_decoding_matches_full_forward() {
         assert!(err.to_string().contains("capacity"), "{err}");
     }
 }
+
+#[test]
+fn f16_on_disk_loads_and_stays_close() {
+    // Re-save tiny-llama with f16 weights, then load it as f32: only f16 rounding separates the
+    // logits from transformers' f32 ones.
+    let src = fixture("tiny-llama");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data: Vec<u8> = view
+                .data()
+                .chunks_exact(4)
+                .flat_map(|c| {
+                    half::f16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes()
+                })
+                .collect();
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = converted
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F16, s.clone(), d)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    let (model, _) = load_hf_model(dir.path(), DType::F32).unwrap();
+    let (ids, want, b, s, _) = reference("tiny-llama");
+    let got = full_forward(&model, &to_sb(&ids, b, s), b, s);
+    let v = want.len() / (b * s);
+    let mut max_diff = 0f32;
+    for j in 0..b {
+        for t in 0..s {
+            for i in 0..v {
+                max_diff =
+                    max_diff.max((got[(t * b + j) * v + i] - want[(j * s + t) * v + i]).abs());
+            }
+        }
+    }
+    assert!(max_diff < 2e-2, "f16 weights: max |logit diff| {max_diff}");
+}
