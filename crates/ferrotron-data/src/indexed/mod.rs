@@ -8,10 +8,14 @@
 //! `document_indices: i64[document_count]` (sequence index where each document starts, first 0,
 //! last `sequence_count`).
 
+mod builder;
 mod dtype;
+mod merge;
 mod reader;
 
+pub use builder::{BuildSummary, BuilderError, FinishedDataset, IndexedDatasetBuilder};
 pub use dtype::TokenDtype;
+pub use merge::{dataset_prefixes_in_dir, merge_datasets};
 pub use reader::{IndexedDataset, IndexedDatasetError};
 
 /// The 9-byte magic at the start of every `.idx` file.
