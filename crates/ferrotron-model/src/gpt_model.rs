@@ -76,6 +76,17 @@ impl GptModel {
         cache: &mut KvCache,
         mode: LogitsMode,
     ) -> Result<Vec<f32>> {
+        // Run the whole pass on a rayon worker: the many small parallel kernels then start
+        // inline instead of each being injected into the pool from outside (a futex handoff).
+        rayon::scope(|_| self.forward_on_worker(tokens, cache, mode))
+    }
+
+    fn forward_on_worker(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        mode: LogitsMode,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let b = cache.batch();
         if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
