@@ -9,7 +9,7 @@ pub mod indexed;
 pub mod loader;
 mod tokenizer;
 
-pub use blended::{Blend, BlendedDataset, build_gpt_datasets, parse_blend};
+pub use blended::{Blend, BlendedDataset, BuiltDataset, build_gpt_datasets, parse_blend};
 pub use gpt_dataset::{DatasetError, GptDataset, GptDatasetConfig, GptSample, Split};
 pub use loader::{DataLoader, Dataset, LoaderConfig, MicroBatch, PretrainingSampler};
 pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};

@@ -55,6 +55,7 @@
 //! * Only the `blend` (single distribution + split string) path of the builder is ported; not
 //!   `blend_per_split`, mock datasets, S3/object storage, `fast_cache_load`, multimodal data.
 
+mod builder;
 pub mod cache;
 mod config;
 mod dataset;
@@ -63,6 +64,7 @@ pub mod indices;
 pub mod numpy_rng;
 mod sample;
 
+pub use builder::{BuiltDataset, build_gpt_datasets};
 pub use cache::CacheStatus;
 pub use config::{
     DEFAULT_SPLIT, GptDatasetConfig, Split, parse_and_normalize_split, split_matrix, split_range,
