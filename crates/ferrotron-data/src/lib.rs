@@ -7,6 +7,7 @@ pub mod chat;
 pub mod gpt_dataset;
 pub mod indexed;
 pub mod loader;
+pub mod sft;
 mod tokenizer;
 
 pub use blended::{Blend, BlendedDataset, BuiltDataset, build_gpt_datasets, parse_blend};
