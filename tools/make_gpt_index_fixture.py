@@ -14,10 +14,10 @@ Writes fixtures/gpt_dataset/:
     ``numpy.random.RandomState(seed).shuffle`` permutations (full for small n, sha256 of the
     little-endian int64 bytes for large n).
 
-Needs megatron-core in the reference venv (it is not in requirements.txt: it pulls nothing new
-beyond torch, which is already there; its wheel ships the compiled ``helpers_cpp``)::
+Needs megatron-core 0.16.1 in the reference venv (pinned in tools/requirements.txt; its wheel
+ships the compiled ``helpers_cpp``, so nothing is compiled here)::
 
-    tools/.venv/bin/pip install megatron-core==0.16.1
+    bash tools/setup_venv.sh
     tools/.venv/bin/python tools/make_gpt_index_fixture.py
 
 Deterministic: re-running gives byte-identical files.

@@ -108,7 +108,10 @@ fn samples_are_full_and_cover_each_epoch_once() {
             assert_eq!(s.tokens[1..], s.labels[..seq - 1]);
         }
     }
-    assert!(separate > 0, "no case had a separately shuffled final epoch");
+    assert!(
+        separate > 0,
+        "no case had a separately shuffled final epoch"
+    );
 }
 
 #[test]

@@ -200,7 +200,7 @@ impl GptDataset {
         Ok((text, real))
     }
 
-    /// The split, its sequence range and the config.
+    /// The split this dataset covers.
     pub fn split(&self) -> Split {
         self.split
     }
