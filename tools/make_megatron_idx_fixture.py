@@ -8,15 +8,23 @@ Writes fixtures/megatron_idx/:
   merged.{bin,idx}                    uint16 + extra merged with IndexedDatasetBuilder.add_index,
                                       exactly as Megatron's tools/merge_datasets.py does
   ops.json                            the operations and token lists, plus the megatron-core version
+  preprocess_input.jsonl              a small JSONL corpus (keys "text" and "title")
+  preprocess_{text,title}_document.{bin,idx}
+                                      that corpus preprocessed with --append-eod by the steps of
+                                      Megatron-LM's tools/preprocess_data.py (Encoder.encode, which
+                                      the pip package does not ship, followed line by line) using
+                                      megatron.core's HuggingFaceTokenizer on the SmolLM2 tokenizer
+                                      directory given by --tokenizer (default .cache/smollm2-hf)
 
 The Rust test crates/ferrotron-data/tests/indexed_golden.rs replays ops.json with our builder and
 compares bytes, and reads these files with our reader.
 
 Usage (reference venv, see tools/requirements.txt for the pinned megatron-core):
-    tools/.venv/bin/python tools/make_megatron_idx_fixture.py
+    tools/.venv/bin/python tools/make_megatron_idx_fixture.py [--tokenizer DIR]
 Only megatron.core.datasets.indexed_dataset is used; nothing is stubbed. It imports on CPU.
 """
 
+import argparse
 import json
 import os
 import random
@@ -87,7 +95,64 @@ def check(prefix, ops):
         assert ds[i].tolist() == want, i
 
 
+PREPROCESS_DOCS = [
+    {"text": "In the beginning God created the heaven and the earth.", "title": "Genesis"},
+    {"text": "The capital of France is Paris.\nIt lies on the Seine.", "title": "France"},
+    {"text": "", "title": "An empty text keeps an empty document"},
+    {"text": ["First sentence.", " Second sentence.", "", "Third."], "title": "Sentences"},
+    {"text": "Unicode: caf\u00e9, na\u00efve, \u65e5\u672c\u8a9e, emoji \U0001F600 and tabs\tand  spaces.",
+     "title": "Unicode"},
+    {"text": "<|im_start|>user\nspecial tokens in text<|im_end|>", "title": "Specials"},
+    {"text": "x" * 300, "title": ""},
+    {"text": "Numbers 1234567890 and code: fn main() { println!(\"hi\"); }", "title": "Code"},
+]
+
+
+def preprocess_golden(tokenizer_dir):
+    """tools/preprocess_data.py's Encoder.encode + process_json_file, json keys text and title,
+    --append-eod, default tokenizer options (no special tokens added)."""
+    from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import (
+        HuggingFaceTokenizer,
+    )
+
+    tokenizer = HuggingFaceTokenizer(tokenizer_dir)
+    input_path = os.path.join(OUT, "preprocess_input.jsonl")
+    with open(input_path, "w", encoding="utf-8") as f:
+        for doc in PREPROCESS_DOCS:
+            f.write(json.dumps(doc) + "\n")
+    keys = ["text", "title"]
+    builders = {
+        key: mid.IndexedDatasetBuilder(
+            mid.get_bin_path(os.path.join(OUT, f"preprocess_{key}_document")),
+            dtype=mid.DType.optimal_dtype(tokenizer.vocab_size),
+        )
+        for key in keys
+    }
+    with open(input_path, "r", encoding="utf-8") as fin:
+        for json_line in fin:
+            data = json.loads(json_line)
+            for key in keys:
+                text = data[key]
+                sentences = text if isinstance(text, list) else [text]
+                doc_ids, sentence_lens = [], []
+                for sentence in sentences:
+                    sentence_ids = tokenizer.text_to_ids(sentence)
+                    if len(sentence_ids) > 0:
+                        doc_ids.extend(sentence_ids)
+                        sentence_lens.append(len(sentence_ids))
+                if len(doc_ids) > 0:
+                    doc_ids.append(tokenizer.eod)
+                    sentence_lens[-1] += 1
+                builders[key].add_document(doc_ids, sentence_lens)
+    for key in keys:
+        builders[key].finalize(mid.get_idx_path(os.path.join(OUT, f"preprocess_{key}_document")))
+    return {"eod": tokenizer.eod, "vocab_size": tokenizer.vocab_size, "keys": keys}
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", default=os.path.join(OUT, "..", "..", ".cache", "smollm2-hf"))
+    args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     sets = {
         "uint16": (numpy.uint16, ops_for(65535, 1)),
@@ -113,6 +178,10 @@ def main():
         },
         "merged": {"inputs": ["uint16", "extra"]},
     }
+    if os.path.isdir(args.tokenizer):
+        doc["preprocess"] = preprocess_golden(args.tokenizer)
+    else:
+        print("skipped the preprocessing golden:", args.tokenizer, "is not a directory")
     with open(os.path.join(OUT, "ops.json"), "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
