@@ -1,7 +1,11 @@
-//! Fused, rayon-parallel CPU kernels for the transformer's non-GEMM work. Every kernel works on
-//! row-major f32 slices; shapes are given in each function's docs.
+//! Fused, rayon-parallel CPU kernels for the transformer's non-GEMM work, each forward with its
+//! backward in the same file. Every kernel works on row-major f32 slices; shapes, and which
+//! outputs are overwritten or accumulated, are given in each function's docs.
+
+mod math;
 
 mod activation;
+mod cross_entropy;
 mod elementwise;
 mod embedding;
 mod norm;
@@ -9,10 +13,15 @@ mod reduce;
 mod rope;
 mod softmax;
 
-pub use activation::{swiglu, swiglu_packed};
-pub use elementwise::{add_bias, add_inplace};
-pub use embedding::embedding_lookup;
-pub use norm::rms_norm;
+pub use activation::{swiglu, swiglu_backward, swiglu_packed, swiglu_packed_backward};
+pub use cross_entropy::{
+    IGNORE_INDEX, cross_entropy_backward, cross_entropy_backward_inplace, cross_entropy_forward,
+    cross_entropy_fused_inplace,
+};
+pub use elementwise::{add_bias, add_bias_backward, add_inplace};
+pub use embedding::{embedding_backward, embedding_lookup};
+pub use math::fast_exp;
+pub use norm::{rms_norm, rms_norm_backward};
 pub use reduce::{argmax, top_k};
 pub use rope::{RopeScaling, RopeTable};
-pub use softmax::softmax_rows;
+pub use softmax::{softmax_rows, softmax_rows_backward};

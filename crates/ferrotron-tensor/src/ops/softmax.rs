@@ -1,3 +1,4 @@
+use super::math::{dot, multiversion};
 use rayon::prelude::*;
 
 /// In-place softmax over each row of `x: [rows, n]` (max-subtracted for stability).
@@ -17,6 +18,27 @@ pub fn softmax_row(row: &mut [f32]) {
     let inv = 1.0 / sum;
     for v in row.iter_mut() {
         *v *= inv;
+    }
+}
+
+/// Backward of [`softmax_rows`]: `y: [rows, n]` is the saved softmax output, `dy` its gradient;
+/// **overwrites** `dx = y ⊙ (dy − Σⱼ yⱼ·dyⱼ)` per row (PyTorch `_softmax_backward_data`).
+///
+/// # Panics
+/// When the lengths do not match `[rows, n]` (a caller bug).
+pub fn softmax_rows_backward(y: &[f32], dy: &[f32], dx: &mut [f32], n: usize) {
+    assert!(n > 0 && y.len().is_multiple_of(n) && dy.len() == y.len() && dx.len() == y.len());
+    dx.par_chunks_mut(n)
+        .zip(y.par_chunks(n).zip(dy.par_chunks(n)))
+        .for_each(|(dx, (y, dy))| softmax_row_backward(y, dy, dx));
+}
+
+multiversion! {
+    fn softmax_row_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) {
+        let s = dot(y, dy);
+        for ((o, &y), &d) in dx.iter_mut().zip(y).zip(dy) {
+            *o = y * (d - s);
+        }
     }
 }
 
