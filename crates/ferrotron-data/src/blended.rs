@@ -91,8 +91,11 @@ pub fn sizes_per_dataset(normalized_weights: &[f64], target: usize, surplus: f64
 
 /// `build_blending_indices`: `size` positions, each given to the dataset with the largest
 /// `weights[d] * max(i, 1) - count[d]` (first maximum wins). Returns `(dataset_index,
-/// dataset_sample_index)`, both `[size]`.
+/// dataset_sample_index)`, both `[size]` (both empty when there are no weights).
 pub fn build_blending_indices(weights: &[f64], size: usize) -> (Vec<u16>, Vec<u64>) {
+    if weights.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
     let mut counts = vec![0u64; weights.len()];
     let mut dataset_index = Vec::with_capacity(size);
     let mut sample_index = Vec::with_capacity(size);

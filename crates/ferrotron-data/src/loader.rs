@@ -145,12 +145,23 @@ pub struct MicroBatch {
 }
 
 impl MicroBatch {
-    /// Stacks samples of equal length; errors when lengths differ.
+    /// Stacks samples of equal length (`sample_indices[k]` names row `k`); errors when lengths
+    /// differ or the counts of samples and indices do.
     pub fn collate(
         samples: Vec<GptSample>,
         sample_indices: Vec<usize>,
         consumed_samples: usize,
     ) -> Result<MicroBatch, DatasetError> {
+        if samples.len() != sample_indices.len() {
+            return Err(DatasetError::index(
+                "micro-batch",
+                format!(
+                    "{} samples, {} indices",
+                    samples.len(),
+                    sample_indices.len()
+                ),
+            ));
+        }
         let s = samples.first().map_or(0, |x| x.len());
         let b = samples.len();
         let mut mb = MicroBatch {

@@ -27,6 +27,9 @@ pub fn plan_epochs(
     seq_length: usize,
     extra: usize,
 ) -> Result<EpochPlan, DatasetError> {
+    if seq_length == 0 {
+        return Err(DatasetError::config("seq_length", "must be > 0"));
+    }
     let (t, s, x) = (tokens_per_epoch as u128, seq_length as u128, extra as u128);
     let Some(n) = num_samples else {
         return Ok(EpochPlan {
@@ -114,6 +117,9 @@ pub fn build_sample_index(
     drop_last_partial_sequence: bool,
     extra: usize,
 ) -> Result<Vec<[u32; 2]>, DatasetError> {
+    if seq_length == 0 {
+        return Err(DatasetError::config("seq_length", "must be > 0"));
+    }
     let total = num_epochs as i64 * tokens_per_epoch as i64 - extra as i64;
     let num_samples = if total <= 0 {
         0
