@@ -1,0 +1,312 @@
+//! AdamW over flat buffers with fp32 master weights, steppable per flat index range.
+//!
+//! The update is `torch.optim.AdamW` (single-tensor path, `amsgrad=False`,
+//! `maximize=False`), element by element in f32 with the scalars computed in f64 and rounded
+//! to f32 as torch does for CPU scalar arguments:
+//!
+//! ```text
+//! t      += 1                                         (once per optimizer step)
+//! w      *= 1 - lr*wd                                 (decoupled decay, first; skipped if wd == 0)
+//! m       = fma(1-beta1, g - m, m)                    (exp_avg.lerp_(g, 1-beta1))
+//! v       = fma((1-beta2)*g, g, v*beta2)              (exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2))
+//! denom   = sqrt(v) / sqrt(1 - beta2^t) + eps         (eps outside the square root)
+//! w      += (-lr / (1 - beta1^t)) * m / denom         (p.addcdiv_(m, denom, -step_size))
+//! param   = round_to_param_dtype(w)
+//! ```
+//!
+//! The two fused multiply-adds are where torch's vectorized CPU kernels use them; with them
+//! the result matches torch bit for bit (tests/adamw.rs against fixtures/optim/adamw.json).
+//!
+//! `lr` and `wd` are per parameter: the step's lr/wd times the parameter's
+//! [`ParamHyper`] multipliers (norm weights and biases get `wd_mult = 0` by default).
+//!
+//! State (`master`, `exp_avg`, `exp_avg_sq`) is flat f32, laid out like the param buffer but
+//! only over the *owned* ranges: the whole buffer on one rank, or the per-bucket shards a
+//! distributed optimizer (Megatron distrib_optimizer.py) assigns to its data-parallel rank.
+//! [`AdamW::step_range`] updates one flat range; [`AdamW::step`] is `begin_step` + every owned
+//! range. For fp32 params there is no master copy: the param buffer is updated in place.
+
+use std::ops::Range;
+
+use ferrotron_tensor::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::buffer::{ParamAndGradBuffer, ParamId, ParamStorage};
+use crate::error::{OptimError, Result, config_err};
+use crate::shard::OwnedRanges;
+
+mod kernel;
+
+use kernel::{Consts, run};
+
+/// AdamW hyperparameters (Megatron names `adam_beta1`, `adam_beta2`, `adam_eps`,
+/// `weight_decay`; Megatron defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    /// First-moment decay, in [0, 1). Default 0.9.
+    pub beta1: f64,
+    /// Second-moment decay, in [0, 1). Default 0.999.
+    pub beta2: f64,
+    /// Added to `sqrt(v_hat)` (outside the root), >= 0. Default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay, >= 0 (the schedule's value; constant here). Default 0.01.
+    pub weight_decay: f64,
+    /// Also decay norm weights and biases (default false: Megatron/HF exclude them).
+    pub decay_norm_and_bias: bool,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            decay_norm_and_bias: false,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// Checks the ranges torch checks.
+    ///
+    /// # Errors
+    /// [`OptimError::Config`] naming the field (`adam_beta1`, `adam_beta2`, `adam_eps`,
+    /// `weight_decay`).
+    pub fn validate(&self) -> Result<()> {
+        for (name, b) in [("adam_beta1", self.beta1), ("adam_beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(config_err(format!("{name} must be in [0, 1), got {b}")));
+            }
+        }
+        if !(self.eps >= 0.0) {
+            return Err(config_err(format!(
+                "adam_eps must be >= 0, got {}",
+                self.eps
+            )));
+        }
+        if !(self.weight_decay >= 0.0) {
+            return Err(config_err(format!(
+                "weight_decay must be >= 0, got {}",
+                self.weight_decay
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Per-parameter multipliers of the step's learning rate and weight decay (Megatron's param
+/// groups: `lr_mult`, `wd_mult`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ParamHyper {
+    /// Effective lr = step lr * `lr_mult`.
+    pub lr_mult: f64,
+    /// Effective weight decay = step weight decay * `wd_mult`.
+    pub wd_mult: f64,
+}
+
+/// AdamW state over the owned ranges of one [`ParamAndGradBuffer`].
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    pub(crate) config: AdamWConfig,
+    pub(crate) owned: OwnedRanges,
+    /// fp32 master weights (None when the params are fp32 themselves), local indexing.
+    pub(crate) master: Option<Vec<f32>>,
+    pub(crate) exp_avg: Vec<f32>,
+    pub(crate) exp_avg_sq: Vec<f32>,
+    pub(crate) step: u64,
+    pub(crate) hyper: Vec<ParamHyper>,
+    /// (flat range, param id) of every param, ascending.
+    segments: Vec<(Range<usize>, ParamId)>,
+}
+
+impl AdamW {
+    /// AdamW over the whole buffer (single rank, or plain DDP where every rank steps all).
+    ///
+    /// # Errors
+    /// [`OptimError::Config`] for invalid hyperparameters.
+    #[allow(clippy::single_range_in_vec_init)] // one owned range: the whole buffer
+    pub fn new(config: AdamWConfig, buffer: &ParamAndGradBuffer) -> Result<Self> {
+        Self::new_sharded(config, buffer, vec![0..buffer.numel()])
+    }
+
+    /// AdamW owning only `owned` (sorted, disjoint flat ranges of `buffer`, e.g. this dp
+    /// rank's shard of every bucket). Master weights are copied from the buffer's params
+    /// (bf16/f16 buffers); moments start at zero; the step count at 0.
+    ///
+    /// # Errors
+    /// [`OptimError::Config`] for invalid hyperparameters; [`OptimError::Range`] for owned
+    /// ranges that overlap, are unsorted or leave the buffer.
+    pub fn new_sharded(
+        config: AdamWConfig,
+        buffer: &ParamAndGradBuffer,
+        owned: Vec<Range<usize>>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let owned = OwnedRanges::new(owned, buffer.numel())?;
+        let n = owned.local_len();
+        let hyper = buffer
+            .params()
+            .iter()
+            .map(|p| ParamHyper {
+                lr_mult: 1.0,
+                wd_mult: if p.flags.is_norm_or_bias && !config.decay_norm_and_bias {
+                    0.0
+                } else {
+                    1.0
+                },
+            })
+            .collect();
+        let segments = buffer
+            .buffer_order()
+            .iter()
+            .map(|&id| (buffer.info(id).range(), id))
+            .collect();
+        let mut adam = AdamW {
+            config,
+            master: (buffer.param_dtype() != DType::F32).then(|| vec![0.0; n]),
+            exp_avg: vec![0.0; n],
+            exp_avg_sq: vec![0.0; n],
+            owned,
+            step: 0,
+            hyper,
+            segments,
+        };
+        adam.reload_model_params(buffer);
+        Ok(adam)
+    }
+
+    /// Hyperparameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+    /// Number of completed optimizer steps (torch's `state['step']`).
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+    /// The owned flat ranges and their local offsets.
+    pub fn owned(&self) -> &OwnedRanges {
+        &self.owned
+    }
+    /// fp32 master weights over the owned ranges (local indexing); `None` for fp32 params.
+    pub fn master_weights(&self) -> Option<&[f32]> {
+        self.master.as_deref()
+    }
+    /// First moments over the owned ranges (local indexing).
+    pub fn exp_avg(&self) -> &[f32] {
+        &self.exp_avg
+    }
+    /// Second moments over the owned ranges (local indexing).
+    pub fn exp_avg_sq(&self) -> &[f32] {
+        &self.exp_avg_sq
+    }
+    /// The lr / wd multipliers of parameter `id`.
+    pub fn param_hyper(&self, id: ParamId) -> ParamHyper {
+        self.hyper[id.0]
+    }
+    /// Overrides the lr / wd multipliers of parameter `id`.
+    pub fn set_param_hyper(&mut self, id: ParamId, hyper: ParamHyper) {
+        self.hyper[id.0] = hyper;
+    }
+
+    /// Copies the buffer's params into the master weights over the owned ranges (after
+    /// loading weights into the buffer; Megatron `reload_model_params`). No-op for fp32.
+    pub fn reload_model_params(&mut self, buffer: &ParamAndGradBuffer) {
+        if let Some(master) = &mut self.master {
+            for (range, local) in self.owned.iter() {
+                let values = buffer.param_storage().to_f32_range(range.clone());
+                master[local..local + range.len()].copy_from_slice(&values);
+            }
+        }
+    }
+
+    /// Writes the master weights (rounded) into the buffer's params over the owned ranges.
+    /// No-op for fp32 params.
+    pub fn copy_master_to_params(&self, buffer: &mut ParamAndGradBuffer) {
+        if let Some(master) = &self.master {
+            let (storage, _) = buffer.data_mut();
+            for (range, local) in self.owned.iter() {
+                storage.set_from_f32(range.clone(), &master[local..local + range.len()]);
+            }
+        }
+    }
+
+    /// Starts an optimizer step: increments the step count used for bias correction.
+    /// Returns the new count. Call once per step before [`step_range`](Self::step_range).
+    pub fn begin_step(&mut self) -> u64 {
+        self.step += 1;
+        self.step
+    }
+
+    /// One whole step: [`begin_step`](Self::begin_step), then
+    /// [`step_range`](Self::step_range) over every owned range.
+    ///
+    /// # Errors
+    /// As [`step_range`](Self::step_range).
+    pub fn step(
+        &mut self,
+        buffer: &mut ParamAndGradBuffer,
+        lr: f64,
+        weight_decay: f64,
+    ) -> Result<()> {
+        self.begin_step();
+        for i in 0..self.owned.ranges().len() {
+            let range = self.owned.ranges()[i].clone();
+            self.step_range(buffer, range, lr, weight_decay)?;
+        }
+        Ok(())
+    }
+
+    /// Updates the flat range `range` (global buffer indices, inside one owned range) from
+    /// the gradients in `buffer`, then writes the new weights into `buffer`'s params there.
+    /// Padding between parameters is skipped. Uses the current step count (after
+    /// [`begin_step`](Self::begin_step)); parallel over 16K-element chunks.
+    ///
+    /// # Errors
+    /// [`OptimError::Range`] when `range` is not inside one owned range or no step was begun.
+    pub fn step_range(
+        &mut self,
+        buffer: &mut ParamAndGradBuffer,
+        range: Range<usize>,
+        lr: f64,
+        weight_decay: f64,
+    ) -> Result<()> {
+        buffer.check_range(&range)?;
+        if self.step == 0 {
+            return Err(OptimError::Range {
+                start: range.start,
+                end: range.end,
+                reason: "no step begun: call begin_step() first".into(),
+            });
+        }
+        let local = self.owned.local_range(&range)?;
+        // Pieces of params inside `range`, relative to range.start, with their scalars.
+        let first = self.segments.partition_point(|(r, _)| r.end <= range.start);
+        let mut pieces = Vec::new();
+        for (seg, id) in &self.segments[first..] {
+            if seg.start >= range.end {
+                break;
+            }
+            let (a, b) = (seg.start.max(range.start), seg.end.min(range.end));
+            let h = self.hyper[id.0];
+            let k = Consts::new(
+                &self.config,
+                self.step,
+                lr * h.lr_mult,
+                weight_decay * h.wd_mult,
+            );
+            pieces.push((a - range.start..b - range.start, k));
+        }
+        let master = self.master.as_mut().map(|m| &mut m[local.clone()]);
+        let m = &mut self.exp_avg[local.clone()];
+        let v = &mut self.exp_avg_sq[local];
+        let (storage, grads) = buffer.data_mut();
+        let g = &grads[range.clone()];
+        match storage {
+            ParamStorage::F32(p) => run(&mut p[range], g, master, m, v, &pieces),
+            ParamStorage::BF16(p) => run(&mut p[range], g, master, m, v, &pieces),
+            ParamStorage::F16(p) => run(&mut p[range], g, master, m, v, &pieces),
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,77 @@
+//! Gradient statistics and clipping by global L2 norm (Megatron-Core
+//! megatron/core/optimizer/clip_grads.py), plus the fp16 unscale + inf/NaN check.
+//!
+//! Distributed use: each rank computes the sum of squares of the gradients it is responsible
+//! for ([`grad_sq_sum`]), the sums are all-reduced (SUM) over the model-parallel group (and
+//! the data-parallel group with the distributed optimizer), then
+//! `total_norm = sqrt(sum)`, `clip_coeff = max_norm / (total_norm + 1e-6)` and grads are
+//! scaled by it when it is < 1. [`clip_grad_norm`] does this with a caller-supplied reduction.
+
+use rayon::prelude::*;
+
+/// Added to the norm in the clip coefficient (Megatron `clip_grad_by_total_norm_fp32`).
+pub const CLIP_EPS: f64 = 1.0e-6;
+
+const PAR_CHUNK: usize = 64 * 1024;
+
+/// Sum of squares of `grads`, accumulated in f64 (per-chunk partial sums, then summed).
+/// NaN/inf propagate.
+pub fn grad_sq_sum(grads: &[f32]) -> f64 {
+    grads
+        .par_chunks(PAR_CHUNK)
+        .map(|c| c.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>())
+        .sum()
+}
+
+/// `max_norm / (total_norm + 1e-6)`; grads are scaled by it only when it is < 1.
+pub fn clip_coeff(max_norm: f64, total_norm: f64) -> f64 {
+    max_norm / (total_norm + CLIP_EPS)
+}
+
+/// Multiplies `grads` by `factor` (f32, as Megatron's `multi_tensor_scale`).
+pub fn scale_in_place(grads: &mut [f32], factor: f32) {
+    grads
+        .par_chunks_mut(PAR_CHUNK)
+        .for_each(|c| c.iter_mut().for_each(|g| *g *= factor));
+}
+
+/// Clips `grads` (the slices this rank is responsible for) to global L2 norm `max_norm` and
+/// returns the total norm before clipping. `reduce_sum` turns the local sum of squares into
+/// the global one (identity on one rank; an all-reduce SUM across ranks). `norm_slices` are the
+/// slices counted in the norm (e.g. without tensor-parallel duplicates); all `grads` are
+/// scaled. A `max_norm <= 0` only measures the norm.
+pub fn clip_grad_norm(
+    norm_slices: &[&[f32]],
+    grads: &mut [&mut [f32]],
+    max_norm: f64,
+    reduce_sum: impl FnOnce(f64) -> f64,
+) -> f64 {
+    let local: f64 = norm_slices.iter().map(|s| grad_sq_sum(s)).sum();
+    let total_norm = reduce_sum(local).sqrt();
+    if max_norm > 0.0 {
+        let coeff = clip_coeff(max_norm, total_norm);
+        if coeff < 1.0 {
+            for g in grads.iter_mut() {
+                scale_in_place(g, coeff as f32);
+            }
+        }
+    }
+    total_norm
+}
+
+/// Multiplies `grads` by `inv_scale` and reports whether any value was inf or NaN before
+/// scaling (torch `_amp_foreach_non_finite_check_and_unscale_`, used by Megatron's
+/// `_unscale_main_grads_and_check_for_nan`).
+pub fn unscale_and_check_finite(grads: &mut [f32], inv_scale: f32) -> bool {
+    grads
+        .par_chunks_mut(PAR_CHUNK)
+        .map(|c| {
+            let mut found = false;
+            for g in c.iter_mut() {
+                found |= !g.is_finite();
+                *g *= inv_scale;
+            }
+            found
+        })
+        .reduce(|| false, |a, b| a | b)
+}
