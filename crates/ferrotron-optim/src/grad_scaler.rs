@@ -118,6 +118,10 @@ impl DynamicGradScaler {
     pub fn config(&self) -> &DynamicGradScalerConfig {
         &self.config
     }
+    /// The current loss scale.
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
     /// Clean steps since the last inf/NaN or growth.
     pub fn growth_tracker(&self) -> u32 {
         self.growth_tracker
