@@ -173,7 +173,7 @@ fn text_by_lines_and_by_blocks() {
         vec![vec![3, 4], vec![5, 6], vec![5, 13], vec![7], vec![9]]
     );
     assert_eq!(report.blank_lines, 4);
-    let report = run(tmp.path(), &[input.clone()], |c| {
+    let report = run(tmp.path(), std::slice::from_ref(&input), |c| {
         c.text_mode = TextMode::Blocks
     })
     .unwrap();
@@ -205,7 +205,7 @@ fn bad_input(dir: &Path) -> PathBuf {
 fn bad_lines_are_skipped_counted_and_located() {
     let tmp = tempfile::tempdir().unwrap();
     let input = bad_input(tmp.path());
-    let report = run(tmp.path(), &[input.clone()], |_| {}).unwrap();
+    let report = run(tmp.path(), std::slice::from_ref(&input), |_| {}).unwrap();
     assert_eq!(docs(tmp.path(), "text"), vec![vec![3], vec![4]]);
     assert_eq!(report.skipped, 6);
     let lines: Vec<u64> = report.skipped_examples.iter().map(|s| s.line).collect();
@@ -219,7 +219,10 @@ fn bad_lines_are_skipped_counted_and_located() {
     assert!(reasons[0].starts_with("invalid JSON"), "{}", reasons[0]);
     assert_eq!(reasons[1], "expected a JSON object, found array");
     assert_eq!(reasons[2], "missing key \"text\"");
-    assert_eq!(reasons[3], "key \"text\" holds number, expected a string");
+    assert_eq!(
+        reasons[3],
+        "key \"text\" holds number, expected a string or a list of strings"
+    );
     assert_eq!(reasons[4], "not valid UTF-8");
     assert!(reasons[5].contains("non-string"), "{}", reasons[5]);
 }
@@ -228,7 +231,10 @@ fn bad_lines_are_skipped_counted_and_located() {
 fn strict_mode_stops_at_the_first_bad_line_and_writes_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let input = bad_input(tmp.path());
-    let err = run(tmp.path(), &[input.clone()], |c| c.strict = true).unwrap_err();
+    let err = run(tmp.path(), std::slice::from_ref(&input), |c| {
+        c.strict = true
+    })
+    .unwrap_err();
     match &err {
         PreprocessError::BadLine { path, line, .. } => {
             assert_eq!((path, *line), (&input, 2));
@@ -269,4 +275,27 @@ fn config_and_input_errors_name_the_problem() {
     let err = run(tmp.path(), &[zst], |_| {}).unwrap_err();
     assert!(err.to_string().contains("t.jsonl.zst"), "{err}");
     assert!(!tmp.path().join("out_text_document.bin").exists());
+}
+
+#[test]
+fn several_inputs_concatenate_in_order_with_per_file_line_numbers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = file(tmp.path(), "a.jsonl", b"{\"text\": \"hello\"}\n{oops\n");
+    let b = file(tmp.path(), "b.txt", b"the cat\n\nthe dog\n");
+    let c = file(
+        tmp.path(),
+        "c.jsonl.zst",
+        &zstd::encode_all(&b"{\"text\": \"mat\"}\n{\"text\": 1}\n"[..], 1).unwrap(),
+    );
+    let report = run(tmp.path(), &[a.clone(), b, c.clone()], |_| {}).unwrap();
+    assert_eq!(
+        docs(tmp.path(), "text"),
+        vec![vec![3], vec![5, 6], vec![5, 13], vec![9]]
+    );
+    let located: Vec<(&Path, u64)> = report
+        .skipped_examples
+        .iter()
+        .map(|s| (s.path.as_path(), s.line))
+        .collect();
+    assert_eq!(located, [(a.as_path(), 2), (c.as_path(), 2)]);
 }

@@ -64,9 +64,11 @@ impl<R: Read> Read for Counting<R> {
     }
 }
 
+/// A line reader over an input, and the counter of raw file bytes it has consumed.
+type Opened = (Box<dyn BufRead>, Rc<Cell<u64>>);
+
 /// Opens `path` for line reading, decompressing zstd when the file starts with its magic.
-/// Returns the reader and the counter of raw file bytes consumed.
-fn open(path: &Path) -> Result<(Box<dyn BufRead>, Rc<Cell<u64>>), PreprocessError> {
+fn open(path: &Path) -> Result<Opened, PreprocessError> {
     let io = |source| PreprocessError::Io {
         path: path.to_path_buf(),
         source,

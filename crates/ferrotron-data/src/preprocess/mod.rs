@@ -128,7 +128,10 @@ impl std::fmt::Display for SkipReason {
             SkipReason::NotObject(t) => write!(f, "expected a JSON object, found {t}"),
             SkipReason::MissingKey(k) => write!(f, "missing key {k:?}"),
             SkipReason::NotText { key, found } => {
-                write!(f, "key {key:?} holds {found}, expected a string")
+                write!(
+                    f,
+                    "key {key:?} holds {found}, expected a string or a list of strings"
+                )
             }
         }
     }
