@@ -214,8 +214,8 @@ impl AdamW {
     pub fn reload_model_params(&mut self, buffer: &ParamAndGradBuffer) {
         if let Some(master) = &mut self.master {
             for (range, local) in self.owned.iter() {
-                let values = buffer.param_storage().to_f32_range(range.clone());
-                master[local..local + range.len()].copy_from_slice(&values);
+                let out = &mut master[local..local + range.len()];
+                buffer.param_storage().copy_to_f32(range.clone(), out);
             }
         }
     }

@@ -4,8 +4,8 @@
 //! Mirrors Megatron-Core's `_ParamAndGradBuffer` (megatron/core/distributed/
 //! param_and_grad_buffer.py): `param_data` (param dtype) and `grad_data` (Megatron's
 //! `main_grad`, always f32 here: `accumulate_allreduce_grads_in_fp32`) share one layout, so
-//! parameter `p` occupies `p.offset..p.offset + p.numel` in both. The layout is described in
-//! [`layout`](self::BufferConfig).
+//! parameter `p` occupies `p.offset..p.offset + p.numel` in both. The layout (order, padding,
+//! buckets) is described at [`BufferConfig`].
 //!
 //! The model's layers read their weights from [`ParamAndGradBuffer::param`] slices (row-major,
 //! the registered shape) and accumulate their gradients into [`ParamAndGradBuffer::grad_mut`]

@@ -63,6 +63,23 @@ impl ParamStorage {
         }
     }
 
+    /// Converts `range` to f32 into `out` (same length) without allocating.
+    ///
+    /// # Panics
+    /// When `out.len() != range.len()` (callers check first).
+    pub fn copy_to_f32(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
+        fn conv<T: Element>(s: &[T], d: &mut [f32]) {
+            d.par_iter_mut()
+                .zip(s.par_iter())
+                .for_each(|(d, s)| *d = s.to_f32());
+        }
+        match self {
+            ParamStorage::F32(v) => out.copy_from_slice(&v[range]),
+            ParamStorage::BF16(v) => conv(&v[range], out),
+            ParamStorage::F16(v) => conv(&v[range], out),
+        }
+    }
+
     /// Writes f32 values into `range`, rounding to nearest-even for bf16/f16.
     ///
     /// # Panics
