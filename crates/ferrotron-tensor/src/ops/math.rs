@@ -43,14 +43,15 @@ pub fn fast_exp(x: f32) -> f32 {
     y * s1 * s2
 }
 
-/// Whether the AVX-512 clones of the kernels can run on this CPU (cached by std).
+/// Whether the AVX-512 clones made by [`multiversion!`](crate::multiversion) can run on this
+/// CPU (the answer is cached by std).
 #[inline]
-pub(crate) fn has_avx512() -> bool {
+pub fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512dq")
-            && std::arch::is_x86_feature_detected!("fma")
+            && has_avx2_fma()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -58,12 +59,34 @@ pub(crate) fn has_avx512() -> bool {
     }
 }
 
-/// Defines `fn $name(args) -> ret { body }` compiled twice: once for the baseline target and
-/// once with AVX-512 enabled, chosen at run time. Rust never contracts `a * b + c` into an FMA,
-/// so both clones compute bit-identical results; only the vector width differs.
+/// Whether the AVX2 + FMA clones made by [`multiversion!`](crate::multiversion) can run on
+/// this CPU.
+#[inline]
+pub fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Defines `fn $name(args) -> ret { body }` compiled three times on x86-64 (AVX-512, AVX2 + FMA,
+/// baseline) and picks the best clone the CPU runs ([`ops::has_avx512`],
+/// [`ops::has_avx2_fma`]); for kernels whose plain loops should vectorize as wide as the CPU
+/// allows. Rust never contracts `a * b + c` into an FMA and `f32::mul_add` is exactly rounded on
+/// every path (an instruction in the x86 clones and on aarch64, a libm call in the x86 baseline
+/// clone, which only CPUs older than 2013 take), so all clones compute bit-identical results.
+///
+/// [`ops::has_avx512`]: crate::ops::has_avx512
+/// [`ops::has_avx2_fma`]: crate::ops::has_avx2_fma
+#[macro_export]
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
             #[allow(clippy::too_many_arguments)]
@@ -75,16 +98,25 @@ macro_rules! multiversion {
                 unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
                     generic($($arg),*)
                 }
-                if $crate::ops::math::has_avx512() {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    generic($($arg),*)
+                }
+                if $crate::ops::has_avx512() {
                     // SAFETY: the CPU supports the enabled features (checked just above).
                     return unsafe { avx512($($arg),*) };
+                }
+                if $crate::ops::has_avx2_fma() {
+                    // SAFETY: as above.
+                    return unsafe { avx2($($arg),*) };
                 }
             }
             generic($($arg),*)
         }
     };
 }
-pub(crate) use multiversion;
+pub(crate) use crate::multiversion;
 
 /// Lanes of the partial sums in the reductions below (two AVX-512 vectors).
 pub(crate) const LANES: usize = 32;

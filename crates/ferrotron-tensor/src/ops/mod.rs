@@ -20,7 +20,7 @@ pub use cross_entropy::{
 };
 pub use elementwise::{add_bias, add_bias_backward, add_inplace};
 pub use embedding::{embedding_backward, embedding_lookup};
-pub use math::fast_exp;
+pub use math::{fast_exp, has_avx2_fma, has_avx512};
 pub use norm::{rms_norm, rms_norm_backward};
 pub use reduce::{argmax, top_k};
 pub use rope::{RopeScaling, RopeTable};

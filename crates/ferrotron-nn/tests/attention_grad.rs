@@ -1,0 +1,379 @@
+//! Core attention backward: f64 finite differences, an f64 analytic reference for sizes that
+//! span several key blocks, GQA, sliding windows, a query offset, batch 2, and determinism.
+
+use ferrotron_nn::attention::{
+    AttentionDims, AttentionMask, core_attention, core_attention_backward,
+    core_attention_forward_train,
+};
+
+/// xorshift64*: reproducible inputs, rounded to f32 so both paths see the same numbers.
+struct Rng(u64);
+
+impl Rng {
+    fn vec(&mut self, n: usize, scale: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| {
+                self.0 ^= self.0 >> 12;
+                self.0 ^= self.0 << 25;
+                self.0 ^= self.0 >> 27;
+                let u = (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64;
+                ((2.0 * u / (1u64 << 53) as f64 - 1.0) * scale) as f32 as f64
+            })
+            .collect()
+    }
+}
+
+fn f32s(x: &[f64]) -> Vec<f32> {
+    x.iter().map(|&v| v as f32).collect()
+}
+
+fn visible(dims: &AttentionDims, mask: AttentionMask, t: usize, p: usize) -> bool {
+    let pos = dims.q_offset + t;
+    p <= pos && mask.sliding_window.is_none_or(|w| pos - p < w)
+}
+
+/// Row-major index helpers for q-like `[sq, b, a, d]` and kv-like `[skv, b, g, d]` tensors.
+fn qi(dims: &AttentionDims, t: usize, j: usize, h: usize) -> usize {
+    ((t * dims.batch + j) * dims.heads + h) * dims.head_dim
+}
+fn ki(dims: &AttentionDims, p: usize, j: usize, gh: usize) -> usize {
+    ((p * dims.batch + j) * dims.groups + gh) * dims.head_dim
+}
+
+/// Softmax probabilities of one (t, j, h) row over all keys (0 where masked), in f64.
+fn probs(
+    q: &[f64],
+    k: &[f64],
+    dims: &AttentionDims,
+    mask: AttentionMask,
+    t: usize,
+    j: usize,
+    h: usize,
+) -> Vec<f64> {
+    let d = dims.head_dim;
+    let gh = h / (dims.heads / dims.groups);
+    let qr = &q[qi(dims, t, j, h)..][..d];
+    let s: Vec<f64> = (0..dims.skv)
+        .map(|p| {
+            if !visible(dims, mask, t, p) {
+                return f64::NEG_INFINITY;
+            }
+            let kr = &k[ki(dims, p, j, gh)..][..d];
+            qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
+        })
+        .collect();
+    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+    s.iter().map(|x| (x - m).exp() / z).collect()
+}
+
+/// Reference forward in f64: `(out, lse)`.
+fn forward_ref(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dims: &AttentionDims,
+    mask: AttentionMask,
+) -> (Vec<f64>, Vec<f64>) {
+    let AttentionDims {
+        sq,
+        batch: b,
+        heads: a,
+        groups: g,
+        head_dim: d,
+        ..
+    } = *dims;
+    let mut out = vec![0f64; q.len()];
+    let mut lse = vec![0f64; sq * b * a];
+    for t in 0..sq {
+        for j in 0..b {
+            for h in 0..a {
+                let gh = h / (a / g);
+                let p = probs(q, k, dims, mask, t, j, h);
+                let o = qi(dims, t, j, h);
+                for (pos, &w) in p.iter().enumerate() {
+                    for c in 0..d {
+                        out[o + c] += w * v[ki(dims, pos, j, gh) + c];
+                    }
+                }
+                // lse = s_i − log p_i for any visible key i.
+                let pos = dims.q_offset + t;
+                let qr = &q[o..][..d];
+                let s = qr
+                    .iter()
+                    .zip(&k[ki(dims, pos, j, gh)..][..d])
+                    .map(|(x, y)| x * y)
+                    .sum::<f64>()
+                    / (d as f64).sqrt();
+                lse[(t * b + j) * a + h] = s - p[pos].ln();
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// Reference backward in f64 with explicit P and dS: `(dq, dk, dv)`.
+fn backward_ref(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+    dims: &AttentionDims,
+    mask: AttentionMask,
+) -> [Vec<f64>; 3] {
+    let AttentionDims {
+        sq,
+        skv,
+        batch: b,
+        heads: a,
+        groups: g,
+        head_dim: d,
+        ..
+    } = *dims;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f64; q.len()],
+        vec![0f64; k.len()],
+        vec![0f64; v.len()],
+    );
+    for t in 0..sq {
+        for j in 0..b {
+            for h in 0..a {
+                let gh = h / (a / g);
+                let p = probs(q, k, dims, mask, t, j, h);
+                let o = qi(dims, t, j, h);
+                let dor = &dout[o..][..d];
+                let dp: Vec<f64> = (0..skv)
+                    .map(|pos| {
+                        dor.iter()
+                            .zip(&v[ki(dims, pos, j, gh)..][..d])
+                            .map(|(x, y)| x * y)
+                            .sum()
+                    })
+                    .collect();
+                let delta: f64 = p.iter().zip(&dp).map(|(x, y)| x * y).sum();
+                for pos in 0..skv {
+                    let ds = p[pos] * (dp[pos] - delta);
+                    let kk = ki(dims, pos, j, gh);
+                    for c in 0..d {
+                        dv[kk + c] += p[pos] * dor[c];
+                        dq[o + c] += ds * k[kk + c] * scale;
+                        dk[kk + c] += ds * q[o + c] * scale;
+                    }
+                }
+            }
+        }
+    }
+    [dq, dk, dv]
+}
+
+/// `max |got − want| / max |want|`, printed and checked against `tol`.
+fn check(name: &str, got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (&g, &w)| m.max((g as f64 - w).abs()));
+    println!(
+        "{name}: max abs err {err:.3e}, relative {:.3e} (tol {tol:.0e})",
+        err / scale
+    );
+    assert!(
+        err / scale <= tol,
+        "{name}: relative error {:e}",
+        err / scale
+    );
+}
+
+struct Run {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    grads: [Vec<f32>; 3],
+}
+
+fn run_f32(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+    dims: AttentionDims,
+    mask: AttentionMask,
+) -> Run {
+    let (q, k, v, dout) = (f32s(q), f32s(k), f32s(v), f32s(dout));
+    let mut out = vec![0f32; q.len()];
+    let mut lse = vec![0f32; q.len() / dims.head_dim];
+    core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask);
+    let mut dq = vec![f32::NAN; q.len()];
+    let (mut dk, mut dv) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
+    core_attention_backward(
+        &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask,
+    );
+    Run {
+        out,
+        lse,
+        grads: [dq, dk, dv],
+    }
+}
+
+fn inputs(dims: &AttentionDims, seed: u64) -> [Vec<f64>; 4] {
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let nq = dims.sq * dims.batch * dims.heads * dims.head_dim;
+    let nk = dims.skv * dims.batch * dims.groups * dims.head_dim;
+    [
+        rng.vec(nq, 1.5),
+        rng.vec(nk, 1.5),
+        rng.vec(nk, 1.0),
+        rng.vec(nq, 1.0),
+    ]
+}
+
+#[test]
+fn small_case_matches_finite_differences() {
+    let dims = AttentionDims {
+        sq: 5,
+        skv: 9,
+        batch: 2,
+        heads: 4,
+        groups: 2,
+        head_dim: 6,
+        q_offset: 4,
+    };
+    for window in [None, Some(3)] {
+        let mask = AttentionMask {
+            sliding_window: window,
+        };
+        let [q, k, v, dout] = inputs(&dims, 21);
+        let got = run_f32(&q, &k, &v, &dout, dims, mask);
+        let (out, lse) = forward_ref(&q, &k, &v, &dims, mask);
+        check(&format!("w={window:?} forward out"), &got.out, &out, 1e-6);
+        check(&format!("w={window:?} forward lse"), &got.lse, &lse, 1e-6);
+        let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+            forward_ref(q, k, v, &dims, mask)
+                .0
+                .iter()
+                .zip(&dout)
+                .map(|(a, b)| a * b)
+                .sum()
+        };
+        let eps = 1e-6;
+        let fd = |x: &[f64], which: usize| -> Vec<f64> {
+            let mut x = x.to_vec();
+            (0..x.len())
+                .map(|i| {
+                    let orig = x[i];
+                    let mut eval = |val: f64| {
+                        x[i] = val;
+                        match which {
+                            0 => loss(&x, &k, &v),
+                            1 => loss(&q, &x, &v),
+                            _ => loss(&q, &k, &x),
+                        }
+                    };
+                    let g = (eval(orig + eps) - eval(orig - eps)) / (2.0 * eps);
+                    x[i] = orig;
+                    g
+                })
+                .collect()
+        };
+        let reference = backward_ref(&q, &k, &v, &dout, &dims, mask);
+        for (i, (name, x)) in [("dq", &q), ("dk", &k), ("dv", &v)].into_iter().enumerate() {
+            let numeric = fd(x, i);
+            check(
+                &format!("w={window:?} f64 reference {name} vs finite differences"),
+                &f32s(&reference[i]),
+                &numeric,
+                1e-6,
+            );
+            check(
+                &format!("w={window:?} {name} vs finite differences"),
+                &got.grads[i],
+                &numeric,
+                1e-5,
+            );
+        }
+        if window.is_some() {
+            // Keys 0 and 1 are outside every query's window: exactly zero gradient.
+            let row = dims.batch * dims.groups * dims.head_dim;
+            assert!(got.grads[1][..2 * row].iter().all(|&x| x == 0.0));
+            assert!(got.grads[2][..2 * row].iter().all(|&x| x == 0.0));
+        }
+    }
+}
+
+#[test]
+fn multi_block_case_matches_f64_reference() {
+    // 150 keys: three 64-key blocks; windows that cross block edges; GQA a=4, g=2; batch 2.
+    let dims = AttentionDims {
+        sq: 137,
+        skv: 150,
+        batch: 2,
+        heads: 4,
+        groups: 2,
+        head_dim: 20,
+        q_offset: 13,
+    };
+    for window in [None, Some(70), Some(5)] {
+        let mask = AttentionMask {
+            sliding_window: window,
+        };
+        let [q, k, v, dout] = inputs(&dims, 22);
+        let got = run_f32(&q, &k, &v, &dout, dims, mask);
+        let (out, lse) = forward_ref(&q, &k, &v, &dims, mask);
+        check(&format!("w={window:?} forward out"), &got.out, &out, 1e-5);
+        check(&format!("w={window:?} forward lse"), &got.lse, &lse, 1e-5);
+        // The inference kernel agrees with the training forward.
+        let mut inf = vec![0f32; got.out.len()];
+        core_attention(&f32s(&q), &f32s(&k), &f32s(&v), &mut inf, dims, mask);
+        check(
+            &format!("w={window:?} core_attention vs forward_train"),
+            &inf,
+            &out,
+            1e-5,
+        );
+        let reference = backward_ref(&q, &k, &v, &dout, &dims, mask);
+        for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+            check(
+                &format!("w={window:?} {name} vs f64 reference"),
+                &got.grads[i],
+                &reference[i],
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn backward_is_bitwise_deterministic_across_thread_counts() {
+    let dims = AttentionDims {
+        sq: 100,
+        skv: 100,
+        batch: 2,
+        heads: 6,
+        groups: 3,
+        head_dim: 32,
+        q_offset: 0,
+    };
+    let mask = AttentionMask {
+        sliding_window: Some(40),
+    };
+    let [q, k, v, dout] = inputs(&dims, 23);
+    let first = run_f32(&q, &k, &v, &dout, dims, mask);
+    for threads in [1, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let again = pool.install(|| run_f32(&q, &k, &v, &dout, dims, mask));
+        let pairs = [(&first.out, &again.out), (&first.lse, &again.lse)];
+        for (a, b) in pairs
+            .into_iter()
+            .chain(first.grads.iter().zip(&again.grads))
+        {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{threads} threads"
+            );
+        }
+    }
+}
