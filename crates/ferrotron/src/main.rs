@@ -2,6 +2,7 @@
 //! nothing else in the workspace reads argv or the environment.
 
 mod convert;
+mod data;
 mod generate;
 mod model_dir;
 mod score;
@@ -32,6 +33,12 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Per-token log-probabilities, mean loss and perplexity of a text.
     Score(score::ScoreArgs),
+    /// Tokenize corpora into Megatron .bin/.idx datasets (tools/preprocess_data.py).
+    PreprocessData(data::PreprocessArgs),
+    /// Summarize a .bin/.idx dataset and optionally decode its first documents.
+    DatasetInfo(data::DatasetInfoArgs),
+    /// Concatenate .bin/.idx datasets into one (tools/merge_datasets.py).
+    MergeDatasets(data::MergeArgs),
 }
 
 /// Exit codes: 0 success, 1 error, 2 bad command line (clap), 3 finished with some bad input
@@ -50,6 +57,9 @@ fn main() -> ExitCode {
         Command::Convert(c) => convert::run(c),
         Command::Generate(a) => generate::run(a),
         Command::Score(a) => score::run(a),
+        Command::PreprocessData(a) => data::preprocess(a),
+        Command::DatasetInfo(a) => data::info(a),
+        Command::MergeDatasets(a) => data::merge(a),
     };
     match result {
         Ok(code) => code,

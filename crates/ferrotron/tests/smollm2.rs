@@ -208,3 +208,60 @@ fn batch_mode_reports_bad_lines_and_processes_the_rest() {
     assert_eq!(lines[1]["line"], 4);
     assert!(lines[0]["text"].as_str().unwrap().starts_with(" Paris"));
 }
+
+#[test]
+fn preprocess_data_and_dataset_info_round_trip() {
+    let Some(dir) = model_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("corpus.jsonl");
+    std::fs::write(
+        &input,
+        "{\"text\": \"In the beginning God created the heaven and the earth.\"}\n{\"txt\": 1}\n{\"text\": \"And the earth was without form, and void.\"}\n",
+    )
+    .unwrap();
+    let prefix = tmp.path().join("kjv");
+    let o = ferrotron(&[
+        "preprocess-data",
+        "--input",
+        input.to_str().unwrap(),
+        "--tokenizer",
+        dir.to_str().unwrap(),
+        "--output-prefix",
+        prefix.to_str().unwrap(),
+        "--append-eod",
+        "--workers",
+        "2",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "exit 3 = done with skipped lines: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains(":2: missing key"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let doc_prefix = tmp.path().join("kjv_text_document");
+    let o = ferrotron(&[
+        "dataset-info",
+        "--prefix",
+        doc_prefix.to_str().unwrap(),
+        "--show",
+        "2",
+        "--tokenizer",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("documents  2") && out.contains("uint16"),
+        "{out}"
+    );
+    // Megatron's EOD for HF tokenizers is the eos_token (<|im_end|> for SmolLM2-Instruct).
+    assert!(
+        out.contains("In the beginning God created the heaven and the earth.<|im_end|>"),
+        "{out}"
+    );
+}
