@@ -16,6 +16,13 @@ rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup comp
 
 FERROTRON_SMOLLM2_GGUF="$(bash scripts/fetch-smollm2.sh)"
 export FERROTRON_SMOLLM2_GGUF
+# The converted HF directory (tokenizer + weights) for tests that need a real tokenizer.
+FERROTRON_SMOLLM2_HF="$root/.cache/smollm2-hf"
+if [ ! -f "$FERROTRON_SMOLLM2_HF/tokenizer_config.json" ]; then
+  cargo run --quiet -p ferrotron -- convert gguf-to-hf --input "$FERROTRON_SMOLLM2_GGUF" \
+    --output "$FERROTRON_SMOLLM2_HF" --force
+fi
+export FERROTRON_SMOLLM2_HF
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
