@@ -1,13 +1,15 @@
-//! Data for training and inference. Today: the [`Tokenizer`] wrapper over HF `tokenizer.json`
-//! (the `tokenizers` crate) and HF chat templates ([`chat`]). Indexed datasets, GPT/SFT datasets and loaders come with the data
-//! pipeline issue.
+//! Data for training and inference, Megatron-compatible: the [`Tokenizer`] wrapper over HF
+//! `tokenizer.json`, HF chat templates ([`chat`]), Megatron `.bin/.idx` indexed datasets
+//! ([`indexed`]) and corpus preprocessing ([`preprocess`]), pretraining datasets with
+//! Megatron-exact indices ([`gpt_dataset`], [`blended`]), SFT datasets ([`sft`]), and the
+//! prefetching data-parallel [`loader`].
 
 pub mod blended;
 pub mod chat;
 pub mod gpt_dataset;
 pub mod indexed;
-pub mod preprocess;
 pub mod loader;
+pub mod preprocess;
 pub mod sft;
 mod tokenizer;
 
