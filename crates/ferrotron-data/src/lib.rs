@@ -8,6 +8,7 @@ pub mod blended;
 pub mod chat;
 pub mod gpt_dataset;
 pub mod indexed;
+pub mod preprocess;
 pub mod loader;
 pub mod preprocess;
 pub mod sft;

@@ -69,8 +69,9 @@ pub struct PreprocessConfig {
     pub add_special_tokens: bool,
     /// Tokenizing threads (at least 1).
     pub workers: usize,
-    /// Makes a bad JSONL line (invalid JSON or UTF-8, missing key, non-string value) fatal
-    /// instead of skipped.
+    /// Makes a bad record fatal instead of skipped: invalid UTF-8 (any input), and for JSONL
+    /// invalid JSON, a non-object line, a missing key, or a value that is not a string or a list
+    /// of strings. A line bad for one key is skipped for all keys, keeping outputs aligned.
     pub strict: bool,
     /// Token dtype; `None` picks Megatron's `DType.optimal_dtype(vocab_size)`.
     pub dtype: Option<TokenDtype>,
