@@ -8,7 +8,6 @@ pub mod blended;
 pub mod chat;
 pub mod gpt_dataset;
 pub mod indexed;
-pub mod preprocess;
 pub mod loader;
 pub mod preprocess;
 pub mod sft;
