@@ -144,6 +144,32 @@ fn json_array_elements_report_their_start_line() {
 }
 
 #[test]
+fn leading_bom_and_blank_lines_keep_line_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = r#"{"instruction": "a", "output": "b"}"#;
+    let p = write(
+        dir.path(),
+        "bom.jsonl",
+        &format!("\u{feff}\n\n{good}\n{{oops\n"),
+    );
+    let ds = RawSftDataset::load(&[p.as_path()], &tiny(), &SftOptions::new(256)).unwrap();
+    assert_eq!((ds.report().records, ds.report().bad_records), (1, 1));
+    assert!(ds.report().bad_examples[0].contains(":4: invalid JSON"));
+    let text = format!("\u{feff}\n[\n{good},\n{{\"instruction\": \"a\"}}]");
+    let p = write(dir.path(), "bom.json", &text);
+    let ds = RawSftDataset::load(&[p.as_path()], &tiny(), &SftOptions::new(256)).unwrap();
+    assert_eq!((ds.report().records, ds.report().bad_records), (1, 1));
+    let e = &ds.report().bad_examples[0];
+    assert!(e.contains(":4: missing string field `output`"), "{e}");
+    let p = write(dir.path(), "empty.json", " \n\n");
+    let ds = RawSftDataset::load(&[p.as_path()], &tiny(), &SftOptions::new(256)).unwrap();
+    assert_eq!(
+        (ds.len(), ds.report().records, ds.report().bad_records),
+        (0, 0, 0)
+    );
+}
+
+#[test]
 fn formats_are_detected_per_file_and_can_be_forced() {
     let f = fixtures();
     let (json, jsonl, chat) = (

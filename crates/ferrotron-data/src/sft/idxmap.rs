@@ -19,7 +19,8 @@
 use std::path::{Path, PathBuf};
 
 use super::encode::SftEncoder;
-use super::pack::{build_sequence, for_each_group};
+use super::pack::build_sequence;
+use super::pipeline::for_each_group;
 use super::{IGNORE_INDEX, SftError, SftOptions, SftReport, SftSample};
 use crate::indexed::{IndexedDataset, IndexedDatasetBuilder, TokenDtype};
 

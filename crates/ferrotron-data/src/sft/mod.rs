@@ -41,6 +41,7 @@ mod dataset;
 pub mod encode;
 pub mod idxmap;
 pub mod pack;
+mod pipeline;
 mod raw;
 mod record;
 pub mod source;
@@ -145,10 +146,13 @@ pub struct SftOptions {
     pub overlong: Overlong,
     /// Make the first bad record an error instead of skipping it.
     pub strict: bool,
+    /// Threads encoding records (rendering + tokenization); the output is the same for any
+    /// count. 0 and 1 both mean the calling thread only.
+    pub workers: usize,
 }
 
 impl SftOptions {
-    /// Defaults: no packing, truncate, auto format, not strict, default pad id.
+    /// Defaults: no packing, truncate, auto format, not strict, default pad id, 1 worker.
     pub fn new(max_padding_length: usize) -> Self {
         SftOptions {
             max_padding_length,
@@ -157,6 +161,7 @@ impl SftOptions {
             pack: false,
             overlong: Overlong::Truncate,
             strict: false,
+            workers: 1,
         }
     }
 }

@@ -7,11 +7,8 @@
 //! answer target is left in them, in which case the sample is dropped like Pai's "extreme long
 //! user input"; [`Overlong::Drop`] drops it. Both are counted in the [`SftReport`].
 
-use std::path::Path;
-
-use super::encode::{EncodedSample, SftEncoder};
-use super::source::{self, SftFormat};
-use super::{IGNORE_INDEX, SftError, SftOptions, SftReport, SftSample};
+use super::encode::EncodedSample;
+use super::{IGNORE_INDEX, SftReport, SftSample};
 
 /// What to do with a sample longer than `max_padding_length`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,74 +148,4 @@ pub fn build_sequence(group: &[EncodedSample], s: usize, pad_id: u32) -> SftSamp
         .map(|&l| if l == IGNORE_INDEX { 0.0 } else { 1.0 })
         .collect();
     out
-}
-
-/// Reads `files` in order, encodes every record, and hands each finished group of samples to
-/// `emit`, counting into `report`. Shared by the raw and the preprocessed forms so that both
-/// produce the same sequences.
-pub(crate) fn for_each_group(
-    files: &[&Path],
-    encoder: &SftEncoder,
-    opts: &SftOptions,
-    report: &mut SftReport,
-    emit: &mut dyn FnMut(Vec<EncodedSample>) -> Result<(), SftError>,
-) -> Result<(), SftError> {
-    if opts.max_padding_length < 2 {
-        return Err(SftError::Options(format!(
-            "max_padding_length must be at least 2, got {}",
-            opts.max_padding_length
-        )));
-    }
-    let mut packer = Packer::new(opts.max_padding_length, opts.pack, opts.overlong);
-    for path in files {
-        let mut counts = SftReport::default();
-        let mut on_record = |record: source::Record| -> Result<(), SftError> {
-            match encoder.encode(&record.conversation) {
-                Ok(sample) => {
-                    counts.records += 1;
-                    let group = packer.push(sample, &mut counts);
-                    match group {
-                        Some(g) => {
-                            counts.sequences += 1;
-                            emit(g)
-                        }
-                        None => Ok(()),
-                    }
-                }
-                Err(msg) => {
-                    let p = &record.path;
-                    source::bad_record(&mut counts, opts.strict, p, record.line, msg)
-                }
-            }
-        };
-        // Bad lines are counted by the reader, bad renders by `on_record`: two reports, merged.
-        let mut read_counts = SftReport::default();
-        let format: SftFormat = opts.format;
-        let result = source::read_file(path, format, opts.strict, &mut read_counts, &mut on_record);
-        merge(report, read_counts);
-        merge(report, counts);
-        result?;
-    }
-    if let Some(g) = packer.finish() {
-        report.sequences += 1;
-        emit(g)?;
-    }
-    Ok(())
-}
-
-fn merge(into: &mut SftReport, from: SftReport) {
-    into.records += from.records;
-    into.bad_records += from.bad_records;
-    for e in from.bad_examples {
-        if into.bad_examples.len() < super::MAX_BAD_EXAMPLES {
-            into.bad_examples.push(e);
-        }
-    }
-    into.truncated += from.truncated;
-    into.dropped_overlong += from.dropped_overlong;
-    into.dropped_no_answer += from.dropped_no_answer;
-    into.samples += from.samples;
-    into.sequences += from.sequences;
-    into.tokens += from.tokens;
-    into.trained_tokens += from.trained_tokens;
 }

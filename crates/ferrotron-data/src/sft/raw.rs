@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use super::encode::{EncodedSample, SftEncoder};
-use super::pack::{build_sequence, for_each_group};
+use super::pack::build_sequence;
+use super::pipeline::for_each_group;
 use super::{SftError, SftOptions, SftReport, SftSample};
 
 /// SFT sequences encoded from JSON/JSONL files and held in memory (the encoded samples are kept

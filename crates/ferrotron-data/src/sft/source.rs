@@ -104,12 +104,29 @@ pub fn read_file(
         source,
     };
     let mut reader = BufReader::new(File::open(path).map_err(io)?);
+    // Peek at the first non-blank byte (after a UTF-8 BOM), counting the newlines skipped so
+    // that line numbers stay those of the file.
+    let mut skipped_lines = 0;
+    let mut at_start = true;
     let first = loop {
         let buf = reader.fill_buf().map_err(io)?;
-        match buf.iter().position(|b| !b.is_ascii_whitespace()) {
-            Some(i) => break Some(buf[i]),
+        let bom = if at_start && buf.starts_with(b"\xEF\xBB\xBF") {
+            3
+        } else {
+            0
+        };
+        at_start = false;
+        let rest = &buf[bom..];
+        match rest.iter().position(|b| !b.is_ascii_whitespace()) {
+            Some(i) => {
+                skipped_lines += rest[..i].iter().filter(|&&b| b == b'\n').count();
+                let first = rest[i];
+                reader.consume(bom + i);
+                break Some(first);
+            }
             None if buf.is_empty() => break None,
             None => {
+                skipped_lines += rest.iter().filter(|&&b| b == b'\n').count();
                 let n = buf.len();
                 reader.consume(n);
             }
@@ -126,9 +143,9 @@ pub fn read_file(
         Some(b'[') => {
             let mut text = String::new();
             std::io::Read::read_to_string(&mut reader, &mut text).map_err(io)?;
-            file.read_array(&text, report, f)
+            file.read_array(&text, skipped_lines, report, f)
         }
-        Some(_) => file.read_lines(reader, report, f),
+        Some(_) => file.read_lines(reader, skipped_lines, report, f),
     }
 }
 
@@ -197,11 +214,12 @@ impl FileState {
     fn read_lines(
         &mut self,
         mut reader: impl BufRead,
+        skipped_lines: usize,
         report: &mut SftReport,
         f: &mut dyn FnMut(Record) -> Result<(), SftError>,
     ) -> Result<(), SftError> {
         let mut buf = Vec::new();
-        let mut line = 0;
+        let mut line = skipped_lines;
         loop {
             buf.clear();
             let n = reader
@@ -237,19 +255,23 @@ impl FileState {
     fn read_array(
         &mut self,
         text: &str,
+        skipped_lines: usize,
         report: &mut SftReport,
         f: &mut dyn FnMut(Record) -> Result<(), SftError>,
     ) -> Result<(), SftError> {
         let bytes = text.as_bytes();
-        let mut lines = LineCounter::default();
+        let mut lines = LineCounter {
+            offset: 0,
+            line0: skipped_lines,
+        };
         let skip = |mut p: usize| {
             while p < bytes.len() && bytes[p].is_ascii_whitespace() {
                 p += 1;
             }
             p
         };
-        // Leading BOM/whitespace were skipped by the caller's peek; `[` is the first byte left.
-        let mut pos = skip(text.find('[').unwrap_or(0)) + 1;
+        // Leading BOM/whitespace were consumed by the caller's peek: `[` is the first byte.
+        let mut pos = 1;
         if bytes.get(skip(pos)) == Some(&b']') {
             pos = skip(pos) + 1;
         } else {
@@ -300,7 +322,6 @@ impl FileState {
 }
 
 /// 1-based line of increasing byte offsets, counted incrementally (linear overall).
-#[derive(Default)]
 struct LineCounter {
     offset: usize,
     line0: usize,
