@@ -238,6 +238,43 @@ fn token_straddling_the_answer_boundary_is_rejected() {
 }
 
 #[test]
+fn tokenizers_that_prefix_every_piece_fall_back_to_prefix_tokenization() {
+    // Like SentencePiece's prepended "▁": a Prepend("_") normalizer marks the start of every
+    // tokenized text, so pieces tokenized alone differ from the whole; boundaries are then found
+    // by tokenizing the text before each of them.
+    let dir = tempfile::tempdir().unwrap();
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny_dir().join("tokenizer.json")).unwrap())
+            .unwrap();
+    tok["normalizer"] = serde_json::json!({"type": "Prepend", "prepend": "_"});
+    std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+    let config = tiny_dir().join("tokenizer_config.json");
+    std::fs::copy(config, dir.path().join("tokenizer_config.json")).unwrap();
+    let enc = SftEncoder::from_model_dir(dir.path()).unwrap();
+    let underscore = enc.tokenizer().token_to_id("_").unwrap();
+    assert_eq!(enc.tokenizer().encode("ok", false).unwrap()[0], underscore);
+    let messages = [
+        ("user", "Q"),
+        ("assistant", "hi there"),
+        ("user", "R"),
+        ("assistant", "ok"),
+    ];
+    let s = enc.encode(&chat(&messages)).unwrap();
+    let full = enc
+        .chat_template()
+        .unwrap()
+        .render(&messages.map(|(r, c)| ChatMessage::new(r, c)), false)
+        .unwrap();
+    assert_eq!(s.tokens, enc.tokenizer().encode(&full, false).unwrap());
+    let trained: Vec<String> = runs(&enc, &s)
+        .into_iter()
+        .filter(|r| r.0)
+        .map(|r| r.1)
+        .collect();
+    assert_eq!(trained, ["hi there<|im_end|>", "ok<|im_end|>"]);
+}
+
+#[test]
 fn template_that_rewrites_earlier_turns_is_rejected() {
     let enc = tiny_with_template(
         "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[old]\n{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",

@@ -10,12 +10,13 @@
 //!    cannot be masked turn by turn and are rejected);
 //! 2. the answer span starts at `prompt_k.len()` and ends after the first end token (the
 //!    tokenizer config's `eos_token`, e.g. `<|im_end|>`) that follows the (trimmed) content; when
-//!    the template emits no end token the span runs to `through_k.len()`.
+//!    no end token is known or found, the span runs to `through_k.len()`.
 //!
-//! `full` is then cut at the span boundaries and each piece tokenized on its own
-//! (`add_special_tokens=false`, as `apply_chat_template(tokenize=True)` does); the concatenation
-//! must equal the tokenization of `full` in one piece, otherwise the record is rejected with the
-//! first differing position (a BPE merge across a span boundary would make the mask ambiguous).
+//! Tokenization and its check are in `sft/spans.rs` (`tokenize_spans`): `full` is tokenized
+//! (`add_special_tokens=false`, as `apply_chat_template(tokenize=True)` does) piece by piece,
+//! checked against the whole, falling back to tokenizing the text before each boundary; a record
+//! whose answer boundary falls inside a token is rejected with the first differing position.
+//!
 //! Unlike Pai (which trains from the end of the rendered prompt without generation prompt, i.e.
 //! including `<|im_start|>assistant\n` and the trailing `\n`), only content + end token are trained.
 //!
@@ -32,6 +33,7 @@ use serde_json::Value;
 
 use super::SftError;
 use super::source::Conversation;
+use super::spans::tokenize_spans;
 use crate::Tokenizer;
 use crate::chat::{ChatMessage, ChatTemplate};
 
@@ -316,45 +318,9 @@ impl SftEncoder {
             Some(_) => &[],
             None => &self.prefix_tokens,
         };
-        let mut out = EncodedSample {
-            tokens: prefix.to_vec(),
-            trained: vec![false; prefix.len()],
-        };
-        let mut pos = 0;
-        let tok = |s: &str| {
-            self.tokenizer
-                .encode(s, false)
-                .map_err(|e| format!("tokenizer: {e}"))
-        };
-        let mut push = |piece: &str, trained: bool| -> Result<(), String> {
-            let ids = tok(piece)?;
-            out.trained.extend(std::iter::repeat_n(trained, ids.len()));
-            out.tokens.extend(ids);
-            Ok(())
-        };
-        for span in &spans {
-            push(&text[pos..span.start], false)?;
-            push(&text[span.clone()], true)?;
-            pos = span.end;
-        }
-        push(&text[pos..], false)?;
-        let whole = tok(&text)?;
-        let pieces = &out.tokens[prefix.len()..];
-        if whole != pieces {
-            let i = whole.iter().zip(pieces).take_while(|(a, b)| a == b).count();
-            let show = |ids: &[u32]| {
-                let tail = &ids[i..ids.len().min(i + 4)];
-                self.tokenizer
-                    .decode(tail, false)
-                    .map_or_else(|_| format!("{tail:?}"), |s| format!("{s:?}"))
-            };
-            return Err(format!(
-                "tokenizing the prompt and answer pieces separately differs from tokenizing the \
-                 rendered text at token {i} (pieces: {}, whole: {}): a token spans an answer boundary",
-                show(pieces),
-                show(&whole)
-            ));
-        }
+        let mut out = tokenize_spans(&self.tokenizer, &text, &spans)?;
+        out.tokens.splice(0..0, prefix.iter().copied());
+        out.trained.splice(0..0, prefix.iter().map(|_| false));
         if !out.trained.iter().any(|&t| t) {
             return Err("no answer tokens after rendering (empty answers?)".into());
         }

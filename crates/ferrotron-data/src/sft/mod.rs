@@ -45,6 +45,7 @@ mod pipeline;
 mod raw;
 mod record;
 pub mod source;
+mod spans;
 
 use std::path::PathBuf;
 
