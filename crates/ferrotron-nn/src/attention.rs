@@ -3,7 +3,7 @@
 //! Mirrors HF `eager_attention_forward` in f32.
 
 use ferrotron_tensor::multiversion;
-use ferrotron_tensor::ops::fast_exp;
+use ferrotron_tensor::ops::{exp_in_place_normalizer, fast_exp, tile_rows_product, tile_update};
 use rayon::prelude::*;
 
 /// Which keys each query sees: keys at positions `j <= i` (causal) and, with a window `w`,
@@ -103,128 +103,114 @@ pub fn core_attention(
         });
 }
 
-/// Keys per block in the training kernels: a block's 64 dot products live in four AVX-512
-/// registers while the loop runs over the head dim.
+/// Keys per block: one 64-lane register row of scores per query row.
 const KB: usize = 64;
+/// Query rows per register tile: a `4 × 64` tile of scores is 16 AVX-512 accumulators, and each
+/// key (or value) row loaded feeds four query rows.
+const RQ: usize = 4;
+/// Query time steps per task of the row-parallel passes.
+const TQ: usize = 4;
+/// Query rows whose `P` and `dS` the key-block pass buffers at a time.
+const QC: usize = 64;
 
-/// Keys and values of one `(batch, group)` transposed to `[d, skv]`, so the dot products of a
-/// query with a run of keys vectorize over the keys.
+/// Keys and values of each `(batch, group)` transposed to `[d, skv_pad]` (zero-padded to whole
+/// key blocks), so a tile of query rows times a block of keys is a register-tiled product.
 struct Transposed {
-    kt: Vec<f32>, // [b, g, d, skv]
-    vt: Vec<f32>, // [b, g, d, skv]
+    kt: Vec<f32>, // [b, g, d, skv_pad]
+    vt: Vec<f32>, // [b, g, d, skv_pad]
+    skv_pad: usize,
 }
 
 impl Transposed {
     fn new(k: &[f32], v: &[f32], dims: &AttentionDims) -> Transposed {
-        let (skv, b, g, d) = (dims.skv, dims.batch, dims.groups, dims.head_dim);
+        let (skv, bg, d) = (dims.skv, dims.batch * dims.groups, dims.head_dim);
+        let skv_pad = skv.div_ceil(KB) * KB;
         let transpose = |src: &[f32]| {
-            let mut t = vec![0f32; b * g * d * skv];
-            t.par_chunks_mut(d * skv).enumerate().for_each(|(jg, t)| {
-                for p in 0..skv {
-                    let row = &src[(p * b * g + jg) * d..][..d];
-                    for (c, &x) in row.iter().enumerate() {
-                        t[c * skv + p] = x;
+            let mut t = vec![0f32; bg * d * skv_pad];
+            t.par_chunks_mut(d * skv_pad)
+                .enumerate()
+                .for_each(|(jg, t)| {
+                    for p in 0..skv {
+                        for (c, &x) in src[(p * bg + jg) * d..][..d].iter().enumerate() {
+                            t[c * skv_pad + p] = x;
+                        }
                     }
-                }
-            });
+                });
             t
         };
-        Transposed {
-            kt: transpose(k),
-            vt: transpose(v),
-        }
+        let (kt, vt) = (transpose(k), transpose(v));
+        Transposed { kt, vt, skv_pad }
     }
 
-    /// `([d, skv] keys, [d, skv] values)` of batch `j`, group `gh`.
-    fn group(&self, j: usize, gh: usize, dims: &AttentionDims) -> (&[f32], &[f32]) {
-        let n = dims.head_dim * dims.skv;
-        let o = (j * dims.groups + gh) * n;
-        (&self.kt[o..o + n], &self.vt[o..o + n])
+    /// `[d, skv_pad]` keys and values of `jg = j·g + gh`.
+    fn group(&self, jg: usize, d: usize) -> (&[f32], &[f32]) {
+        let n = d * self.skv_pad;
+        (&self.kt[jg * n..][..n], &self.vt[jg * n..][..n])
     }
 }
 
-/// `out[p − lo] = scale · Σ_c x[c]·t[c·skv + p]` for keys `p` in `lo..hi` (`hi − lo <= KB`),
-/// `t: [d, skv]`. Every element is accumulated over `c` in order whatever the block split, so
-/// the forward and the backward recompute identical scores.
+/// Up to [`RQ`] query rows of one `(batch j, group gh)`: the rows `i0..i0 + n` of the list
+/// `(t, head in group)` for `t >= t0`, with their global row indices `(t·b + j)·a + h` and
+/// visible keys `lo..hi`. Padding rows (`r >= n`) repeat row 0 and see no key.
+struct Tile {
+    row: [usize; RQ],
+    lo: [usize; RQ],
+    hi: [usize; RQ],
+    n: usize,
+}
+
+impl Tile {
+    fn new(
+        t0: usize,
+        i0: usize,
+        n: usize,
+        jg: usize,
+        dims: &AttentionDims,
+        mask: AttentionMask,
+    ) -> Tile {
+        let (b, a, g) = (dims.batch, dims.heads, dims.groups);
+        let (j, gh, hpg) = (jg / g, jg % g, a / g);
+        let mut tile = Tile {
+            row: [0; RQ],
+            lo: [0; RQ],
+            hi: [0; RQ],
+            n,
+        };
+        for r in 0..n {
+            let (t, h) = (t0 + (i0 + r) / hpg, gh * hpg + (i0 + r) % hpg);
+            let keys = mask.key_range(dims.q_offset + t);
+            tile.row[r] = (t * b + j) * a + h;
+            (tile.lo[r], tile.hi[r]) = (keys.start, keys.end);
+        }
+        for r in n..RQ {
+            tile.row[r] = tile.row[0];
+        }
+        tile
+    }
+
+    /// Keys visible to any row of the tile.
+    fn keys(&self) -> std::ops::Range<usize> {
+        self.lo[..self.n].iter().copied().min().unwrap_or(0)
+            ..self.hi[..self.n].iter().copied().max().unwrap_or(0)
+    }
+
+    /// `d`-long rows of `x` (`[rows, d]`) for the tile.
+    fn rows<'a>(&self, x: &'a [f32], d: usize) -> [&'a [f32]; RQ] {
+        std::array::from_fn(|r| &x[self.row[r] * d..][..d])
+    }
+}
+
+/// Unscaled dot products of the tile's rows `x` with keys `p0..p0 + KB` of `t: [d, skv_pad]`.
 #[inline(always)]
-fn block_dots(
-    x: &[f32],
-    t: &[f32],
-    skv: usize,
-    keys: std::ops::Range<usize>,
-    scale: f32,
-    out: &mut [f32; KB],
-) {
-    let (lo, n) = (keys.start, keys.len());
-    if n == KB {
-        let mut acc = [0f32; KB];
-        for (c, &xc) in x.iter().enumerate() {
-            let row = &t[c * skv + lo..][..KB];
-            for l in 0..KB {
-                acc[l] = xc.mul_add(row[l], acc[l]);
-            }
-        }
-        for l in 0..KB {
-            out[l] = acc[l] * scale;
-        }
-    } else {
-        let acc = &mut out[..n];
-        acc.fill(0.0);
-        for (c, &xc) in x.iter().enumerate() {
-            let row = &t[c * skv + lo..][..n];
-            for (a, &k) in acc.iter_mut().zip(row) {
-                *a = xc.mul_add(k, *a);
-            }
-        }
-        for a in acc.iter_mut() {
-            *a *= scale;
-        }
-    }
-}
-
-/// Key blocks `lo..hi` split at multiples of [`KB`] (aligned to the same grid in every kernel).
-fn key_blocks(keys: std::ops::Range<usize>) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let mut lo = keys.start;
-    std::iter::from_fn(move || {
-        (lo < keys.end).then(|| {
-            let hi = ((lo / KB + 1) * KB).min(keys.end);
-            let r = lo..hi;
-            lo = hi;
-            r
-        })
-    })
-}
-
-/// `dst += Σᵢ coef[i] · row(i)` over `d = dst.len()` columns, in tiles of 64 (then 16, then 1)
-/// columns whose accumulators stay in registers across the rows (no store-to-load chain).
-/// Each element is summed over `i` in order whatever the tile, so results do not depend on `d`'s
-/// split.
-#[inline(always)]
-fn axpy_rows<'a>(dst: &mut [f32], coef: &[f32], row: impl Fn(usize) -> &'a [f32]) {
-    #[inline(always)]
-    fn tiles<'a, const W: usize>(
-        dst: &mut [f32],
-        c0: &mut usize,
-        coef: &[f32],
-        row: &impl Fn(usize) -> &'a [f32],
-    ) {
-        while *c0 + W <= dst.len() {
-            let mut acc = [0f32; W];
-            acc.copy_from_slice(&dst[*c0..*c0 + W]);
-            for (i, &w) in coef.iter().enumerate() {
-                let r = &row(i)[*c0..*c0 + W];
-                for l in 0..W {
-                    acc[l] = w.mul_add(r[l], acc[l]);
-                }
-            }
-            dst[*c0..*c0 + W].copy_from_slice(&acc);
-            *c0 += W;
-        }
-    }
-    let mut c0 = 0;
-    tiles::<64>(dst, &mut c0, coef, &row);
-    tiles::<16>(dst, &mut c0, coef, &row);
-    tiles::<1>(dst, &mut c0, coef, &row);
+fn block_dots(x: &[&[f32]; RQ], t: &[f32], skv_pad: usize, p0: usize) -> [[f32; KB]; RQ] {
+    let mut acc = [[0f32; KB]; RQ];
+    tile_update(
+        &mut acc,
+        x[0].len(),
+        |r, c| x[r][c],
+        |c| &t[c * skv_pad + p0..],
+    );
+    acc
 }
 
 fn check_dims(q: &[f32], k: &[f32], v: &[f32], dims: &AttentionDims) {
@@ -245,17 +231,19 @@ fn check_dims(q: &[f32], k: &[f32], v: &[f32], dims: &AttentionDims) {
         q.len() == sq * b * a * d,
         "attention: q is not [sq, b, a, d]"
     );
+    let kv = skv * b * g * d;
     assert!(
-        k.len() >= skv * b * g * d && v.len() >= skv * b * g * d,
-        "attention: k/v too short"
+        k.len() >= kv && v.len() >= kv,
+        "attention: k/v shorter than [skv, b, g, d]"
     );
 }
 
 /// [`core_attention`] for training: the same `out: [sq, b, a, d]`, plus the per-row softmax
 /// statistic `lse: [sq, b, a]` (**overwritten**), `lse = log Σⱼ exp(sⱼ)` over the visible keys
 /// with `s = q·kᵀ/√d` — what [`core_attention_backward`] needs besides `q, k, v, out`
-/// (FlashAttention-2's saved `L`, Dao 2023). Deterministic; keys and values are read in
-/// blocks of 64 transposed keys so the dot products vectorize.
+/// (FlashAttention-2's saved `L`, Dao 2023). Deterministic. Tiles of 4 query rows (of one
+/// batch and group) times 64 keys are register-tiled products, so each key and value row read
+/// serves four query rows.
 ///
 /// # Panics
 /// On inconsistent dims or slice lengths (caller bugs), as [`core_attention`].
@@ -271,71 +259,78 @@ pub fn core_attention_forward_train(
     check_dims(q, k, v, &dims);
     assert!(out.len() == q.len() && lse.len() * dims.head_dim == q.len());
     let tr = Transposed::new(k, v, &dims);
-    out.par_chunks_mut(dims.head_dim)
-        .zip(lse.par_iter_mut())
+    let rows = dims.batch * dims.heads;
+    out.par_chunks_mut(TQ * rows * dims.head_dim)
+        .zip(lse.par_chunks_mut(TQ * rows))
         .enumerate()
-        .for_each_init(Vec::new, |scores, (row, (o, lse))| {
-            *lse = forward_row(q, v, &tr, row, o, scores, &dims, mask);
+        .for_each_init(Vec::new, |scores, (ci, (o, l))| {
+            forward_chunk(q, v, &tr, ci * TQ, o, l, scores, &dims, mask);
         });
 }
 
 multiversion! {
-    /// One query row of the training forward; returns its log-sum-exp.
-    fn forward_row(
+    /// Time steps `t0..` (as many as `lse` holds) of the training forward.
+    fn forward_chunk(
         q: &[f32],
         v: &[f32],
         tr: &Transposed,
-        row: usize,
-        o: &mut [f32],
+        t0: usize,
+        out: &mut [f32],
+        lse: &mut [f32],
         scores: &mut Vec<f32>,
         dims: &AttentionDims,
         mask: AttentionMask,
-    ) -> f32 {
-        let AttentionDims { skv, batch: b, heads: a, groups: g, head_dim: d, q_offset, .. } = *dims;
-        let (t, j, h) = (row / (b * a), (row / a) % b, row % a);
-        let gh = h / (a / g);
-        let (kt, _) = tr.group(j, gh, dims);
-        let qr = &q[row * d..][..d];
-        let keys = mask.key_range(q_offset + t);
+    ) {
+        let AttentionDims { batch: b, heads: a, groups: g, head_dim: d, .. } = *dims;
+        let (row0, n_rows) = (t0 * b * a, lse.len() / (b * a) * (a / g));
         let scale = 1.0 / (d as f32).sqrt();
-        scores.resize(keys.len(), 0.0);
-        let mut buf = [0f32; KB];
-        for blk in key_blocks(keys.clone()) {
-            let n = blk.len();
-            let off = blk.start - keys.start;
-            block_dots(qr, kt, skv, blk, scale, &mut buf);
-            scores[off..off + n].copy_from_slice(&buf[..n]);
-        }
-        // Max and Σ exp with 16 partial results (vectorizes; fixed order).
-        let mut acc = [f32::NEG_INFINITY; 16];
-        let mut chunks = scores.chunks_exact(16);
-        for c in &mut chunks {
-            for l in 0..16 {
-                acc[l] = acc[l].max(c[l]);
+        for jg in 0..b * g {
+            let (kt, _) = tr.group(jg, d);
+            let v_row = |p: usize| &v[(p * b * g + jg) * d..][..d];
+            for i0 in (0..n_rows).step_by(RQ) {
+                let tile = Tile::new(t0, i0, RQ.min(n_rows - i0), jg, dims, mask);
+                let keys = tile.keys();
+                let b0 = keys.start / KB * KB;
+                let width = keys.end.div_ceil(KB) * KB - b0;
+                scores.resize(RQ * width, 0.0);
+                let x = tile.rows(q, d);
+                for p0 in (b0..b0 + width).step_by(KB) {
+                    let s = block_dots(&x, kt, tr.skv_pad, p0);
+                    for (r, s) in s.iter().enumerate() {
+                        let dst = &mut scores[r * width + p0 - b0..][..KB];
+                        for (l, (o, &s)) in dst.iter_mut().zip(s).enumerate() {
+                            let vis = p0 + l >= tile.lo[r] && p0 + l < tile.hi[r];
+                            *o = if vis { s * scale } else { f32::NEG_INFINITY };
+                        }
+                    }
+                }
+                // Softmax numerators in place over the tile's keys; padding rows become 0.
+                let mut inv = [0f32; RQ];
+                for r in 0..RQ {
+                    let s = &mut scores[r * width + keys.start - b0..][..keys.len()];
+                    if r >= tile.n {
+                        s.fill(0.0);
+                        continue;
+                    }
+                    let (max, sum) = exp_in_place_normalizer(s);
+                    inv[r] = 1.0 / sum;
+                    lse[tile.row[r] - row0] = max + sum.ln();
+                }
+                let off = keys.start - b0;
+                tile_rows_product::<RQ>(
+                    d,
+                    keys.len(),
+                    |r, i| scores[r * width + off + i],
+                    |i| v_row(keys.start + i),
+                    |r, c0, vals| {
+                        if r < tile.n {
+                            let o = &mut out[(tile.row[r] - row0) * d + c0..][..vals.len()];
+                            o.iter_mut().zip(vals).for_each(|(o, &x)| *o = x * inv[r]);
+                        }
+                    },
+                );
             }
         }
-        let max = chunks.remainder().iter().chain(&acc).copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut acc = [0f32; 16];
-        let mut chunks = scores.chunks_exact_mut(16);
-        for c in &mut chunks {
-            for l in 0..16 {
-                c[l] = fast_exp(c[l] - max);
-                acc[l] += c[l];
-            }
-        }
-        let mut sum: f32 = acc.iter().sum();
-        for x in chunks.into_remainder() {
-            *x = fast_exp(*x - max);
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
-        o.fill(0.0);
-        let k0 = keys.start;
-        axpy_rows(o, scores, |i| &v[(((k0 + i) * b + j) * g + gh) * d..][..d]);
-        for x in o.iter_mut() {
-            *x *= inv;
-        }
-        max + sum.ln()
     }
 }
 
@@ -349,10 +344,10 @@ multiversion! {
 /// `skv` positions are read); `dk, dv: [skv, b, g, d]` exactly; `lse: [sq, b, a]`. `dq`, `dk`
 /// and `dv` are **overwritten** (keys no query sees get 0).
 ///
-/// Parallel and deterministic: a first pass computes `dQ` (and `δ`) per query row; a second
-/// pass computes `dK, dV` per (batch, group, block of 64 keys) by recomputing `P` and `dS`
-/// for the queries that see the block, in a fixed order. Results are bitwise reproducible
-/// for any thread count.
+/// Parallel and deterministic: a first pass computes `dQ` (and `δ`) for tiles of query rows; a
+/// second pass computes `dK, dV` per (batch, group, block of 64 keys), recomputing `P` and `dS`
+/// for the queries that see the block, in a fixed order. Results are bitwise reproducible for
+/// any thread count. Products are register-tiled as in the forward.
 ///
 /// # Panics
 /// On inconsistent dims or slice lengths (caller bugs).
@@ -374,6 +369,7 @@ pub fn core_attention_backward(
     let AttentionDims {
         skv,
         batch: b,
+        heads: a,
         groups: g,
         head_dim: d,
         ..
@@ -389,18 +385,19 @@ pub fn core_attention_backward(
     let io = BackwardInputs {
         q,
         k,
-        out,
         dout,
         lse,
         tr: &tr,
     };
 
-    // Pass 1: dQ and δ per query row.
+    // Pass 1: δ, then dQ for tiles of query rows.
     let mut delta = vec![0f32; lse.len()];
-    dq.par_chunks_mut(d)
-        .zip(delta.par_iter_mut())
+    delta.par_iter_mut().enumerate().for_each(|(r, x)| {
+        *x = dot(&dout[r * d..][..d], &out[r * d..][..d]);
+    });
+    dq.par_chunks_mut(TQ * b * a * d)
         .enumerate()
-        .for_each(|(row, (dqr, delta))| *delta = dq_row(&io, row, dqr, &dims, mask));
+        .for_each(|(ci, dqc)| dq_chunk(&io, &delta, ci * TQ, dqc, &dims, mask));
 
     // Pass 2: dK, dV per (batch, group, key block), into [b, g, skv, d] scratch.
     let mut dk_s = vec![0f32; kv_len];
@@ -412,9 +409,8 @@ pub fn core_attention_backward(
             dkg.par_chunks_mut(KB * d)
                 .zip(dvg.par_chunks_mut(KB * d))
                 .enumerate()
-                .for_each(|(blk, (dkb, dvb))| {
-                    let keys = blk * KB..(blk * KB + KB).min(skv);
-                    dkv_block(&io, &delta, jg, keys, dkb, dvb, &dims, mask);
+                .for_each_init(Vec::new, |buf, (blk, (dkb, dvb))| {
+                    dkv_block(&io, &delta, jg, blk * KB, dkb, dvb, buf, &dims, mask);
                 });
         });
 
@@ -430,97 +426,118 @@ pub fn core_attention_backward(
 struct BackwardInputs<'a> {
     q: &'a [f32],
     k: &'a [f32],
-    out: &'a [f32],
     dout: &'a [f32],
     lse: &'a [f32],
     tr: &'a Transposed,
 }
 
+/// `P` and `dS = P ⊙ (dP − δ)` of a tile against keys `p0..p0 + KB` (0 where not visible).
+#[inline(always)]
+fn probs_and_dscores(
+    io: &BackwardInputs,
+    delta: &[f32],
+    tile: &Tile,
+    jg: usize,
+    p0: usize,
+    d: usize,
+) -> ([[f32; KB]; RQ], [[f32; KB]; RQ]) {
+    let (kt, vt) = io.tr.group(jg, d);
+    let mut p = block_dots(&tile.rows(io.q, d), kt, io.tr.skv_pad, p0);
+    let mut ds = block_dots(&tile.rows(io.dout, d), vt, io.tr.skv_pad, p0);
+    let scale = 1.0 / (d as f32).sqrt();
+    for r in 0..RQ {
+        let (lse, dl) = (io.lse[tile.row[r]], delta[tile.row[r]]);
+        for l in 0..KB {
+            let vis = p0 + l >= tile.lo[r] && p0 + l < tile.hi[r];
+            let pr = if vis {
+                fast_exp(p[r][l] * scale - lse)
+            } else {
+                0.0
+            };
+            p[r][l] = pr;
+            ds[r][l] = pr * (ds[r][l] - dl);
+        }
+    }
+    (p, ds)
+}
+
 multiversion! {
-    /// `dq` of one query row; returns `δ = Σ dO ⊙ O`.
-    fn dq_row(io: &BackwardInputs, row: usize, dqr: &mut [f32], dims: &AttentionDims, mask: AttentionMask) -> f32 {
-        let AttentionDims { skv, batch: b, heads: a, groups: g, head_dim: d, q_offset, .. } = *dims;
-        let (t, j, h) = (row / (b * a), (row / a) % b, row % a);
-        let gh = h / (a / g);
-        let (kt, vt) = io.tr.group(j, gh, dims);
-        let (qr, dor, or) = (&io.q[row * d..][..d], &io.dout[row * d..][..d], &io.out[row * d..][..d]);
-        let delta = dot(dor, or);
-        let lse = io.lse[row];
-        let scale = 1.0 / (d as f32).sqrt();
-        let (mut s, mut dp) = ([0f32; KB], [0f32; KB]);
-        dqr.fill(0.0);
-        for blk in key_blocks(mask.key_range(q_offset + t)) {
-            block_dots(qr, kt, skv, blk.clone(), scale, &mut s);
-            block_dots(dor, vt, skv, blk.clone(), 1.0, &mut dp);
-            let n = blk.len();
-            for (s, &dp) in s[..n].iter_mut().zip(&dp[..n]) {
-                *s = fast_exp(*s - lse) * (dp - delta); // dS
+    /// `dq` rows of time steps `t0..` (as many as `dq` holds).
+    fn dq_chunk(io: &BackwardInputs, delta: &[f32], t0: usize, dq: &mut [f32], dims: &AttentionDims, mask: AttentionMask) {
+        let AttentionDims { batch: b, heads: a, groups: g, head_dim: d, .. } = *dims;
+        let (row0, n_rows) = (t0 * b * a, dq.len() / (b * a * d) * (a / g));
+        dq.fill(0.0);
+        for jg in 0..b * g {
+            let k_row = |p: usize| &io.k[(p * b * g + jg) * d..][..d];
+            for i0 in (0..n_rows).step_by(RQ) {
+                let tile = Tile::new(t0, i0, RQ.min(n_rows - i0), jg, dims, mask);
+                let keys = tile.keys();
+                for p0 in (keys.start / KB * KB..keys.end).step_by(KB) {
+                    let (_, ds) = probs_and_dscores(io, delta, &tile, jg, p0, d);
+                    let (lo, hi) = (p0.max(keys.start), (p0 + KB).min(keys.end));
+                    tile_rows_product::<RQ>(d, hi - lo, |r, i| ds[r][lo - p0 + i], |i| k_row(lo + i), |r, c0, vals| {
+                        if r < tile.n {
+                            let o = &mut dq[(tile.row[r] - row0) * d + c0..][..vals.len()];
+                            o.iter_mut().zip(vals).for_each(|(o, &x)| *o += x);
+                        }
+                    });
+                }
             }
-            let k0 = blk.start;
-            axpy_rows(dqr, &s[..n], |i| &io.k[(((k0 + i) * b + j) * g + gh) * d..][..d]);
         }
-        for o in dqr.iter_mut() {
-            *o *= scale;
-        }
-        delta
+        let scale = 1.0 / (d as f32).sqrt();
+        dq.iter_mut().for_each(|x| *x *= scale);
     }
 }
 
 multiversion! {
-    /// `dk, dv: [keys.len(), d]` of one key block of batch/group `jg = j·g + gh`.
+    /// `dk, dv: [keys, d]` of the key block starting at `p0` of batch/group `jg`.
     fn dkv_block(
         io: &BackwardInputs,
         delta: &[f32],
         jg: usize,
-        keys: std::ops::Range<usize>,
+        p0: usize,
         dk: &mut [f32],
         dv: &mut [f32],
+        buf: &mut Vec<f32>,
         dims: &AttentionDims,
         mask: AttentionMask,
     ) {
-        let AttentionDims { sq, skv, batch: b, heads: a, groups: g, head_dim: d, q_offset } = *dims;
-        let (j, gh, hpg) = (jg / g, jg % g, a / g);
-        let (kt, vt) = io.tr.group(j, gh, dims);
-        let scale = 1.0 / (d as f32).sqrt();
-        // Queries at positions q_offset + t that can see some key in the block.
+        let AttentionDims { sq, heads: a, groups: g, head_dim: d, q_offset, .. } = *dims;
+        let (nk, hpg) = (dk.len() / d, a / g);
+        dk.fill(0.0);
+        dv.fill(0.0);
         // Query position `pos` sees key `p` iff `pos + 1 - w <= p <= pos`.
-        let last_pos = match mask.sliding_window {
-            Some(w) => (keys.end + w).saturating_sub(2),
-            None => usize::MAX,
-        };
-        let first_t = keys.start.saturating_sub(q_offset);
-        let end_t = match last_pos.checked_sub(q_offset) {
-            Some(last_t) => sq.min(last_t.saturating_add(1)),
-            None => 0,
-        };
-        let (mut s, mut dp) = ([0f32; KB], [0f32; KB]);
-        for t in first_t..end_t {
-            let visible = mask.key_range(q_offset + t);
-            let lo = visible.start.max(keys.start);
-            let hi = visible.end.min(keys.end);
-            if lo >= hi {
-                continue;
+        let last_pos = mask.sliding_window.map_or(usize::MAX, |w| (p0 + nk + w).saturating_sub(2));
+        let first_t = p0.saturating_sub(q_offset);
+        let end_t = last_pos.checked_sub(q_offset).map_or(0, |t| sq.min(t.saturating_add(1)));
+        let n_rows = end_t.saturating_sub(first_t) * hpg;
+        buf.resize(2 * QC * KB, 0.0);
+        let (pbuf, dsbuf) = buf.split_at_mut(QC * KB);
+        let mut rows = [0usize; QC];
+        for c0 in (0..n_rows).step_by(QC) {
+            let nc = QC.min(n_rows - c0);
+            for i0 in (0..nc).step_by(RQ) {
+                let tile = Tile::new(first_t, c0 + i0, RQ.min(nc - i0), jg, dims, mask);
+                let (p, ds) = probs_and_dscores(io, delta, &tile, jg, p0, d);
+                for r in 0..tile.n {
+                    rows[i0 + r] = tile.row[r];
+                    pbuf[(i0 + r) * KB..][..KB].copy_from_slice(&p[r]);
+                    dsbuf[(i0 + r) * KB..][..KB].copy_from_slice(&ds[r]);
+                }
             }
-            for h in gh * hpg..(gh + 1) * hpg {
-                let row = (t * b + j) * a + h;
-                let (qr, dor) = (&io.q[row * d..][..d], &io.dout[row * d..][..d]);
-                let (lse, dl) = (io.lse[row], delta[row]);
-                block_dots(qr, kt, skv, lo..hi, scale, &mut s);
-                block_dots(dor, vt, skv, lo..hi, 1.0, &mut dp);
-                for i in 0..hi - lo {
-                    let p = fast_exp(s[i] - lse);
-                    let ds = p * (dp[i] - dl);
-                    let r = (lo - keys.start + i) * d;
-                    for ((dv, dk), (&x, &y)) in dv[r..r + d].iter_mut().zip(&mut dk[r..r + d]).zip(dor.iter().zip(qr)) {
-                        *dv = p.mul_add(x, *dv);
-                        *dk = ds.mul_add(y, *dk);
-                    }
+            for k0 in (0..nk).step_by(RQ) {
+                for (dst, coef, x) in [(&mut *dv, &*pbuf, io.dout), (&mut *dk, &*dsbuf, io.q)] {
+                    tile_rows_product::<RQ>(d, nc, |r, i| coef[i * KB + k0 + r], |i| &x[rows[i] * d..][..d], |r, c, vals| {
+                        if k0 + r < nk {
+                            let o = &mut dst[(k0 + r) * d + c..][..vals.len()];
+                            o.iter_mut().zip(vals).for_each(|(o, &x)| *o += x);
+                        }
+                    });
                 }
             }
         }
-        for x in dk.iter_mut() {
-            *x *= scale;
-        }
+        let scale = 1.0 / (d as f32).sqrt();
+        dk.iter_mut().for_each(|x| *x *= scale);
     }
 }
 

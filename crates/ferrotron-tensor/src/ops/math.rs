@@ -173,6 +173,40 @@ pub(crate) fn sum_exp_shifted(x: &[f32], m: f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// Replaces `s` by `exp(s − max)` ([`fast_exp`]) and returns `(max, Σ exp(s − max))`, with 16
+/// partial maxima and sums in a fixed order: the softmax numerators and normalizer of a row
+/// (`log_sum_exp = max + ln(sum)`). `-inf` entries become 0 as long as one entry is finite.
+/// Inlined, so it vectorizes inside a [`multiversion!`](crate::multiversion) kernel.
+#[inline(always)]
+pub fn exp_in_place_normalizer(s: &mut [f32]) -> (f32, f32) {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let mut chunks = s.chunks_exact(16);
+    for c in &mut chunks {
+        for l in 0..16 {
+            acc[l] = acc[l].max(c[l]);
+        }
+    }
+    let max = chunks
+        .remainder()
+        .iter()
+        .chain(&acc)
+        .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut acc = [0f32; 16];
+    let mut chunks = s.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for l in 0..16 {
+            c[l] = fast_exp(c[l] - max);
+            acc[l] += c[l];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for x in chunks.into_remainder() {
+        *x = fast_exp(*x - max);
+        sum += *x;
+    }
+    (max, sum)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,6 +12,7 @@ mod norm;
 mod reduce;
 mod rope;
 mod softmax;
+mod tile;
 
 pub use activation::{swiglu, swiglu_backward, swiglu_packed, swiglu_packed_backward};
 pub use cross_entropy::{
@@ -20,8 +21,9 @@ pub use cross_entropy::{
 };
 pub use elementwise::{add_bias, add_bias_backward, add_inplace};
 pub use embedding::{embedding_backward, embedding_lookup};
-pub use math::{fast_exp, has_avx2_fma, has_avx512};
+pub use math::{exp_in_place_normalizer, fast_exp, has_avx2_fma, has_avx512};
 pub use norm::{rms_norm, rms_norm_backward};
 pub use reduce::{argmax, top_k};
 pub use rope::{RopeScaling, RopeTable};
 pub use softmax::{softmax_rows, softmax_rows_backward};
+pub use tile::{tile_rows_product, tile_update};
