@@ -313,11 +313,31 @@ fn multi_block_case_matches_f64_reference() {
         head_dim: 20,
         q_offset: 13,
     };
-    for window in [None, Some(70), Some(5)] {
+    check_against_reference(dims, &[None, Some(70), Some(5)], 22);
+}
+
+#[test]
+fn multi_head_wide_case_matches_f64_reference() {
+    // Plain multi-head attention (a = g, one head per group) with d = 80: a 64-wide and a
+    // 16-wide column tile.
+    let dims = AttentionDims {
+        sq: 70,
+        skv: 70,
+        batch: 1,
+        heads: 3,
+        groups: 3,
+        head_dim: 80,
+        q_offset: 0,
+    };
+    check_against_reference(dims, &[None, Some(33)], 24);
+}
+
+fn check_against_reference(dims: AttentionDims, windows: &[Option<usize>], seed: u64) {
+    for &window in windows {
         let mask = AttentionMask {
             sliding_window: window,
         };
-        let [q, k, v, dout] = inputs(&dims, 22);
+        let [q, k, v, dout] = inputs(&dims, seed);
         let got = run_f32(&q, &k, &v, &dout, dims, mask);
         let (out, lse) = forward_ref(&q, &k, &v, &dims, mask);
         check(&format!("w={window:?} forward out"), &got.out, &out, 1e-5);
