@@ -6,6 +6,7 @@ mod data;
 mod generate;
 mod model_dir;
 mod score;
+mod sft;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -39,6 +40,9 @@ enum Command {
     DatasetInfo(data::DatasetInfoArgs),
     /// Concatenate .bin/.idx datasets into one (tools/merge_datasets.py).
     MergeDatasets(data::MergeArgs),
+    /// Tokenize alpaca/chat SFT data with answer-only labels into an idxmap dataset (Pai's
+    /// build_idxmap_sft_dataset.py).
+    PreprocessSft(sft::PreprocessSftArgs),
 }
 
 /// Exit codes: 0 success, 1 error, 2 bad command line (clap), 3 finished with some bad input
@@ -60,6 +64,7 @@ fn main() -> ExitCode {
         Command::PreprocessData(a) => data::preprocess(a),
         Command::DatasetInfo(a) => data::info(a),
         Command::MergeDatasets(a) => data::merge(a),
+        Command::PreprocessSft(a) => sft::run(a),
     };
     match result {
         Ok(code) => code,

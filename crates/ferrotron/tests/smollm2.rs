@@ -265,3 +265,31 @@ fn preprocess_data_and_dataset_info_round_trip() {
         "{out}"
     );
 }
+
+#[test]
+fn preprocess_sft_writes_an_idxmap_dataset() {
+    let Some(dir) = model_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tmp.path().join("chitchat");
+    let chats = repo().join("fixtures/sft/chitchat_sample.jsonl");
+    let o = ferrotron(&[
+        "preprocess-sft",
+        "--input",
+        chats.to_str().unwrap(),
+        "--tokenizer",
+        dir.to_str().unwrap(),
+        "--output-prefix",
+        prefix.to_str().unwrap(),
+        "--max-padding-length",
+        "256",
+        "--pack",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ds =
+        ferrotron_data::sft::IdxmapSftDataset::open(&ferrotron_data::sft::idxmap_prefix(&prefix))
+            .unwrap();
+    assert!(!ds.is_empty());
+    let sample = ds.get(0).unwrap();
+    assert_eq!(sample.tokens.len(), 256);
+    assert!(sample.loss_mask.iter().any(|&m| m > 0.0) && sample.loss_mask.contains(&0.0));
+}
