@@ -38,7 +38,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
         let enc = self
             .inner
-            .encode(text, add_special_tokens)
+            .encode_fast(text, add_special_tokens)
             .map_err(|e| TokenizerError::Run(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
