@@ -64,6 +64,11 @@ impl GptModel {
         })
     }
 
+    /// The rotary tables (`[max_position_embeddings, d/2]` cos and sin).
+    pub fn rope(&self) -> &RopeTable {
+        &self.rope
+    }
+
     /// Runs `tokens: [s, b]` (Megatron order: token `t` of sequence `j` at `t·b + j`) after the
     /// `cache.len()` tokens already cached, appending their keys/values to `cache`.
     ///

@@ -7,12 +7,14 @@ mod error;
 pub mod families;
 mod gpt_model;
 mod kv_cache;
+pub mod train;
 mod transformer_layer;
 
 pub use config::{ModelFamily, TransformerConfig};
 pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
 pub use kv_cache::KvCache;
+pub use train::{LossStats, ParamInfo, TrainBatch};
 pub use transformer_layer::TransformerLayer;
 
 /// Result alias for model construction and forward passes.

@@ -21,6 +21,11 @@ impl Embedding {
         &self.weight
     }
 
+    /// The `[v, h]` table, mutable (training writes updated values; keep its shape).
+    pub fn weight_mut(&mut self) -> &mut Tensor {
+        &mut self.weight
+    }
+
     /// Hidden size `h`.
     pub fn hidden_size(&self) -> usize {
         self.weight.shape()[1]

@@ -47,6 +47,21 @@ impl Linear {
         self.bias.as_deref()
     }
 
+    /// The `[out, in]` weight, mutable (training writes updated values; keep its shape).
+    pub fn weight_mut(&mut self) -> &mut Tensor {
+        &mut self.weight
+    }
+
+    /// The `[out]` bias, mutable, if any.
+    pub fn bias_mut(&mut self) -> Option<&mut [f32]> {
+        self.bias.as_deref_mut()
+    }
+
+    /// The weight and the bias, both mutable at once.
+    pub fn parts_mut(&mut self) -> (&mut Tensor, Option<&mut [f32]>) {
+        (&mut self.weight, self.bias.as_deref_mut())
+    }
+
     /// `y[rows, out] = x[rows, in]·Wᵀ + b`. Backward needs `x` (for dW) and `W` (for dx).
     pub fn forward(&self, x: &[f32], y: &mut [f32]) {
         let (n, k) = (self.out_features(), self.in_features());

@@ -23,6 +23,16 @@ impl RmsNorm {
         &self.weight
     }
 
+    /// The `[h]` gain, mutable (training writes updated values).
+    pub fn weight_mut(&mut self) -> &mut [f32] {
+        &mut self.weight
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+
     /// `out[rows, h] = norm(x[rows, h])`. Backward needs `x` and the per-row `rstd`.
     pub fn forward(&self, x: &[f32], out: &mut [f32]) {
         rms_norm(x, &self.weight, self.eps, out, None);

@@ -1,0 +1,269 @@
+//! The training forward: the same math as [`GptModel::forward`] without a KV cache, keeping
+//! each layer's activations for the backward (Megatron `TransformerLayer.forward` /
+//! `SelfAttention` / `MLP`, whose autograd graph saves the same tensors), then the fused
+//! cross entropy that turns the logits into their gradient.
+
+use super::{LossStats, TrainBatch};
+use crate::{GptModel, Result, TransformerConfig, TransformerLayer};
+use ferrotron_nn::attention::{AttentionDims, AttentionMask, core_attention_forward_train};
+use ferrotron_tensor::gemm::matmul_weight_t;
+use ferrotron_tensor::ops::{
+    RopeTable, add_inplace, cross_entropy_fused_inplace, rms_norm, swiglu_packed,
+};
+
+/// What one decoder layer's backward needs, all over `rows = s·b` tokens in `[s, b]` order.
+/// q and k are saved **after** rotary embedding (what core attention consumed); the backward
+/// rotates their gradients back with [`RopeTable::apply_inverse`].
+pub(crate) struct LayerActs {
+    /// Layer input (residual stream) `[rows, h]`.
+    pub x: Vec<f32>,
+    /// `1/rms` of `x` per row `[rows]`.
+    pub rstd1: Vec<f32>,
+    /// `input_layernorm(x)` `[rows, h]` (input of `linear_qkv`).
+    pub norm1: Vec<f32>,
+    /// Queries after rope `[rows, a, d]`.
+    pub q: Vec<f32>,
+    /// Keys after rope `[rows, g, d]`.
+    pub k: Vec<f32>,
+    /// Values `[rows, g, d]`.
+    pub v: Vec<f32>,
+    /// Core attention output `[rows, a·d]` (input of `linear_proj`).
+    pub ctx: Vec<f32>,
+    /// Softmax log-sum-exp per query row and head `[rows, a]`.
+    pub lse: Vec<f32>,
+    /// Residual stream after attention `[rows, h]`.
+    pub x_mid: Vec<f32>,
+    /// `1/rms` of `x_mid` `[rows]`.
+    pub rstd2: Vec<f32>,
+    /// `pre_mlp_layernorm(x_mid)` `[rows, h]` (input of `linear_fc1`).
+    pub norm2: Vec<f32>,
+    /// `linear_fc1` output `[rows, 2f]` (rows `[gate | up]`).
+    pub fc1: Vec<f32>,
+    /// SwiGLU output `[rows, f]` (input of `linear_fc2`).
+    pub act: Vec<f32>,
+}
+
+/// Everything the backward of one micro-batch reads.
+pub(crate) struct Activations {
+    pub layers: Vec<LayerActs>,
+    /// Rotary position of each row `[rows]`.
+    pub positions: Vec<usize>,
+    /// Residual stream after the last layer `[rows, h]`.
+    pub x_final: Vec<f32>,
+    /// `1/rms` of `x_final` `[rows]`.
+    pub rstd_final: Vec<f32>,
+    /// `final_layernorm(x_final)` `[rows, h]` (input of the output layer).
+    pub normed_final: Vec<f32>,
+    /// Logits `[rows, v]`, turned into `∂(loss_scale·loss)/∂logits` by the loss.
+    pub dlogits: Vec<f32>,
+}
+
+impl GptModel {
+    /// Embedding, every layer and the final norm, saving activations; logits in `dlogits`.
+    pub(crate) fn train_forward(&self, batch: &TrainBatch) -> Result<Activations> {
+        let c = &self.config;
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let rows = batch.tokens.len();
+        let mut x = vec![0f32; rows * h];
+        self.embedding.forward(&batch.tokens, &mut x)?;
+        let positions = batch.row_positions();
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let (acts, out) = layer_forward(layer, c, self.rope(), &positions, batch, x);
+            layers.push(acts);
+            x = out;
+        }
+        let mut rstd_final = vec![0f32; rows];
+        let mut normed_final = vec![0f32; rows * h];
+        let fln = &self.final_layernorm;
+        rms_norm(
+            &x,
+            fln.weight(),
+            fln.eps(),
+            &mut normed_final,
+            Some(&mut rstd_final),
+        );
+        let weight = match &self.output_layer {
+            Some(l) => l.weight(),
+            None => self.embedding.weight(),
+        };
+        let mut dlogits = vec![0f32; rows * v];
+        matmul_weight_t(
+            &normed_final,
+            weight.weight_ref(),
+            &mut dlogits,
+            rows,
+            v,
+            h,
+            false,
+        );
+        Ok(Activations {
+            layers,
+            positions,
+            x_final: x,
+            rstd_final,
+            normed_final,
+            dlogits,
+        })
+    }
+
+    /// Cross entropy of the logits in `acts.dlogits` (Megatron's masked mean), replacing them
+    /// with the gradient of `loss_scale · loss`.
+    pub(crate) fn loss_and_logit_grad(
+        &self,
+        batch: &TrainBatch,
+        acts: &mut Activations,
+        loss_scale: f32,
+    ) -> Result<LossStats> {
+        let rows = batch.tokens.len();
+        let count = batch.loss_token_count();
+        let dl = if count > 0.0 {
+            (loss_scale as f64 / count) as f32
+        } else {
+            0.0
+        };
+        let dloss = vec![dl; rows];
+        let mut losses = vec![0f32; rows];
+        cross_entropy_fused_inplace(
+            &mut acts.dlogits,
+            &batch.labels,
+            batch.loss_mask.as_deref(),
+            &dloss,
+            &mut losses,
+            self.config.vocab_size,
+        )?;
+        let loss_sum: f64 = losses.iter().map(|&l| l as f64).sum();
+        let loss = if count > 0.0 {
+            (loss_sum / count) as f32
+        } else {
+            0.0
+        };
+        Ok(LossStats {
+            loss,
+            loss_sum,
+            loss_count: count,
+        })
+    }
+}
+
+/// Attention dims and mask of a fresh causal pass over the batch.
+pub(crate) fn attention_dims(
+    c: &TransformerConfig,
+    batch: &TrainBatch,
+) -> (AttentionDims, AttentionMask) {
+    (
+        AttentionDims {
+            sq: batch.seq,
+            skv: batch.seq,
+            batch: batch.micro_batch,
+            heads: c.num_attention_heads,
+            groups: c.num_query_groups,
+            head_dim: c.kv_channels,
+            q_offset: 0,
+        },
+        AttentionMask {
+            sliding_window: c.sliding_window,
+        },
+    )
+}
+
+/// One layer on the residual stream `x: [rows, h]` (consumed and saved); returns the saved
+/// activations and the layer output.
+fn layer_forward(
+    layer: &TransformerLayer,
+    c: &TransformerConfig,
+    rope: &RopeTable,
+    positions: &[usize],
+    batch: &TrainBatch,
+    x: Vec<f32>,
+) -> (LayerActs, Vec<f32>) {
+    let (h, a, g, d, f) = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_query_groups,
+        c.kv_channels,
+        c.ffn_hidden_size,
+    );
+    let rows = positions.len();
+    let n1 = &layer.input_layernorm;
+    let mut rstd1 = vec![0f32; rows];
+    let mut norm1 = vec![0f32; rows * h];
+    rms_norm(&x, n1.weight(), n1.eps(), &mut norm1, Some(&mut rstd1));
+    let mut qkv = vec![0f32; rows * c.qkv_size()];
+    layer.linear_qkv.forward(&norm1, &mut qkv);
+    let mut q = vec![0f32; rows * a * d];
+    let mut k = vec![0f32; rows * g * d];
+    let mut v = vec![0f32; rows * g * d];
+    split_qkv(&qkv, c, &mut q, &mut k, &mut v);
+    drop(qkv);
+    rope.apply(&mut q, positions, a);
+    rope.apply(&mut k, positions, g);
+    let mut ctx = vec![0f32; rows * a * d];
+    let mut lse = vec![0f32; rows * a];
+    let (dims, mask) = attention_dims(c, batch);
+    core_attention_forward_train(&q, &k, &v, &mut ctx, &mut lse, dims, mask);
+    let mut x_mid = x.clone();
+    let mut out = vec![0f32; rows * h];
+    layer.linear_proj.forward(&ctx, &mut out);
+    add_inplace(&mut x_mid, &out);
+    let n2 = &layer.pre_mlp_layernorm;
+    let mut rstd2 = vec![0f32; rows];
+    let mut norm2 = vec![0f32; rows * h];
+    rms_norm(&x_mid, n2.weight(), n2.eps(), &mut norm2, Some(&mut rstd2));
+    let mut fc1 = vec![0f32; rows * 2 * f];
+    let mut act = vec![0f32; rows * f];
+    layer.mlp.linear_fc1.forward(&norm2, &mut fc1);
+    swiglu_packed(&fc1, &mut act, f);
+    layer.mlp.linear_fc2.forward(&act, &mut out);
+    let mut y = x_mid.clone();
+    add_inplace(&mut y, &out);
+    let acts = LayerActs {
+        x,
+        rstd1,
+        norm1,
+        q,
+        k,
+        v,
+        ctx,
+        lse,
+        x_mid,
+        rstd2,
+        norm2,
+        fc1,
+        act,
+    };
+    (acts, y)
+}
+
+/// Unpacks `qkv: [rows, g, a/g + 2, d]` into `q: [rows, a, d]`, `k, v: [rows, g, d]`.
+fn split_qkv(qkv: &[f32], c: &TransformerConfig, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
+    let (g, hpg, d) = (c.num_query_groups, c.heads_per_group(), c.kv_channels);
+    let group = (hpg + 2) * d;
+    for (r, row) in qkv.chunks_exact(g * group).enumerate() {
+        for (gi, grp) in row.chunks_exact(group).enumerate() {
+            q[(r * g + gi) * hpg * d..][..hpg * d].copy_from_slice(&grp[..hpg * d]);
+            k[(r * g + gi) * d..][..d].copy_from_slice(&grp[hpg * d..(hpg + 1) * d]);
+            v[(r * g + gi) * d..][..d].copy_from_slice(&grp[(hpg + 1) * d..]);
+        }
+    }
+}
+
+/// The inverse of [`split_qkv`]: packs `dq: [rows, a, d]`, `dk, dv: [rows, g, d]` into
+/// `dqkv: [rows, g, a/g + 2, d]` (**overwritten**).
+pub(crate) fn pack_qkv(
+    dq: &[f32],
+    dk: &[f32],
+    dv: &[f32],
+    c: &TransformerConfig,
+    dqkv: &mut [f32],
+) {
+    let (g, hpg, d) = (c.num_query_groups, c.heads_per_group(), c.kv_channels);
+    let group = (hpg + 2) * d;
+    for (r, row) in dqkv.chunks_exact_mut(g * group).enumerate() {
+        for (gi, grp) in row.chunks_exact_mut(group).enumerate() {
+            grp[..hpg * d].copy_from_slice(&dq[(r * g + gi) * hpg * d..][..hpg * d]);
+            grp[hpg * d..(hpg + 1) * d].copy_from_slice(&dk[(r * g + gi) * d..][..d]);
+            grp[(hpg + 1) * d..].copy_from_slice(&dv[(r * g + gi) * d..][..d]);
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! Training: the model's parameters as flat f32 views in a fixed order ([`ParamInfo`],
+//! [`GptModel::parameters`]) and one explicit forward + backward pass over a micro-batch
+//! ([`GptModel::forward_backward`]), llm.c style: the forward saves exactly what the backward
+//! needs per layer, the backward walks the layers in reverse.
+//!
+//! Mirrors Megatron-Core's `GPTModel.forward` + `loss_func` of `pretrain_gpt.py` at
+//! tensor/pipeline/context-parallel size 1: the loss is the mean cross entropy over the
+//! loss-masked tokens, `Σ mask·CE / Σ mask`.
+//!
+//! Data flow of the current design: the optimizer owns the f32 master weights and the
+//! gradients in its own flat buffers; each micro-batch's `forward_backward` **accumulates**
+//! (`+=`) into the gradient views, and after each optimizer step the trainer copies the
+//! updated master weights into the model with [`GptModel::load_parameters_from`] (rounded to
+//! the model's storage dtype when that is bf16/f16).
+//!
+//! Not done yet: per-document attention masks (Megatron's `reset_attention_mask`; position
+//! ids may be reset per document through [`TrainBatch::position_ids`], but attention stays
+//! causal over the whole sequence, as Megatron with `reset_position_ids` alone), activation
+//! recompute, buffer reuse across calls.
+
+mod backward;
+mod forward;
+mod params;
+
+pub use params::ParamInfo;
+
+use crate::{GptModel, ModelError, Result};
+use ferrotron_tensor::ops::IGNORE_INDEX;
+
+/// One micro-batch for [`GptModel::forward_backward`], every per-token field in Megatron's
+/// `[s, b]` order (token `t` of sequence `j` at index `t·b + j`). Use
+/// [`TrainBatch::from_batch_major`] for data in the data loader's `[b, s]` order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainBatch {
+    /// Input token ids `[s, b]`.
+    pub tokens: Vec<u32>,
+    /// Target ids `[s, b]` (the next token for language modeling); [`IGNORE_INDEX`] (-100)
+    /// marks a token without loss.
+    pub labels: Vec<i64>,
+    /// Per-token loss weight `[s, b]` (Megatron's `loss_mask`); `None` means all ones.
+    pub loss_mask: Option<Vec<f32>>,
+    /// Rotary position of each token `[s, b]`; `None` means `0..s` for every sequence.
+    pub position_ids: Option<Vec<usize>>,
+    /// Micro-batch size `b`.
+    pub micro_batch: usize,
+    /// Sequence length `s`.
+    pub seq: usize,
+}
+
+impl TrainBatch {
+    /// Builds a batch from `[b, s]`-ordered tokens, labels and optional loss mask (transposed
+    /// to `[s, b]`), with positions `0..s`.
+    ///
+    /// # Panics
+    /// When a slice is not `b·s` long (a caller bug).
+    pub fn from_batch_major(
+        tokens: &[u32],
+        labels: &[i64],
+        loss_mask: Option<&[f32]>,
+        micro_batch: usize,
+        seq: usize,
+    ) -> TrainBatch {
+        let n = micro_batch * seq;
+        assert!(
+            tokens.len() == n && labels.len() == n,
+            "batch is not [b, s]"
+        );
+        TrainBatch {
+            tokens: to_seq_major(tokens, micro_batch, seq),
+            labels: to_seq_major(labels, micro_batch, seq),
+            loss_mask: loss_mask.map(|m| {
+                assert_eq!(m.len(), n, "loss_mask is not [b, s]");
+                to_seq_major(m, micro_batch, seq)
+            }),
+            position_ids: None,
+            micro_batch,
+            seq,
+        }
+    }
+
+    /// `Σ loss_mask` over tokens whose label is not [`IGNORE_INDEX`]: the denominator of the
+    /// mean loss (for per-token loss across micro-batches, see
+    /// [`GptModel::forward_backward`]).
+    pub fn loss_token_count(&self) -> f64 {
+        self.labels
+            .iter()
+            .enumerate()
+            .filter(|&(_, &y)| y != IGNORE_INDEX)
+            .map(|(i, _)| self.loss_mask.as_ref().map_or(1.0, |m| m[i] as f64))
+            .sum()
+    }
+
+    fn validate(&self, model: &GptModel) -> Result<()> {
+        let n = self.micro_batch * self.seq;
+        let bad = |what: &str, len: usize| {
+            Err(ModelError::Input(format!(
+                "train batch: {what} has {len} entries, expected s·b = {}·{} = {n}",
+                self.seq, self.micro_batch
+            )))
+        };
+        if n == 0 {
+            return Err(ModelError::Input("train batch: empty".into()));
+        }
+        if self.tokens.len() != n {
+            return bad("tokens", self.tokens.len());
+        }
+        if self.labels.len() != n {
+            return bad("labels", self.labels.len());
+        }
+        if let Some(m) = &self.loss_mask
+            && m.len() != n
+        {
+            return bad("loss_mask", m.len());
+        }
+        let max_pos = model.rope().max_positions();
+        match &self.position_ids {
+            Some(p) if p.len() != n => return bad("position_ids", p.len()),
+            Some(p) => {
+                if let Some(&bad_pos) = p.iter().find(|&&x| x >= max_pos) {
+                    return Err(ModelError::Input(format!(
+                        "train batch: position id {bad_pos} >= max_position_embeddings {max_pos}"
+                    )));
+                }
+            }
+            None if self.seq > max_pos => {
+                return Err(ModelError::Input(format!(
+                    "train batch: sequence of {} tokens exceeds max_position_embeddings {max_pos}",
+                    self.seq
+                )));
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Position of every row `t·b + j`.
+    fn row_positions(&self) -> Vec<usize> {
+        match &self.position_ids {
+            Some(p) => p.clone(),
+            None => (0..self.seq)
+                .flat_map(|t| std::iter::repeat_n(t, self.micro_batch))
+                .collect(),
+        }
+    }
+}
+
+fn to_seq_major<T: Copy>(x: &[T], b: usize, s: usize) -> Vec<T> {
+    (0..s)
+        .flat_map(|t| (0..b).map(move |j| x[j * s + t]))
+        .collect()
+}
+
+/// The loss of one [`GptModel::forward_backward`] call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossStats {
+    /// Mean loss over the loss tokens, `loss_sum / loss_count` (0 when there are none).
+    pub loss: f32,
+    /// `Σ mask·CE` over the micro-batch (summed in f64).
+    pub loss_sum: f64,
+    /// `Σ mask` over tokens with a label ([`TrainBatch::loss_token_count`]).
+    pub loss_count: f64,
+}
+
+impl GptModel {
+    /// One training forward and backward pass over `batch` (no KV cache, causal attention with
+    /// the model's sliding window if any), returning the loss.
+    ///
+    /// `grads` holds one f32 slice per parameter in the order of [`GptModel::parameters`],
+    /// each [`ParamInfo::numel`] long; the gradient of `loss_scale · loss` is **accumulated**
+    /// into them (`+=`), so micro-batches add up. `loss` is the mean over this micro-batch's
+    /// loss tokens (`Σ mask·CE / Σ mask`, Megatron's default). For fp16 loss scaling pass the
+    /// scale; for the mean over a global batch of `M` equal micro-batches pass `1/M`; for
+    /// Megatron's `--calculate-per-token-loss` pass
+    /// `batch.loss_token_count() / total_loss_tokens_of_the_global_batch`.
+    /// With tied embeddings the output layer's gradient accumulates into the embedding's.
+    ///
+    /// # Errors
+    /// Malformed batch (lengths, positions beyond the rotary table, token ids `>= v`, labels
+    /// outside `0..v` other than -100) or gradient slices of the wrong count or length; `grads`
+    /// is untouched then.
+    pub fn forward_backward(
+        &self,
+        batch: &TrainBatch,
+        grads: &mut [&mut [f32]],
+        loss_scale: f32,
+    ) -> Result<LossStats> {
+        batch.validate(self)?;
+        let infos = self.parameters();
+        if infos.len() != grads.len() {
+            return Err(ModelError::Input(format!(
+                "{} gradient slices given, the model has {} parameters",
+                grads.len(),
+                infos.len()
+            )));
+        }
+        for (info, g) in infos.iter().zip(grads.iter()) {
+            if g.len() != info.numel() {
+                return Err(ModelError::Input(format!(
+                    "gradient of {}: {} elements, expected {}",
+                    info.name,
+                    g.len(),
+                    info.numel()
+                )));
+            }
+        }
+        // Run on a rayon worker so the many small parallel kernels start inline (as forward).
+        rayon::scope(|_| {
+            let mut acts = self.train_forward(batch)?;
+            let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
+            self.train_backward(batch, &acts, grads);
+            Ok(stats)
+        })
+    }
+}

@@ -1,0 +1,306 @@
+//! The trainable parameters of a [`GptModel`] in one fixed order with Megatron-Core names
+//! (`megatron/core/models/gpt/gpt_model.py` state-dict keys at tensor-parallel size 1), and
+//! copies between the model and flat f32 views (the optimizer's buffers).
+
+use crate::{GptModel, ModelError, Result};
+use ferrotron_nn::Linear;
+use ferrotron_tensor::{Storage, Tensor, convert_slice};
+
+/// One trainable parameter: its Megatron name, shape and the flags the optimizer needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// Megatron name, e.g. `decoder.layers.0.self_attention.linear_qkv.weight`.
+    pub name: String,
+    /// Shape (`[out, in]` for linear weights, `[v, h]` for the embedding, `[n]` for norms/biases).
+    pub shape: Vec<usize>,
+    /// A norm gain or a bias (no weight decay by default, as Megatron's
+    /// `no_weight_decay_cond`).
+    pub is_norm_or_bias: bool,
+    /// The word embedding (or the untied output layer): a `[v, h]` table.
+    pub is_embedding: bool,
+}
+
+impl ParamInfo {
+    /// Element count.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Indices into the parameter list of one decoder layer's parameters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LayerSlots {
+    pub norm1: usize,
+    pub qkv_w: usize,
+    pub qkv_b: Option<usize>,
+    pub proj_w: usize,
+    pub proj_b: Option<usize>,
+    pub norm2: usize,
+    pub fc1_w: usize,
+    pub fc1_b: Option<usize>,
+    pub fc2_w: usize,
+    pub fc2_b: Option<usize>,
+}
+
+/// Indices into the parameter list (the order of [`GptModel::parameters`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Slots {
+    pub embedding: usize,
+    pub layers: Vec<LayerSlots>,
+    pub final_norm: usize,
+    /// `None` when tied: the output layer's gradient goes to `embedding`.
+    pub output: Option<usize>,
+}
+
+/// A borrowed parameter: a tensor in its storage dtype or an f32 slice.
+enum View<'a> {
+    Tensor(&'a Tensor),
+    F32(&'a [f32]),
+}
+
+/// A mutably borrowed parameter.
+enum ViewMut<'a> {
+    Tensor(&'a mut Tensor),
+    F32(&'a mut [f32]),
+}
+
+impl GptModel {
+    /// Every trainable parameter, in the fixed order all flat views use: the embedding, then per
+    /// layer `input_layernorm`, `linear_qkv` (weight, bias), `linear_proj` (weight, bias),
+    /// `pre_mlp_layernorm`, `linear_fc1` (weight, bias), `linear_fc2` (weight, bias), then
+    /// `final_layernorm` and, when untied, `output_layer`. Biases appear only where the model
+    /// has them.
+    pub fn parameters(&self) -> Vec<ParamInfo> {
+        self.param_views().into_iter().map(|(p, _)| p).collect()
+    }
+
+    /// Copies every parameter, widened to f32, into `dst` (one slice per parameter in the order
+    /// of [`GptModel::parameters`], each exactly [`ParamInfo::numel`] long; **overwritten**).
+    ///
+    /// # Errors
+    /// A count or length mismatch.
+    pub fn copy_parameters_to(&self, dst: &mut [&mut [f32]]) -> Result<()> {
+        let views = self.param_views();
+        check_count(views.len(), dst.len())?;
+        for ((info, view), d) in views.into_iter().zip(dst.iter_mut()) {
+            check_len(&info, d.len())?;
+            match view {
+                View::F32(s) => d.copy_from_slice(s),
+                View::Tensor(t) => match t.storage() {
+                    Storage::F32(v) => d.copy_from_slice(v),
+                    _ => d.copy_from_slice(&t.to_f32_vec()),
+                },
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes every parameter from `src` (f32, same order and lengths as
+    /// [`GptModel::copy_parameters_to`]). Parameters stored in bf16/f16 are rounded to their
+    /// storage dtype (round-to-nearest-even); norms and biases are always f32.
+    ///
+    /// This is the current training design: the optimizer keeps the f32 master weights in its
+    /// own flat buffer and, after each step, copies them into the model with this function
+    /// (the model does not alias the optimizer's memory).
+    ///
+    /// # Errors
+    /// A count or length mismatch (nothing is written then).
+    pub fn load_parameters_from(&mut self, src: &[&[f32]]) -> Result<()> {
+        let infos = self.parameters();
+        check_count(infos.len(), src.len())?;
+        for (info, s) in infos.iter().zip(src) {
+            check_len(info, s.len())?;
+        }
+        for (view, s) in self.param_views_mut().into_iter().zip(src) {
+            match view {
+                ViewMut::F32(d) => d.copy_from_slice(s),
+                ViewMut::Tensor(t) => write_tensor(t, s)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Indices of each parameter in the [`GptModel::parameters`] order.
+    pub(crate) fn param_slots(&self) -> Slots {
+        let mut next = 0;
+        let mut take = || {
+            next += 1;
+            next - 1
+        };
+        let embedding = take();
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let norm1 = take();
+                let qkv_w = take();
+                let qkv_b = l.linear_qkv.bias().map(|_| take());
+                let proj_w = take();
+                let proj_b = l.linear_proj.bias().map(|_| take());
+                let norm2 = take();
+                let fc1_w = take();
+                let fc1_b = l.mlp.linear_fc1.bias().map(|_| take());
+                let fc2_w = take();
+                let fc2_b = l.mlp.linear_fc2.bias().map(|_| take());
+                LayerSlots {
+                    norm1,
+                    qkv_w,
+                    qkv_b,
+                    proj_w,
+                    proj_b,
+                    norm2,
+                    fc1_w,
+                    fc1_b,
+                    fc2_w,
+                    fc2_b,
+                }
+            })
+            .collect();
+        let final_norm = take();
+        let output = self.output_layer.as_ref().map(|_| take());
+        Slots {
+            embedding,
+            layers,
+            final_norm,
+            output,
+        }
+    }
+
+    fn param_views(&self) -> Vec<(ParamInfo, View<'_>)> {
+        let mut out = Vec::new();
+        let emb = self.embedding.weight();
+        out.push((
+            info("embedding.word_embeddings.weight", emb.shape(), false, true),
+            View::Tensor(emb),
+        ));
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("decoder.layers.{i}");
+            out.push(norm_view(&p, "input_layernorm", l.input_layernorm.weight()));
+            push_linear(
+                &mut out,
+                &format!("{p}.self_attention.linear_qkv"),
+                &l.linear_qkv,
+            );
+            push_linear(
+                &mut out,
+                &format!("{p}.self_attention.linear_proj"),
+                &l.linear_proj,
+            );
+            out.push(norm_view(
+                &p,
+                "pre_mlp_layernorm",
+                l.pre_mlp_layernorm.weight(),
+            ));
+            push_linear(&mut out, &format!("{p}.mlp.linear_fc1"), &l.mlp.linear_fc1);
+            push_linear(&mut out, &format!("{p}.mlp.linear_fc2"), &l.mlp.linear_fc2);
+        }
+        let fw = self.final_layernorm.weight();
+        out.push((
+            info("decoder.final_layernorm.weight", &[fw.len()], true, false),
+            View::F32(fw),
+        ));
+        if let Some(o) = &self.output_layer {
+            out.push((
+                info("output_layer.weight", o.weight().shape(), false, true),
+                View::Tensor(o.weight()),
+            ));
+        }
+        out
+    }
+
+    /// The same order as `param_views`, mutably.
+    fn param_views_mut(&mut self) -> Vec<ViewMut<'_>> {
+        let mut out = vec![ViewMut::Tensor(self.embedding.weight_mut())];
+        for l in self.layers.iter_mut() {
+            out.push(ViewMut::F32(l.input_layernorm.weight_mut()));
+            push_linear_mut(&mut out, &mut l.linear_qkv);
+            push_linear_mut(&mut out, &mut l.linear_proj);
+            out.push(ViewMut::F32(l.pre_mlp_layernorm.weight_mut()));
+            push_linear_mut(&mut out, &mut l.mlp.linear_fc1);
+            push_linear_mut(&mut out, &mut l.mlp.linear_fc2);
+        }
+        out.push(ViewMut::F32(self.final_layernorm.weight_mut()));
+        if let Some(o) = &mut self.output_layer {
+            out.push(ViewMut::Tensor(o.weight_mut()));
+        }
+        out
+    }
+}
+
+fn info(name: &str, shape: &[usize], is_norm_or_bias: bool, is_embedding: bool) -> ParamInfo {
+    ParamInfo {
+        name: name.to_string(),
+        shape: shape.to_vec(),
+        is_norm_or_bias,
+        is_embedding,
+    }
+}
+
+fn norm_view<'a>(prefix: &str, name: &str, w: &'a [f32]) -> (ParamInfo, View<'a>) {
+    (
+        info(&format!("{prefix}.{name}.weight"), &[w.len()], true, false),
+        View::F32(w),
+    )
+}
+
+fn push_linear<'a>(out: &mut Vec<(ParamInfo, View<'a>)>, prefix: &str, l: &'a Linear) {
+    out.push((
+        info(
+            &format!("{prefix}.weight"),
+            l.weight().shape(),
+            false,
+            false,
+        ),
+        View::Tensor(l.weight()),
+    ));
+    if let Some(b) = l.bias() {
+        out.push((
+            info(&format!("{prefix}.bias"), &[b.len()], true, false),
+            View::F32(b),
+        ));
+    }
+}
+
+fn push_linear_mut<'a>(out: &mut Vec<ViewMut<'a>>, l: &'a mut Linear) {
+    let (w, b) = l.parts_mut();
+    out.push(ViewMut::Tensor(w));
+    if let Some(b) = b {
+        out.push(ViewMut::F32(b));
+    }
+}
+
+/// Overwrites `t` with `src`, rounding to its storage dtype.
+fn write_tensor(t: &mut Tensor, src: &[f32]) -> Result<()> {
+    if let Ok(d) = t.as_f32_mut() {
+        d.copy_from_slice(src);
+        return Ok(());
+    }
+    let storage = match t.storage() {
+        Storage::BF16(_) => Storage::BF16(convert_slice(src)),
+        Storage::F16(_) => Storage::F16(convert_slice(src)),
+        Storage::F32(_) => unreachable!("handled above"),
+    };
+    *t = Tensor::new(t.shape(), storage)?;
+    Ok(())
+}
+
+fn check_count(want: usize, got: usize) -> Result<()> {
+    if want != got {
+        return Err(ModelError::Input(format!(
+            "{got} parameter slices given, the model has {want} parameters"
+        )));
+    }
+    Ok(())
+}
+
+fn check_len(info: &ParamInfo, got: usize) -> Result<()> {
+    if info.numel() != got {
+        return Err(ModelError::Input(format!(
+            "{}: slice of {got} elements, the parameter has {} ({:?})",
+            info.name,
+            info.numel(),
+            info.shape
+        )));
+    }
+    Ok(())
+}
