@@ -1,6 +1,6 @@
-//! Timing of one `forward_backward` on SmolLM2-135M (b=1, s=512), when the converted model is
-//! present at `.cache/smollm2-hf`. Not a test: run with
-//! `cargo test --release -p ferrotron-model --test train_timing -- --ignored --nocapture`.
+//! Benchmark: one `forward_backward` on SmolLM2-135M (b=1, s=512, f32), the model read from
+//! `FERROTRON_BENCH_MODEL` (default `.cache/smollm2-hf`, written by scripts/quickstart.sh):
+//! `cargo bench -p ferrotron-model --bench train_step`. Prints the median over 4 runs.
 
 use ferrotron_model::TrainBatch;
 use ferrotron_model::families::load_hf_model;
@@ -8,13 +8,21 @@ use ferrotron_tensor::DType;
 use std::path::PathBuf;
 use std::time::Instant;
 
-#[test]
-#[ignore = "timing on a local SmolLM2 copy"]
-fn smollm2_forward_backward_timing() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/smollm2-hf");
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() {
+    let dir = std::env::var_os("FERROTRON_BENCH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/smollm2-hf")
+        });
     if !dir.exists() {
-        eprintln!("skipped: {} not found", dir.display());
-        return;
+        eprintln!(
+            "{} not found: set FERROTRON_BENCH_MODEL to an HF model directory",
+            dir.display()
+        );
+        std::process::exit(2);
     }
     let (model, _) = load_hf_model(&dir, DType::F32).unwrap();
     let (b, s) = (1, 512);
