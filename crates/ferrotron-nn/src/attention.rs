@@ -3,7 +3,9 @@
 //! Mirrors HF `eager_attention_forward` in f32.
 
 use ferrotron_tensor::multiversion;
-use ferrotron_tensor::ops::{exp_in_place_normalizer, fast_exp, tile_rows_product, tile_update};
+use ferrotron_tensor::ops::{
+    dot, exp_in_place_normalizer, fast_exp, tile_rows_product, tile_update,
+};
 use rayon::prelude::*;
 
 /// Which keys each query sees: keys at positions `j <= i` (causal) and, with a window `w`,
@@ -539,22 +541,4 @@ multiversion! {
         let scale = 1.0 / (d as f32).sqrt();
         dk.iter_mut().for_each(|x| *x *= scale);
     }
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }

@@ -124,7 +124,7 @@ pub(crate) const LANES: usize = 32;
 /// `Σ x·y` with [`LANES`] partial sums in a fixed order (vectorizes; same result on every
 /// dispatch path).
 #[inline(always)]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ca

@@ -21,7 +21,7 @@ pub use cross_entropy::{
 };
 pub use elementwise::{add_bias, add_bias_backward, add_inplace};
 pub use embedding::{embedding_backward, embedding_lookup};
-pub use math::{exp_in_place_normalizer, fast_exp, has_avx2_fma, has_avx512};
+pub use math::{dot, exp_in_place_normalizer, fast_exp, has_avx2_fma, has_avx512};
 pub use norm::{rms_norm, rms_norm_backward};
 pub use reduce::{argmax, top_k};
 pub use rope::{RopeScaling, RopeTable};
