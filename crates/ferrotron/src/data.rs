@@ -11,6 +11,8 @@ use ferrotron_data::preprocess::{
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 #[derive(Args)]
 pub struct PreprocessArgs {
@@ -85,6 +87,13 @@ pub fn preprocess(a: PreprocessArgs) -> Result<ExitCode> {
         };
         cfg.append_eod = Some(resolve_eod(&choice, &tokenizer, &a.tokenizer)?);
     }
+    // Ctrl-C stops the run cleanly: the library removes its temporary files and nothing appears
+    // under the output names.
+    let cancel = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&cancel);
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))
+        .context("installing the Ctrl-C handler")?;
+    cfg.cancel = Some(cancel);
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template(
             "{bar:30} {bytes}/{total_bytes} [{elapsed_precise}<{eta_precise}] {msg}",
