@@ -1,0 +1,278 @@
+//! The raw `run.toml` sections as written by the user (serde, `deny_unknown_fields`), with
+//! Megatron's defaults. Every key carries a docstring (units, default, Megatron flag) that
+//! [`super::documented_keys`] exposes for `--help` / `--print-config`.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// One entry of a `data_path` list: a blend weight or a path prefix.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum BlendItem {
+    /// A blend weight (e.g. `0.3`).
+    Weight(f64),
+    /// A path prefix or file, or a weight written as a string (`"0.3"`).
+    Text(String),
+}
+
+/// `data_path`: a Megatron blend string (`"0.3 prefixA 0.7 prefixB"`) or a list of its tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DataPath {
+    /// Whitespace-separated tokens, exactly like Megatron's `--data-path`.
+    Blend(String),
+    /// The same tokens as a TOML list: `[0.3, "prefixA", 0.7, "prefixB"]` or `["prefixA"]`.
+    List(Vec<BlendItem>),
+}
+
+/// Declares one config section: the struct (with per-field docs), its `Default` (Megatron's
+/// defaults) and `KEYS`, the `(key, doc)` table used for help text.
+macro_rules! section {
+    ($(#[doc = $sdoc:literal])* $name:ident, $section:literal {
+        $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr, )*
+    }) => {
+        $(#[doc = $sdoc])*
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct $name {
+            $( $(#[doc = $doc])+ pub $field: $ty, )*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self { $( $field: $default, )* }
+            }
+        }
+
+        impl $name {
+            /// The TOML table name of this section.
+            pub const SECTION: &'static str = $section;
+            /// `(key, docstring)` for every key of this section, in declaration order.
+            pub const KEYS: &'static [(&'static str, &'static str)] =
+                &[ $( (stringify!($field), concat!($($doc, "\n"),+)), )* ];
+        }
+    };
+}
+
+section! {
+    /// `[model]`: where the weights/architecture come from.
+    ModelSection, "model" {
+        /// HF directory (config.json + safetensors) or Ferrotron checkpoint to initialise from.
+        /// When set, the architecture comes from it and the explicit keys below must be unset
+        /// (except `seq_length`). Default: unset. Megatron: `--load` / `--pretrained-checkpoint`.
+        load: Option<PathBuf> = None,
+        /// Number of transformer layers. Required without `load`. Megatron: `--num-layers`.
+        num_layers: Option<usize> = None,
+        /// Model width. Required without `load`. Megatron: `--hidden-size`.
+        hidden_size: Option<usize> = None,
+        /// MLP inner width. Default: 4 x hidden_size. Megatron: `--ffn-hidden-size`.
+        ffn_hidden_size: Option<usize> = None,
+        /// Attention heads. Required without `load`. Megatron: `--num-attention-heads`.
+        num_attention_heads: Option<usize> = None,
+        /// KV heads (GQA). Default: num_attention_heads (MHA). Megatron: `--num-query-groups`.
+        num_query_groups: Option<usize> = None,
+        /// Per-head dimension. Default: hidden_size / num_attention_heads. Megatron: `--kv-channels`.
+        kv_channels: Option<usize> = None,
+        /// Vocabulary size (tokens). Required without `load`. Megatron: `--vocab-size`.
+        vocab_size: Option<usize> = None,
+        /// Training sequence length in tokens. Required. Megatron: `--seq-length`.
+        seq_length: Option<usize> = None,
+        /// Longest position the model supports. Default: seq_length.
+        /// Megatron: `--max-position-embeddings`.
+        max_position_embeddings: Option<usize> = None,
+        /// RoPE base (theta). Default: 10000. Megatron: `--rotary-base`.
+        rotary_base: f64 = 10000.0,
+        /// RMSNorm epsilon. Default: 1e-5. Megatron: `--norm-epsilon`.
+        norm_epsilon: f64 = 1e-5,
+        /// Use a separate output projection instead of the tied embedding. Default: false.
+        /// Megatron: `--untie-embeddings-and-output-weights`.
+        untie_embeddings_and_output_weights: bool = false,
+    }
+}
+
+section! {
+    /// `[data]`: datasets, blending and batching of samples.
+    DataSection, "data" {
+        /// Blend `"W1 PREFIX1 W2 PREFIX2"` or a single prefix (string or list). `gpt`/`sft_mmap`:
+        /// `PREFIX.bin` + `PREFIX.idx` must exist; `sft_raw`: JSONL files. Required.
+        /// Megatron: `--data-path`.
+        data_path: Option<DataPath> = None,
+        /// Train/valid/test split weights. Default: "969,30,1". Megatron: `--split`.
+        split: String = "969,30,1".to_string(),
+        /// "gpt" (pretraining on indexed data), "sft_raw" (chat JSONL) or "sft_mmap"
+        /// (pre-tokenised SFT). Default: "gpt".
+        dataset_type: String = "gpt".to_string(),
+        /// Tokenizer (tokenizer.json or HF dir) for `sft_raw`. Default: unset (from `model.load`).
+        /// Megatron: `--tokenizer-model`.
+        tokenizer_model: Option<PathBuf> = None,
+        /// Mask the loss on EOD tokens. Default: false. Megatron: `--eod-mask-loss`.
+        eod_mask_loss: bool = false,
+        /// Restart position ids after each EOD. Default: false. Megatron: `--reset-position-ids`.
+        reset_position_ids: bool = false,
+        /// Block attention across EOD boundaries. Default: false.
+        /// Megatron: `--reset-attention-mask`.
+        reset_attention_mask: bool = false,
+        /// Seed for dataset shuffling. Default: 1234. Megatron: `--seed` (dataset part).
+        seed: u64 = 1234,
+        /// Directory for cached sample/shuffle indices. Default: unset (next to the data).
+        /// Megatron: `--data-cache-path`.
+        data_cache_path: Option<PathBuf> = None,
+        /// Background loader threads. Default: 1. Megatron: `--num-workers`.
+        num_workers: usize = 1,
+        /// Batches prefetched per worker. Default: 2.
+        prefetch: usize = 2,
+    }
+}
+
+section! {
+    /// `[training]`: batch sizes, length of the run, eval/log cadence, recompute.
+    TrainingSection, "training" {
+        /// Samples per forward/backward pass. Default: 1. Megatron: `--micro-batch-size`.
+        micro_batch_size: usize = 1,
+        /// Samples per optimizer step (gradient accumulation fills the rest). Default: unset =
+        /// micro_batch_size x data_parallel_size. Megatron: `--global-batch-size`.
+        global_batch_size: Option<usize> = None,
+        /// Optimizer steps to run. Exactly one of train_iters / train_tokens.
+        /// Megatron: `--train-iters`.
+        train_iters: Option<u64> = None,
+        /// Tokens to train on; converted to iterations of global_batch_size x seq_length.
+        train_tokens: Option<u64> = None,
+        /// Iterations between validation runs. Default: 1000. Megatron: `--eval-interval`.
+        eval_interval: u64 = 1000,
+        /// Validation batches per evaluation (0 disables). Default: 100. Megatron: `--eval-iters`.
+        eval_iters: u64 = 100,
+        /// Iterations between log lines. Default: 100. Megatron: `--log-interval`.
+        log_interval: u64 = 100,
+        /// Seed for weight init, dropout and sampling. Default: 1234. Megatron: `--seed`.
+        seed: u64 = 1234,
+        /// Activation recompute: "selective", "full" or unset (none).
+        /// Megatron: `--recompute-granularity`.
+        recompute_granularity: Option<String> = None,
+        /// With "full": "uniform" or "block". Megatron: `--recompute-method`.
+        recompute_method: Option<String> = None,
+        /// With "full": layers per recompute group (uniform) or layers recomputed (block).
+        /// Default: 1. Megatron: `--recompute-num-layers`.
+        recompute_num_layers: Option<usize> = None,
+        /// Load weights only from `checkpoint.load` (fresh optimizer, iteration 0).
+        /// Default: false. Megatron: `--finetune`.
+        finetune: bool = false,
+        /// Average the loss over non-masked tokens of the global batch rather than per
+        /// micro-batch. Default: false. Megatron: `--calculate-per-token-loss`.
+        calculate_per_token_loss: bool = false,
+    }
+}
+
+section! {
+    /// `[optimizer]`: AdamW and the learning-rate schedule.
+    OptimizerSection, "optimizer" {
+        /// Peak learning rate. Required. Megatron: `--lr`.
+        lr: Option<f64> = None,
+        /// Floor of the decay. Default: 0.0. Megatron: `--min-lr`.
+        min_lr: f64 = 0.0,
+        /// "constant", "linear", "cosine", "inverse-square-root" or "WSD". Default: "linear".
+        /// Megatron: `--lr-decay-style`.
+        lr_decay_style: String = "linear".to_string(),
+        /// Warmup length in iterations (at most one warmup unit). Default: 0.
+        /// Megatron: `--lr-warmup-iters`.
+        lr_warmup_iters: Option<u64> = None,
+        /// Warmup length in samples. Megatron: `--lr-warmup-samples`.
+        lr_warmup_samples: Option<u64> = None,
+        /// Warmup length in tokens (converted with global_batch_size x seq_length).
+        lr_warmup_tokens: Option<u64> = None,
+        /// Iterations over which to decay. Default: train_iters. Megatron: `--lr-decay-iters`.
+        lr_decay_iters: Option<u64> = None,
+        /// Decoupled weight decay. Default: 0.01. Megatron: `--weight-decay`.
+        weight_decay: f64 = 0.01,
+        /// Adam beta1. Default: 0.9. Megatron: `--adam-beta1`.
+        adam_beta1: f64 = 0.9,
+        /// Adam beta2. Default: 0.999. Megatron: `--adam-beta2`.
+        adam_beta2: f64 = 0.999,
+        /// Adam epsilon. Default: 1e-8. Megatron: `--adam-eps`.
+        adam_eps: f64 = 1e-8,
+        /// Global gradient-norm clip (0 disables). Default: 1.0. Megatron: `--clip-grad`.
+        clip_grad: f64 = 1.0,
+    }
+}
+
+section! {
+    /// `[precision]`: compute dtype and the fp16 loss scaler.
+    PrecisionSection, "precision" {
+        /// bf16 storage/traffic with f32 compute and f32 master weights. Default: false.
+        /// Megatron: `--bf16`.
+        bf16: bool = false,
+        /// fp16 with dynamic loss scaling. Default: false. Megatron: `--fp16`.
+        fp16: bool = false,
+        /// Static loss scale (fp16); unset = dynamic. Megatron: `--loss-scale`.
+        loss_scale: Option<f64> = None,
+        /// Starting dynamic loss scale. Default: 4294967296 (2^32).
+        /// Megatron: `--initial-loss-scale`.
+        initial_loss_scale: f64 = 4294967296.0,
+        /// Lowest dynamic loss scale. Default: 1.0. Megatron: `--min-loss-scale`.
+        min_loss_scale: f64 = 1.0,
+        /// Clean iterations before the scale grows. Default: 1000.
+        /// Megatron: `--loss-scale-window`.
+        loss_scale_window: u64 = 1000,
+        /// Overflowing iterations tolerated before the scale shrinks. Default: 2.
+        /// Megatron: `--hysteresis`.
+        hysteresis: u64 = 2,
+    }
+}
+
+section! {
+    /// `[checkpoint]`: saving, resuming and exporting.
+    CheckpointSection, "checkpoint" {
+        /// Directory to save checkpoints into. Default: unset (no saving). Megatron: `--save`.
+        save: Option<PathBuf> = None,
+        /// Iterations between saves (a final save is always made). Megatron: `--save-interval`.
+        save_interval: Option<u64> = None,
+        /// Checkpoint directory to resume from (may be absent unless `training.finetune`).
+        /// Megatron: `--load`.
+        load: Option<PathBuf> = None,
+        /// Keep only the newest K checkpoints. Default: unset (keep all).
+        keep_last: Option<usize> = None,
+        /// Export the final model as an HF directory here. Default: unset.
+        export_hf: Option<PathBuf> = None,
+    }
+}
+
+section! {
+    /// `[logging]`: where metrics go.
+    LoggingSection, "logging" {
+        /// Run directory for metrics.jsonl, loss.png and TensorBoard. Default: "output".
+        output_dir: PathBuf = PathBuf::from("output"),
+        /// Write TensorBoard event files to OUTPUT/tensorboard. Default: true.
+        /// Megatron: `--tensorboard-dir`.
+        tensorboard: bool = true,
+    }
+}
+
+/// The whole `run.toml` as written (before validation); every section defaults to its defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawConfig {
+    /// `[model]`.
+    pub model: ModelSection,
+    /// `[data]`.
+    pub data: DataSection,
+    /// `[training]`.
+    pub training: TrainingSection,
+    /// `[optimizer]`.
+    pub optimizer: OptimizerSection,
+    /// `[precision]`.
+    pub precision: PrecisionSection,
+    /// `[checkpoint]`.
+    pub checkpoint: CheckpointSection,
+    /// `[logging]`.
+    pub logging: LoggingSection,
+}
+
+/// `(section, keys)` for every section, in file order.
+pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
+    (ModelSection::SECTION, ModelSection::KEYS),
+    (DataSection::SECTION, DataSection::KEYS),
+    (TrainingSection::SECTION, TrainingSection::KEYS),
+    (OptimizerSection::SECTION, OptimizerSection::KEYS),
+    (PrecisionSection::SECTION, PrecisionSection::KEYS),
+    (CheckpointSection::SECTION, CheckpointSection::KEYS),
+    (LoggingSection::SECTION, LoggingSection::KEYS),
+];

@@ -1,0 +1,4 @@
+//! Training for Ferrotron: the run configuration (`ferrotron train --config run.toml`) and,
+//! later, the training loop built on it.
+
+pub mod config;
