@@ -1,5 +1,7 @@
 use crate::{KvCache, TransformerConfig};
-use ferrotron_nn::attention::{AttentionDims, AttentionMask, core_attention};
+use ferrotron_nn::attention::{
+    AttentionDims, AttentionMask, core_attention, core_attention_forward_train,
+};
 use ferrotron_nn::{Linear, RmsNorm, SwiGluMlp};
 use ferrotron_tensor::ops::{RopeTable, add_inplace};
 
@@ -29,6 +31,7 @@ pub(crate) struct LayerScratch {
     out: Vec<f32>,  // [rows, h]
     fc1: Vec<f32>,  // [rows, 2f]
     act: Vec<f32>,  // [rows, f]
+    lse: Vec<f32>,  // [rows, a], prefill only
 }
 
 impl LayerScratch {
@@ -50,6 +53,7 @@ impl LayerScratch {
             out: vec![0.0; rows * h],
             fc1: vec![0.0; rows * 2 * f],
             act: vec![0.0; rows * f],
+            lse: Vec::new(),
         }
     }
 }
@@ -107,7 +111,23 @@ impl TransformerLayer {
         let mask = AttentionMask {
             sliding_window: c.sliding_window,
         };
-        core_attention(&scratch.q, keys, values, &mut scratch.ctx, dims, mask);
+        if s * b > 1 {
+            // Prefill: the register-tiled training kernel is ~3x faster on many query rows
+            // (its logsumexp output is not needed here).
+            scratch.lse.resize(s * b * a, 0.0);
+            core_attention_forward_train(
+                &scratch.q,
+                keys,
+                values,
+                &mut scratch.ctx,
+                &mut scratch.lse,
+                dims,
+                mask,
+            );
+        } else {
+            // Decode: one query row; the simple kernel avoids transposing the whole cache.
+            core_attention(&scratch.q, keys, values, &mut scratch.ctx, dims, mask);
+        }
         self.linear_proj.forward(&scratch.ctx, &mut scratch.out);
         add_inplace(x, &scratch.out);
         self.pre_mlp_layernorm.forward(x, &mut scratch.norm);
