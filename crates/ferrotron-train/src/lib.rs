@@ -2,3 +2,4 @@
 //! later, the training loop built on it.
 
 pub mod config;
+pub mod trainer;

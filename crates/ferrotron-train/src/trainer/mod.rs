@@ -1,0 +1,59 @@
+//! The single-rank training loop: Megatron's `train_step` / `train` / `evaluate` /
+//! `training_log` (`megatron/training/training.py`) at tensor/pipeline/data-parallel size 1.
+//!
+//! | here | mirrors (Megatron-LM) |
+//! |---|---|
+//! | [`TrainerOptions`] | the `--micro-batch-size`, `--global-batch-size`, `--train-iters`, `--lr*`, `--adam-*`, `--clip-grad`, `--log-interval`, `--eval-*` arguments |
+//! | [`Trainer::train_step`] | `train_step` with `--calculate-per-token-loss` |
+//! | [`Trainer::evaluate`] | `evaluate` (forward only) |
+//! | [`Trainer::train`] | `train` (the iteration loop) |
+//! | [`LogLine`], [`EvalLine`] | `training_log`, `evaluate_and_print_results` |
+//! | [`num_floating_point_operations`] | `num_floating_point_operations` |
+//!
+//! Data flow of one step: the [`ParamAndGradBuffer`](ferrotron_optim::ParamAndGradBuffer)
+//! holds the f32 parameters and gradients; every micro-batch's
+//! [`GptModel::forward_backward`](ferrotron_model::GptModel::forward_backward) accumulates
+//! into the buffer's gradient views, the [`Optimizer`](ferrotron_optim::Optimizer) updates
+//! the buffer, and the updated weights are copied back into the model.
+//!
+//! Not yet: bf16/fp16 params (the buffer is f32 only), per-document attention masks
+//! (`segment_ids` are ignored, attention is causal over the whole row), checkpoints.
+
+mod flops;
+mod log;
+mod options;
+mod run;
+mod step;
+
+pub use flops::{FlopsModel, num_floating_point_operations};
+pub use log::{EvalLine, LogLine, TrainLog, format_sci};
+pub use options::TrainerOptions;
+pub use run::TrainSummary;
+pub use step::{StepStats, Trainer};
+
+use ferrotron_data::DatasetError;
+use ferrotron_model::ModelError;
+use ferrotron_optim::OptimError;
+
+/// Errors of the training loop.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// Invalid [`TrainerOptions`] or batches that do not fit them.
+    #[error("trainer: {0}")]
+    Config(String),
+    /// The model rejected a batch or the parameter views.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The optimizer or the scheduler failed.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    /// The data loader failed.
+    #[error(transparent)]
+    Data(#[from] DatasetError),
+    /// Writing metrics failed.
+    #[error("writing metrics: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Result of the training loop.
+pub type Result<T> = std::result::Result<T, TrainError>;

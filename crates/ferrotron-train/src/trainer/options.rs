@@ -1,0 +1,175 @@
+//! [`TrainerOptions`]: the plain settings of the training loop (the CLI maps the TOML run
+//! config onto them).
+
+use super::{Result, TrainError};
+use ferrotron_optim::{
+    AdamWConfig, LrDecayStyle, OptimizerConfig, Precision, ScheduleUnit, SchedulerConfig,
+};
+
+/// Batch sizes, iteration counts, logging/eval cadence and the optimizer + LR schedule of a
+/// single-rank run (Megatron argument names without the dashes).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainerOptions {
+    /// Sequences per forward/backward pass (`micro_batch_size`).
+    pub micro_batch_size: usize,
+    /// Sequences per optimizer step (`global_batch_size`); a multiple of `micro_batch_size`.
+    pub global_batch_size: usize,
+    /// Optimizer steps of the run (`train_iters`).
+    pub train_iters: u64,
+    /// Iterations per log line (`log_interval`), > 0.
+    pub log_interval: u64,
+    /// Iterations between validations (`eval_interval`); 0 = never.
+    pub eval_interval: u64,
+    /// Global batches per validation (`eval_iters`).
+    pub eval_iters: usize,
+    /// Peak learning rate (`lr`).
+    pub lr: f64,
+    /// Final learning rate (`min_lr`).
+    pub min_lr: f64,
+    /// Linear warmup iterations from 0 to `lr` (`lr_warmup_iters`).
+    pub lr_warmup_iters: u64,
+    /// Iterations of the decay from `lr` to `min_lr` (`lr_decay_iters`); `None` = `train_iters`.
+    pub lr_decay_iters: Option<u64>,
+    /// Decay shape after warmup (`lr_decay_style`).
+    pub lr_decay_style: LrDecayStyle,
+    /// Decoupled AdamW weight decay (`weight_decay`); never applied to norms and biases.
+    pub weight_decay: f64,
+    /// `adam_beta1`.
+    pub adam_beta1: f64,
+    /// `adam_beta2`.
+    pub adam_beta2: f64,
+    /// `adam_eps`.
+    pub adam_eps: f64,
+    /// Max global gradient L2 norm (`clip_grad`); 0 disables clipping.
+    pub clip_grad: f64,
+    /// Run seed (`seed`). The step itself draws no random numbers yet (no dropout); kept so
+    /// the CLI and checkpoints carry it.
+    pub seed: u64,
+}
+
+impl Default for TrainerOptions {
+    /// Megatron's defaults where it has them (`adam_beta2` 0.999, `weight_decay` 0.01,
+    /// `clip_grad` 1.0, `log_interval` 100, `eval_interval` 1000, `eval_iters` 100), with a
+    /// cosine schedule and one sequence per step.
+    fn default() -> Self {
+        TrainerOptions {
+            micro_batch_size: 1,
+            global_batch_size: 1,
+            train_iters: 1,
+            log_interval: 100,
+            eval_interval: 1000,
+            eval_iters: 100,
+            lr: 3e-4,
+            min_lr: 0.0,
+            lr_warmup_iters: 0,
+            lr_decay_iters: None,
+            lr_decay_style: LrDecayStyle::Cosine,
+            weight_decay: 0.01,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_eps: 1e-8,
+            clip_grad: 1.0,
+            seed: 1234,
+        }
+    }
+}
+
+impl TrainerOptions {
+    /// Micro-batches per optimizer step, `global_batch_size / micro_batch_size` (valid
+    /// options only).
+    pub fn num_microbatches(&self) -> usize {
+        self.global_batch_size / self.micro_batch_size.max(1)
+    }
+
+    /// Checks the batch sizes and cadences here and the optimizer and schedule settings
+    /// through their own validation, listing every problem found.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] with one line per problem.
+    pub fn validate(&self) -> Result<()> {
+        let mut problems = Vec::new();
+        if self.micro_batch_size == 0 {
+            problems.push("micro_batch_size must be > 0".to_string());
+        } else if self.global_batch_size == 0
+            || !self.global_batch_size.is_multiple_of(self.micro_batch_size)
+        {
+            problems.push(format!(
+                "global_batch_size {} is not a positive multiple of micro_batch_size {}",
+                self.global_batch_size, self.micro_batch_size
+            ));
+        }
+        if self.train_iters == 0 {
+            problems.push("train_iters must be > 0".into());
+        }
+        if self.log_interval == 0 {
+            problems.push("log_interval must be > 0".into());
+        }
+        if self.eval_interval > 0 && self.eval_iters == 0 {
+            problems.push("eval_iters must be > 0 when eval_interval > 0".into());
+        }
+        if let Err(e) = self.optimizer_config().validate() {
+            problems.push(e.to_string());
+        }
+        if let Err(e) = self.scheduler_config().validate() {
+            problems.push(e.to_string());
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(TrainError::Config(problems.join("; ")))
+        }
+    }
+
+    /// The fp32 AdamW optimizer settings.
+    pub fn optimizer_config(&self) -> OptimizerConfig {
+        OptimizerConfig {
+            adam: AdamWConfig {
+                beta1: self.adam_beta1,
+                beta2: self.adam_beta2,
+                eps: self.adam_eps,
+                weight_decay: self.weight_decay,
+                decay_norm_and_bias: false,
+            },
+            clip_grad: self.clip_grad,
+            ..OptimizerConfig::new(Precision::Fp32)
+        }
+    }
+
+    /// The LR schedule in iterations (warmup from 0, constant weight decay).
+    pub fn scheduler_config(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            lr: self.lr,
+            min_lr: self.min_lr,
+            lr_warmup_init: 0.0,
+            lr_warmup_steps: self.lr_warmup_iters,
+            lr_decay_steps: self.lr_decay_iters.unwrap_or(self.train_iters),
+            lr_decay_style: self.lr_decay_style,
+            weight_decay: self.weight_decay,
+            unit: ScheduleUnit::Iterations,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_sizes_are_checked() {
+        let ok = TrainerOptions {
+            micro_batch_size: 2,
+            global_batch_size: 8,
+            ..TrainerOptions::default()
+        };
+        ok.validate().unwrap();
+        assert_eq!(ok.num_microbatches(), 4);
+        let bad = TrainerOptions {
+            global_batch_size: 7,
+            log_interval: 0,
+            ..ok
+        };
+        let msg = bad.validate().unwrap_err().to_string();
+        assert!(msg.contains("global_batch_size 7"), "{msg}");
+        assert!(msg.contains("log_interval"), "{msg}");
+    }
+}

@@ -1,0 +1,158 @@
+//! [`Trainer::train`]: the iteration loop with interval logging, validation and
+//! `metrics.jsonl` (Megatron's `train` + `training_log`).
+
+use super::{
+    EvalLine, FlopsModel, LogLine, Result, TrainError, TrainLog, Trainer,
+    num_floating_point_operations,
+};
+use ferrotron_data::{DatasetError, MicroBatch};
+use std::io::Write;
+use std::time::Duration;
+
+/// How a [`Trainer::train`] call ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSummary {
+    /// Iterations completed in total (including earlier calls).
+    pub iterations: u64,
+    /// Samples consumed in total.
+    pub consumed_samples: u64,
+    /// Loss of the last iteration (NaN when none ran).
+    pub last_loss: f64,
+    /// Last validation loss, if any validation ran.
+    pub last_eval_loss: Option<f64>,
+    /// The data ran out before `train_iters`.
+    pub data_exhausted: bool,
+}
+
+/// Interval accumulators of `training_log`.
+#[derive(Default)]
+struct Interval {
+    iterations: u64,
+    advanced: u64,
+    loss_sum: f64,
+    tokens: usize,
+    elapsed: Duration,
+    skipped: u64,
+    nan: u64,
+}
+
+impl Trainer {
+    /// Runs iterations until `train_iters` (from the current iteration on) or until `data`
+    /// ends, taking `num_microbatches` micro-batches per step.
+    ///
+    /// Every `log_interval` iterations (and at the last) a [`LogLine`] is reported; every
+    /// `eval_interval` iterations (and at the end, when validation is configured) `valid`
+    /// is asked for the micro-batches of one validation and an [`EvalLine`] is reported.
+    /// Each report goes to `on_log` and, as one JSON line, to `metrics`.
+    ///
+    /// # Errors
+    /// A data, model, optimizer or write failure; training state stays consistent (the
+    /// failing iteration is not counted).
+    pub fn train(
+        &mut self,
+        data: &mut dyn Iterator<Item = std::result::Result<MicroBatch, DatasetError>>,
+        mut valid: Option<&mut dyn FnMut() -> Result<Vec<MicroBatch>>>,
+        metrics: &mut dyn Write,
+        on_log: &mut dyn FnMut(&TrainLog),
+    ) -> Result<TrainSummary> {
+        let opts = self.options.clone();
+        let flops_model = FlopsModel::from(&self.model.config);
+        let mut emit = |log: TrainLog, metrics: &mut dyn Write| -> Result<()> {
+            on_log(&log);
+            let json = serde_json::to_string(&log)
+                .map_err(|e| TrainError::Config(format!("metrics JSON: {e}")))?;
+            writeln!(metrics, "{json}")?;
+            metrics.flush()?;
+            Ok(())
+        };
+        let mut acc = Interval::default();
+        let mut summary = TrainSummary {
+            iterations: self.iteration,
+            consumed_samples: self.consumed_samples,
+            last_loss: f64::NAN,
+            last_eval_loss: None,
+            data_exhausted: false,
+        };
+        let mut last_eval_at = None;
+        while self.iteration < opts.train_iters {
+            let mut global = Vec::with_capacity(opts.num_microbatches());
+            for item in (&mut *data).take(opts.num_microbatches()) {
+                global.push(item?);
+            }
+            if global.len() < opts.num_microbatches() {
+                summary.data_exhausted = true;
+                break;
+            }
+            let seq_length = global[0].seq_length;
+            let stats = self.train_step(&global)?;
+            summary.last_loss = stats.loss;
+            acc.iterations += 1;
+            acc.tokens += stats.tokens;
+            acc.elapsed += stats.elapsed;
+            if stats.skipped {
+                acc.skipped += 1;
+            } else {
+                acc.advanced += 1;
+                acc.loss_sum += stats.loss;
+            }
+            if !stats.loss.is_finite() {
+                acc.nan += 1;
+            }
+            let last = self.iteration == opts.train_iters;
+            if self.iteration.is_multiple_of(opts.log_interval) || last {
+                let secs = acc.elapsed.as_secs_f64().max(1e-12);
+                let per_iter = secs / acc.iterations as f64;
+                let flops = num_floating_point_operations(
+                    &flops_model,
+                    opts.global_batch_size as u64,
+                    seq_length as u64,
+                );
+                let line = LogLine {
+                    iteration: self.iteration,
+                    train_iters: opts.train_iters,
+                    consumed_samples: self.consumed_samples,
+                    elapsed_ms_per_iteration: per_iter * 1e3,
+                    tflops: flops / per_iter / 1e12,
+                    tokens_per_second: acc.tokens as f64 / secs,
+                    learning_rate: self.scheduler.lr(),
+                    global_batch_size: opts.global_batch_size,
+                    lm_loss: acc.loss_sum / acc.advanced.max(1) as f64,
+                    loss_scale: None,
+                    grad_norm: stats.grad_norm,
+                    skipped_iterations: acc.skipped,
+                    nan_iterations: acc.nan,
+                };
+                emit(TrainLog::Train(line), metrics)?;
+                acc = Interval::default();
+            }
+            let eval_now =
+                opts.eval_interval > 0 && self.iteration.is_multiple_of(opts.eval_interval);
+            if let Some(provider) = valid.as_mut()
+                && eval_now
+            {
+                let loss = self.evaluate(&provider()?)?;
+                summary.last_eval_loss = Some(loss);
+                last_eval_at = Some(self.iteration);
+                emit(
+                    TrainLog::Valid(EvalLine::new(self.iteration, loss)),
+                    metrics,
+                )?;
+            }
+        }
+        if let Some(provider) = valid.as_mut()
+            && opts.eval_interval > 0
+            && self.iteration > 0
+            && last_eval_at != Some(self.iteration)
+        {
+            let loss = self.evaluate(&provider()?)?;
+            summary.last_eval_loss = Some(loss);
+            emit(
+                TrainLog::Valid(EvalLine::new(self.iteration, loss)),
+                metrics,
+            )?;
+        }
+        summary.iterations = self.iteration;
+        summary.consumed_samples = self.consumed_samples;
+        Ok(summary)
+    }
+}

@@ -1,0 +1,282 @@
+//! [`Trainer`]: the model, its flat parameter/gradient buffer, AdamW and the LR schedule,
+//! with one optimizer step over a global batch ([`Trainer::train_step`], Megatron's
+//! `train_step` with `--calculate-per-token-loss`) and a forward-only validation loss
+//! ([`Trainer::evaluate`]).
+
+use super::{Result, TrainError, TrainerOptions};
+use ferrotron_data::MicroBatch;
+use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
+use ferrotron_optim::{
+    BufferConfig, Optimizer, OptimizerParamScheduler, ParamAndGradBuffer,
+    ParamAndGradBufferBuilder, ParamFlags, ParamId,
+};
+use ferrotron_tensor::DType;
+use ferrotron_tensor::ops::cross_entropy_forward;
+use std::time::{Duration, Instant};
+
+/// What one [`Trainer::train_step`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    /// The iteration just completed (1-based; counts skipped steps too, as Megatron).
+    pub iteration: u64,
+    /// Per-token mean loss over the global batch, `Σ mask·CE / Σ mask` in nats.
+    pub loss: f64,
+    /// Loss tokens of the global batch (`Σ mask` over labelled tokens).
+    pub loss_tokens: f64,
+    /// Global gradient L2 norm before clipping (`None` when the optimizer did not compute it).
+    pub grad_norm: Option<f64>,
+    /// Learning rate applied in this step.
+    pub lr: f64,
+    /// The optimizer skipped the update (inf/NaN gradients).
+    pub skipped: bool,
+    /// Input tokens processed (`global_batch_size · seq_length`).
+    pub tokens: usize,
+    /// Wall time of the step (forward, backward, optimizer, weight copy).
+    pub elapsed: Duration,
+}
+
+/// Single-rank trainer: owns the model, the f32 [`ParamAndGradBuffer`], the fp32 AdamW
+/// [`Optimizer`] and the [`OptimizerParamScheduler`].
+pub struct Trainer {
+    pub(super) model: GptModel,
+    pub(super) options: TrainerOptions,
+    buffer: ParamAndGradBuffer,
+    optimizer: Optimizer,
+    pub(super) scheduler: OptimizerParamScheduler,
+    pub(super) iteration: u64,
+    pub(super) consumed_samples: u64,
+}
+
+impl Trainer {
+    /// Registers `model.parameters()` in order in a flat f32 buffer (norm weights and biases
+    /// flagged: no weight decay), copies the model's weights into it and builds the
+    /// optimizer and the schedule from `options`.
+    ///
+    /// # Errors
+    /// Invalid options ([`TrainerOptions::validate`]) or a buffer/optimizer failure.
+    pub fn new(model: GptModel, options: TrainerOptions) -> Result<Trainer> {
+        options.validate()?;
+        let mut builder = ParamAndGradBufferBuilder::new(BufferConfig::new(DType::F32, 1));
+        for p in model.parameters() {
+            let flags = ParamFlags {
+                is_norm_or_bias: p.is_norm_or_bias,
+                is_embedding: p.is_embedding,
+                ..ParamFlags::default()
+            };
+            builder.register(&p.name, &p.shape, flags)?;
+        }
+        let mut buffer = builder.build()?;
+        model.copy_parameters_to(&mut buffer.param_slices_mut::<f32>()?)?;
+        let optimizer = Optimizer::new(options.optimizer_config(), &buffer)?;
+        let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
+        Ok(Trainer {
+            model,
+            options,
+            buffer,
+            optimizer,
+            scheduler,
+            iteration: 0,
+            consumed_samples: 0,
+        })
+    }
+
+    /// The model with the weights of the last successful step.
+    pub fn model(&self) -> &GptModel {
+        &self.model
+    }
+
+    /// Gives the trained model back.
+    pub fn into_model(self) -> GptModel {
+        self.model
+    }
+
+    /// The options the trainer was built with.
+    pub fn options(&self) -> &TrainerOptions {
+        &self.options
+    }
+
+    /// Iterations completed.
+    pub fn iteration(&self) -> u64 {
+        self.iteration
+    }
+
+    /// Samples consumed (`iteration · global_batch_size`).
+    pub fn consumed_samples(&self) -> u64 {
+        self.consumed_samples
+    }
+
+    /// The learning rate of the next step.
+    pub fn lr(&self) -> f64 {
+        self.scheduler.lr()
+    }
+
+    /// Steps the optimizer skipped so far.
+    pub fn skipped_iterations(&self) -> u64 {
+        self.optimizer.skipped_iterations()
+    }
+
+    /// Parameter `i` (order of `model.parameters()`) as held by the optimizer buffer.
+    pub fn param(&self, i: usize) -> &[f32] {
+        self.buffer
+            .param::<f32>(ParamId(i))
+            .expect("the buffer is f32")
+    }
+
+    /// One optimizer step over a global batch of `num_microbatches` micro-batches of
+    /// `micro_batch_size` rows each (`[b, s]` row-major as the loader yields them).
+    ///
+    /// Zeroes the gradients, runs forward + backward per micro-batch accumulating into the
+    /// buffer with `loss_scale = tokens_i / tokens_total` (loss tokens of the micro-batch
+    /// over those of the global batch), so the accumulated gradient is that of the
+    /// per-token mean over the global batch (Megatron's `--calculate-per-token-loss`; equal
+    /// for any split into micro-batches). Then AdamW with the scheduled lr and weight decay;
+    /// on success the updated weights go back into the model and the schedule advances one
+    /// iteration. A global batch without loss tokens gives zero gradients and loss 0.
+    ///
+    /// # Errors
+    /// Batches of the wrong count or shape, or a model/optimizer failure (then the model is
+    /// unchanged, the gradients are not).
+    pub fn train_step(&mut self, micro_batches: &[MicroBatch]) -> Result<StepStats> {
+        let start = Instant::now();
+        let want = self.options.num_microbatches();
+        if micro_batches.len() != want {
+            return Err(TrainError::Config(format!(
+                "{} micro-batches given, a global batch has {want}",
+                micro_batches.len()
+            )));
+        }
+        let batches = micro_batches
+            .iter()
+            .map(|mb| self.to_train_batch(mb))
+            .collect::<Result<Vec<_>>>()?;
+        let total: f64 = batches.iter().map(TrainBatch::loss_token_count).sum();
+        self.buffer.zero_grad();
+        let (mut loss_sum, mut tokens) = (0.0, 0);
+        for batch in &batches {
+            let scale = if total > 0.0 {
+                (batch.loss_token_count() / total) as f32
+            } else {
+                0.0
+            };
+            let mut grads = self.buffer.grad_slices_mut();
+            let stats = self.model.forward_backward(batch, &mut grads, scale)?;
+            loss_sum += stats.loss_sum;
+            tokens += batch.tokens.len();
+        }
+        let lr = self.scheduler.lr();
+        let out = self
+            .optimizer
+            .step(&mut self.buffer, lr, self.scheduler.weight_decay())?;
+        if out.update_successful {
+            let n = self.buffer.params().len();
+            let params: Vec<&[f32]> = (0..n)
+                .map(|i| self.buffer.param::<f32>(ParamId(i)))
+                .collect::<std::result::Result<_, _>>()?;
+            self.model.load_parameters_from(&params)?;
+            self.scheduler.step(1);
+        }
+        self.iteration += 1;
+        self.consumed_samples += self.options.global_batch_size as u64;
+        Ok(StepStats {
+            iteration: self.iteration,
+            loss: if total > 0.0 { loss_sum / total } else { 0.0 },
+            loss_tokens: total,
+            grad_norm: out.grad_norm,
+            lr,
+            skipped: !out.update_successful,
+            tokens,
+            elapsed: start.elapsed(),
+        })
+    }
+
+    /// Per-token mean validation loss (nats) over `batches`, forward only: the inference
+    /// forward (logits `[s, b, v]`, no activations kept for a backward) and the cross
+    /// entropy with the batch's loss mask. Rows whose position ids are not `0..s` (reset
+    /// per document) fall back to a forward + backward into scratch gradients, which costs
+    /// about 3x the forward and a parameter-sized allocation. Returns 0 without loss tokens.
+    ///
+    /// # Errors
+    /// Malformed batches or a model failure.
+    pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<f64> {
+        let (mut sum, mut count) = (0.0f64, 0.0f64);
+        for mb in batches {
+            let batch = self.to_train_batch(mb)?;
+            count += batch.loss_token_count();
+            sum += if batch.position_ids.is_none() {
+                self.forward_loss_sum(&batch)?
+            } else {
+                let mut scratch: Vec<Vec<f32>> = self
+                    .model
+                    .parameters()
+                    .iter()
+                    .map(|p| vec![0.0; p.numel()])
+                    .collect();
+                let mut grads: Vec<&mut [f32]> =
+                    scratch.iter_mut().map(|g| g.as_mut_slice()).collect();
+                self.model
+                    .forward_backward(&batch, &mut grads, 0.0)?
+                    .loss_sum
+            };
+        }
+        Ok(if count > 0.0 { sum / count } else { 0.0 })
+    }
+
+    /// `Σ mask·CE` of `batch` (default positions) through the inference forward.
+    fn forward_loss_sum(&self, batch: &TrainBatch) -> Result<f64> {
+        let (b, s) = (batch.micro_batch, batch.seq);
+        let mut cache = KvCache::new(&self.model.config, b, s)?;
+        let logits = self
+            .model
+            .forward(&batch.tokens, &mut cache, LogitsMode::All)?;
+        let mut losses = vec![0.0f32; b * s];
+        let mut lse = vec![0.0f32; b * s];
+        cross_entropy_forward(
+            &logits,
+            &batch.labels,
+            batch.loss_mask.as_deref(),
+            &mut losses,
+            &mut lse,
+            self.model.config.vocab_size,
+        )
+        .map_err(ferrotron_model::ModelError::from)?;
+        Ok(losses.iter().map(|&l| l as f64).sum())
+    }
+
+    /// A loader micro-batch as the model's `[s, b]` [`TrainBatch`]; position ids are kept
+    /// only when some row's are not `0..s`.
+    fn to_train_batch(&self, mb: &MicroBatch) -> Result<TrainBatch> {
+        let (b, s) = (mb.micro_batch_size, mb.seq_length);
+        if b != self.options.micro_batch_size {
+            return Err(TrainError::Config(format!(
+                "micro-batch of {b} rows, micro_batch_size is {}",
+                self.options.micro_batch_size
+            )));
+        }
+        let n = b * s;
+        let lens = [
+            mb.tokens.len(),
+            mb.labels.len(),
+            mb.loss_mask.len(),
+            mb.position_ids.len(),
+        ];
+        if n == 0 || lens.iter().any(|&l| l != n) {
+            return Err(TrainError::Config(format!(
+                "micro-batch fields {lens:?} are not b·s = {b}·{s} long"
+            )));
+        }
+        let labels: Vec<i64> = mb.labels.iter().map(|&y| y as i64).collect();
+        let mut batch =
+            TrainBatch::from_batch_major(&mb.tokens, &labels, Some(&mb.loss_mask), b, s);
+        let default_positions = mb
+            .position_ids
+            .chunks(s.max(1))
+            .all(|row| row.iter().enumerate().all(|(t, &p)| p as usize == t));
+        if !default_positions {
+            let seq_major = (0..s)
+                .flat_map(|t| (0..b).map(move |j| mb.position_ids[j * s + t] as usize))
+                .collect();
+            batch.position_ids = Some(seq_major);
+        }
+        Ok(batch)
+    }
+}
