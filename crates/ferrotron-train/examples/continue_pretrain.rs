@@ -1,8 +1,8 @@
-//! A short real run (ignored: needs local files): SmolLM2-135M from `.cache/smollm2-hf`
-//! continue-pretrained on the KJV `GptDataset` at `/tmp/ft/kjv_text_document` (made by
+//! A short real run until `ferrotron train` exists: an HF model (default `.cache/smollm2-hf`)
+//! continue-pretrained on a Megatron dataset prefix (e.g. the KJV from
 //! `ferrotron preprocess-data`) for 5 iterations at seq 128, global batch 4, printing the
-//! Megatron-style log lines. Run with
-//! `cargo test -p ferrotron-train --test trainer_real -- --ignored --nocapture`.
+//! Megatron-style log lines:
+//! `cargo run --release -p ferrotron-train --example continue_pretrain -- MODEL_DIR DATA_PREFIX`.
 
 use ferrotron_data::{
     Blend, DataLoader, Dataset, GptDatasetConfig, LoaderConfig, build_gpt_datasets,
@@ -14,11 +14,16 @@ use ferrotron_train::trainer::{TrainLog, Trainer, TrainerOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-#[test]
-#[ignore = "needs .cache/smollm2-hf and /tmp/ft/kjv_text_document"]
-fn smollm2_on_kjv_five_iterations() {
-    let model_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/smollm2-hf");
-    let prefix = PathBuf::from("/tmp/ft/kjv_text_document");
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let model_dir = args
+        .next()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/smollm2-hf"));
+    let Some(prefix) = args.next().map(PathBuf::from) else {
+        eprintln!("usage: continue_pretrain MODEL_DIR DATA_PREFIX");
+        std::process::exit(2);
+    };
     let (model, _) = load_hf_model(&model_dir, DType::F32).unwrap();
     let (seq, mbs, gbs, iters) = (128, 2, 4, 5);
     let blend = Blend {
