@@ -7,6 +7,7 @@ mod generate;
 mod model_dir;
 mod score;
 mod sft;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -43,6 +44,8 @@ enum Command {
     /// Tokenize alpaca/chat SFT data with answer-only labels into an idxmap dataset (Pai's
     /// build_idxmap_sft_dataset.py).
     PreprocessSft(sft::PreprocessSftArgs),
+    /// Train (continue-pretrain) a model from a run.toml (Megatron's pretrain_gpt.py).
+    Train(train::TrainArgs),
 }
 
 /// Exit codes: 0 success, 1 error, 2 bad command line (clap), 3 finished with some bad input
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
         Command::DatasetInfo(a) => data::info(a),
         Command::MergeDatasets(a) => data::merge(a),
         Command::PreprocessSft(a) => sft::run(a),
+        Command::Train(a) => train::run(a),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,261 @@
+//! `train`: a single-rank pretraining run from a `run.toml` (Megatron's `pretrain_gpt.py`),
+//! wiring the run config, the GPT datasets, the data loader and the trainer together.
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use ferrotron_data::{
+    Blend, DataLoader, Dataset, GptDatasetConfig, LoaderConfig, MicroBatch, build_gpt_datasets,
+};
+use ferrotron_model::families::load_hf_model;
+use ferrotron_optim::LrDecayStyle as OptimDecay;
+use ferrotron_tensor::DType;
+use ferrotron_train::config::{
+    DatasetType, LrDecayStyle, ModelSource, Precision, Recompute, RunConfig, documented_keys,
+};
+use ferrotron_train::trainer::{TrainError, TrainLog, Trainer, TrainerOptions};
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+#[derive(Args)]
+#[command(
+    after_long_help = "Every config key, its default and its meaning: ferrotron train --list-keys"
+)]
+pub struct TrainArgs {
+    /// The run configuration (TOML with [model], [data], [training], [optimizer], [precision],
+    /// [checkpoint] and [logging] sections, Megatron argument names).
+    #[arg(long, required_unless_present = "list_keys")]
+    config: Option<PathBuf>,
+    /// Override one key, `section.key=value` (TOML value; bare words are strings). Repeatable.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Print the fully resolved configuration as TOML and exit without training.
+    #[arg(long)]
+    print_config: bool,
+    /// Print every config key (section.key), its default and its documentation, then exit.
+    #[arg(long)]
+    list_keys: bool,
+}
+
+/// The `section.key = default` lines and docs of every key.
+fn keys_text() -> String {
+    let mut out = String::new();
+    for k in documented_keys() {
+        out.push_str(&format!("{}.{} = {}\n", k.section, k.key, k.default));
+        for line in k.doc.lines() {
+            out.push_str(&format!("    {}\n", line.trim()));
+        }
+    }
+    out
+}
+
+/// Every set key this build cannot honour yet, as `not supported yet: <key> (...)` lines.
+fn unsupported(rc: &RunConfig) -> Vec<String> {
+    let r = &rc.resolved;
+    let mut out = Vec::new();
+    let mut no = |key: &str, why: &str| out.push(format!("not supported yet: {key} ({why})"));
+    if let ModelSource::Explicit(_) = rc.model {
+        no(
+            "model.num_layers/hidden_size/... (explicit model dims)",
+            "training from scratch; set model.load to an HF directory",
+        );
+    }
+    if rc.dataset_type != DatasetType::Gpt {
+        no("data.dataset_type", "only \"gpt\" is supported");
+    }
+    if r.data.reset_attention_mask {
+        no(
+            "data.reset_attention_mask",
+            "attention is causal over the whole row",
+        );
+    }
+    if r.data.num_workers != 1 {
+        no("data.num_workers", "the loader uses one worker thread");
+    }
+    match rc.precision {
+        Precision::Fp32 => {}
+        Precision::Bf16 => no("precision.bf16", "training runs in fp32"),
+        Precision::Fp16 => no("precision.fp16", "training runs in fp32"),
+    }
+    if rc.recompute != Recompute::None {
+        no("training.recompute_granularity", "activation recompute");
+    }
+    if rc.lr_decay_style == LrDecayStyle::Wsd {
+        no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
+    }
+    let c = &r.checkpoint;
+    if c.save.is_some() {
+        no("checkpoint.save", "checkpoint saving");
+    }
+    if c.load.is_some() {
+        no("checkpoint.load", "resuming from a checkpoint");
+    }
+    if c.export_hf.is_some() {
+        no("checkpoint.export_hf", "exporting the trained model");
+    }
+    out
+}
+
+fn decay_style(s: LrDecayStyle) -> Result<OptimDecay> {
+    Ok(match s {
+        LrDecayStyle::Constant => OptimDecay::Constant,
+        LrDecayStyle::Linear => OptimDecay::Linear,
+        LrDecayStyle::Cosine => OptimDecay::Cosine,
+        LrDecayStyle::InverseSquareRoot => OptimDecay::InverseSquareRoot,
+        LrDecayStyle::Wsd => bail!("not supported yet: optimizer.lr_decay_style = \"WSD\""),
+    })
+}
+
+pub fn run(a: TrainArgs) -> Result<ExitCode> {
+    if a.list_keys {
+        print!("{}", keys_text());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let path = a.config.as_deref().context("--config is required")?;
+    let rc = RunConfig::load(path, &a.set)?;
+    if a.print_config {
+        print!("{}", rc.to_toml());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let problems = unsupported(&rc);
+    if !problems.is_empty() {
+        bail!("{}", problems.join("\n  "));
+    }
+    let r = &rc.resolved;
+    let ModelSource::Load(model_dir) = &rc.model else {
+        unreachable!("checked by unsupported()")
+    };
+    if r.logging.tensorboard {
+        eprintln!(
+            "note: logging.tensorboard: TensorBoard files are not written yet (metrics.jsonl is)"
+        );
+    }
+
+    let out_dir = &r.logging.output_dir;
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("creating logging.output_dir {}", out_dir.display()))?;
+    std::fs::write(out_dir.join("run.toml"), rc.to_toml())
+        .with_context(|| format!("writing {}", out_dir.join("run.toml").display()))?;
+
+    let (model, info) = load_hf_model(model_dir, DType::F32)
+        .with_context(|| format!("loading model.load {}", model_dir.display()))?;
+    let eod = info.eos_token_ids.first().copied();
+    if eod.is_none() && (r.data.eod_mask_loss || r.data.reset_position_ids) {
+        bail!(
+            "data.eod_mask_loss / data.reset_position_ids need an end-of-document id, and {} has no eos_token_id",
+            model_dir.join("config.json").display()
+        );
+    }
+
+    let mbs = r.training.micro_batch_size;
+    let gbs = rc.global_batch_size;
+    let iters = rc.train_iters;
+    let eval_iters = r.training.eval_iters as usize;
+    let eval_interval = r.training.eval_interval;
+    let mut dcfg = GptDatasetConfig::new(rc.seq_length, r.data.seed as u32, eod.unwrap_or(0));
+    dcfg.split = r.data.split.clone();
+    dcfg.eod_mask_loss = r.data.eod_mask_loss;
+    dcfg.reset_position_ids = r.data.reset_position_ids;
+    dcfg.path_to_cache = r.data.data_cache_path.clone();
+    let blend = Blend {
+        prefixes: rc.blend.iter().map(|(_, p)| p.clone()).collect(),
+        weights: (rc.blend.len() > 1).then(|| rc.blend.iter().map(|(w, _)| *w).collect()),
+    };
+    // Megatron's sizes: every train sample, and eval_iters global batches per evaluation
+    // (train_iters / eval_interval of them plus the final one).
+    let evals = iters.checked_div(eval_interval).map_or(0, |n| n + 1);
+    let valid_samples = eval_iters * gbs * evals as usize;
+    let sizes = [
+        Some(gbs * iters as usize),
+        (valid_samples > 0).then_some(valid_samples),
+        None,
+    ];
+    let [train, valid, _] =
+        build_gpt_datasets(&blend, sizes, &dcfg).context("building datasets")?;
+    let train: Arc<dyn Dataset> =
+        train.ok_or_else(|| anyhow!("data.split `{}` leaves no training data", r.data.split))?;
+    let loader_cfg = |prefetch| {
+        let mut c = LoaderConfig::new(mbs, 0, 1, 0);
+        c.prefetch = prefetch;
+        c
+    };
+    let mut loader = DataLoader::new(train, &loader_cfg(r.data.prefetch))?;
+    let mut valid_loader = match (valid, eval_interval > 0 && eval_iters > 0) {
+        (Some(v), true) => Some(DataLoader::new(v as Arc<dyn Dataset>, &loader_cfg(1))?),
+        (None, true) => {
+            eprintln!(
+                "note: data.split `{}` has no validation part: no validation",
+                r.data.split
+            );
+            None
+        }
+        _ => None,
+    };
+
+    let opts = TrainerOptions {
+        micro_batch_size: mbs,
+        global_batch_size: gbs,
+        train_iters: iters,
+        log_interval: r.training.log_interval,
+        eval_interval: if valid_loader.is_some() {
+            eval_interval
+        } else {
+            0
+        },
+        eval_iters,
+        lr: rc.lr,
+        min_lr: r.optimizer.min_lr,
+        lr_warmup_iters: rc.lr_warmup_iters,
+        lr_decay_iters: Some(rc.lr_decay_iters),
+        lr_decay_style: decay_style(rc.lr_decay_style)?,
+        weight_decay: r.optimizer.weight_decay,
+        adam_beta1: r.optimizer.adam_beta1,
+        adam_beta2: r.optimizer.adam_beta2,
+        adam_eps: r.optimizer.adam_eps,
+        clip_grad: r.optimizer.clip_grad,
+        seed: r.training.seed,
+    };
+    let micro_per_eval = eval_iters * opts.num_microbatches();
+    let has_valid = opts.eval_interval > 0;
+    let mut trainer = Trainer::new(model, opts)?;
+
+    let metrics_path = out_dir.join("metrics.jsonl");
+    let mut metrics = BufWriter::new(
+        File::create(&metrics_path)
+            .with_context(|| format!("creating {}", metrics_path.display()))?,
+    );
+    let mut provider = || -> std::result::Result<Vec<MicroBatch>, TrainError> {
+        let loader = valid_loader.as_mut().expect("validation configured");
+        let batches = loader
+            .by_ref()
+            .take(micro_per_eval)
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        if batches.len() < micro_per_eval {
+            return Err(TrainError::Config(format!(
+                "the validation data ran out ({} of {micro_per_eval} micro-batches)",
+                batches.len()
+            )));
+        }
+        Ok(batches)
+    };
+    let valid_arg: Option<&mut dyn FnMut() -> std::result::Result<Vec<MicroBatch>, TrainError>> =
+        if has_valid { Some(&mut provider) } else { None };
+    let summary = trainer.train(&mut loader, valid_arg, &mut metrics, &mut |l: &TrainLog| {
+        println!("{l}")
+    })?;
+    if summary.data_exhausted {
+        eprintln!(
+            "warning: the training data ran out after {} of {iters} iterations",
+            summary.iterations
+        );
+    }
+    eprintln!(
+        "done: {} iterations, {} samples; metrics in {}",
+        summary.iterations,
+        summary.consumed_samples,
+        metrics_path.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
