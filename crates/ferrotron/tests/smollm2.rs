@@ -10,9 +10,10 @@ use ferrotron_model::families::load_hf_model;
 use ferrotron_model::{KvCache, LogitsMode};
 use ferrotron_tensor::DType;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::path::PathBuf;
+
+mod common;
+use common::{ferrotron, model_dir};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -21,42 +22,6 @@ fn repo() -> PathBuf {
 fn reference() -> Value {
     let text = std::fs::read_to_string(repo().join("fixtures/smollm2/reference.json")).unwrap();
     serde_json::from_str(&text).unwrap()
-}
-
-fn ferrotron(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-/// The converted HF directory (converted once per test binary), or `None` without the GGUF.
-fn model_dir() -> Option<&'static Path> {
-    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let Some(gguf) = std::env::var_os("FERROTRON_SMOLLM2_GGUF") else {
-            eprintln!("FERROTRON_SMOLLM2_GGUF not set: skipping the SmolLM2 end-to-end tests");
-            return None;
-        };
-        // One fixed place under target/ (replaced with --force each run), not a new temp dir.
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("smollm2-hf");
-        let o = ferrotron(&[
-            "convert",
-            "gguf-to-hf",
-            "--input",
-            Path::new(&gguf).to_str().unwrap(),
-            "--output",
-            out.to_str().unwrap(),
-            "--force",
-        ]);
-        assert!(
-            o.status.success(),
-            "convert failed: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        Some(out)
-    })
-    .as_deref()
 }
 
 fn json_u32s(v: &Value) -> Vec<u32> {

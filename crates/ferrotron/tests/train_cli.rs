@@ -6,45 +6,16 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::process::Output;
 
-fn ferrotron(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+mod common;
+use common::{ferrotron, model_dir};
 
 fn text(o: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
-}
-
-/// The converted HF directory (converted once per test binary), or `None` without the GGUF.
-fn model_dir() -> Option<&'static Path> {
-    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let Some(gguf) = std::env::var_os("FERROTRON_SMOLLM2_GGUF") else {
-            eprintln!("FERROTRON_SMOLLM2_GGUF not set: skipping the `ferrotron train` run test");
-            return None;
-        };
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("smollm2-hf-train");
-        let o = ferrotron(&[
-            "convert",
-            "gguf-to-hf",
-            "--input",
-            Path::new(&gguf).to_str().unwrap(),
-            "--output",
-            out.to_str().unwrap(),
-            "--force",
-        ]);
-        assert!(o.status.success(), "convert failed: {}", text(&o).1);
-        Some(out)
-    })
-    .as_deref()
 }
 
 /// An (empty) `.bin/.idx` pair: enough for config validation, which only checks existence.
