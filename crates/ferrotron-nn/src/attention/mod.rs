@@ -59,18 +59,16 @@ pub fn core_attention(
     dims: AttentionDims,
     mask: AttentionMask,
 ) {
+    check_dims(q, k, v, &dims);
+    assert!(out.len() == q.len(), "attention: out is not [sq, b, a, d]");
     let AttentionDims {
-        sq,
-        skv,
         batch: b,
         heads: a,
         groups: g,
         head_dim: d,
         q_offset,
+        ..
     } = dims;
-    assert!(g > 0 && a % g == 0 && q_offset + sq <= skv);
-    assert!(q.len() == sq * b * a * d && out.len() == q.len());
-    assert!(k.len() >= skv * b * g * d && v.len() >= skv * b * g * d);
     let scale = 1.0 / (d as f32).sqrt();
     let heads_per_group = a / g;
     out.par_chunks_mut(d)
@@ -104,4 +102,31 @@ pub fn core_attention(
                 }
             }
         });
+}
+
+/// Shape checks shared by the inference and training kernels (caller bugs panic with the
+/// offending dims).
+pub(super) fn check_dims(q: &[f32], k: &[f32], v: &[f32], dims: &AttentionDims) {
+    let AttentionDims {
+        sq,
+        skv,
+        batch: b,
+        heads: a,
+        groups: g,
+        head_dim: d,
+        q_offset,
+    } = *dims;
+    assert!(
+        g > 0 && d > 0 && a % g == 0 && q_offset + sq <= skv,
+        "attention: bad dims {dims:?}"
+    );
+    assert!(
+        q.len() == sq * b * a * d,
+        "attention: q is not [sq, b, a, d]"
+    );
+    let kv = skv * b * g * d;
+    assert!(
+        k.len() >= kv && v.len() >= kv,
+        "attention: k/v shorter than [skv, b, g, d]"
+    );
 }

@@ -2,7 +2,7 @@
 //! deterministic FlashAttention-2-style backward (Dao 2023), over the same shapes and masks as
 //! [`super::core_attention`].
 
-use super::{AttentionDims, AttentionMask};
+use super::{AttentionDims, AttentionMask, check_dims};
 use ferrotron_tensor::multiversion;
 use ferrotron_tensor::ops::{
     dot, exp_in_place_normalizer, fast_exp, tile_rows_product, tile_update,
@@ -117,31 +117,6 @@ fn block_dots(x: &[&[f32]; RQ], t: &[f32], skv_pad: usize, p0: usize) -> [[f32; 
         |c| &t[c * skv_pad + p0..],
     );
     acc
-}
-
-fn check_dims(q: &[f32], k: &[f32], v: &[f32], dims: &AttentionDims) {
-    let AttentionDims {
-        sq,
-        skv,
-        batch: b,
-        heads: a,
-        groups: g,
-        head_dim: d,
-        q_offset,
-    } = *dims;
-    assert!(
-        g > 0 && d > 0 && a % g == 0 && q_offset + sq <= skv,
-        "attention: bad dims {dims:?}"
-    );
-    assert!(
-        q.len() == sq * b * a * d,
-        "attention: q is not [sq, b, a, d]"
-    );
-    let kv = skv * b * g * d;
-    assert!(
-        k.len() >= kv && v.len() >= kv,
-        "attention: k/v shorter than [skv, b, g, d]"
-    );
 }
 
 /// [`core_attention`] for training: the same `out: [sq, b, a, d]`, plus the per-row softmax
