@@ -1,12 +1,13 @@
-//! Checkpoint I/O for Ferrotron: GGUF import (and, later, safetensors/HF I/O and sharded
-//! checkpoints).
+//! Checkpoint I/O for Ferrotron: GGUF import and distributed (sharded) training checkpoints.
 //!
 //! The entry point for GGUF is [`gguf::gguf_to_hf`]; [`gguf::GgufFile`] reads GGUF files.
+//! Training checkpoints: [`dist::CheckpointWriter`] / [`dist::CheckpointReader`].
 //! Every failure is a [`CheckpointError`] naming the file, the field or tensor, and what was
 //! expected; malformed input never panics.
 
 #![warn(missing_docs)]
 
+pub mod dist;
 mod error;
 pub mod gguf;
 mod safetensors_writer;

@@ -1,0 +1,284 @@
+//! [`CheckpointReader`]: opens an iteration directory, validates `metadata.json` (format,
+//! version, shard cover) and reads any box of any tensor, assembling it from whichever shards
+//! overlap it. Loading under a layout other than the save's is therefore just reading other
+//! boxes (Megatron `dist_checkpointing`'s resharding on load).
+
+use super::metadata::{
+    CheckpointMetadata, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, ShardRecord, StoredDtype,
+    TensorRecord, volume,
+};
+use crate::CheckpointError;
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// An opened checkpoint directory.
+pub struct CheckpointReader {
+    dir: PathBuf,
+    metadata: CheckpointMetadata,
+    /// Memory-mapped safetensors files by name.
+    files: BTreeMap<String, Mmap>,
+}
+
+fn format_err(path: &Path, detail: impl Into<String>) -> CheckpointError {
+    CheckpointError::Format {
+        file: path.display().to_string(),
+        detail: detail.into(),
+    }
+}
+
+impl CheckpointReader {
+    /// Opens `dir` (an iteration directory such as `save/iter_0000100`).
+    ///
+    /// # Errors
+    /// Missing or malformed `metadata.json`, another format or version, shards that do not
+    /// cover their tensor, or a missing/unreadable shard file.
+    pub fn open(dir: &Path) -> Result<CheckpointReader, CheckpointError> {
+        let meta_path = dir.join(METADATA_FILE);
+        let text = std::fs::read(&meta_path).map_err(|e| CheckpointError::io(&meta_path, e))?;
+        let metadata: CheckpointMetadata = serde_json::from_slice(&text)
+            .map_err(|e| format_err(&meta_path, format!("invalid metadata: {e}")))?;
+        if metadata.format != FORMAT_NAME {
+            return Err(format_err(
+                &meta_path,
+                format!("format is `{}`, expected `{FORMAT_NAME}`", metadata.format),
+            ));
+        }
+        if metadata.format_version != FORMAT_VERSION {
+            return Err(format_err(
+                &meta_path,
+                format!(
+                    "format_version {} is not supported by this build (it reads {FORMAT_VERSION})",
+                    metadata.format_version
+                ),
+            ));
+        }
+        let mut files = BTreeMap::new();
+        for (key, t) in &metadata.tensors {
+            t.check_cover()
+                .map_err(|e| format_err(&meta_path, format!("tensor {key}: {e}")))?;
+            for s in &t.shards {
+                if files.contains_key(&s.file) {
+                    continue;
+                }
+                let path = dir.join(&s.file);
+                let file = File::open(&path).map_err(|e| CheckpointError::io(&path, e))?;
+                // SAFETY: read-only mapping of a file nobody writes while we load (checkpoint
+                // directories are immutable once committed).
+                let mmap =
+                    unsafe { Mmap::map(&file) }.map_err(|e| CheckpointError::io(&path, e))?;
+                files.insert(s.file.clone(), mmap);
+            }
+        }
+        Ok(CheckpointReader {
+            dir: dir.to_path_buf(),
+            metadata,
+            files,
+        })
+    }
+
+    /// The parsed `metadata.json`.
+    pub fn metadata(&self) -> &CheckpointMetadata {
+        &self.metadata
+    }
+
+    /// The directory this reader opened.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Checks that the checkpoint holds exactly the tensors `expected` (key, global shape)
+    /// among the keys starting with `prefix`: one error listing every missing key, every extra
+    /// key and every shape mismatch.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Format`] naming `metadata.json` and the offending keys.
+    pub fn check_tensors(
+        &self,
+        prefix: &str,
+        expected: &[(String, Vec<usize>)],
+    ) -> Result<(), CheckpointError> {
+        let mut problems = Vec::new();
+        let want: BTreeMap<&str, &Vec<usize>> =
+            expected.iter().map(|(k, s)| (k.as_str(), s)).collect();
+        for (key, shape) in &want {
+            match self.metadata.tensors.get(*key) {
+                None => problems.push(format!("missing tensor {key}")),
+                Some(t) if &&t.global_shape != shape => problems.push(format!(
+                    "tensor {key} has shape {:?}, expected {shape:?}",
+                    t.global_shape
+                )),
+                Some(_) => {}
+            }
+        }
+        for key in self.metadata.tensors.keys() {
+            if key.starts_with(prefix) && !want.contains_key(key.as_str()) {
+                problems.push(format!("unexpected tensor {key}"));
+            }
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(format_err(
+                &self.dir.join(METADATA_FILE),
+                problems.join("; "),
+            ))
+        }
+    }
+
+    /// The whole tensor `key` as f32, row-major in its global shape.
+    ///
+    /// # Errors
+    /// Unknown key, or a shard missing from its file or of the wrong size.
+    pub fn read(&self, key: &str) -> Result<Vec<f32>, CheckpointError> {
+        let t = self.record(key)?;
+        let shape = t.global_shape.clone();
+        self.read_box(key, &vec![0; shape.len()], &shape)
+    }
+
+    /// The box `offset .. offset + shape` of tensor `key` as f32, row-major in `shape`.
+    ///
+    /// # Errors
+    /// Unknown key, a box outside the tensor or of another rank, or a damaged shard.
+    pub fn read_box(
+        &self,
+        key: &str,
+        offset: &[usize],
+        shape: &[usize],
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let t = self.record(key)?;
+        let meta_path = self.dir.join(METADATA_FILE);
+        let rank = t.global_shape.len();
+        let inside = offset.len() == rank
+            && shape.len() == rank
+            && (0..rank).all(|d| offset[d] + shape[d] <= t.global_shape[d]);
+        if !inside {
+            return Err(format_err(
+                &meta_path,
+                format!(
+                    "tensor {key}: box at {offset:?} of shape {shape:?} is not inside {:?}",
+                    t.global_shape
+                ),
+            ));
+        }
+        let n = volume(shape).ok_or_else(|| format_err(&meta_path, "box size overflows"))?;
+        let mut out = vec![0f32; n];
+        for s in &t.shards {
+            self.copy_overlap(key, t.dtype, s, offset, shape, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn record(&self, key: &str) -> Result<&TensorRecord, CheckpointError> {
+        self.metadata.tensors.get(key).ok_or_else(|| {
+            format_err(
+                &self.dir.join(METADATA_FILE),
+                format!("no tensor {key} in this checkpoint"),
+            )
+        })
+    }
+
+    /// Copies the part of shard `s` that overlaps the box (`offset`, `shape`) into `out`.
+    fn copy_overlap(
+        &self,
+        key: &str,
+        dtype: StoredDtype,
+        s: &ShardRecord,
+        offset: &[usize],
+        shape: &[usize],
+        out: &mut [f32],
+    ) -> Result<(), CheckpointError> {
+        let rank = shape.len();
+        let lo: Vec<usize> = (0..rank)
+            .map(|d| offset[d].max(s.global_offset[d]))
+            .collect();
+        let hi: Vec<usize> = (0..rank)
+            .map(|d| (offset[d] + shape[d]).min(s.global_offset[d] + s.local_shape[d]))
+            .collect();
+        if (0..rank).any(|d| lo[d] >= hi[d]) {
+            return Ok(());
+        }
+        let bytes = self.shard_bytes(key, dtype, s)?;
+        if rank == 0 {
+            out[0] = decode(dtype, bytes, 0);
+            return Ok(());
+        }
+        // Walk every index of the overlap except the last dimension; copy one run per index.
+        let run = hi[rank - 1] - lo[rank - 1];
+        let mut idx = lo.clone();
+        loop {
+            let src = flat(&idx, &s.global_offset, &s.local_shape);
+            let dst = flat(&idx, offset, shape);
+            for (i, o) in out[dst..dst + run].iter_mut().enumerate() {
+                *o = decode(dtype, bytes, src + i);
+            }
+            // Next index in row-major order over dims 0..rank-1.
+            let mut d = rank - 1;
+            loop {
+                if d == 0 {
+                    return Ok(());
+                }
+                d -= 1;
+                idx[d] += 1;
+                if idx[d] < hi[d] {
+                    break;
+                }
+                idx[d] = lo[d];
+            }
+        }
+    }
+
+    /// The raw little-endian bytes of one shard, checked against its dtype and shape.
+    fn shard_bytes(
+        &self,
+        key: &str,
+        dtype: StoredDtype,
+        s: &ShardRecord,
+    ) -> Result<&[u8], CheckpointError> {
+        let path = self.dir.join(&s.file);
+        let mmap = &self.files[&s.file];
+        let st = SafeTensors::deserialize(mmap)
+            .map_err(|e| format_err(&path, format!("invalid safetensors file: {e}")))?;
+        let view = st
+            .tensor(&s.name)
+            .map_err(|e| format_err(&path, format!("tensor {} (of {key}): {e}", s.name)))?;
+        let want: Vec<usize> = s.local_shape.clone();
+        if view.shape() != want.as_slice() || view.dtype().to_string() != dtype.safetensors_name() {
+            return Err(format_err(
+                &path,
+                format!(
+                    "tensor {}: stored as {} {:?}, metadata says {} {:?}",
+                    s.name,
+                    view.dtype(),
+                    view.shape(),
+                    dtype.safetensors_name(),
+                    want
+                ),
+            ));
+        }
+        Ok(view.data())
+    }
+}
+
+/// Row-major flat index of global index `idx` inside the box (`offset`, `shape`).
+fn flat(idx: &[usize], offset: &[usize], shape: &[usize]) -> usize {
+    idx.iter()
+        .zip(offset)
+        .zip(shape)
+        .fold(0, |acc, ((&i, &o), &n)| acc * n + (i - o))
+}
+
+/// Element `i` of little-endian `bytes` of type `dtype`, widened to f32.
+fn decode(dtype: StoredDtype, bytes: &[u8], i: usize) -> f32 {
+    match dtype {
+        StoredDtype::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()),
+        StoredDtype::BF16 => {
+            half::bf16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f32()
+        }
+        StoredDtype::F16 => {
+            half::f16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f32()
+        }
+    }
+}
