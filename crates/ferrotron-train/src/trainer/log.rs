@@ -60,8 +60,19 @@ impl EvalLine {
     }
 }
 
+/// A checkpoint written by the loop (`save_checkpoint`'s `successfully saved checkpoint`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SavedLine {
+    /// Iteration saved.
+    pub iteration: u64,
+    /// The iteration directory written.
+    pub dir: String,
+    /// Wall time of the save, milliseconds.
+    pub elapsed_ms: f64,
+}
+
 /// What the training loop reports: serialized as one JSON object per line in
-/// `metrics.jsonl`, tagged by `"kind": "train" | "valid"`.
+/// `metrics.jsonl`, tagged by `"kind": "train" | "valid" | "checkpoint"`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum TrainLog {
@@ -69,6 +80,9 @@ pub enum TrainLog {
     Train(LogLine),
     /// A validation result.
     Valid(EvalLine),
+    /// A checkpoint was saved.
+    #[serde(rename = "checkpoint")]
+    Saved(SavedLine),
 }
 
 /// Python's `'{:.{prec}E}'.format(x)`: mantissa with `prec` decimals, `E`, a signed exponent
@@ -146,6 +160,11 @@ impl fmt::Display for TrainLog {
         match self {
             TrainLog::Train(l) => l.fmt(f),
             TrainLog::Valid(l) => l.fmt(f),
+            TrainLog::Saved(l) => write!(
+                f,
+                " successfully saved checkpoint from iteration {:7} to {} [ t {:.1} ms ]",
+                l.iteration, l.dir, l.elapsed_ms
+            ),
         }
     }
 }

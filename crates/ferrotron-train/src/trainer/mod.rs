@@ -19,14 +19,16 @@
 //! Not yet: bf16/fp16 params (the buffer is f32 only), per-document attention masks
 //! (`segment_ids` are ignored, attention is causal over the whole row), checkpoints.
 
+mod checkpoint;
 mod flops;
 mod log;
 mod options;
 mod run;
 mod step;
 
+pub use checkpoint::{LoadMode, SavePlan, TrainerState};
 pub use flops::{FlopsModel, num_floating_point_operations};
-pub use log::{EvalLine, LogLine, TrainLog, format_sci};
+pub use log::{EvalLine, LogLine, SavedLine, TrainLog, format_sci};
 pub use options::TrainerOptions;
 pub use run::TrainSummary;
 pub use step::{StepStats, Trainer};
@@ -50,6 +52,9 @@ pub enum TrainError {
     /// The data loader failed.
     #[error(transparent)]
     Data(#[from] DatasetError),
+    /// Saving or loading a checkpoint failed (the message names the file and the problem).
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// Writing metrics failed.
     #[error("writing metrics: {0}")]
     Io(#[from] std::io::Error),

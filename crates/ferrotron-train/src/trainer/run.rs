@@ -2,7 +2,7 @@
 //! `metrics.jsonl` (Megatron's `train` + `training_log`).
 
 use super::{
-    EvalLine, FlopsModel, LogLine, Result, TrainError, TrainLog, Trainer,
+    EvalLine, FlopsModel, LogLine, Result, SavePlan, SavedLine, TrainError, TrainLog, Trainer,
     num_floating_point_operations,
 };
 use ferrotron_data::{DatasetError, MicroBatch};
@@ -43,7 +43,9 @@ impl Trainer {
     /// Every `log_interval` iterations (and at the last) a [`LogLine`] is reported; every
     /// `eval_interval` iterations (and at the end, when validation is configured) `valid`
     /// is asked for the micro-batches of one validation and an [`EvalLine`] is reported.
-    /// Each report goes to `on_log` and, as one JSON line, to `metrics`.
+    /// With a [`SavePlan`] ([`Trainer::set_save_plan`]) a checkpoint is saved every `interval`
+    /// iterations and at the end (unless the last iteration was just saved), each reported
+    /// as a [`SavedLine`]. Each report goes to `on_log` and, as one JSON line, to `metrics`.
     ///
     /// # Errors
     /// A data, model, optimizer or write failure; training state stays consistent (the
@@ -74,6 +76,7 @@ impl Trainer {
             data_exhausted: false,
         };
         let mut last_eval_at = None;
+        let mut last_save_at = None;
         while self.iteration < opts.train_iters {
             let mut global = Vec::with_capacity(opts.num_microbatches());
             for item in (&mut *data).take(opts.num_microbatches()) {
@@ -130,7 +133,7 @@ impl Trainer {
             if let Some(provider) = valid.as_mut()
                 && eval_now
             {
-                let loss = self.evaluate(&provider()?)?;
+                let loss = self.evaluate_counted(&provider()?)?;
                 summary.last_eval_loss = Some(loss);
                 last_eval_at = Some(self.iteration);
                 emit(
@@ -138,21 +141,61 @@ impl Trainer {
                     metrics,
                 )?;
             }
+            let save_now = self.save_plan.as_ref().is_some_and(|p| {
+                p.interval
+                    .is_some_and(|n| n > 0 && self.iteration.is_multiple_of(n))
+            });
+            if save_now {
+                emit(TrainLog::Saved(self.save_planned()?), metrics)?;
+                last_save_at = Some(self.iteration);
+            }
         }
         if let Some(provider) = valid.as_mut()
             && opts.eval_interval > 0
             && self.iteration > 0
             && last_eval_at != Some(self.iteration)
         {
-            let loss = self.evaluate(&provider()?)?;
+            let loss = self.evaluate_counted(&provider()?)?;
             summary.last_eval_loss = Some(loss);
             emit(
                 TrainLog::Valid(EvalLine::new(self.iteration, loss)),
                 metrics,
             )?;
         }
+        if self.save_plan.is_some() && self.iteration > 0 && last_save_at != Some(self.iteration) {
+            emit(TrainLog::Saved(self.save_planned()?), metrics)?;
+        }
         summary.iterations = self.iteration;
         summary.consumed_samples = self.consumed_samples;
         Ok(summary)
+    }
+}
+
+impl Trainer {
+    /// Saves or clears where [`Trainer::train`] writes checkpoints.
+    pub fn set_save_plan(&mut self, plan: Option<SavePlan>) {
+        self.save_plan = plan;
+    }
+
+    /// Saves per the plan now, timing it.
+    fn save_planned(&self) -> Result<SavedLine> {
+        let plan = self.save_plan.as_ref().expect("called with a save plan");
+        let start = std::time::Instant::now();
+        let dir = self.save_checkpoint(&plan.dir, plan.keep_last, plan.extra.clone())?;
+        Ok(SavedLine {
+            iteration: self.iteration,
+            dir: dir.display().to_string(),
+            elapsed_ms: start.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// [`Trainer::evaluate`], counting the samples into `consumed_valid_samples`.
+    fn evaluate_counted(&mut self, batches: &[MicroBatch]) -> Result<f64> {
+        let loss = self.evaluate(batches)?;
+        self.consumed_valid_samples += batches
+            .iter()
+            .map(|b| b.micro_batch_size as u64)
+            .sum::<u64>();
+        Ok(loss)
     }
 }

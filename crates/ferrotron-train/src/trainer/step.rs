@@ -40,11 +40,13 @@ pub struct StepStats {
 pub struct Trainer {
     pub(super) model: GptModel,
     pub(super) options: TrainerOptions,
-    buffer: ParamAndGradBuffer,
-    optimizer: Optimizer,
+    pub(super) buffer: ParamAndGradBuffer,
+    pub(super) optimizer: Optimizer,
     pub(super) scheduler: OptimizerParamScheduler,
     pub(super) iteration: u64,
     pub(super) consumed_samples: u64,
+    pub(super) consumed_valid_samples: u64,
+    pub(super) save_plan: Option<super::SavePlan>,
 }
 
 impl Trainer {
@@ -77,6 +79,8 @@ impl Trainer {
             scheduler,
             iteration: 0,
             consumed_samples: 0,
+            consumed_valid_samples: 0,
+            save_plan: None,
         })
     }
 
@@ -168,11 +172,7 @@ impl Trainer {
             .optimizer
             .step(&mut self.buffer, lr, self.scheduler.weight_decay())?;
         if out.update_successful {
-            let n = self.buffer.params().len();
-            let params: Vec<&[f32]> = (0..n)
-                .map(|i| self.buffer.param::<f32>(ParamId(i)))
-                .collect::<std::result::Result<_, _>>()?;
-            self.model.load_parameters_from(&params)?;
+            self.sync_model_from_buffer()?;
             self.scheduler.step(1);
         }
         self.iteration += 1;
@@ -187,6 +187,24 @@ impl Trainer {
             tokens,
             elapsed: start.elapsed(),
         })
+    }
+
+    /// Copies the buffer's parameters into the model (after a step or a checkpoint load).
+    pub(super) fn sync_model_from_buffer(&mut self) -> Result<()> {
+        let n = self.buffer.params().len();
+        if self.buffer.param_dtype() == DType::F32 {
+            let params: Vec<&[f32]> = (0..n)
+                .map(|i| self.buffer.param::<f32>(ParamId(i)))
+                .collect::<std::result::Result<_, _>>()?;
+            self.model.load_parameters_from(&params)?;
+        } else {
+            let owned: Vec<Vec<f32>> = (0..n)
+                .map(|i| self.buffer.param_to_f32(ParamId(i)))
+                .collect();
+            let params: Vec<&[f32]> = owned.iter().map(Vec::as_slice).collect();
+            self.model.load_parameters_from(&params)?;
+        }
+        Ok(())
     }
 
     /// Per-token mean validation loss (nats) over `batches`, forward only: the inference
