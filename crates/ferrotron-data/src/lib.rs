@@ -6,6 +6,7 @@
 
 pub mod blended;
 pub mod chat;
+pub mod epochs;
 pub mod gpt_dataset;
 pub mod indexed;
 pub mod loader;
@@ -14,6 +15,7 @@ pub mod sft;
 mod tokenizer;
 
 pub use blended::{Blend, BlendedDataset, BuiltDataset, build_gpt_datasets, parse_blend};
+pub use epochs::{EpochDataset, build_epoch_splits};
 pub use gpt_dataset::{DatasetError, GptDataset, GptDatasetConfig, GptSample, Split};
 pub use loader::{DataLoader, Dataset, LoaderConfig, MicroBatch, PretrainingSampler};
 pub use tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
