@@ -10,6 +10,9 @@ pub enum NnError {
         expected: Vec<usize>,
         actual: Vec<usize>,
     },
+    /// A run-time input (not a parameter) is malformed, e.g. document starts of packed rows.
+    #[error("{field}: {reason}")]
+    BadInput { field: String, reason: String },
     /// A tensor-level error (dtype, index out of range, ...).
     #[error(transparent)]
     Tensor(#[from] TensorError),

@@ -77,6 +77,7 @@ fn matches_reference_with_gqa_window_and_offset() {
     for window in [None, Some(1), Some(3)] {
         let mask = AttentionMask {
             sliding_window: window,
+            documents: None,
         };
         let mut out = vec![0f32; q.len()];
         core_attention(&q, &k, &v, &mut out, dims, mask);

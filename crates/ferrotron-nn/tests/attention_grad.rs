@@ -242,6 +242,7 @@ fn small_case_matches_finite_differences() {
     for window in [None, Some(3)] {
         let mask = AttentionMask {
             sliding_window: window,
+            documents: None,
         };
         let [q, k, v, dout] = inputs(&dims, 21);
         let got = run_f32(&q, &k, &v, &dout, dims, mask);
@@ -336,6 +337,7 @@ fn check_against_reference(dims: AttentionDims, windows: &[Option<usize>], seed:
     for &window in windows {
         let mask = AttentionMask {
             sliding_window: window,
+            documents: None,
         };
         let [q, k, v, dout] = inputs(&dims, seed);
         let got = run_f32(&q, &k, &v, &dout, dims, mask);
@@ -376,6 +378,7 @@ fn backward_is_bitwise_deterministic_across_thread_counts() {
     };
     let mask = AttentionMask {
         sliding_window: Some(40),
+        documents: None,
     };
     let [q, k, v, dout] = inputs(&dims, 23);
     let first = run_f32(&q, &k, &v, &dout, dims, mask);

@@ -1,29 +1,62 @@
-//! Core attention `softmax(q·kᵀ/√d + mask)·v` with grouped-query heads, causal masking and an
-//! optional sliding window (Vaswani et al. 2017; GQA: Ainslie et al. 2023; Mistral's window).
+//! Core attention `softmax(q·kᵀ/√d + mask)·v` with grouped-query heads, causal masking, an
+//! optional sliding window and optional per-document masking of packed rows (Vaswani et al.
+//! 2017; GQA: Ainslie et al. 2023; Mistral's window; Megatron's `reset_attention_mask`).
 //! Mirrors HF `eager_attention_forward` in f32. The training forward (saving the logsumexp) and
-//! its backward live in `train.rs`.
+//! its backward live in `train.rs`; document starts in `documents.rs`.
 
 use ferrotron_tensor::ops::dot;
 use rayon::prelude::*;
 
+mod documents;
 mod train;
+pub use documents::{DocumentStarts, document_starts};
 pub use train::{core_attention_backward, core_attention_forward_train};
 
-/// Which keys each query sees: keys at positions `j <= i` (causal) and, with a window `w`,
-/// only `i - j < w` (query `i` attends key `j` iff `0 <= i - j < w`, HF Mistral semantics).
+/// Which keys each query sees: keys at positions `j <= i` (causal); with a window `w`, only
+/// `i - j < w` (query `i` attends key `j` iff `0 <= i - j < w`, HF Mistral semantics); with
+/// documents, only keys of the query's own document (`j >= start(i)`, Megatron's
+/// `reset_attention_mask`). The visible keys of a query always form one range
+/// ([`AttentionMask::key_range`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub struct AttentionMask {
+pub struct AttentionMask<'a> {
+    /// Window `w` in tokens (query `i` sees keys `i − w < j <= i`); `None`: unbounded.
     pub sliding_window: Option<usize>,
+    /// Per-token document starts `[s, b]` of packed rows; `None`: one document per row.
+    /// Only for passes without a KV-cache offset (`q_offset == 0`, so `sq` is `s`).
+    pub documents: Option<DocumentStarts<'a>>,
 }
 
-impl AttentionMask {
-    /// Half-open range of key positions visible to a query at position `pos`.
-    pub fn key_range(&self, pos: usize) -> std::ops::Range<usize> {
-        let lo = match self.sliding_window {
+impl AttentionMask<'_> {
+    /// Half-open range of key positions visible to the query at position `pos` of sequence
+    /// `seq`: `max(start(pos), pos + 1 − w) ..= pos`.
+    ///
+    /// # Panics
+    /// With documents, when `pos >= s` or `seq >= b` (caller bugs).
+    pub fn key_range(&self, pos: usize, seq: usize) -> std::ops::Range<usize> {
+        let window_lo = match self.sliding_window {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
         };
-        lo..pos + 1
+        let doc_lo = self.documents.map_or(0, |docs| docs.start(pos, seq));
+        window_lo.max(doc_lo)..pos + 1
+    }
+
+    /// Last query position (inclusive) of sequence `seq` that may see key `key`, or
+    /// `usize::MAX` when only causality bounds it: `min(key + w − 1, end(key) − 1)`. Keys
+    /// past the documents' `s` are bounded by the last document.
+    pub fn last_query(&self, key: usize, seq: usize) -> usize {
+        let window = self
+            .sliding_window
+            .map_or(usize::MAX, |w| (key + w).saturating_sub(1));
+        let document = self.documents.map_or(usize::MAX, |docs| {
+            let s = docs.seq_len();
+            if s == 0 {
+                0
+            } else {
+                docs.end(key.min(s - 1), seq) - 1
+            }
+        });
+        window.min(document)
     }
 }
 
@@ -51,6 +84,10 @@ pub struct AttentionDims {
 /// Shapes: `q, out: [sq, b, a, d]`; `k, v: [skv, b, g, d]` (key `j` at position `j`); query
 /// head `h` reads key/value group `h / (a/g)`. Backward needs `q, k, v` and the row-wise
 /// softmax statistics (or recomputes them).
+///
+/// # Panics
+/// On inconsistent dims or slice lengths, or document starts that are not `[sq, b]` or come
+/// with a query offset (caller bugs).
 pub fn core_attention(
     q: &[f32],
     k: &[f32],
@@ -59,7 +96,7 @@ pub fn core_attention(
     dims: AttentionDims,
     mask: AttentionMask,
 ) {
-    check_dims(q, k, v, &dims);
+    check_dims(q, k, v, &dims, &mask);
     assert!(out.len() == q.len(), "attention: out is not [sq, b, a, d]");
     let AttentionDims {
         batch: b,
@@ -77,7 +114,7 @@ pub fn core_attention(
         .for_each_init(Vec::new, |scores, (row, (o, qr))| {
             let (t, j, h) = (row / (b * a), (row / a) % b, row % a);
             let gh = h / heads_per_group;
-            let keys = mask.key_range(q_offset + t);
+            let keys = mask.key_range(q_offset + t, j);
             let kv_row = |pos: usize| ((pos * b + j) * g + gh) * d;
             scores.clear();
             let mut max = f32::NEG_INFINITY;
@@ -105,8 +142,15 @@ pub fn core_attention(
 }
 
 /// Shape checks shared by the inference and training kernels (caller bugs panic with the
-/// offending dims).
-pub(super) fn check_dims(q: &[f32], k: &[f32], v: &[f32], dims: &AttentionDims) {
+/// offending dims): `q`, `k`, `v` against `dims`, and document starts against `[sq, b]` with
+/// no query offset.
+pub(super) fn check_dims(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: &AttentionDims,
+    mask: &AttentionMask,
+) {
     let AttentionDims {
         sq,
         skv,
@@ -129,4 +173,13 @@ pub(super) fn check_dims(q: &[f32], k: &[f32], v: &[f32], dims: &AttentionDims) 
         k.len() >= kv && v.len() >= kv,
         "attention: k/v shorter than [skv, b, g, d]"
     );
+    if let Some(docs) = mask.documents {
+        assert!(
+            q_offset == 0 && docs.batch() == b && docs.seq_len() == sq,
+            "attention: doc_starts are [{}, {}], need [sq, b] = [{sq}, {b}] and q_offset 0 \
+             (got {q_offset})",
+            docs.seq_len(),
+            docs.batch()
+        );
+    }
 }

@@ -84,7 +84,7 @@ impl Tile {
         };
         for r in 0..n {
             let (t, h) = (t0 + (i0 + r) / hpg, gh * hpg + (i0 + r) % hpg);
-            let keys = mask.key_range(dims.q_offset + t);
+            let keys = mask.key_range(dims.q_offset + t, j);
             tile.row[r] = (t * b + j) * a + h;
             (tile.lo[r], tile.hi[r]) = (keys.start, keys.end);
         }
@@ -119,15 +119,17 @@ fn block_dots(x: &[&[f32]; RQ], t: &[f32], skv_pad: usize, p0: usize) -> [[f32; 
     acc
 }
 
-/// [`core_attention`] for training: the same `out: [sq, b, a, d]`, plus the per-row softmax
-/// statistic `lse: [sq, b, a]` (**overwritten**), `lse = log Σⱼ exp(sⱼ)` over the visible keys
-/// with `s = q·kᵀ/√d` — what [`core_attention_backward`] needs besides `q, k, v, out`
-/// (FlashAttention-2's saved `L`, Dao 2023). Deterministic. Tiles of 4 query rows (of one
-/// batch and group) times 64 keys are register-tiled products, so each key and value row read
-/// serves four query rows.
+/// [`core_attention`](super::core_attention) for training: the same `out: [sq, b, a, d]`,
+/// plus the per-row softmax statistic `lse: [sq, b, a]` (**overwritten**),
+/// `lse = log Σⱼ exp(sⱼ)` over the visible keys with `s = q·kᵀ/√d` — what
+/// [`core_attention_backward`] needs besides `q, k, v, out` (FlashAttention-2's saved `L`,
+/// Dao 2023). Deterministic. Tiles of 4 query rows (of one batch and group) times 64 keys are
+/// register-tiled products, so each key and value row read serves four query rows; each tile
+/// only visits the key blocks its rows see (so packed documents cost their own span).
 ///
 /// # Panics
-/// On inconsistent dims or slice lengths (caller bugs), as [`core_attention`].
+/// On inconsistent dims, slice lengths or document starts (caller bugs), as
+/// [`core_attention`](super::core_attention).
 pub fn core_attention_forward_train(
     q: &[f32],
     k: &[f32],
@@ -137,7 +139,7 @@ pub fn core_attention_forward_train(
     dims: AttentionDims,
     mask: AttentionMask,
 ) {
-    check_dims(q, k, v, &dims);
+    check_dims(q, k, v, &dims, &mask);
     assert!(out.len() == q.len() && lse.len() * dims.head_dim == q.len());
     let tr = Transposed::new(k, v, &dims);
     let rows = dims.batch * dims.heads;
@@ -227,7 +229,8 @@ multiversion! {
 ///
 /// Parallel and deterministic: a first pass computes `dQ` (and `δ`) for tiles of query rows; a
 /// second pass computes `dK, dV` per (batch, group, block of 64 keys), recomputing `P` and `dS`
-/// for the queries that see the block, in a fixed order. Results are bitwise reproducible for
+/// for the queries that may see the block (bounded by causality, the window and the
+/// document of its last key), in a fixed order. Results are bitwise reproducible for
 /// any thread count. Products are register-tiled as in the forward.
 ///
 /// # Panics
@@ -246,7 +249,7 @@ pub fn core_attention_backward(
     dims: AttentionDims,
     mask: AttentionMask,
 ) {
-    check_dims(q, k, v, &dims);
+    check_dims(q, k, v, &dims, &mask);
     let AttentionDims {
         skv,
         batch: b,
@@ -387,8 +390,9 @@ multiversion! {
         let (nk, hpg) = (dk.len() / d, a / g);
         dk.fill(0.0);
         dv.fill(0.0);
-        // Query position `pos` sees key `p` iff `pos + 1 - w <= p <= pos`.
-        let last_pos = mask.sliding_window.map_or(usize::MAX, |w| (p0 + nk + w).saturating_sub(2));
+        // Queries at positions `p0..=last_pos` may see the block (window and document bounds
+        // of its last key); the masks inside the tiles do the rest.
+        let last_pos = mask.last_query(p0 + nk - 1, jg / g);
         let first_t = p0.saturating_sub(q_offset);
         let end_t = last_pos.checked_sub(q_offset).map_or(0, |t| sq.min(t.saturating_add(1)));
         let n_rows = end_t.saturating_sub(first_t) * hpg;
