@@ -58,6 +58,47 @@ pub struct TransformerConfig {
     pub untie_embeddings_and_output_weights: bool,
     /// Keys visible per query (Mistral `sliding_window`); `None` for full causal attention.
     pub sliding_window: Option<usize>,
+    /// Activation recomputation in [`GptModel::forward_backward`](crate::GptModel::forward_backward)
+    /// (Megatron's `recompute_granularity`, with `recompute_method` and `recompute_num_layers`
+    /// folded into [`RecomputeGranularity::Full`]); `None` keeps every activation. Only
+    /// training reads it; HF config parsing leaves it `None`.
+    pub recompute_granularity: Option<RecomputeGranularity>,
+}
+
+/// Which activations the training forward drops and the backward recomputes (Megatron-Core
+/// `TransformerConfig.recompute_granularity`). Gradients are bit-identical to keeping
+/// everything: the backward re-runs the same kernels on the same inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecomputeGranularity {
+    /// Recompute core attention (Megatron's `selective` with its default
+    /// `recompute_modules = ["core_attn"]`): each layer drops the attention output `ctx`
+    /// `[s·b, a·d]` and its log-sum-exp `[s·b, a]`, which the backward recomputes from the
+    /// saved q/k/v with the same flash-style kernel.
+    Selective,
+    /// Recompute whole layers (Megatron's `full`): only the input `[s·b, h]` of each
+    /// recomputed group of layers is kept; the backward re-runs the group's forward, saving
+    /// its activations, then backpropagates through it.
+    Full {
+        /// How layers are grouped (Megatron's `recompute_method`).
+        method: RecomputeMethod,
+        /// Megatron's `recompute_num_layers`: layers per group for
+        /// [`RecomputeMethod::Uniform`], recomputed layers for [`RecomputeMethod::Block`];
+        /// `1..=num_layers`.
+        num_layers: usize,
+    },
+}
+
+/// How [`RecomputeGranularity::Full`] groups layers (Megatron's `recompute_method`,
+/// `TransformerBlock._checkpointed_forward`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecomputeMethod {
+    /// Consecutive groups of `num_layers` layers over the whole stack (the last group is
+    /// shorter when `num_layers` does not divide the layer count, as Megatron clamps it);
+    /// only each group's input is kept.
+    Uniform,
+    /// The first `num_layers` layers keep only their input, each recomputed on its own; the
+    /// remaining layers keep all activations.
+    Block,
 }
 
 impl TransformerConfig {
@@ -98,6 +139,25 @@ impl TransformerConfig {
         }
         if self.sliding_window == Some(0) {
             return Err(field_error("sliding_window", "must be > 0"));
+        }
+        self.validate_recompute()
+    }
+
+    /// Megatron's `TransformerConfig.__post_init__` rules for recomputation that the type does
+    /// not already enforce (a `full` granularity always carries a method and a layer count, a
+    /// `selective` one neither): `recompute_num_layers` must lie in `1..=num_layers` (Megatron's
+    /// "between 1 and num_layers_per_pipeline_rank", pipeline size 1 here).
+    pub(crate) fn validate_recompute(&self) -> Result<()> {
+        if let Some(RecomputeGranularity::Full { num_layers, .. }) = self.recompute_granularity
+            && !(1..=self.num_layers).contains(&num_layers)
+        {
+            return Err(field_error(
+                "recompute_num_layers",
+                format!(
+                    "{num_layers} is not between 1 and num_layers ({})",
+                    self.num_layers
+                ),
+            ));
         }
         Ok(())
     }

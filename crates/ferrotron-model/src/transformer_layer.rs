@@ -110,6 +110,7 @@ impl TransformerLayer {
         };
         let mask = AttentionMask {
             sliding_window: c.sliding_window,
+            documents: None,
         };
         if s * b > 1 {
             // Prefill: the register-tiled training kernel is ~3x faster on many query rows

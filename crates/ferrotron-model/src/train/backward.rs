@@ -1,31 +1,58 @@
 //! The training backward: output layer, final norm, then the decoder layers in reverse
 //! (MLP, then attention, each with its pre-norm and residual), then the embedding. Every
 //! parameter gradient is **accumulated** (`+=`) into the caller's slices; activation
-//! gradients are per-call buffers.
+//! gradients are per-call buffers. Saved activations are freed as soon as their layer's
+//! backward is done.
 
 use super::TrainBatch;
-use super::forward::{Activations, LayerActs, attention_dims, pack_qkv};
+use super::forward::{
+    Activations, CoreAttnOut, LayerActs, Pass, Saved, attention_dims, f32_bytes, pack_qkv,
+    usize_bytes,
+};
+use super::memory::Ledger;
 use super::params::LayerSlots;
-use crate::{GptModel, TransformerConfig, TransformerLayer};
+use crate::{GptModel, TransformerLayer};
 use ferrotron_nn::attention::core_attention_backward;
 use ferrotron_nn::{Linear, RmsNorm};
 use ferrotron_tensor::gemm::{Op, sgemm};
 use ferrotron_tensor::ops::{
-    RopeTable, add_bias_backward, add_inplace, embedding_backward, rms_norm_backward,
-    swiglu_packed_backward,
+    add_bias_backward, add_inplace, embedding_backward, rms_norm_backward, swiglu_packed_backward,
 };
 use ferrotron_tensor::{Storage, Tensor};
 use std::borrow::Cow;
 
+/// The running state of one backward pass, shared by every layer.
+pub(crate) struct Backprop<'g, 'p> {
+    /// Gradient of the residual stream `[rows, h]` at the current layer boundary.
+    pub dres: Vec<f32>,
+    /// Work buffer `[rows, h]`.
+    pub scratch: Vec<f32>,
+    /// Parameter gradients, order of [`GptModel::parameters`] (**accumulated**).
+    pub grads: &'g mut [&'p mut [f32]],
+    /// Saved-activation bytes: released as the backward frees them.
+    pub ledger: &'g mut Ledger,
+}
+
 impl GptModel {
     /// Backpropagates `acts.dlogits` (already `∂(loss_scale·loss)/∂logits`) through the whole
-    /// model, accumulating into `grads` (order of [`GptModel::parameters`]).
+    /// model, accumulating into `grads` (order of [`GptModel::parameters`]). Consumes the
+    /// activations, freeing each as soon as its backward is done (recorded in `ledger`);
+    /// groups saved as their input alone are re-run first ([`super::recompute`]).
     pub(crate) fn train_backward(
         &self,
         batch: &TrainBatch,
-        acts: &Activations,
+        acts: Activations,
         grads: &mut [&mut [f32]],
+        ledger: &mut Ledger,
     ) {
+        let Activations {
+            saved,
+            positions,
+            x_final,
+            rstd_final,
+            normed_final,
+            dlogits,
+        } = acts;
         let c = &self.config;
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
@@ -43,7 +70,7 @@ impl GptModel {
             rows,
             h,
             v,
-            &acts.dlogits,
+            &dlogits,
             Op::N,
             &f32_weight(w_out),
             Op::N,
@@ -54,70 +81,80 @@ impl GptModel {
             v,
             h,
             rows,
-            &acts.dlogits,
+            &dlogits,
             Op::T,
-            &acts.normed_final,
+            &normed_final,
             Op::N,
             grads[out_slot],
             true,
         );
+        ledger.release(f32_bytes(&dlogits) + f32_bytes(&normed_final));
+        drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
         let mut dres = vec![0f32; rows * h];
         norm_backward(
             &self.final_layernorm,
-            &acts.x_final,
-            &acts.rstd_final,
+            &x_final,
+            &rstd_final,
             &dnormed,
             &mut dres,
             grads[slots.final_norm],
         );
-        let mut scratch = vec![0f32; rows * h];
-        for ((layer, la), ls) in self
-            .layers
-            .iter()
-            .zip(&acts.layers)
-            .zip(&slots.layers)
-            .rev()
-        {
-            layer_backward(
-                layer,
-                la,
-                ls,
-                c,
-                self.rope(),
-                acts,
-                batch,
-                &mut dres,
-                &mut scratch,
-                grads,
-            );
+        ledger.release(f32_bytes(&x_final) + f32_bytes(&rstd_final));
+        drop((x_final, rstd_final, dnormed));
+        let pass = Pass {
+            c,
+            rope: self.rope(),
+            positions: &positions,
+            batch,
+        };
+        let mut st = Backprop {
+            dres,
+            scratch: vec![0f32; rows * h],
+            grads,
+            ledger,
+        };
+        for s in saved.into_iter().rev() {
+            match s {
+                Saved::Layer { index, acts } => {
+                    layer_backward(
+                        &self.layers[index],
+                        &acts,
+                        &slots.layers[index],
+                        &pass,
+                        &mut st,
+                    );
+                    st.ledger.release(acts.bytes());
+                }
+                Saved::Input { layers, x } => {
+                    self.recompute_backward(layers, x, &slots, &pass, &mut st);
+                }
+            }
         }
-        embedding_backward(&batch.tokens, &dres, grads[slots.embedding], h);
+        embedding_backward(&batch.tokens, &st.dres, st.grads[slots.embedding], h);
+        st.ledger.release(usize_bytes(&positions));
     }
 }
 
-/// One layer's backward: `dres: [rows, h]` is the gradient of the layer output on entry and of
-/// its input on return; `scratch: [rows, h]`.
-#[allow(clippy::too_many_arguments)]
-fn layer_backward(
+/// One layer's backward: `st.dres: [rows, h]` is the gradient of the layer output on entry and
+/// of its input on return. Under selective recompute core attention is re-run right before
+/// the attention backward.
+pub(crate) fn layer_backward(
     layer: &TransformerLayer,
     la: &LayerActs,
     ls: &LayerSlots,
-    c: &TransformerConfig,
-    rope: &RopeTable,
-    acts: &Activations,
-    batch: &TrainBatch,
-    dres: &mut [f32],
-    scratch: &mut [f32],
-    grads: &mut [&mut [f32]],
+    pass: &Pass<'_>,
+    st: &mut Backprop<'_, '_>,
 ) {
-    let (a, g, d, f) = (
-        c.num_attention_heads,
-        c.num_query_groups,
-        c.kv_channels,
-        c.ffn_hidden_size,
-    );
-    let rows = acts.positions.len();
+    let c = pass.c;
+    let (a, g, f) = (c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size);
+    let rows = pass.positions.len();
+    let Backprop {
+        dres,
+        scratch,
+        grads,
+        ledger,
+    } = st;
     // MLP: y = x_mid + fc2(swiglu(fc1(norm2(x_mid)))).
     let mut dact = vec![0f32; rows * f];
     linear_backward(
@@ -147,26 +184,10 @@ fn layer_backward(
     norm_backward(n2, &la.x_mid, &la.rstd2, &dnorm2, scratch, grads[ls.norm2]);
     add_inplace(dres, scratch);
     // Attention: x_mid = x + proj(attn(rope(qkv(norm1(x))))).
-    let mut dctx = vec![0f32; rows * a * d];
-    linear_backward(
-        &layer.linear_proj,
-        &la.ctx,
-        dres,
-        &mut dctx,
-        grads,
-        ls.proj_w,
-        ls.proj_b,
-    );
-    let mut dq = vec![0f32; rows * a * d];
-    let mut dk = vec![0f32; rows * g * d];
-    let mut dv = vec![0f32; rows * g * d];
-    let (dims, mask) = attention_dims(c, batch);
-    core_attention_backward(
-        &la.q, &la.k, &la.v, &la.ctx, &dctx, &la.lse, &mut dq, &mut dk, &mut dv, dims, mask,
-    );
-    drop(dctx);
-    rope.apply_inverse(&mut dq, &acts.positions, a);
-    rope.apply_inverse(&mut dk, &acts.positions, g);
+    let [mut dq, mut dk, dv] =
+        core_attention_and_proj_backward(layer, la, ls, pass, dres, grads, ledger);
+    pass.rope.apply_inverse(&mut dq, pass.positions, a);
+    pass.rope.apply_inverse(&mut dk, pass.positions, g);
     let mut dqkv = vec![0f32; rows * c.qkv_size()];
     pack_qkv(&dq, &dk, &dv, c, &mut dqkv);
     drop((dq, dk, dv));
@@ -183,6 +204,53 @@ fn layer_backward(
     let n1 = &layer.input_layernorm;
     norm_backward(n1, &la.x, &la.rstd1, &dnorm1, scratch, grads[ls.norm1]);
     add_inplace(dres, scratch);
+}
+
+/// `linear_proj` and core attention backward: returns `[dq, dk, dv]` (`[rows, a, d]`,
+/// `[rows, g, d]`, `[rows, g, d]`, still rotated) for `dres` the gradient of `x_mid`. Core
+/// attention's output is recomputed when the layer did not keep it, and freed on return.
+fn core_attention_and_proj_backward(
+    layer: &TransformerLayer,
+    la: &LayerActs,
+    ls: &LayerSlots,
+    pass: &Pass<'_>,
+    dres: &[f32],
+    grads: &mut [&mut [f32]],
+    ledger: &mut Ledger,
+) -> [Vec<f32>; 3] {
+    let c = pass.c;
+    let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
+    let rows = pass.positions.len();
+    let recomputed;
+    let core = match &la.core_attn {
+        Some(kept) => kept,
+        None => {
+            recomputed = CoreAttnOut::compute(&la.q, &la.k, &la.v, pass);
+            ledger.hold(recomputed.bytes());
+            &recomputed
+        }
+    };
+    let mut dctx = vec![0f32; rows * a * d];
+    linear_backward(
+        &layer.linear_proj,
+        &core.ctx,
+        dres,
+        &mut dctx,
+        grads,
+        ls.proj_w,
+        ls.proj_b,
+    );
+    let mut dq = vec![0f32; rows * a * d];
+    let mut dk = vec![0f32; rows * g * d];
+    let mut dv = vec![0f32; rows * g * d];
+    let (dims, mask) = attention_dims(c, pass.batch);
+    core_attention_backward(
+        &la.q, &la.k, &la.v, &core.ctx, &dctx, &core.lse, &mut dq, &mut dk, &mut dv, dims, mask,
+    );
+    if la.core_attn.is_none() {
+        ledger.release(core.bytes());
+    }
+    [dq, dk, dv]
 }
 
 /// Backward of `y[rows, n] = x[rows, k]·Wᵀ + b`: **overwrites** `dx = dy·W` and

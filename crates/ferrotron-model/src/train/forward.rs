@@ -1,8 +1,11 @@
 //! The training forward: the same math as [`GptModel::forward`] without a KV cache, keeping
 //! each layer's activations for the backward (Megatron `TransformerLayer.forward` /
 //! `SelfAttention` / `MLP`, whose autograd graph saves the same tensors), then the fused
-//! cross entropy that turns the logits into their gradient.
+//! cross entropy that turns the logits into their gradient. What is kept per layer follows
+//! [`TransformerConfig::recompute_granularity`] (see [`super::recompute`]).
 
+use super::memory::Ledger;
+use super::recompute::Keep;
 use super::{LossStats, TrainBatch};
 use crate::{GptModel, Result, TransformerConfig, TransformerLayer};
 use ferrotron_nn::attention::{AttentionDims, AttentionMask, core_attention_forward_train};
@@ -10,6 +13,50 @@ use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{
     RopeTable, add_inplace, cross_entropy_fused_inplace, rms_norm, swiglu_packed,
 };
+use std::ops::Range;
+
+/// What every layer of one training pass shares: the config, the rotary tables, the position
+/// of each row and the batch shape.
+pub(crate) struct Pass<'a> {
+    pub c: &'a TransformerConfig,
+    pub rope: &'a RopeTable,
+    /// Rotary position of each row `[rows]`.
+    pub positions: &'a [usize],
+    pub batch: &'a TrainBatch,
+}
+
+/// Core attention's output and softmax statistic: what selective recompute drops and the
+/// backward recomputes from q/k/v.
+pub(crate) struct CoreAttnOut {
+    /// Core attention output `[rows, a·d]` (input of `linear_proj`).
+    pub ctx: Vec<f32>,
+    /// Softmax log-sum-exp per query row and head `[rows, a]`.
+    pub lse: Vec<f32>,
+}
+
+impl CoreAttnOut {
+    /// Flash-style causal attention of `q: [rows, a, d]` (after rope) over `k, v: [rows, g, d]`.
+    pub(crate) fn compute(q: &[f32], k: &[f32], v: &[f32], pass: &Pass<'_>) -> CoreAttnOut {
+        let c = pass.c;
+        let rows = pass.positions.len();
+        let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
+        let mut lse = vec![0f32; rows * c.num_attention_heads];
+        let (dims, mask) = attention_dims(c, pass.batch);
+        core_attention_forward_train(q, k, v, &mut ctx, &mut lse, dims, mask);
+        CoreAttnOut { ctx, lse }
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> u128 {
+        f32_bytes(&self.ctx) + f32_bytes(&self.lse)
+    }
+
+    /// Elements [`CoreAttnOut::compute`] allocates per token: `a·d + a` (in u128, so no
+    /// config overflows).
+    pub(crate) fn numel_per_row(c: &TransformerConfig) -> u128 {
+        c.num_attention_heads as u128 * (c.kv_channels as u128 + 1)
+    }
+}
 
 /// What one decoder layer's backward needs, all over `rows = s·b` tokens in `[s, b]` order.
 /// q and k are saved **after** rotary embedding (what core attention consumed); the backward
@@ -27,10 +74,8 @@ pub(crate) struct LayerActs {
     pub k: Vec<f32>,
     /// Values `[rows, g, d]`.
     pub v: Vec<f32>,
-    /// Core attention output `[rows, a·d]` (input of `linear_proj`).
-    pub ctx: Vec<f32>,
-    /// Softmax log-sum-exp per query row and head `[rows, a]`.
-    pub lse: Vec<f32>,
+    /// Core attention's output; `None` under selective recompute (recomputed in the backward).
+    pub core_attn: Option<CoreAttnOut>,
     /// Residual stream after attention `[rows, h]`.
     pub x_mid: Vec<f32>,
     /// `1/rms` of `x_mid` `[rows]`.
@@ -43,9 +88,61 @@ pub(crate) struct LayerActs {
     pub act: Vec<f32>,
 }
 
+impl LayerActs {
+    /// Bytes held (core attention's output included when kept).
+    pub(crate) fn bytes(&self) -> u128 {
+        let own = [
+            &self.x,
+            &self.rstd1,
+            &self.norm1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.x_mid,
+            &self.rstd2,
+            &self.norm2,
+            &self.fc1,
+            &self.act,
+        ];
+        own.iter().map(|t| f32_bytes(t)).sum::<u128>()
+            + self.core_attn.as_ref().map_or(0, CoreAttnOut::bytes)
+    }
+
+    /// Elements [`layer_forward`] saves per token, core attention's output excluded:
+    /// `x, norm1, x_mid, norm2` (`4h`), `rstd1, rstd2` (2), `q, k, v` (`(a + 2g)·d`),
+    /// `fc1, act` (`3f`) (in u128, so no config overflows).
+    pub(crate) fn numel_per_row(c: &TransformerConfig) -> u128 {
+        let [h, a, g, d, f] = [
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_query_groups,
+            c.kv_channels,
+            c.ffn_hidden_size,
+        ]
+        .map(|n| n as u128);
+        4 * h + 2 + (a + 2 * g) * d + 3 * f
+    }
+
+    /// The layer input alone (what a recomputed group keeps), the rest freed.
+    pub(crate) fn into_input(self) -> Vec<f32> {
+        self.x
+    }
+}
+
+/// What the forward keeps of one layer or group of layers (see [`super::recompute`]).
+// One entry per layer at most: the inline `LayerActs` costs a few hundred bytes each.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Saved {
+    /// Layer `index` with its activations (all but core attention's under selective recompute).
+    Layer { index: usize, acts: LayerActs },
+    /// Only the input `[rows, h]` of `layers`, which the backward re-runs (full recompute).
+    Input { layers: Range<usize>, x: Vec<f32> },
+}
+
 /// Everything the backward of one micro-batch reads.
 pub(crate) struct Activations {
-    pub layers: Vec<LayerActs>,
+    /// Per layer or recomputed group, in layer order.
+    pub saved: Vec<Saved>,
     /// Rotary position of each row `[rows]`.
     pub positions: Vec<usize>,
     /// Residual stream after the last layer `[rows, h]`.
@@ -59,19 +156,56 @@ pub(crate) struct Activations {
 }
 
 impl GptModel {
-    /// Embedding, every layer and the final norm, saving activations; logits in `dlogits`.
-    pub(crate) fn train_forward(&self, batch: &TrainBatch) -> Result<Activations> {
+    /// Embedding, every layer and the final norm, saving activations as the config's
+    /// recompute setting says (recorded in `ledger`); logits in `dlogits`.
+    pub(crate) fn train_forward(
+        &self,
+        batch: &TrainBatch,
+        ledger: &mut Ledger,
+    ) -> Result<Activations> {
         let c = &self.config;
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
         let mut x = vec![0f32; rows * h];
         self.embedding.forward(&batch.tokens, &mut x)?;
         let positions = batch.row_positions();
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let (acts, out) = layer_forward(layer, c, self.rope(), &positions, batch, x);
-            layers.push(acts);
-            x = out;
+        ledger.hold(usize_bytes(&positions));
+        let pass = Pass {
+            c,
+            rope: self.rope(),
+            positions: &positions,
+            batch,
+        };
+        let mut saved = Vec::with_capacity(self.layers.len());
+        for run in c.recompute_runs() {
+            match run.keep {
+                Keep::Each { core_attention } => {
+                    for index in run.layers {
+                        let (acts, y) =
+                            layer_forward(&self.layers[index], &pass, x, core_attention);
+                        ledger.hold(acts.bytes());
+                        saved.push(Saved::Layer { index, acts });
+                        x = y;
+                    }
+                }
+                Keep::Input => {
+                    let mut input = None;
+                    for index in run.layers.clone() {
+                        let (acts, y) = layer_forward(&self.layers[index], &pass, x, true);
+                        if input.is_none() {
+                            input = Some(acts.into_input());
+                        }
+                        x = y;
+                    }
+                    if let Some(x) = input {
+                        ledger.hold(f32_bytes(&x));
+                        saved.push(Saved::Input {
+                            layers: run.layers,
+                            x,
+                        });
+                    }
+                }
+            }
         }
         let mut rstd_final = vec![0f32; rows];
         let mut normed_final = vec![0f32; rows * h];
@@ -97,8 +231,11 @@ impl GptModel {
             h,
             false,
         );
+        for t in [&x, &rstd_final, &normed_final, &dlogits] {
+            ledger.hold(f32_bytes(t));
+        }
         Ok(Activations {
-            layers,
+            saved,
             positions,
             x_final: x,
             rstd_final,
@@ -150,7 +287,7 @@ impl GptModel {
 pub(crate) fn attention_dims(
     c: &TransformerConfig,
     batch: &TrainBatch,
-) -> (AttentionDims, AttentionMask) {
+) -> (AttentionDims, AttentionMask<'static>) {
     (
         AttentionDims {
             sq: batch.seq,
@@ -163,20 +300,20 @@ pub(crate) fn attention_dims(
         },
         AttentionMask {
             sliding_window: c.sliding_window,
+            documents: None,
         },
     )
 }
 
 /// One layer on the residual stream `x: [rows, h]` (consumed and saved); returns the saved
-/// activations and the layer output.
-fn layer_forward(
+/// activations (core attention's output only when `keep_core_attention`) and the layer output.
+pub(crate) fn layer_forward(
     layer: &TransformerLayer,
-    c: &TransformerConfig,
-    rope: &RopeTable,
-    positions: &[usize],
-    batch: &TrainBatch,
+    pass: &Pass<'_>,
     x: Vec<f32>,
+    keep_core_attention: bool,
 ) -> (LayerActs, Vec<f32>) {
+    let c = pass.c;
     let (h, a, g, d, f) = (
         c.hidden_size,
         c.num_attention_heads,
@@ -184,7 +321,7 @@ fn layer_forward(
         c.kv_channels,
         c.ffn_hidden_size,
     );
-    let rows = positions.len();
+    let rows = pass.positions.len();
     let n1 = &layer.input_layernorm;
     let mut rstd1 = vec![0f32; rows];
     let mut norm1 = vec![0f32; rows * h];
@@ -196,15 +333,13 @@ fn layer_forward(
     let mut v = vec![0f32; rows * g * d];
     split_qkv(&qkv, c, &mut q, &mut k, &mut v);
     drop(qkv);
-    rope.apply(&mut q, positions, a);
-    rope.apply(&mut k, positions, g);
-    let mut ctx = vec![0f32; rows * a * d];
-    let mut lse = vec![0f32; rows * a];
-    let (dims, mask) = attention_dims(c, batch);
-    core_attention_forward_train(&q, &k, &v, &mut ctx, &mut lse, dims, mask);
+    pass.rope.apply(&mut q, pass.positions, a);
+    pass.rope.apply(&mut k, pass.positions, g);
+    let core = CoreAttnOut::compute(&q, &k, &v, pass);
     let mut x_mid = x.clone();
     let mut out = vec![0f32; rows * h];
-    layer.linear_proj.forward(&ctx, &mut out);
+    layer.linear_proj.forward(&core.ctx, &mut out);
+    let core_attn = keep_core_attention.then_some(core);
     add_inplace(&mut x_mid, &out);
     let n2 = &layer.pre_mlp_layernorm;
     let mut rstd2 = vec![0f32; rows];
@@ -224,8 +359,7 @@ fn layer_forward(
         q,
         k,
         v,
-        ctx,
-        lse,
+        core_attn,
         x_mid,
         rstd2,
         norm2,
@@ -233,6 +367,16 @@ fn layer_forward(
         act,
     };
     (acts, y)
+}
+
+/// Bytes of an f32 buffer.
+pub(crate) fn f32_bytes(t: &[f32]) -> u128 {
+    std::mem::size_of_val(t) as u128
+}
+
+/// Bytes of a usize buffer.
+pub(crate) fn usize_bytes(t: &[usize]) -> u128 {
+    std::mem::size_of_val(t) as u128
 }
 
 /// Unpacks `qkv: [rows, g, a/g + 2, d]` into `q: [rows, a, d]`, `k, v: [rows, g, d]`.

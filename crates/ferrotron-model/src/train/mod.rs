@@ -13,15 +13,27 @@
 //! updated master weights into the model with [`GptModel::load_parameters_from`] (rounded to
 //! the model's storage dtype when that is bf16/f16).
 //!
+//! Activation recomputation follows [`TransformerConfig::recompute_granularity`]
+//! (Megatron's selective core-attention recompute and full uniform/block layer recompute,
+//! bit-identical gradients; see [`recompute`]); [`TransformerConfig::activation_memory`] gives
+//! the saved-activation bytes at the peak of a pass ([`memory`]).
+//!
 //! Not done yet: per-document attention masks (Megatron's `reset_attention_mask`; position
 //! ids may be reset per document through [`TrainBatch::position_ids`], but attention stays
-//! causal over the whole sequence, as Megatron with `reset_position_ids` alone), activation
-//! recompute, buffer reuse across calls.
+//! causal over the whole sequence, as Megatron with `reset_position_ids` alone), Megatron's
+//! other selective-recompute modules (`recompute_modules` beyond `core_attn`: norms, MLP,
+//! SwiGLU), `distribute_saved_activations`, buffer reuse across calls.
+//!
+//! [`TransformerConfig::recompute_granularity`]: crate::TransformerConfig::recompute_granularity
+//! [`TransformerConfig::activation_memory`]: crate::TransformerConfig::activation_memory
 
 mod backward;
 mod forward;
+pub mod memory;
 mod params;
+pub mod recompute;
 
+pub use memory::ActivationMemory;
 pub use params::ParamInfo;
 
 use crate::{GptModel, ModelError, Result};
@@ -174,10 +186,15 @@ impl GptModel {
     /// `batch.loss_token_count() / total_loss_tokens_of_the_global_batch`.
     /// With tied embeddings the output layer's gradient accumulates into the embedding's.
     ///
+    /// Activations are kept or recomputed as [`TransformerConfig::recompute_granularity`]
+    /// says; the loss and gradients are bit-identical either way.
+    ///
+    /// [`TransformerConfig::recompute_granularity`]: crate::TransformerConfig::recompute_granularity
+    ///
     /// # Errors
     /// Malformed batch (lengths, positions beyond the rotary table, token ids `>= v`, labels
-    /// outside `0..v` other than -100) or gradient slices of the wrong count or length; `grads`
-    /// is untouched then.
+    /// outside `0..v` other than -100), gradient slices of the wrong count or length, or a
+    /// `recompute_num_layers` outside `1..=num_layers`; `grads` is untouched then.
     pub fn forward_backward(
         &self,
         batch: &TrainBatch,
@@ -185,6 +202,7 @@ impl GptModel {
         loss_scale: f32,
     ) -> Result<LossStats> {
         batch.validate(self)?;
+        self.config.validate_recompute()?;
         let infos = self.parameters();
         if infos.len() != grads.len() {
             return Err(ModelError::Input(format!(
@@ -205,9 +223,10 @@ impl GptModel {
         }
         // Run on a rayon worker so the many small parallel kernels start inline (as forward).
         rayon::scope(|_| {
-            let mut acts = self.train_forward(batch)?;
+            let mut ledger = memory::Ledger::default();
+            let mut acts = self.train_forward(batch, &mut ledger)?;
             let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
-            self.train_backward(batch, &acts, grads);
+            self.train_backward(batch, acts, grads, &mut ledger);
             Ok(stats)
         })
     }

@@ -1,0 +1,198 @@
+//! Saved-activation memory of [`GptModel::forward_backward`](crate::GptModel::forward_backward):
+//! the ledger (`Ledger`) the training pass keeps of the bytes it holds for the backward, and
+//! [`TransformerConfig::activation_memory`], which replays the same sequence of holds and
+//! releases from the shapes alone (a test checks the two agree for every recompute mode).
+//!
+//! Counted: everything the forward keeps for the backward (per-layer activations or recompute
+//! inputs, the rotary positions, the final norm's input/output/statistic, the logits) and what
+//! the backward re-materializes (a recomputed group's activations, core attention's output
+//! under selective recompute), each until it is freed. Not counted: parameters, gradients,
+//! and transient work buffers (a layer's packed qkv, activation gradients, the activations of
+//! a layer the forward runs only to pass its output on).
+
+use super::forward::{CoreAttnOut, LayerActs};
+use super::recompute::Keep;
+use crate::{ModelError, Result, TransformerConfig};
+
+/// Bytes of saved activations currently held, and the most held at once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Ledger {
+    held: u128,
+    peak: u128,
+}
+
+impl Ledger {
+    /// `bytes` more are held from now on.
+    pub(crate) fn hold(&mut self, bytes: u128) {
+        self.held += bytes;
+        self.peak = self.peak.max(self.held);
+    }
+
+    /// `bytes` held so far are freed.
+    pub(crate) fn release(&mut self, bytes: u128) {
+        debug_assert!(bytes <= self.held, "releasing more than is held");
+        self.held = self.held.saturating_sub(bytes);
+    }
+
+    /// The most bytes held at once.
+    pub(crate) fn peak(&self) -> u128 {
+        self.peak
+    }
+
+    /// Bytes held now.
+    pub(crate) fn held(&self) -> u128 {
+        self.held
+    }
+}
+
+/// Saved-activation memory of one [`GptModel::forward_backward`](crate::GptModel::forward_backward)
+/// call, in bytes (see the [module docs](self) for what is counted).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActivationMemory {
+    /// The most held at any moment of the forward and backward.
+    pub peak_bytes: u64,
+    /// Held when the forward ends (all saved layers, the final norm's tensors and the logits).
+    pub forward_end_bytes: u64,
+    /// Of that, the logits `[s·b, v]` (f32; freed after the output layer's backward).
+    pub logits_bytes: u64,
+}
+
+impl TransformerConfig {
+    /// The saved-activation memory of a training micro-batch of `micro_batch` sequences of
+    /// `seq` tokens under this config's [`recompute_granularity`](Self::recompute_granularity),
+    /// replaying what the training forward keeps and the backward frees and recomputes:
+    ///
+    /// - a kept layer: `s·b·(4h + 2 + (a + 2g)·d + 3f)` f32, plus `s·b·a·(d + 1)` for core
+    ///   attention's output and log-sum-exp unless selective recompute drops them;
+    /// - a recomputed group: its input `s·b·h` until the backward re-runs it, then all of its
+    ///   layers' activations, each freed after its backward;
+    /// - the positions `s·b` usize, the final norm `s·b·(2h + 1)` and logits `s·b·v` f32.
+    ///
+    /// # Errors
+    /// An invalid config ([`TransformerConfig::validate`]), a zero `micro_batch` or `seq`, or
+    /// a total beyond `u64::MAX` bytes.
+    pub fn activation_memory(&self, micro_batch: usize, seq: usize) -> Result<ActivationMemory> {
+        self.validate()?;
+        for (what, n) in [("micro_batch", micro_batch), ("seq", seq)] {
+            if n == 0 {
+                return Err(ModelError::Input(format!(
+                    "activation memory: {what} must be > 0"
+                )));
+            }
+        }
+        let rows = micro_batch as u128 * seq as u128;
+        let f32_rows = |per_row: u128| rows * per_row * size_of::<f32>() as u128;
+        let layer = f32_rows(LayerActs::numel_per_row(self));
+        let core = f32_rows(CoreAttnOut::numel_per_row(self));
+        let input = f32_rows(self.hidden_size as u128);
+        let rstd = f32_rows(1);
+        let logits = f32_rows(self.vocab_size as u128);
+        let positions = rows * size_of::<usize>() as u128;
+        let kept = |core_attention: bool| layer + if core_attention { core } else { 0 };
+        let runs = self.recompute_runs();
+        let mut m = Ledger::default();
+        // Forward (`train_forward`).
+        m.hold(positions);
+        for run in &runs {
+            match run.keep {
+                Keep::Each { core_attention } => {
+                    run.layers
+                        .clone()
+                        .for_each(|_| m.hold(kept(core_attention)));
+                }
+                Keep::Input => m.hold(input),
+            }
+        }
+        for final_tensor in [input, rstd, input, logits] {
+            m.hold(final_tensor);
+        }
+        let forward_end = m.held();
+        // Backward (`train_backward`): output layer, final norm, then the runs in reverse.
+        m.release(logits + input);
+        m.release(input + rstd);
+        for run in runs.iter().rev() {
+            match run.keep {
+                Keep::Each { core_attention } => {
+                    for _ in run.layers.clone() {
+                        if !core_attention {
+                            m.hold(core);
+                            m.release(core);
+                        }
+                        m.release(kept(core_attention));
+                    }
+                }
+                Keep::Input => {
+                    m.release(input);
+                    run.layers.clone().for_each(|_| m.hold(kept(true)));
+                    run.layers.clone().for_each(|_| m.release(kept(true)));
+                }
+            }
+        }
+        m.release(positions);
+        debug_assert_eq!(m.held(), 0);
+        let to_u64 = |b: u128| {
+            u64::try_from(b).map_err(|_| {
+                ModelError::Input(format!(
+                    "activation memory: {b} bytes for micro_batch {micro_batch}, seq {seq} \
+                     exceed u64"
+                ))
+            })
+        };
+        Ok(ActivationMemory {
+            peak_bytes: to_u64(m.peak())?,
+            forward_end_bytes: to_u64(forward_end)?,
+            logits_bytes: to_u64(logits)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::families::load_hf_model;
+    use crate::train::memory::Ledger;
+    use crate::{RecomputeGranularity, RecomputeMethod, TrainBatch};
+    use ferrotron_tensor::DType;
+    use std::path::PathBuf;
+
+    /// The ledger of a real pass (what the forward kept, measured from the buffers' lengths)
+    /// agrees with the replay from shapes alone, for every mode, at the end of the forward, at
+    /// the peak, and back at zero.
+    #[test]
+    fn replay_matches_the_real_pass() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-qwen2");
+        let (mut model, _) = load_hf_model(&dir, DType::F32).unwrap();
+        // Four layers (copies), so uniform 3 leaves a short last group.
+        model.layers = (0..4).map(|i| model.layers[i % 2].clone()).collect();
+        model.config.num_layers = 4;
+        let (b, s) = (2, 9);
+        let tokens: Vec<u32> = (0..b * s).map(|i| (i * 13 % 100) as u32).collect();
+        let labels: Vec<i64> = tokens.iter().map(|&t| (t as i64 + 1) % 100).collect();
+        let batch = TrainBatch::from_batch_major(&tokens, &labels, None, b, s);
+        let mut modes = vec![None, Some(RecomputeGranularity::Selective)];
+        for n in 1..=4 {
+            for method in [RecomputeMethod::Uniform, RecomputeMethod::Block] {
+                modes.push(Some(RecomputeGranularity::Full {
+                    method,
+                    num_layers: n,
+                }));
+            }
+        }
+        for mode in modes {
+            model.config.recompute_granularity = mode;
+            let want = model.config.activation_memory(b, s).unwrap();
+            let mut grads: Vec<Vec<f32>> = model
+                .parameters()
+                .iter()
+                .map(|p| vec![0f32; p.numel()])
+                .collect();
+            let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
+            let mut ledger = Ledger::default();
+            let mut acts = model.train_forward(&batch, &mut ledger).unwrap();
+            assert_eq!(ledger.held(), want.forward_end_bytes as u128, "{mode:?}");
+            model.loss_and_logit_grad(&batch, &mut acts, 1.0).unwrap();
+            model.train_backward(&batch, acts, &mut views, &mut ledger);
+            assert_eq!(ledger.peak(), want.peak_bytes as u128, "{mode:?}");
+            assert_eq!(ledger.held(), 0, "{mode:?}");
+        }
+    }
+}

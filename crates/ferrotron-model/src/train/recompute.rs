@@ -1,0 +1,214 @@
+//! Activation recomputation (Megatron-Core `TransformerConfig.recompute_granularity`,
+//! `recompute_method`, `recompute_num_layers`; `TransformerBlock._checkpointed_forward` and
+//! `tensor_parallel.checkpoint`): which layers the training forward keeps whole and which it
+//! keeps only the input of, and the backward of a recomputed group.
+//!
+//! - no recompute: every layer keeps all its activations (`LayerActs`);
+//! - [`RecomputeGranularity::Selective`]: every layer drops core attention's output and
+//!   log-sum-exp, recomputed from the saved q/k/v right before the attention backward;
+//! - [`RecomputeGranularity::Full`] with [`RecomputeMethod::Uniform`]: groups of `N`
+//!   consecutive layers (the last one clamped to the stack, as Megatron's `chunk_end`) keep only
+//!   their input `[s·b, h]`;
+//! - [`RecomputeGranularity::Full`] with [`RecomputeMethod::Block`]: layers `0..N` keep only
+//!   their input, each its own group; the others keep everything.
+//!
+//! The backward re-runs a group's forward with the same kernels on the same input, saving its
+//! activations, then backpropagates through it layer by layer, so gradients and loss are
+//! bit-identical to keeping everything.
+
+use super::backward::{Backprop, layer_backward};
+use super::forward::{Pass, f32_bytes, layer_forward};
+use super::params::Slots;
+use crate::{GptModel, RecomputeGranularity, RecomputeMethod, TransformerConfig};
+use std::ops::Range;
+
+/// What the forward keeps of each layer of a [`Run`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Each layer's activations; core attention's output only when `core_attention`.
+    Each { core_attention: bool },
+    /// Only the run's input; the backward recomputes the run.
+    Input,
+}
+
+/// Consecutive layers kept the same way.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub layers: Range<usize>,
+    pub keep: Keep,
+}
+
+impl TransformerConfig {
+    /// The runs covering layers `0..num_layers` in order, per
+    /// [`TransformerConfig::recompute_granularity`] (assumed valid: `recompute_num_layers >= 1`).
+    pub(crate) fn recompute_runs(&self) -> Vec<Run> {
+        let l = self.num_layers;
+        let each = |layers, core_attention| Run {
+            layers,
+            keep: Keep::Each { core_attention },
+        };
+        let input = |layers| Run {
+            layers,
+            keep: Keep::Input,
+        };
+        match self.recompute_granularity {
+            None => vec![each(0..l, true)],
+            Some(RecomputeGranularity::Selective) => vec![each(0..l, false)],
+            Some(RecomputeGranularity::Full {
+                method: RecomputeMethod::Uniform,
+                num_layers,
+            }) => {
+                let n = num_layers.max(1);
+                (0..l)
+                    .step_by(n)
+                    .map(|start| input(start..(start + n).min(l)))
+                    .collect()
+            }
+            Some(RecomputeGranularity::Full {
+                method: RecomputeMethod::Block,
+                num_layers,
+            }) => {
+                let n = num_layers.min(l);
+                (0..n)
+                    .map(|i| input(i..i + 1))
+                    .chain((n < l).then(|| each(n..l, true)))
+                    .collect()
+            }
+        }
+    }
+}
+
+impl GptModel {
+    /// Backward of the group `layers` saved as its input `x: [rows, h]`: re-runs their forward
+    /// from `x` keeping every activation, then backpropagates through them in reverse, freeing
+    /// each layer's activations after its backward.
+    pub(crate) fn recompute_backward(
+        &self,
+        layers: Range<usize>,
+        x: Vec<f32>,
+        slots: &Slots,
+        pass: &Pass<'_>,
+        st: &mut Backprop<'_, '_>,
+    ) {
+        // The input moves into the first layer's activations.
+        st.ledger.release(f32_bytes(&x));
+        let mut acts = Vec::with_capacity(layers.len());
+        let mut x = x;
+        for index in layers.clone() {
+            let (la, y) = layer_forward(&self.layers[index], pass, x, true);
+            st.ledger.hold(la.bytes());
+            acts.push(la);
+            x = y;
+        }
+        // `x` is the group's output; the gradient with respect to it is already in `st.dres`.
+        drop(x);
+        for (index, la) in layers.zip(acts).rev() {
+            layer_backward(&self.layers[index], &la, &slots.layers[index], pass, st);
+            st.ledger.release(la.bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ModelFamily;
+    use ferrotron_tensor::ops::RopeScaling;
+
+    fn config(num_layers: usize, recompute: Option<RecomputeGranularity>) -> TransformerConfig {
+        TransformerConfig {
+            family: ModelFamily::Llama,
+            num_layers,
+            hidden_size: 8,
+            ffn_hidden_size: 16,
+            num_attention_heads: 2,
+            num_query_groups: 1,
+            kv_channels: 4,
+            vocab_size: 10,
+            max_position_embeddings: 16,
+            rotary_base: 10000.0,
+            rope_scaling: RopeScaling::None,
+            layernorm_epsilon: 1e-5,
+            add_qkv_bias: false,
+            add_proj_bias: false,
+            add_mlp_bias: false,
+            untie_embeddings_and_output_weights: true,
+            sliding_window: None,
+            recompute_granularity: recompute,
+        }
+    }
+
+    fn full(method: RecomputeMethod, num_layers: usize) -> Option<RecomputeGranularity> {
+        Some(RecomputeGranularity::Full { method, num_layers })
+    }
+
+    fn runs(c: &TransformerConfig) -> Vec<(Range<usize>, Keep)> {
+        c.recompute_runs()
+            .into_iter()
+            .map(|r| (r.layers, r.keep))
+            .collect()
+    }
+
+    const ALL: Keep = Keep::Each {
+        core_attention: true,
+    };
+
+    #[test]
+    fn runs_follow_megatron_grouping() {
+        assert_eq!(runs(&config(3, None)), [(0..3, ALL)]);
+        let selective = Keep::Each {
+            core_attention: false,
+        };
+        let sel = Some(RecomputeGranularity::Selective);
+        assert_eq!(runs(&config(3, sel)), [(0..3, selective)]);
+        // Uniform: chunks of N, the last clamped to the stack.
+        let uniform = |n| runs(&config(5, full(RecomputeMethod::Uniform, n)));
+        assert_eq!(
+            uniform(2),
+            [
+                (0..2, Keep::Input),
+                (2..4, Keep::Input),
+                (4..5, Keep::Input)
+            ]
+        );
+        assert_eq!(uniform(5), [(0..5, Keep::Input)]);
+        assert_eq!(uniform(1).len(), 5);
+        // Block: the first N layers one by one, the rest kept.
+        let block = |n| runs(&config(5, full(RecomputeMethod::Block, n)));
+        assert_eq!(
+            block(2),
+            [(0..1, Keep::Input), (1..2, Keep::Input), (2..5, ALL)]
+        );
+        assert_eq!(block(5).len(), 5);
+        assert!(
+            block(5)
+                .iter()
+                .all(|(r, k)| r.len() == 1 && *k == Keep::Input)
+        );
+    }
+
+    #[test]
+    fn recompute_num_layers_must_lie_in_one_to_num_layers() {
+        for method in [RecomputeMethod::Uniform, RecomputeMethod::Block] {
+            for n in [0, 4] {
+                let err = config(3, full(method, n))
+                    .validate()
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    err.contains("recompute_num_layers") && err.contains("between 1 and"),
+                    "{method:?} {n}: {err}"
+                );
+            }
+            for n in 1..=3 {
+                config(3, full(method, n)).validate().unwrap();
+            }
+        }
+        config(3, Some(RecomputeGranularity::Selective))
+            .validate()
+            .unwrap();
+        // num_layers 0 is rejected before the recompute rules.
+        let err = config(0, full(RecomputeMethod::Block, 1)).validate();
+        assert!(err.unwrap_err().to_string().contains("`num_layers`"));
+    }
+}
