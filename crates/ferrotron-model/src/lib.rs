@@ -6,15 +6,17 @@ mod config;
 mod error;
 pub mod families;
 mod gpt_model;
+mod init;
 mod kv_cache;
 pub mod train;
 mod transformer_layer;
 
-pub use config::{ModelFamily, TransformerConfig};
+pub use config::{ModelFamily, RecomputeGranularity, RecomputeMethod, TransformerConfig};
 pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
+pub use init::InitConfig;
 pub use kv_cache::KvCache;
-pub use train::{LossStats, ParamInfo, TrainBatch};
+pub use train::{ActivationMemory, LossStats, ParamInfo, TrainBatch};
 pub use transformer_layer::TransformerLayer;
 
 /// Result alias for model construction and forward passes.

@@ -81,6 +81,7 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
         untie_embeddings_and_output_weights: !opt_bool(obj, "tie_word_embeddings")?
             .unwrap_or(false),
         sliding_window,
+        recompute_granularity: None,
     };
     config.validate()?;
     Ok(HfModelInfo {

@@ -1,10 +1,13 @@
 //! HuggingFace model families: `config.json` -> [`crate::TransformerConfig`] and HF weight
-//! names -> the Megatron-layout parameters of [`crate::GptModel`].
+//! names -> the Megatron-layout parameters of [`crate::GptModel`], and back
+//! ([`hf_config_json`], [`hf_tensors`]) for exporting.
 
 mod hf_config;
+mod hf_export;
 mod hf_safetensors;
 mod hf_weights;
 
 pub use hf_config::{HfModelInfo, parse_hf_config, read_hf_config};
+pub use hf_export::{HfConfigInputs, HfTensor, hf_config_json, hf_tensors};
 pub use hf_safetensors::{HfSafetensors, load_hf_model};
 pub use hf_weights::{WeightSource, gpt_model_from_hf};

@@ -1,0 +1,508 @@
+//! The inverse of `hf_config` / `hf_weights`: a [`TransformerConfig`] -> an HF `config.json`,
+//! and a [`GptModel`]'s Megatron-layout parameters -> HF-named tensors (`linear_qkv` unpacked
+//! into `q_proj`/`k_proj`/`v_proj` per query group, `linear_fc1` into `gate_proj`/`up_proj`), as
+//! Pai-Megatron-Patch's `mcore2hf` converters and transformers' `save_pretrained` lay them out.
+
+use super::{HfModelInfo, parse_hf_config};
+use crate::config::field_error;
+use crate::{GptModel, ModelError, ModelFamily, Result, TransformerConfig};
+use ferrotron_nn::{Linear, NnError};
+use ferrotron_tensor::ops::RopeScaling;
+use ferrotron_tensor::{DType, Storage, Tensor};
+use serde_json::{Map, Value, json};
+use std::ops::Range;
+
+/// What `config.json` needs beyond the [`TransformerConfig`]: special token ids and, when the
+/// model was loaded from an HF directory, that directory's `config.json`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HfConfigInputs {
+    /// The source `config.json`. Its fields that the mapping does not own (e.g.
+    /// `initializer_range`, `unk_token_id`, `attention_dropout`, `use_cache`, custom keys) are
+    /// kept, because they carry information the model cannot reconstruct; every field derived
+    /// from the model is rewritten (see [`hf_config_json`]).
+    pub original: Option<Value>,
+    /// `bos_token_id`.
+    pub bos_token_id: Option<u32>,
+    /// `eos_token_id`: written as an integer when there is one, a list when several.
+    pub eos_token_ids: Vec<u32>,
+    /// `pad_token_id`.
+    pub pad_token_id: Option<u32>,
+}
+
+impl HfConfigInputs {
+    /// Token ids from a parsed config, with no original `config.json` to keep fields of.
+    pub fn from_info(info: &HfModelInfo) -> HfConfigInputs {
+        HfConfigInputs {
+            original: None,
+            bos_token_id: info.bos_token_id,
+            eos_token_ids: info.eos_token_ids.clone(),
+            pad_token_id: None,
+        }
+    }
+
+    /// Keeps `original` (a source `config.json`) and takes its token ids.
+    ///
+    /// # Errors
+    /// Whatever [`parse_hf_config`] reports for `original`, or a `pad_token_id` that is not a
+    /// non-negative integer.
+    pub fn from_original(original: Value) -> Result<HfConfigInputs> {
+        let info = parse_hf_config(&original)?;
+        let pad_token_id =
+            match original.get("pad_token_id") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(
+                    || field_error("pad_token_id", format!("expected a token id, got {v}")),
+                )?),
+            };
+        Ok(HfConfigInputs {
+            bos_token_id: info.bos_token_id,
+            eos_token_ids: info.eos_token_ids,
+            pad_token_id,
+            original: Some(original),
+        })
+    }
+}
+
+/// Fields of an original `config.json` that are dropped rather than kept: they are derived from
+/// fields this mapping rewrites (`layer_types` from the sliding window and layer count, the dtype
+/// from the export dtype), or describe the writer (`transformers_version`).
+const DERIVED_FIELDS: [&str; 4] = [
+    "layer_types",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+];
+
+/// The HF `config.json` of `config` for its family (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
+/// `MistralForCausalLM`), with `torch_dtype` the dtype the weights are written in.
+///
+/// Written in the form transformers 5.x saves (`rope_parameters` with `rope_theta` and
+/// `rope_type`, `dtype`) plus the 4.x spellings (`rope_theta`, `rope_scaling`, `torch_dtype`),
+/// which 5.x also reads, so either version loads it. f32 values (epsilon, rope numbers) are
+/// written as the shortest decimal that rounds to the same f32 (`1e-5`, not
+/// `9.999999747378752e-6`). `head_dim` is written for LLaMA and Mistral, and for Qwen2 only when
+/// it differs from `hidden_size / num_attention_heads` (Qwen2's config has no such field; its
+/// modeling code reads it when present). Fields of `inputs.original` that this mapping does not
+/// own are kept (see [`HfConfigInputs::original`]).
+///
+/// # Errors
+/// An invalid config; biases or a sliding window the family's HF config cannot express (LLaMA:
+/// `add_qkv_bias` must equal `add_proj_bias`, no window; Qwen2: q/k/v biases only, no window;
+/// Mistral: no biases); a non-finite rope or epsilon value; an original `config.json` of another
+/// family. Errors name the field.
+pub fn hf_config_json(
+    config: &TransformerConfig,
+    inputs: &HfConfigInputs,
+    torch_dtype: DType,
+) -> Result<Value> {
+    let c = config;
+    c.validate()?;
+    check_expressible(c)?;
+    let mut obj = match &inputs.original {
+        Some(orig) => kept_fields(orig, c.family)?,
+        None => Map::new(),
+    };
+    let rope = rope_json(c)?;
+    let owned = json!({
+        "architectures": [c.family.hf_architecture()],
+        "model_type": model_type(c.family),
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.ffn_hidden_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_query_groups,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": finite_f32("layernorm_epsilon", c.layernorm_epsilon)?,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": legacy_rope_scaling(&rope),
+        "rope_parameters": rope,
+        "tie_word_embeddings": !c.untie_embeddings_and_output_weights,
+        "dtype": torch_dtype.hf_name(),
+        "torch_dtype": torch_dtype.hf_name(),
+        "bos_token_id": inputs.bos_token_id,
+        "eos_token_id": match inputs.eos_token_ids.as_slice() {
+            [] => Value::Null,
+            [one] => json!(one),
+            many => json!(many),
+        },
+        "pad_token_id": inputs.pad_token_id,
+    });
+    let Value::Object(owned) = owned else {
+        unreachable!("json! of an object literal is an object")
+    };
+    obj.extend(owned);
+    let default_head_dim = c.hidden_size / c.num_attention_heads;
+    match c.family {
+        ModelFamily::Llama => {
+            obj.insert("head_dim".into(), json!(c.kv_channels));
+            obj.insert("attention_bias".into(), json!(c.add_qkv_bias));
+            obj.insert("mlp_bias".into(), json!(c.add_mlp_bias));
+        }
+        ModelFamily::Qwen2 => {
+            if c.kv_channels != default_head_dim {
+                obj.insert("head_dim".into(), json!(c.kv_channels));
+            } else {
+                obj.remove("head_dim");
+            }
+            obj.insert("use_sliding_window".into(), json!(false));
+            obj.insert("sliding_window".into(), Value::Null);
+        }
+        ModelFamily::Mistral => {
+            obj.insert("head_dim".into(), json!(c.kv_channels));
+            // MistralConfig defaults to a 4096 window: "no window" must be an explicit null.
+            obj.insert("sliding_window".into(), json!(c.sliding_window));
+        }
+    }
+    Ok(Value::Object(obj))
+}
+
+fn model_type(family: ModelFamily) -> &'static str {
+    match family {
+        ModelFamily::Llama => "llama",
+        ModelFamily::Mistral => "mistral",
+        ModelFamily::Qwen2 => "qwen2",
+    }
+}
+
+/// Errors for configs whose biases or window the family's HF config cannot state.
+fn check_expressible(c: &TransformerConfig) -> Result<()> {
+    let arch = c.family.hf_architecture();
+    let bad = |field: &str, why: &str| Err(field_error(field, format!("{arch}: {why}")));
+    match c.family {
+        ModelFamily::Llama if c.add_qkv_bias != c.add_proj_bias => bad(
+            "add_proj_bias",
+            "one attention_bias covers q/k/v and o_proj, so add_qkv_bias and add_proj_bias must agree",
+        ),
+        ModelFamily::Qwen2 if !c.add_qkv_bias => bad("add_qkv_bias", "q/k/v always have biases"),
+        ModelFamily::Qwen2 | ModelFamily::Mistral if c.add_proj_bias => {
+            bad("add_proj_bias", "o_proj has no bias")
+        }
+        ModelFamily::Qwen2 | ModelFamily::Mistral if c.add_mlp_bias => {
+            bad("add_mlp_bias", "the MLP has no biases")
+        }
+        ModelFamily::Mistral if c.add_qkv_bias => bad("add_qkv_bias", "q/k/v have no biases"),
+        ModelFamily::Llama | ModelFamily::Qwen2 if c.sliding_window.is_some() => bad(
+            "sliding_window",
+            "sliding-window attention is not expressible (use Mistral)",
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The original's fields minus [`DERIVED_FIELDS`], after checking it is of `family`.
+fn kept_fields(orig: &Value, family: ModelFamily) -> Result<Map<String, Value>> {
+    let obj = orig
+        .as_object()
+        .ok_or_else(|| field_error("<root>", "original config.json: expected a JSON object"))?;
+    let orig_family = parse_hf_config(orig)?.config.family;
+    if orig_family != family {
+        return Err(field_error(
+            "architectures",
+            format!(
+                "the original config.json is {}, the model is {}",
+                orig_family.hf_architecture(),
+                family.hf_architecture()
+            ),
+        ));
+    }
+    let mut kept = obj.clone();
+    for key in DERIVED_FIELDS {
+        kept.remove(key);
+    }
+    Ok(kept)
+}
+
+/// The shortest decimal that parses back to `x` (f32 `Display` is round-trip shortest).
+fn finite_f32(field: &str, x: f32) -> Result<Value> {
+    if !x.is_finite() {
+        return Err(field_error(field, format!("{x} is not a finite number")));
+    }
+    let shortest: f64 = x.to_string().parse().unwrap_or(f64::from(x));
+    Ok(json!(shortest))
+}
+
+/// transformers 5.x `rope_parameters` (`modeling_rope_utils.RopeParameters`).
+fn rope_json(c: &TransformerConfig) -> Result<Value> {
+    let theta = finite_f32("rotary_base", c.rotary_base)?;
+    let f = |name: &str, x: f32| finite_f32(&format!("rope_scaling.{name}"), x);
+    Ok(match c.rope_scaling {
+        RopeScaling::None => json!({"rope_type": "default", "rope_theta": theta}),
+        RopeScaling::Linear { factor } => {
+            json!({"rope_type": "linear", "rope_theta": theta, "factor": f("factor", factor)?})
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => json!({
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": f("factor", factor)?,
+            "low_freq_factor": f("low_freq_factor", low_freq_factor)?,
+            "high_freq_factor": f("high_freq_factor", high_freq_factor)?,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        }),
+    })
+}
+
+/// transformers 4.x `rope_scaling`: `null` for default rope, else the parameters without theta.
+fn legacy_rope_scaling(rope: &Value) -> Value {
+    if rope["rope_type"] == "default" {
+        return Value::Null;
+    }
+    let mut r = rope.clone();
+    if let Some(o) = r.as_object_mut() {
+        o.remove("rope_theta");
+    }
+    r
+}
+
+/// Where an HF tensor's values live in the model.
+#[derive(Clone, Copy, Debug)]
+enum Src<'a> {
+    Tensor(&'a Tensor),
+    F32(&'a [f32]),
+}
+
+/// One HF tensor of a model, computed on demand by [`HfTensor::values`]: its rows are row
+/// ranges of a Megatron parameter (the whole parameter, or one of q/k/v, gate/up).
+#[derive(Clone, Debug)]
+pub struct HfTensor<'a> {
+    /// HF name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub name: String,
+    /// HF shape: `[out, in]` for linear weights, `[v, h]` for embeddings, `[n]` for norms and
+    /// biases.
+    pub shape: Vec<usize>,
+    src: Src<'a>,
+    /// Ranges of the source's rows (`shape[1..]` elements each), concatenated in order.
+    rows: Vec<Range<usize>>,
+}
+
+impl HfTensor<'_> {
+    /// Element count.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The values, row-major, widened to f32 (exact for every storage dtype). Allocates only
+    /// this tensor.
+    pub fn values(&self) -> Vec<f32> {
+        let cols: usize = self.shape[1..].iter().product();
+        let mut out = Vec::with_capacity(self.numel());
+        for r in &self.rows {
+            let span = r.start * cols..r.end * cols;
+            match self.src {
+                Src::F32(s) => out.extend_from_slice(&s[span]),
+                Src::Tensor(t) => match t.storage() {
+                    Storage::F32(v) => out.extend_from_slice(&v[span]),
+                    Storage::BF16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
+                    Storage::F16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
+                },
+            }
+        }
+        out
+    }
+}
+
+/// Every HF tensor of `model` in `save_pretrained`'s naming: `model.embed_tokens.weight`, per
+/// layer `input_layernorm`, `self_attn.{q,k,v}_proj` (weight, bias when the model has q/k/v
+/// biases), `self_attn.o_proj`, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`, then
+/// `model.norm.weight` and, when untied, `lm_head.weight`. Nothing is copied until
+/// [`HfTensor::values`] is called, so writing the tensors one at a time needs memory for one
+/// tensor. This is the exact inverse of [`super::gpt_model_from_hf`].
+///
+/// # Errors
+/// A parameter whose shape, or bias presence, disagrees with `model.config` (the model's
+/// fields are public), naming the Megatron parameter.
+pub fn hf_tensors(model: &GptModel) -> Result<Vec<HfTensor<'_>>> {
+    let c = &model.config;
+    c.validate()?;
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    if model.layers.len() != c.num_layers {
+        return Err(ModelError::Input(format!(
+            "the model has {} layers, config num_layers is {}",
+            model.layers.len(),
+            c.num_layers
+        )));
+    }
+    let mut out = Vec::new();
+    let emb = model.embedding.weight();
+    check_shape("embedding.word_embeddings.weight", emb.shape(), &[v, h])?;
+    out.push(whole(
+        "model.embed_tokens.weight",
+        Src::Tensor(emb),
+        &[v, h],
+    ));
+    for (i, layer) in model.layers.iter().enumerate() {
+        push_layer(&mut out, c, i, layer)?;
+    }
+    let norm = model.final_layernorm.weight();
+    check_shape("decoder.final_layernorm.weight", &[norm.len()], &[h])?;
+    out.push(whole("model.norm.weight", Src::F32(norm), &[h]));
+    match (&model.output_layer, c.untie_embeddings_and_output_weights) {
+        (Some(o), true) => {
+            check_shape("output_layer.weight", o.weight().shape(), &[v, h])?;
+            out.push(whole("lm_head.weight", Src::Tensor(o.weight()), &[v, h]));
+        }
+        (None, false) => {}
+        _ => {
+            return Err(ModelError::Input(
+                "output layer presence disagrees with untie_embeddings_and_output_weights".into(),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+fn push_layer<'a>(
+    out: &mut Vec<HfTensor<'a>>,
+    c: &TransformerConfig,
+    i: usize,
+    layer: &'a crate::TransformerLayer,
+) -> Result<()> {
+    let (h, d, a, g, f) = (
+        c.hidden_size,
+        c.kv_channels,
+        c.num_attention_heads,
+        c.num_query_groups,
+        c.ffn_hidden_size,
+    );
+    let hf = format!("model.layers.{i}");
+    let mg = format!("decoder.layers.{i}");
+    let norm = |name: &str, hf_name: &str, w: &'a [f32]| -> Result<HfTensor<'a>> {
+        check_shape(&format!("{mg}.{name}.weight"), &[w.len()], &[h])?;
+        Ok(whole(&format!("{hf}.{hf_name}.weight"), Src::F32(w), &[h]))
+    };
+    out.push(norm(
+        "input_layernorm",
+        "input_layernorm",
+        layer.input_layernorm.weight(),
+    )?);
+
+    // linear_qkv rows: per group, a/g query heads, then one key head, then one value head.
+    let qkv = linear_parts(
+        &layer.linear_qkv,
+        &format!("{mg}.self_attention.linear_qkv"),
+        [c.qkv_size(), h],
+        c.add_qkv_bias,
+    )?;
+    let q_rows = (a / g) * d;
+    let stride = q_rows + 2 * d;
+    let groups = |offset: usize, len: usize| -> Vec<Range<usize>> {
+        (0..g)
+            .map(|gi| gi * stride + offset..gi * stride + offset + len)
+            .collect()
+    };
+    for (proj, rows) in [
+        ("q_proj", groups(0, q_rows)),
+        ("k_proj", groups(q_rows, d)),
+        ("v_proj", groups(q_rows + d, d)),
+    ] {
+        push_rows(out, &format!("{hf}.self_attn.{proj}"), qkv, h, rows);
+    }
+    let proj_name = format!("{mg}.self_attention.linear_proj");
+    let proj = linear_parts(&layer.linear_proj, &proj_name, [h, a * d], c.add_proj_bias)?;
+    push_rows(
+        out,
+        &format!("{hf}.self_attn.o_proj"),
+        proj,
+        a * d,
+        block(0, h),
+    );
+    out.push(norm(
+        "pre_mlp_layernorm",
+        "post_attention_layernorm",
+        layer.pre_mlp_layernorm.weight(),
+    )?);
+
+    // linear_fc1 rows: gate then up.
+    let fc1_name = format!("{mg}.mlp.linear_fc1");
+    let fc1 = linear_parts(&layer.mlp.linear_fc1, &fc1_name, [2 * f, h], c.add_mlp_bias)?;
+    push_rows(out, &format!("{hf}.mlp.gate_proj"), fc1, h, block(0, f));
+    push_rows(out, &format!("{hf}.mlp.up_proj"), fc1, h, block(f, f));
+    let fc2_name = format!("{mg}.mlp.linear_fc2");
+    let fc2 = linear_parts(&layer.mlp.linear_fc2, &fc2_name, [h, f], c.add_mlp_bias)?;
+    push_rows(out, &format!("{hf}.mlp.down_proj"), fc2, f, block(0, h));
+    Ok(())
+}
+
+/// A linear layer's weight and bias after checking the weight is `[out, in]` and the bias is
+/// present exactly when `bias` says.
+fn linear_parts<'a>(
+    l: &'a Linear,
+    name: &str,
+    [rows, cols]: [usize; 2],
+    bias: bool,
+) -> Result<(Src<'a>, Option<Src<'a>>)> {
+    check_shape(&format!("{name}.weight"), l.weight().shape(), &[rows, cols])?;
+    let b = match (l.bias(), bias) {
+        (Some(b), true) => {
+            check_shape(&format!("{name}.bias"), &[b.len()], &[rows])?;
+            Some(Src::F32(b))
+        }
+        (None, false) => None,
+        (b, _) => {
+            return Err(ModelError::Input(format!(
+                "{name}: the layer {} a bias but the config says {}",
+                if b.is_some() { "has" } else { "lacks" },
+                bias
+            )));
+        }
+    };
+    Ok((Src::Tensor(l.weight()), b))
+}
+
+/// Pushes `{prefix}.weight` (`rows` of the `[_, cols]` weight, stacked) and, when the layer has
+/// one, `{prefix}.bias` (the same rows of the bias).
+fn push_rows<'a>(
+    out: &mut Vec<HfTensor<'a>>,
+    prefix: &str,
+    (w, b): (Src<'a>, Option<Src<'a>>),
+    cols: usize,
+    rows: Vec<Range<usize>>,
+) {
+    let n = rows.iter().map(|r| r.len()).sum();
+    out.push(HfTensor {
+        name: format!("{prefix}.weight"),
+        shape: vec![n, cols],
+        src: w,
+        rows: rows.clone(),
+    });
+    if let Some(b) = b {
+        out.push(HfTensor {
+            name: format!("{prefix}.bias"),
+            shape: vec![n],
+            src: b,
+            rows,
+        });
+    }
+}
+
+/// The `len` rows from `start`.
+fn block(start: usize, len: usize) -> Vec<Range<usize>> {
+    std::iter::once(start..start + len).collect()
+}
+
+fn whole<'a>(name: &str, src: Src<'a>, shape: &[usize]) -> HfTensor<'a> {
+    HfTensor {
+        name: name.to_string(),
+        shape: shape.to_vec(),
+        src,
+        rows: block(0, shape[0]),
+    }
+}
+
+fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
+    if actual != expected {
+        return Err(NnError::ParamShape {
+            name: name.to_string(),
+            expected: expected.to_vec(),
+            actual: actual.to_vec(),
+        }
+        .into());
+    }
+    Ok(())
+}
