@@ -2,4 +2,5 @@
 //! later, the training loop built on it.
 
 pub mod config;
+pub mod metrics;
 pub mod trainer;

@@ -114,7 +114,7 @@ fn loss_falls_and_metrics_are_written() {
         .iter()
         .filter_map(|l| match l {
             TrainLog::Train(t) => Some(t),
-            TrainLog::Valid(_) => None,
+            TrainLog::Valid(_) | TrainLog::Saved(_) => None,
         })
         .collect();
     assert_eq!(train.len(), 6, "one line per 5 iterations");

@@ -143,6 +143,9 @@ section! {
         eval_iters: u64 = 100,
         /// Iterations between log lines. Default: 100. Megatron: `--log-interval`.
         log_interval: u64 = 100,
+        /// Save (when checkpoint.save is set) and stop after the first iteration divisible by
+        /// this; resume later with checkpoint.load. Default: unset. Megatron: `--exit-interval`.
+        exit_interval: Option<u64> = None,
         /// Seed for weight init, dropout and sampling. Default: 1234. Megatron: `--seed`.
         seed: u64 = 1234,
         /// Activation recompute: "selective", "full" or unset (none).

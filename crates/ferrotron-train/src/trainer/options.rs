@@ -42,6 +42,9 @@ pub struct TrainerOptions {
     pub adam_eps: f64,
     /// Max global gradient L2 norm (`clip_grad`); 0 disables clipping.
     pub clip_grad: f64,
+    /// Stop (after saving, when saving) at the first iteration divisible by this
+    /// (`exit_interval`); `None` runs to `train_iters`.
+    pub exit_interval: Option<u64>,
     /// Run seed (`seed`). The step itself draws no random numbers yet (no dropout); kept so
     /// the CLI and checkpoints carry it.
     pub seed: u64,
@@ -69,6 +72,7 @@ impl Default for TrainerOptions {
             adam_beta2: 0.999,
             adam_eps: 1e-8,
             clip_grad: 1.0,
+            exit_interval: None,
             seed: 1234,
         }
     }
@@ -100,6 +104,9 @@ impl TrainerOptions {
         }
         if self.train_iters == 0 {
             problems.push("train_iters must be > 0".into());
+        }
+        if self.exit_interval == Some(0) {
+            problems.push("exit_interval must be > 0".into());
         }
         if self.log_interval == 0 {
             problems.push("log_interval must be > 0".into());

@@ -22,6 +22,8 @@ pub struct TrainSummary {
     pub last_eval_loss: Option<f64>,
     /// The data ran out before `train_iters`.
     pub data_exhausted: bool,
+    /// Stopped at `exit_interval` before `train_iters`.
+    pub exited_early: bool,
 }
 
 /// Interval accumulators of `training_log`.
@@ -37,8 +39,8 @@ struct Interval {
 }
 
 impl Trainer {
-    /// Runs iterations until `train_iters` (from the current iteration on) or until `data`
-    /// ends, taking `num_microbatches` micro-batches per step.
+    /// Runs iterations until `train_iters` (from the current iteration on), until `data`
+    /// ends, or until an iteration divisible by `exit_interval`, taking `num_microbatches` micro-batches per step.
     ///
     /// Every `log_interval` iterations (and at the last) a [`LogLine`] is reported; every
     /// `eval_interval` iterations (and at the end, when validation is configured) `valid`
@@ -74,6 +76,7 @@ impl Trainer {
             last_loss: f64::NAN,
             last_eval_loss: None,
             data_exhausted: false,
+            exited_early: false,
         };
         let mut last_eval_at = None;
         let mut last_save_at = None;
@@ -149,10 +152,18 @@ impl Trainer {
                 emit(TrainLog::Saved(self.save_planned()?), metrics)?;
                 last_save_at = Some(self.iteration);
             }
+            if opts
+                .exit_interval
+                .is_some_and(|n| self.iteration.is_multiple_of(n))
+            {
+                summary.exited_early = self.iteration < opts.train_iters;
+                break;
+            }
         }
         if let Some(provider) = valid.as_mut()
             && opts.eval_interval > 0
             && self.iteration > 0
+            && !summary.exited_early
             && last_eval_at != Some(self.iteration)
         {
             let loss = self.evaluate_counted(&provider()?)?;
