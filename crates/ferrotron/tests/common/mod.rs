@@ -1,6 +1,8 @@
 //! Shared by the CLI integration tests: running the `ferrotron` binary and the SmolLM2 HF
 //! directory converted from `FERROTRON_SMOLLM2_GGUF`.
 
+#![allow(dead_code)] // each test binary uses a different part
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;

@@ -1,23 +1,23 @@
-//! `train`: a single-rank pretraining run from a `run.toml` (Megatron's `pretrain_gpt.py`),
-//! wiring the run config, the GPT datasets, the data loader and the trainer together.
+//! `train`: a single-rank pretraining or SFT run from a `run.toml` (Megatron's
+//! `pretrain_gpt.py`, Pai-Megatron-Patch's SFT entry points), wiring the run config, the
+//! datasets, the data loader, checkpoints and the trainer together.
 
-use anyhow::{Context, Result, anyhow, bail};
+mod data;
+mod resume;
+
+use anyhow::{Context, Result, bail};
 use clap::Args;
-use ferrotron_data::{
-    Blend, DataLoader, Dataset, GptDatasetConfig, LoaderConfig, MicroBatch, build_gpt_datasets,
-};
+use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
 use ferrotron_model::families::load_hf_model;
 use ferrotron_optim::LrDecayStyle as OptimDecay;
 use ferrotron_tensor::DType;
 use ferrotron_train::config::{
-    DatasetType, LrDecayStyle, ModelSource, Precision, Recompute, RunConfig, documented_keys,
+    LrDecayStyle, ModelSource, Precision, Recompute, RunConfig, documented_keys,
 };
-use ferrotron_train::trainer::{TrainError, TrainLog, Trainer, TrainerOptions};
-use std::fs::File;
+use ferrotron_train::trainer::{SavePlan, TrainError, TrainLog, Trainer, TrainerOptions};
 use std::io::BufWriter;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 #[derive(Args)]
 #[command(
@@ -62,9 +62,6 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
             "training from scratch; set model.load to an HF directory",
         );
     }
-    if rc.dataset_type != DatasetType::Gpt {
-        no("data.dataset_type", "only \"gpt\" is supported");
-    }
     if r.data.reset_attention_mask {
         no(
             "data.reset_attention_mask",
@@ -86,12 +83,6 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
         no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
     }
     let c = &r.checkpoint;
-    if c.save.is_some() {
-        no("checkpoint.save", "checkpoint saving");
-    }
-    if c.load.is_some() {
-        no("checkpoint.load", "resuming from a checkpoint");
-    }
     if c.export_hf.is_some() {
         no("checkpoint.export_hf", "exporting the trained model");
     }
@@ -154,52 +145,29 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
     let iters = rc.train_iters;
     let eval_iters = r.training.eval_iters as usize;
     let eval_interval = r.training.eval_interval;
-    let mut dcfg = GptDatasetConfig::new(rc.seq_length, r.data.seed as u32, eod.unwrap_or(0));
-    dcfg.split = r.data.split.clone();
-    dcfg.eod_mask_loss = r.data.eod_mask_loss;
-    dcfg.reset_position_ids = r.data.reset_position_ids;
-    dcfg.path_to_cache = r.data.data_cache_path.clone();
-    let blend = Blend {
-        prefixes: rc.blend.iter().map(|(_, p)| p.clone()).collect(),
-        weights: (rc.blend.len() > 1).then(|| rc.blend.iter().map(|(w, _)| *w).collect()),
-    };
     // Megatron's sizes: every train sample, and eval_iters global batches per evaluation
     // (train_iters / eval_interval of them plus the final one).
     let evals = iters.checked_div(eval_interval).map_or(0, |n| n + 1);
     let valid_samples = eval_iters * gbs * evals as usize;
-    let sizes = [
-        Some(gbs * iters as usize),
-        (valid_samples > 0).then_some(valid_samples),
-        None,
-    ];
-    let [train, valid, _] =
-        build_gpt_datasets(&blend, sizes, &dcfg).context("building datasets")?;
-    let train: Arc<dyn Dataset> =
-        train.ok_or_else(|| anyhow!("data.split `{}` leaves no training data", r.data.split))?;
-    let loader_cfg = |prefetch| {
-        let mut c = LoaderConfig::new(mbs, 0, 1, 0);
-        c.prefetch = prefetch;
-        c
-    };
-    let mut loader = DataLoader::new(train, &loader_cfg(r.data.prefetch))?;
-    let mut valid_loader = match (valid, eval_interval > 0 && eval_iters > 0) {
-        (Some(v), true) => Some(DataLoader::new(v as Arc<dyn Dataset>, &loader_cfg(1))?),
-        (None, true) => {
-            eprintln!(
-                "note: data.split `{}` has no validation part: no validation",
-                r.data.split
-            );
-            None
-        }
-        _ => None,
-    };
+    let data = data::build(
+        &rc,
+        [gbs * iters as usize, valid_samples],
+        eod,
+        Some(model_dir),
+    )?;
+    if data.valid.is_none() && eval_interval > 0 && eval_iters > 0 {
+        eprintln!(
+            "note: data.split `{}` has no validation part: no validation",
+            r.data.split
+        );
+    }
 
     let opts = TrainerOptions {
         micro_batch_size: mbs,
         global_batch_size: gbs,
         train_iters: iters,
         log_interval: r.training.log_interval,
-        eval_interval: if valid_loader.is_some() {
+        eval_interval: if data.valid.is_some() {
             eval_interval
         } else {
             0
@@ -215,17 +183,50 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         adam_beta2: r.optimizer.adam_beta2,
         adam_eps: r.optimizer.adam_eps,
         clip_grad: r.optimizer.clip_grad,
+        exit_interval: r.training.exit_interval,
         seed: r.training.seed,
     };
     let micro_per_eval = eval_iters * opts.num_microbatches();
     let has_valid = opts.eval_interval > 0;
     let mut trainer = Trainer::new(model, opts)?;
+    if let Some(load) = &r.checkpoint.load {
+        resume::load(&mut trainer, load, r.training.finetune)?;
+    }
+    if let Some(save) = &r.checkpoint.save {
+        trainer.set_save_plan(Some(SavePlan {
+            dir: save.clone(),
+            interval: r.checkpoint.save_interval,
+            keep_last: r.checkpoint.keep_last.unwrap_or(0),
+            extra: serde_json::json!({ "run_config": rc.to_toml() }),
+        }));
+    }
+    let loader_cfg = |prefetch, consumed: u64| {
+        let mut c = LoaderConfig::new(mbs, 0, 1, consumed as usize);
+        c.prefetch = prefetch;
+        c
+    };
+    let mut loader = DataLoader::new(
+        data.train,
+        &loader_cfg(r.data.prefetch, trainer.consumed_samples()),
+    )?;
+    let mut valid_loader = match (data.valid, has_valid) {
+        (Some(v), true) => Some(DataLoader::new(
+            v,
+            &loader_cfg(1, trainer.consumed_valid_samples()),
+        )?),
+        _ => None,
+    };
 
+    // A resumed run appends to the metrics of the run it continues.
     let metrics_path = out_dir.join("metrics.jsonl");
-    let mut metrics = BufWriter::new(
-        File::create(&metrics_path)
-            .with_context(|| format!("creating {}", metrics_path.display()))?,
-    );
+    let metrics_file = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(trainer.iteration() > 0)
+        .truncate(trainer.iteration() == 0)
+        .open(&metrics_path)
+        .with_context(|| format!("creating {}", metrics_path.display()))?;
+    let mut metrics = BufWriter::new(metrics_file);
     let mut provider = || -> std::result::Result<Vec<MicroBatch>, TrainError> {
         let loader = valid_loader.as_mut().expect("validation configured");
         let batches = loader
@@ -245,6 +246,12 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
     let summary = trainer.train(&mut loader, valid_arg, &mut metrics, &mut |l: &TrainLog| {
         println!("{l}")
     })?;
+    if summary.exited_early {
+        eprintln!(
+            "exiting at iteration {} (training.exit_interval); resume with checkpoint.load",
+            summary.iterations
+        );
+    }
     if summary.data_exhausted {
         eprintln!(
             "warning: the training data ran out after {} of {iters} iterations",

@@ -1,0 +1,129 @@
+//! The train and validation datasets of a run: Megatron GPT datasets (blends of `.bin/.idx`)
+//! for pretraining, or SFT sequences (raw chat/alpaca JSONL or Pai's idxmap form) split and
+//! repeated over shuffled epochs for fine-tuning.
+
+use anyhow::{Context, Result, anyhow, bail};
+use ferrotron_data::sft::{IdxmapSftDataset, RawSftDataset, SftEncoder, SftOptions};
+use ferrotron_data::{Blend, Dataset, GptDatasetConfig, build_epoch_splits, build_gpt_datasets};
+use ferrotron_train::config::{DatasetType, RunConfig};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The datasets of one run.
+pub struct RunData {
+    /// Training samples (at least `train_iters · global_batch_size`, fewer if the data ends).
+    pub train: Arc<dyn Dataset>,
+    /// Validation samples, when the split has a validation part.
+    pub valid: Option<Arc<dyn Dataset>>,
+}
+
+/// Builds the datasets for `rc`. `samples` is `[train, valid]` sample counts wanted;
+/// `eod` the end-of-document id; `model_dir` the tokenizer's fallback location for SFT.
+pub fn build(
+    rc: &RunConfig,
+    samples: [usize; 2],
+    eod: Option<u32>,
+    model_dir: Option<&Path>,
+) -> Result<RunData> {
+    let r = &rc.resolved;
+    let sizes = [
+        Some(samples[0]),
+        (samples[1] > 0).then_some(samples[1]),
+        None,
+    ];
+    let [train, valid, _] = match rc.dataset_type {
+        DatasetType::Gpt => {
+            let mut dcfg =
+                GptDatasetConfig::new(rc.seq_length, r.data.seed as u32, eod.unwrap_or(0));
+            dcfg.split = r.data.split.clone();
+            dcfg.eod_mask_loss = r.data.eod_mask_loss;
+            dcfg.reset_position_ids = r.data.reset_position_ids;
+            dcfg.path_to_cache = r.data.data_cache_path.clone();
+            let blend = Blend {
+                prefixes: rc.blend.iter().map(|(_, p)| p.clone()).collect(),
+                weights: (rc.blend.len() > 1).then(|| rc.blend.iter().map(|(w, _)| *w).collect()),
+            };
+            let [t, v, x] =
+                build_gpt_datasets(&blend, sizes, &dcfg).context("building GPT datasets")?;
+            [
+                t.map(|d| d as Arc<dyn Dataset>),
+                v.map(|d| d as Arc<dyn Dataset>),
+                x.map(|d| d as Arc<dyn Dataset>),
+            ]
+        }
+        DatasetType::SftRaw | DatasetType::SftMmap => {
+            let all = sft_dataset(rc, model_dir)?;
+            let [t, v, x] = build_epoch_splits(all, &r.data.split, sizes, r.data.seed as u32)
+                .context("splitting the SFT data")?;
+            [
+                t.map(|d| d as Arc<dyn Dataset>),
+                v.map(|d| d as Arc<dyn Dataset>),
+                x.map(|d| d as Arc<dyn Dataset>),
+            ]
+        }
+    };
+    let train =
+        train.ok_or_else(|| anyhow!("data.split `{}` leaves no training data", r.data.split))?;
+    Ok(RunData { train, valid })
+}
+
+/// All SFT sequences of `data.data_path` (one file or prefix; blends are not supported for SFT).
+fn sft_dataset(rc: &RunConfig, model_dir: Option<&Path>) -> Result<Arc<dyn Dataset>> {
+    let r = &rc.resolved;
+    if rc.blend.len() != 1 {
+        bail!(
+            "data.data_path: SFT takes one file or prefix, got a blend of {}",
+            rc.blend.len()
+        );
+    }
+    let path = &rc.blend[0].1;
+    let ds: Arc<dyn Dataset> = match rc.dataset_type {
+        DatasetType::SftMmap => {
+            let ds = IdxmapSftDataset::open(path)
+                .with_context(|| format!("data.data_path {}", path.display()))?;
+            if ds.seq_length() != rc.seq_length {
+                bail!(
+                    "data.data_path {}: sequences are {} tokens, model.seq_length is {}",
+                    path.display(),
+                    ds.seq_length(),
+                    rc.seq_length
+                );
+            }
+            Arc::new(ds)
+        }
+        _ => {
+            let tok: PathBuf = r
+                .data
+                .tokenizer_model
+                .clone()
+                .or_else(|| model_dir.map(Path::to_path_buf))
+                .ok_or_else(|| {
+                    anyhow!("data.tokenizer_model is required for sft_raw without model.load")
+                })?;
+            let encoder = SftEncoder::from_model_dir(&tok)
+                .with_context(|| format!("tokenizer {}", tok.display()))?;
+            let opts = SftOptions::new(rc.seq_length);
+            let ds = RawSftDataset::load(&[path.as_path()], &encoder, &opts)
+                .with_context(|| format!("data.data_path {}", path.display()))?;
+            let rep = ds.report();
+            eprintln!(
+                "sft_raw: {} records -> {} sequences of {} tokens, {} answer tokens \
+                 ({} bad records, {} truncated)",
+                rep.records,
+                rep.sequences,
+                rc.seq_length,
+                rep.trained_tokens,
+                rep.bad_records,
+                rep.truncated
+            );
+            for ex in &rep.bad_examples {
+                eprintln!("  skipped {ex}");
+            }
+            Arc::new(ds)
+        }
+    };
+    if ds.is_empty() {
+        bail!("data.data_path {}: no SFT sequences", path.display());
+    }
+    Ok(ds)
+}
