@@ -29,7 +29,7 @@ fn all_modes(num_layers: usize) -> Vec<Option<RecomputeGranularity>> {
 }
 
 /// A deterministic batch of `b` sequences of `s` tokens with a loss mask, an ignored label and
-/// positions restarting mid-sequence (two "documents").
+/// positions and attention restarting mid-sequence (two packed documents).
 fn batch(model: &GptModel, b: usize, s: usize) -> TrainBatch {
     let v = model.config.vocab_size;
     let tokens: Vec<u32> = (0..b * s).map(|i| ((i * 37 + 11) % v) as u32).collect();
@@ -42,6 +42,10 @@ fn batch(model: &GptModel, b: usize, s: usize) -> TrainBatch {
             .flat_map(|t| std::iter::repeat_n(t % (s / 2 + 1), b))
             .collect(),
     );
+    // The same two documents for attention (Megatron's reset_attention_mask).
+    let segments: Vec<u32> = (0..b * s).map(|i| ((i % s) / (s / 2 + 1)) as u32).collect();
+    batch.set_segments(&segments);
+    assert!(batch.document_starts.is_some());
     batch
 }
 

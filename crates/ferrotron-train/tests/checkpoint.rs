@@ -81,7 +81,7 @@ fn run(trainer: &mut Trainer, consumed: u64) -> Vec<f64> {
 
 fn params(t: &Trainer) -> Vec<Vec<f32>> {
     (0..t.model().parameters().len())
-        .map(|i| t.param(i).to_vec())
+        .map(|i| t.param(i))
         .collect()
 }
 

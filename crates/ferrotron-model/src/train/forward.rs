@@ -8,7 +8,9 @@ use super::memory::Ledger;
 use super::recompute::Keep;
 use super::{LossStats, TrainBatch};
 use crate::{GptModel, Result, TransformerConfig, TransformerLayer};
-use ferrotron_nn::attention::{AttentionDims, AttentionMask, core_attention_forward_train};
+use ferrotron_nn::attention::{
+    AttentionDims, AttentionMask, DocumentStarts, core_attention_forward_train,
+};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{
     RopeTable, add_inplace, cross_entropy_fused_inplace, rms_norm, swiglu_packed,
@@ -284,10 +286,10 @@ impl GptModel {
 }
 
 /// Attention dims and mask of a fresh causal pass over the batch.
-pub(crate) fn attention_dims(
+pub(crate) fn attention_dims<'b>(
     c: &TransformerConfig,
-    batch: &TrainBatch,
-) -> (AttentionDims, AttentionMask<'static>) {
+    batch: &'b TrainBatch,
+) -> (AttentionDims, AttentionMask<'b>) {
     (
         AttentionDims {
             sq: batch.seq,
@@ -300,7 +302,10 @@ pub(crate) fn attention_dims(
         },
         AttentionMask {
             sliding_window: c.sliding_window,
-            documents: None,
+            // Checked by TrainBatch::validate before any pass.
+            documents: batch.document_starts.as_deref().map(|d| {
+                DocumentStarts::new(d, batch.micro_batch).expect("validated document starts")
+            }),
         },
     )
 }

@@ -37,6 +37,7 @@ pub use memory::ActivationMemory;
 pub use params::ParamInfo;
 
 use crate::{GptModel, ModelError, Result};
+use ferrotron_nn::attention::DocumentStarts;
 use ferrotron_tensor::ops::IGNORE_INDEX;
 
 /// One micro-batch for [`GptModel::forward_backward`], every per-token field in Megatron's
@@ -53,6 +54,11 @@ pub struct TrainBatch {
     pub loss_mask: Option<Vec<f32>>,
     /// Rotary position of each token `[s, b]`; `None` means `0..s` for every sequence.
     pub position_ids: Option<Vec<usize>>,
+    /// Per-document causal attention for packed rows (Megatron's `reset_attention_mask`):
+    /// for each token `[s, b]`, the position of the first token of its document, so query
+    /// `t` sees keys `start ..= t` of its own sequence. `None`: causal over the whole row.
+    /// Checked by [`ferrotron_nn::attention::DocumentStarts::new`].
+    pub document_starts: Option<Vec<u32>>,
     /// Micro-batch size `b`.
     pub micro_batch: usize,
     /// Sequence length `s`.
@@ -85,9 +91,40 @@ impl TrainBatch {
                 to_seq_major(m, micro_batch, seq)
             }),
             position_ids: None,
+            document_starts: None,
             micro_batch,
             seq,
         }
+    }
+
+    /// Sets [`TrainBatch::document_starts`] from `[b, s]` segment ids (the data loader's
+    /// form: a token attends to earlier tokens of its row with the same id), or clears it
+    /// when every row is one segment. A segment starts wherever the id changes.
+    ///
+    /// # Panics
+    /// When `segment_ids` is not `b·s` long (a caller bug).
+    pub fn set_segments(&mut self, segment_ids: &[u32]) {
+        let (b, s) = (self.micro_batch, self.seq);
+        assert_eq!(segment_ids.len(), b * s, "segment_ids is not [b, s]");
+        let single = segment_ids
+            .chunks(s.max(1))
+            .all(|row| row.iter().all(|&id| id == row[0]));
+        if single {
+            self.document_starts = None;
+            return;
+        }
+        let mut starts = vec![0u32; b * s];
+        for j in 0..b {
+            let row = &segment_ids[j * s..(j + 1) * s];
+            for t in 1..s {
+                starts[t * b + j] = if row[t] == row[t - 1] {
+                    starts[(t - 1) * b + j]
+                } else {
+                    t as u32
+                };
+            }
+        }
+        self.document_starts = Some(starts);
     }
 
     /// `Σ loss_mask` over tokens whose label is not [`IGNORE_INDEX`]: the denominator of the
@@ -123,6 +160,13 @@ impl TrainBatch {
             && m.len() != n
         {
             return bad("loss_mask", m.len());
+        }
+        if let Some(d) = &self.document_starts {
+            if d.len() != n {
+                return bad("document_starts", d.len());
+            }
+            DocumentStarts::new(d, self.micro_batch)
+                .map_err(|e| ModelError::Input(format!("train batch: {e}")))?;
         }
         let max_pos = model.rope().max_positions();
         match &self.position_ids {

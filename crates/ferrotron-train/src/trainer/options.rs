@@ -3,7 +3,8 @@
 
 use super::{Result, TrainError};
 use ferrotron_optim::{
-    AdamWConfig, LrDecayStyle, OptimizerConfig, Precision, ScheduleUnit, SchedulerConfig,
+    AdamWConfig, DynamicGradScalerConfig, LrDecayStyle, OptimizerConfig, Precision, ScheduleUnit,
+    SchedulerConfig,
 };
 
 /// Batch sizes, iteration counts, logging/eval cadence and the optimizer + LR schedule of a
@@ -42,6 +43,15 @@ pub struct TrainerOptions {
     pub adam_eps: f64,
     /// Max global gradient L2 norm (`clip_grad`); 0 disables clipping.
     pub clip_grad: f64,
+    /// Parameter precision (Megatron `--bf16` / `--fp16` / neither): the flat buffer holds
+    /// parameters of [`Precision::param_dtype`], gradients, master weights and Adam moments
+    /// stay f32. The model's weights must be stored in the same dtype.
+    pub precision: Precision,
+    /// fp16 only: a constant loss scale (`loss_scale`); `None` = dynamic scaling.
+    pub loss_scale: Option<f32>,
+    /// fp16 only: the dynamic loss scaler (`initial_loss_scale`, `min_loss_scale`,
+    /// `loss_scale_window`, `hysteresis`).
+    pub dynamic_loss_scale: DynamicGradScalerConfig,
     /// Stop (after saving, when saving) at the first iteration divisible by this
     /// (`exit_interval`); `None` runs to `train_iters`.
     pub exit_interval: Option<u64>,
@@ -72,6 +82,9 @@ impl Default for TrainerOptions {
             adam_beta2: 0.999,
             adam_eps: 1e-8,
             clip_grad: 1.0,
+            precision: Precision::Fp32,
+            loss_scale: None,
+            dynamic_loss_scale: DynamicGradScalerConfig::default(),
             exit_interval: None,
             seed: 1234,
         }
@@ -127,7 +140,7 @@ impl TrainerOptions {
         }
     }
 
-    /// The fp32 AdamW optimizer settings.
+    /// The AdamW optimizer settings (fp32 master weights; loss scaling for fp16).
     pub fn optimizer_config(&self) -> OptimizerConfig {
         OptimizerConfig {
             adam: AdamWConfig {
@@ -138,7 +151,11 @@ impl TrainerOptions {
                 decay_norm_and_bias: false,
             },
             clip_grad: self.clip_grad,
-            ..OptimizerConfig::new(Precision::Fp32)
+            loss_scale: self
+                .loss_scale
+                .filter(|_| self.precision == Precision::Fp16),
+            dynamic_loss_scale: self.dynamic_loss_scale,
+            ..OptimizerConfig::new(self.precision)
         }
     }
 

@@ -123,7 +123,7 @@ impl Trainer {
                     learning_rate: self.scheduler.lr(),
                     global_batch_size: opts.global_batch_size,
                     lm_loss: acc.loss_sum / acc.advanced.max(1) as f64,
-                    loss_scale: None,
+                    loss_scale: self.optimizer.grad_scaler().map(|g| g.scale()),
                     grad_norm: stats.grad_norm,
                     skipped_iterations: acc.skipped,
                     nan_iterations: acc.nan,

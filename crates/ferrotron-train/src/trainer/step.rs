@@ -58,7 +58,15 @@ impl Trainer {
     /// Invalid options ([`TrainerOptions::validate`]) or a buffer/optimizer failure.
     pub fn new(model: GptModel, options: TrainerOptions) -> Result<Trainer> {
         options.validate()?;
-        let mut builder = ParamAndGradBufferBuilder::new(BufferConfig::new(DType::F32, 1));
+        let dtype = options.precision.param_dtype();
+        let stored = model.embedding.weight().dtype();
+        if stored != dtype {
+            return Err(TrainError::Config(format!(
+                "precision {:?} needs {dtype} model weights, the model stores {stored}",
+                options.precision
+            )));
+        }
+        let mut builder = ParamAndGradBufferBuilder::new(BufferConfig::new(dtype, 1));
         for p in model.parameters() {
             let flags = ParamFlags {
                 is_norm_or_bias: p.is_norm_or_bias,
@@ -68,7 +76,21 @@ impl Trainer {
             builder.register(&p.name, &p.shape, flags)?;
         }
         let mut buffer = builder.build()?;
-        model.copy_parameters_to(&mut buffer.param_slices_mut::<f32>()?)?;
+        if dtype == DType::F32 {
+            model.copy_parameters_to(&mut buffer.param_slices_mut::<f32>()?)?;
+        } else {
+            // Exact: the model's bf16/f16 weights widen to f32 and round back unchanged.
+            let mut values: Vec<Vec<f32>> = model
+                .parameters()
+                .iter()
+                .map(|p| vec![0.0; p.numel()])
+                .collect();
+            let mut views: Vec<&mut [f32]> = values.iter_mut().map(Vec::as_mut_slice).collect();
+            model.copy_parameters_to(&mut views)?;
+            for (i, v) in values.iter().enumerate() {
+                buffer.set_param_from_f32(ParamId(i), v)?;
+            }
+        }
         let optimizer = Optimizer::new(options.optimizer_config(), &buffer)?;
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
         Ok(Trainer {
@@ -119,11 +141,10 @@ impl Trainer {
         self.optimizer.skipped_iterations()
     }
 
-    /// Parameter `i` (order of `model.parameters()`) as held by the optimizer buffer.
-    pub fn param(&self, i: usize) -> &[f32] {
-        self.buffer
-            .param::<f32>(ParamId(i))
-            .expect("the buffer is f32")
+    /// Parameter `i` (order of `model.parameters()`) as held by the optimizer buffer,
+    /// widened to f32 (exact) when the buffer holds bf16/f16.
+    pub fn param(&self, i: usize) -> Vec<f32> {
+        self.buffer.param_to_f32(ParamId(i))
     }
 
     /// One optimizer step over a global batch of `num_microbatches` micro-batches of
@@ -154,11 +175,13 @@ impl Trainer {
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
         let total: f64 = batches.iter().map(TrainBatch::loss_token_count).sum();
+        // fp16: backpropagate the loss times the scaler's scale; the optimizer unscales.
+        let loss_scale = self.optimizer.loss_scale();
         self.buffer.zero_grad();
         let (mut loss_sum, mut tokens) = (0.0, 0);
         for batch in &batches {
             let scale = if total > 0.0 {
-                (batch.loss_token_count() / total) as f32
+                (batch.loss_token_count() / total) as f32 * loss_scale
             } else {
                 0.0
             };
@@ -209,8 +232,8 @@ impl Trainer {
 
     /// Per-token mean validation loss (nats) over `batches`, forward only: the inference
     /// forward (logits `[s, b, v]`, no activations kept for a backward) and the cross
-    /// entropy with the batch's loss mask. Rows whose position ids are not `0..s` (reset
-    /// per document) fall back to a forward + backward into scratch gradients, which costs
+    /// entropy with the batch's loss mask. Rows whose position ids are not `0..s` or that
+    /// pack several documents (reset per document) fall back to a forward + backward into scratch gradients, which costs
     /// about 3x the forward and a parameter-sized allocation. Returns 0 without loss tokens.
     ///
     /// # Errors
@@ -220,7 +243,7 @@ impl Trainer {
         for mb in batches {
             let batch = self.to_train_batch(mb)?;
             count += batch.loss_token_count();
-            sum += if batch.position_ids.is_none() {
+            sum += if batch.position_ids.is_none() && batch.document_starts.is_none() {
                 self.forward_loss_sum(&batch)?
             } else {
                 let mut scratch: Vec<Vec<f32>> = self
@@ -261,7 +284,8 @@ impl Trainer {
     }
 
     /// A loader micro-batch as the model's `[s, b]` [`TrainBatch`]; position ids are kept
-    /// only when some row's are not `0..s`.
+    /// only when some row's are not `0..s`, document starts only when some row holds more
+    /// than one segment (packed SFT samples, Megatron's `reset_attention_mask`).
     fn to_train_batch(&self, mb: &MicroBatch) -> Result<TrainBatch> {
         let (b, s) = (mb.micro_batch_size, mb.seq_length);
         if b != self.options.micro_batch_size {
@@ -294,6 +318,9 @@ impl Trainer {
                 .flat_map(|t| (0..b).map(move |j| mb.position_ids[j * s + t] as usize))
                 .collect();
             batch.position_ids = Some(seq_major);
+        }
+        if mb.segment_ids.len() == n {
+            batch.set_segments(&mb.segment_ids);
         }
         Ok(batch)
     }

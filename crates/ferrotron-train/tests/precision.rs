@@ -1,0 +1,125 @@
+//! Mixed precision in the trainer (Megatron `--bf16` / `--fp16`): bf16/f16 parameters with
+//! f32 gradients, master weights and Adam moments; fp16 dynamic loss scaling skips and
+//! counts overflowing steps and lowers the scale.
+
+use ferrotron_data::{GptSample, MicroBatch};
+use ferrotron_model::GptModel;
+use ferrotron_model::families::load_hf_model;
+use ferrotron_optim::{DynamicGradScalerConfig, LrDecayStyle, Precision};
+use ferrotron_tensor::DType;
+use ferrotron_train::trainer::{Trainer, TrainerOptions};
+use half::{bf16, f16};
+use std::path::Path;
+
+const SEQ: usize = 12;
+const PATTERN: [u32; 7] = [5, 17, 42, 8, 99, 23, 61];
+
+fn tiny_model(dtype: DType) -> GptModel {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    load_hf_model(&dir, dtype).expect("tiny-llama fixture").0
+}
+
+/// One global batch of 2 single-row micro-batches starting at pattern offset `k`.
+fn batches(k: usize) -> Vec<MicroBatch> {
+    (k..k + 2)
+        .map(|i| {
+            let text: Vec<u32> = (0..=SEQ)
+                .map(|t| PATTERN[(i + t) % PATTERN.len()])
+                .collect();
+            let sample = GptSample {
+                tokens: text[..SEQ].to_vec(),
+                labels: text[1..].to_vec(),
+                loss_mask: vec![1.0; SEQ],
+                position_ids: (0..SEQ as u32).collect(),
+                segment_ids: vec![0; SEQ],
+            };
+            MicroBatch::collate(vec![sample], vec![i], i + 1).unwrap()
+        })
+        .collect()
+}
+
+fn options(precision: Precision) -> TrainerOptions {
+    TrainerOptions {
+        micro_batch_size: 1,
+        global_batch_size: 2,
+        train_iters: 30,
+        lr: 1e-2,
+        min_lr: 1e-2,
+        lr_decay_style: LrDecayStyle::Constant,
+        precision,
+        ..TrainerOptions::default()
+    }
+}
+
+/// Losses of `n` steps.
+fn losses(trainer: &mut Trainer, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| trainer.train_step(&batches(i)).unwrap().loss)
+        .collect()
+}
+
+#[test]
+fn bf16_training_tracks_f32_and_keeps_bf16_weights() {
+    let mut f32_run = Trainer::new(tiny_model(DType::F32), options(Precision::Fp32)).unwrap();
+    let mut bf16_run = Trainer::new(tiny_model(DType::BF16), options(Precision::Bf16)).unwrap();
+    let a = losses(&mut f32_run, 30);
+    let b = losses(&mut bf16_run, 30);
+    // Same start (the fixture's weights are bf16-representable up to rounding), same descent.
+    assert!(
+        (a[0] - b[0]).abs() < 2e-2 * a[0],
+        "step 1: {} vs {}",
+        a[0],
+        b[0]
+    );
+    assert!(b[29] < 0.5 * b[0], "bf16 loss did not fall: {b:?}");
+    assert!((a[29] - b[29]).abs() < 0.25 * a[29] + 0.05, "{a:?}\n{b:?}");
+    // The model's linear weights are the rounded master weights: exactly bf16 values.
+    let w = bf16_run.param(0);
+    assert!(w.iter().all(|&x| bf16::from_f32(x).to_f32() == x));
+}
+
+#[test]
+fn fp16_trains_and_overflow_skips_steps_and_lowers_the_scale() {
+    let mut run = Trainer::new(tiny_model(DType::F16), options(Precision::Fp16)).unwrap();
+    let l = losses(&mut run, 20);
+    assert!(l[19] < 0.6 * l[0], "fp16 loss did not fall: {l:?}");
+    assert_eq!(run.skipped_iterations(), 0);
+    assert!(run.param(0).iter().all(|&x| f16::from_f32(x).to_f32() == x));
+
+    // A scale so large the scaled gradients overflow f32: every step is skipped until the
+    // scaler has backed off enough (hysteresis 2, factor 0.5).
+    let mut opts = options(Precision::Fp16);
+    opts.dynamic_loss_scale = DynamicGradScalerConfig {
+        initial_scale: 2f32.powi(127),
+        hysteresis: 2,
+        ..DynamicGradScalerConfig::default()
+    };
+    let mut run = Trainer::new(tiny_model(DType::F16), opts).unwrap();
+    let before: Vec<f32> = run.param(0);
+    let first = run.train_step(&batches(0)).unwrap();
+    assert!(first.skipped, "an overflowing step must be skipped");
+    assert_eq!(run.param(0), before, "a skipped step changes no weight");
+    let mut n = 1;
+    while run.train_step(&batches(n)).unwrap().skipped {
+        n += 1;
+        assert!(n < 200, "the scale never came down");
+    }
+    assert_eq!(run.skipped_iterations(), n as u64);
+    assert!(
+        n >= 2,
+        "hysteresis 2 tolerates one overflow before backing off"
+    );
+    assert_eq!(
+        run.iteration(),
+        n as u64 + 1,
+        "skipped steps count as iterations"
+    );
+}
+
+#[test]
+fn precision_and_weights_must_agree() {
+    let err = Trainer::new(tiny_model(DType::F32), options(Precision::Bf16))
+        .err()
+        .expect("f32 weights with bf16 precision");
+    assert!(err.to_string().contains("bf16"), "{err}");
+}
