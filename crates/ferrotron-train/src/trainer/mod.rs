@@ -11,13 +11,13 @@
 //! | [`num_floating_point_operations`] | `num_floating_point_operations` |
 //!
 //! Data flow of one step: the [`ParamAndGradBuffer`](ferrotron_optim::ParamAndGradBuffer)
-//! holds the f32 parameters and gradients; every micro-batch's
+//! holds the parameters (f32, or bf16/f16 with f32 master weights in the optimizer) and the
+//! f32 gradients; every micro-batch's
 //! [`GptModel::forward_backward`](ferrotron_model::GptModel::forward_backward) accumulates
 //! into the buffer's gradient views, the [`Optimizer`](ferrotron_optim::Optimizer) updates
 //! the buffer, and the updated weights are copied back into the model.
-//!
-//! Not yet: bf16/fp16 params (the buffer is f32 only), per-document attention masks
-//! (`segment_ids` are ignored, attention is causal over the whole row), checkpoints.
+//! Packed rows (the loader's `segment_ids`) attend per document. Checkpoints: [`SavePlan`],
+//! [`Trainer::save_checkpoint`], [`Trainer::load_checkpoint`].
 
 mod checkpoint;
 mod flops;
@@ -30,7 +30,7 @@ pub use checkpoint::{LoadMode, SavePlan, TrainerState};
 pub use flops::{FlopsModel, num_floating_point_operations};
 pub use log::{EvalLine, LogLine, SavedLine, TrainLog, format_sci};
 pub use options::TrainerOptions;
-pub use run::TrainSummary;
+pub use run::{TrainObserver, TrainSummary};
 pub use step::{StepStats, Trainer};
 
 use ferrotron_data::DatasetError;

@@ -2,8 +2,8 @@
 //! `metrics.jsonl` (Megatron's `train` + `training_log`).
 
 use super::{
-    EvalLine, FlopsModel, LogLine, Result, SavePlan, SavedLine, TrainError, TrainLog, Trainer,
-    num_floating_point_operations,
+    EvalLine, FlopsModel, LogLine, Result, SavePlan, SavedLine, StepStats, TrainError, TrainLog,
+    Trainer, num_floating_point_operations,
 };
 use ferrotron_data::{DatasetError, MicroBatch};
 use std::io::Write;
@@ -26,6 +26,22 @@ pub struct TrainSummary {
     pub exited_early: bool,
 }
 
+/// Receives what [`Trainer::train`] reports. Any `FnMut(&TrainLog)` closure is one (and
+/// ignores the per-iteration calls).
+pub trait TrainObserver {
+    /// A log, validation or checkpoint report, just before it is appended to the metrics.
+    fn on_report(&mut self, log: &TrainLog);
+
+    /// Every finished iteration (e.g. to advance a progress bar); nothing by default.
+    fn on_iteration(&mut self, _stats: &StepStats) {}
+}
+
+impl<F: FnMut(&TrainLog)> TrainObserver for F {
+    fn on_report(&mut self, log: &TrainLog) {
+        self(log)
+    }
+}
+
 /// Interval accumulators of `training_log`.
 #[derive(Default)]
 struct Interval {
@@ -38,6 +54,16 @@ struct Interval {
     nan: u64,
 }
 
+/// Hands `log` to `on_log` and appends it to `metrics` as one JSON line (flushed).
+fn emit(log: TrainLog, metrics: &mut dyn Write, on_log: &mut dyn TrainObserver) -> Result<()> {
+    on_log.on_report(&log);
+    let json = serde_json::to_string(&log)
+        .map_err(|e| TrainError::Config(format!("metrics JSON: {e}")))?;
+    writeln!(metrics, "{json}")?;
+    metrics.flush()?;
+    Ok(())
+}
+
 impl Trainer {
     /// Runs iterations until `train_iters` (from the current iteration on), until `data`
     /// ends, or until an iteration divisible by `exit_interval`, taking `num_microbatches` micro-batches per step.
@@ -47,7 +73,8 @@ impl Trainer {
     /// is asked for the micro-batches of one validation and an [`EvalLine`] is reported.
     /// With a [`SavePlan`] ([`Trainer::set_save_plan`]) a checkpoint is saved every `interval`
     /// iterations and at the end (unless the last iteration was just saved), each reported
-    /// as a [`SavedLine`]. Each report goes to `on_log` and, as one JSON line, to `metrics`.
+    /// as a [`SavedLine`]. Each report goes to `on_log` and, as one JSON line, to `metrics`;
+    /// `on_log` also hears of every finished iteration.
     ///
     /// # Errors
     /// A data, model, optimizer or write failure; training state stays consistent (the
@@ -57,18 +84,10 @@ impl Trainer {
         data: &mut dyn Iterator<Item = std::result::Result<MicroBatch, DatasetError>>,
         mut valid: Option<&mut dyn FnMut() -> Result<Vec<MicroBatch>>>,
         metrics: &mut dyn Write,
-        on_log: &mut dyn FnMut(&TrainLog),
+        on_log: &mut dyn TrainObserver,
     ) -> Result<TrainSummary> {
         let opts = self.options.clone();
         let flops_model = FlopsModel::from(&self.model.config);
-        let mut emit = |log: TrainLog, metrics: &mut dyn Write| -> Result<()> {
-            on_log(&log);
-            let json = serde_json::to_string(&log)
-                .map_err(|e| TrainError::Config(format!("metrics JSON: {e}")))?;
-            writeln!(metrics, "{json}")?;
-            metrics.flush()?;
-            Ok(())
-        };
         let mut acc = Interval::default();
         let mut summary = TrainSummary {
             iterations: self.iteration,
@@ -104,6 +123,7 @@ impl Trainer {
             if !stats.loss.is_finite() {
                 acc.nan += 1;
             }
+            on_log.on_iteration(&stats);
             let last = self.iteration == opts.train_iters;
             if self.iteration.is_multiple_of(opts.log_interval) || last {
                 let secs = acc.elapsed.as_secs_f64().max(1e-12);
@@ -128,7 +148,7 @@ impl Trainer {
                     skipped_iterations: acc.skipped,
                     nan_iterations: acc.nan,
                 };
-                emit(TrainLog::Train(line), metrics)?;
+                emit(TrainLog::Train(line), metrics, on_log)?;
                 acc = Interval::default();
             }
             let eval_now =
@@ -142,6 +162,7 @@ impl Trainer {
                 emit(
                     TrainLog::Valid(EvalLine::new(self.iteration, loss)),
                     metrics,
+                    on_log,
                 )?;
             }
             let save_now = self.save_plan.as_ref().is_some_and(|p| {
@@ -149,7 +170,7 @@ impl Trainer {
                     .is_some_and(|n| n > 0 && self.iteration.is_multiple_of(n))
             });
             if save_now {
-                emit(TrainLog::Saved(self.save_planned()?), metrics)?;
+                emit(TrainLog::Saved(self.save_planned()?), metrics, on_log)?;
                 last_save_at = Some(self.iteration);
             }
             if opts
@@ -171,10 +192,11 @@ impl Trainer {
             emit(
                 TrainLog::Valid(EvalLine::new(self.iteration, loss)),
                 metrics,
+                on_log,
             )?;
         }
         if self.save_plan.is_some() && self.iteration > 0 && last_save_at != Some(self.iteration) {
-            emit(TrainLog::Saved(self.save_planned()?), metrics)?;
+            emit(TrainLog::Saved(self.save_planned()?), metrics, on_log)?;
         }
         summary.iterations = self.iteration;
         summary.consumed_samples = self.consumed_samples;

@@ -38,6 +38,7 @@ pub fn build(
             dcfg.split = r.data.split.clone();
             dcfg.eod_mask_loss = r.data.eod_mask_loss;
             dcfg.reset_position_ids = r.data.reset_position_ids;
+            dcfg.reset_attention_mask = r.data.reset_attention_mask;
             dcfg.path_to_cache = r.data.data_cache_path.clone();
             let blend = Blend {
                 prefixes: rc.blend.iter().map(|(_, p)| p.clone()).collect(),

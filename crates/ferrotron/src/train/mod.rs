@@ -3,20 +3,23 @@
 //! datasets, the data loader, checkpoints and the trainer together.
 
 mod data;
+mod model;
+mod observer;
 mod resume;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
-use ferrotron_model::families::load_hf_model;
-use ferrotron_optim::LrDecayStyle as OptimDecay;
-use ferrotron_tensor::DType;
-use ferrotron_train::config::{
-    LrDecayStyle, ModelSource, Precision, Recompute, RunConfig, documented_keys,
+use ferrotron_checkpoint::{
+    HfExportOptions, HfExportSource, OutputDtype, TOKENIZER_FILES, export_hf,
 };
-use ferrotron_train::trainer::{SavePlan, TrainError, TrainLog, Trainer, TrainerOptions};
+use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
+use ferrotron_optim::{DynamicGradScalerConfig, LrDecayStyle as OptimDecay};
+use ferrotron_train::config::{LrDecayStyle, Precision, RunConfig, documented_keys};
+use ferrotron_train::trainer::{SavePlan, TrainError, Trainer, TrainerOptions};
+use model::RunModel;
+use observer::RunObserver;
 use std::io::BufWriter;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Args)]
@@ -53,38 +56,13 @@ fn keys_text() -> String {
 
 /// Every set key this build cannot honour yet, as `not supported yet: <key> (...)` lines.
 fn unsupported(rc: &RunConfig) -> Vec<String> {
-    let r = &rc.resolved;
     let mut out = Vec::new();
     let mut no = |key: &str, why: &str| out.push(format!("not supported yet: {key} ({why})"));
-    if let ModelSource::Explicit(_) = rc.model {
-        no(
-            "model.num_layers/hidden_size/... (explicit model dims)",
-            "training from scratch; set model.load to an HF directory",
-        );
-    }
-    if r.data.reset_attention_mask {
-        no(
-            "data.reset_attention_mask",
-            "attention is causal over the whole row",
-        );
-    }
-    if r.data.num_workers != 1 {
+    if rc.resolved.data.num_workers != 1 {
         no("data.num_workers", "the loader uses one worker thread");
-    }
-    match rc.precision {
-        Precision::Fp32 => {}
-        Precision::Bf16 => no("precision.bf16", "training runs in fp32"),
-        Precision::Fp16 => no("precision.fp16", "training runs in fp32"),
-    }
-    if rc.recompute != Recompute::None {
-        no("training.recompute_granularity", "activation recompute");
     }
     if rc.lr_decay_style == LrDecayStyle::Wsd {
         no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
-    }
-    let c = &r.checkpoint;
-    if c.export_hf.is_some() {
-        no("checkpoint.export_hf", "exporting the trained model");
     }
     out
 }
@@ -115,28 +93,20 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         bail!("{}", problems.join("\n  "));
     }
     let r = &rc.resolved;
-    let ModelSource::Load(model_dir) = &rc.model else {
-        unreachable!("checked by unsupported()")
-    };
-    if r.logging.tensorboard {
-        eprintln!(
-            "note: logging.tensorboard: TensorBoard files are not written yet (metrics.jsonl is)"
-        );
-    }
-
     let out_dir = &r.logging.output_dir;
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("creating logging.output_dir {}", out_dir.display()))?;
     std::fs::write(out_dir.join("run.toml"), rc.to_toml())
         .with_context(|| format!("writing {}", out_dir.join("run.toml").display()))?;
 
-    let (model, info) = load_hf_model(model_dir, DType::F32)
-        .with_context(|| format!("loading model.load {}", model_dir.display()))?;
-    let eod = info.eos_token_ids.first().copied();
-    if eod.is_none() && (r.data.eod_mask_loss || r.data.reset_position_ids) {
+    let run_model = model::build(&rc)?;
+    let eod = run_model.eod;
+    if eod.is_none()
+        && (r.data.eod_mask_loss || r.data.reset_position_ids || r.data.reset_attention_mask)
+    {
         bail!(
-            "data.eod_mask_loss / data.reset_position_ids need an end-of-document id, and {} has no eos_token_id",
-            model_dir.join("config.json").display()
+            "data.eod_mask_loss / reset_position_ids / reset_attention_mask need an end-of-document id: \
+             give model.load an HF directory whose config.json has eos_token_id, or set data.tokenizer_model"
         );
     }
 
@@ -153,7 +123,7 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         &rc,
         [gbs * iters as usize, valid_samples],
         eod,
-        Some(model_dir),
+        run_model.tokenizer_dir.as_deref(),
     )?;
     if data.valid.is_none() && eval_interval > 0 && eval_iters > 0 {
         eprintln!(
@@ -183,11 +153,26 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         adam_beta2: r.optimizer.adam_beta2,
         adam_eps: r.optimizer.adam_eps,
         clip_grad: r.optimizer.clip_grad,
+        precision: model::precision(&rc).0,
+        loss_scale: r.precision.loss_scale.map(|x| x as f32),
+        dynamic_loss_scale: DynamicGradScalerConfig {
+            initial_scale: r.precision.initial_loss_scale as f32,
+            min_scale: r.precision.min_loss_scale as f32,
+            growth_interval: r.precision.loss_scale_window as u32,
+            hysteresis: r.precision.hysteresis as u32,
+            ..DynamicGradScalerConfig::default()
+        },
         exit_interval: r.training.exit_interval,
         seed: r.training.seed,
     };
     let micro_per_eval = eval_iters * opts.num_microbatches();
     let has_valid = opts.eval_interval > 0;
+    let RunModel {
+        model,
+        tokenizer_dir,
+        export_source,
+        ..
+    } = run_model;
     let mut trainer = Trainer::new(model, opts)?;
     if let Some(load) = &r.checkpoint.load {
         resume::load(&mut trainer, load, r.training.finetune)?;
@@ -243,9 +228,11 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
     };
     let valid_arg: Option<&mut dyn FnMut() -> std::result::Result<Vec<MicroBatch>, TrainError>> =
         if has_valid { Some(&mut provider) } else { None };
-    let summary = trainer.train(&mut loader, valid_arg, &mut metrics, &mut |l: &TrainLog| {
-        println!("{l}")
-    })?;
+    let mut observer =
+        RunObserver::new(out_dir, r.logging.tensorboard, trainer.iteration(), iters)?;
+    let summary = trainer.train(&mut loader, valid_arg, &mut metrics, &mut observer);
+    observer.finish();
+    let summary = summary?;
     if summary.exited_early {
         eprintln!(
             "exiting at iteration {} (training.exit_interval); resume with checkpoint.load",
@@ -259,10 +246,48 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         );
     }
     eprintln!(
-        "done: {} iterations, {} samples; metrics in {}",
+        "done: {} iterations, {} samples; metrics in {}, loss curve in {}",
         summary.iterations,
         summary.consumed_samples,
-        metrics_path.display()
+        metrics_path.display(),
+        out_dir.join("loss.png").display()
     );
+    if let Some(dir) = &r.checkpoint.export_hf
+        && !summary.exited_early
+    {
+        export(&trainer, &export_source, tokenizer_dir, dir, &rc)?;
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `checkpoint.export_hf`: the trained model as an HF directory (weights in the run's
+/// precision, f32 for fp32 runs), tokenizer files copied along.
+fn export(
+    trainer: &Trainer,
+    source: &HfExportSource,
+    tokenizer_dir: Option<PathBuf>,
+    dir: &Path,
+    rc: &RunConfig,
+) -> Result<()> {
+    let dtype = match rc.precision {
+        Precision::Fp32 => OutputDtype::F32,
+        Precision::Bf16 => OutputDtype::BF16,
+        Precision::Fp16 => OutputDtype::F16,
+    };
+    let opts = HfExportOptions {
+        dtype,
+        force: true,
+        tokenizer_dir: tokenizer_dir
+            .filter(|d| TOKENIZER_FILES.iter().any(|f| d.join(f).is_file())),
+        ..HfExportOptions::default()
+    };
+    let report = export_hf(trainer.model(), source, dir, &opts)
+        .with_context(|| format!("checkpoint.export_hf {}", dir.display()))?;
+    eprintln!(
+        "exported the trained model to {} ({} tensors, {:.1} MB)",
+        report.output.display(),
+        report.tensors_written,
+        report.bytes_written as f64 / 1e6
+    );
+    Ok(())
 }

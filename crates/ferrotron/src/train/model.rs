@@ -1,0 +1,152 @@
+//! The model a run trains: loaded from an HF directory (`model.load`) or built from the
+//! explicit `[model]` dimensions with Megatron's random init (pretraining from scratch), stored
+//! in the dtype `[precision]` asks for, with the run's activation recompute.
+
+use anyhow::{Context, Result, bail};
+use ferrotron_checkpoint::HfExportSource;
+use ferrotron_data::Tokenizer;
+use ferrotron_data::preprocess::megatron_eod_id;
+use ferrotron_model::families::{HfConfigInputs, load_hf_model};
+use ferrotron_model::{
+    GptModel, InitConfig, RecomputeGranularity, RecomputeMethod as ModelRecomputeMethod,
+    TransformerConfig,
+};
+use ferrotron_optim::Precision as OptimPrecision;
+use ferrotron_tensor::DType;
+use ferrotron_train::config::{
+    ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig,
+};
+use std::path::PathBuf;
+
+/// The model of a run and what the rest of the run needs to know about where it came from.
+pub struct RunModel {
+    /// The model, weights stored in [`RunModel::dtype`].
+    pub model: GptModel,
+    /// End-of-document token id (Megatron's EOD), when known.
+    pub eod: Option<u32>,
+    /// An HF directory to take the tokenizer from (SFT encoding, HF export).
+    pub tokenizer_dir: Option<PathBuf>,
+    /// `config.json` token ids and extra fields for the HF export.
+    pub export_source: HfExportSource,
+}
+
+/// The optimizer precision and the weight storage dtype of `[precision]`.
+pub fn precision(rc: &RunConfig) -> (OptimPrecision, DType) {
+    match rc.precision {
+        Precision::Fp32 => (OptimPrecision::Fp32, DType::F32),
+        Precision::Bf16 => (OptimPrecision::Bf16, DType::BF16),
+        Precision::Fp16 => (OptimPrecision::Fp16, DType::F16),
+    }
+}
+
+/// Megatron's `recompute_granularity` / `recompute_method` / `recompute_num_layers`.
+fn recompute(r: Recompute) -> Option<RecomputeGranularity> {
+    match r {
+        Recompute::None => None,
+        Recompute::Selective => Some(RecomputeGranularity::Selective),
+        Recompute::Full { method, num_layers } => Some(RecomputeGranularity::Full {
+            method: match method {
+                RecomputeMethod::Uniform => ModelRecomputeMethod::Uniform,
+                RecomputeMethod::Block => ModelRecomputeMethod::Block,
+            },
+            num_layers,
+        }),
+    }
+}
+
+/// Loads or initializes the model of `rc`.
+///
+/// # Errors
+/// An unreadable HF directory, explicit dimensions the model rejects (naming the key), or a
+/// `data.tokenizer_model` without a usable tokenizer.
+pub fn build(rc: &RunConfig) -> Result<RunModel> {
+    let (_, dtype) = precision(rc);
+    let tokenizer_model = rc.resolved.data.tokenizer_model.clone();
+    let mut run = match &rc.model {
+        ModelSource::Load(dir) => {
+            let (model, info) = load_hf_model(dir, dtype)
+                .with_context(|| format!("loading model.load {}", dir.display()))?;
+            let export_source = HfExportSource::from_dir(dir)
+                .with_context(|| format!("reading model.load {}", dir.display()))?;
+            RunModel {
+                model,
+                eod: info.eos_token_ids.first().copied(),
+                tokenizer_dir: Some(tokenizer_model.unwrap_or_else(|| dir.clone())),
+                export_source,
+            }
+        }
+        ModelSource::Explicit(dims) => from_scratch(rc, dims, dtype, tokenizer_model)?,
+    };
+    run.model.config.recompute_granularity = recompute(rc.recompute);
+    run.model
+        .config
+        .validate()
+        .context("training.recompute_num_layers")?;
+    Ok(run)
+}
+
+/// A LLaMA-style model of `dims` with Megatron's init (seed `training.seed`); the EOD id from
+/// the tokenizer in `data.tokenizer_model`, when one is given.
+fn from_scratch(
+    rc: &RunConfig,
+    dims: &ModelDims,
+    dtype: DType,
+    tokenizer_dir: Option<PathBuf>,
+) -> Result<RunModel> {
+    let m = &rc.resolved.model;
+    let mut config = TransformerConfig::llama(
+        dims.num_layers,
+        dims.hidden_size,
+        dims.ffn_hidden_size,
+        dims.num_attention_heads,
+        dims.num_query_groups,
+        dims.vocab_size,
+        dims.max_position_embeddings,
+    )
+    .context("[model]")?;
+    config.kv_channels = dims.kv_channels;
+    config.rotary_base = m.rotary_base as f32;
+    config.layernorm_epsilon = m.norm_epsilon as f32;
+    config.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
+    config.validate().context("[model]")?;
+    let init = InitConfig {
+        seed: rc.resolved.training.seed,
+        params_dtype: dtype,
+        ..InitConfig::default()
+    };
+    let model = GptModel::init_random(config, init).context("initializing the model")?;
+    let eod = match &tokenizer_dir {
+        Some(dir) => {
+            let tok = Tokenizer::from_dir(dir)
+                .with_context(|| format!("data.tokenizer_model {}", dir.display()))?;
+            if tok.vocab_size() > dims.vocab_size {
+                bail!(
+                    "model.vocab_size {} is smaller than the tokenizer's {} tokens (data.tokenizer_model {})",
+                    dims.vocab_size,
+                    tok.vocab_size(),
+                    dir.display()
+                );
+            }
+            Some(
+                megatron_eod_id(dir, &tok)
+                    .with_context(|| format!("data.tokenizer_model {}", dir.display()))?,
+            )
+        }
+        None => None,
+    };
+    let export_source = HfExportSource {
+        config: HfConfigInputs {
+            original: None,
+            bos_token_id: None,
+            eos_token_ids: eod.into_iter().collect(),
+            pad_token_id: None,
+        },
+        generation_config: None,
+    };
+    Ok(RunModel {
+        model,
+        eod,
+        tokenizer_dir,
+        export_source,
+    })
+}
