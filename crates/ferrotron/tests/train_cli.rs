@@ -164,7 +164,7 @@ fn train_losses(out: &str) -> Vec<f64> {
 fn two_iterations_on_smollm2() {
     let Some(model) = model_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let data_prefix = corpus(tmp.path(), &model);
+    let data_prefix = corpus(tmp.path(), model);
     let out_dir = tmp.path().join("out");
     let export = tmp.path().join("exported");
     let out = train(
@@ -237,7 +237,7 @@ fn two_iterations_on_smollm2() {
 fn bf16_with_selective_recompute_tracks_f32() {
     let Some(model) = model_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let data_prefix = corpus(tmp.path(), &model);
+    let data_prefix = corpus(tmp.path(), model);
     let run = |extra: &str, name: &str| {
         let out_dir = tmp.path().join(name);
         train(
@@ -274,7 +274,7 @@ fn bf16_with_selective_recompute_tracks_f32() {
 fn pretrain_from_scratch_loss_falls() {
     let Some(model) = model_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let data_prefix = corpus(tmp.path(), &model);
+    let data_prefix = corpus(tmp.path(), model);
     let out = train(
         tmp.path(),
         &format!(
