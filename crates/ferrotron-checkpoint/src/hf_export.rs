@@ -16,7 +16,7 @@ use crate::CheckpointError;
 use crate::error::display_name;
 use crate::gguf::OutputDtype;
 use crate::safetensors_writer::{TensorSpec, write_safetensors};
-use crate::staging::StagingDir;
+use crate::staging::{StagingDir, write_json};
 
 /// transformers' default `max_shard_size` for `save_pretrained` (5.x: `"50GB"`, decimal).
 pub const DEFAULT_MAX_SHARD_SIZE: u64 = 50_000_000_000;
@@ -299,17 +299,6 @@ fn read_json(path: &Path) -> Result<Value, CheckpointError> {
         file: display_name(path),
         detail: format!("invalid JSON: {e}"),
     })
-}
-
-fn write_json(dir: &Path, name: &str, v: &Value) -> Result<u64, CheckpointError> {
-    let path = dir.join(name);
-    let mut bytes = serde_json::to_vec_pretty(v).map_err(|e| CheckpointError::Format {
-        file: name.to_string(),
-        detail: format!("cannot serialize: {e}"),
-    })?;
-    bytes.push(b'\n');
-    fs::write(&path, &bytes).map_err(|e| CheckpointError::io(&path, e))?;
-    Ok(bytes.len() as u64)
 }
 
 #[cfg(test)]

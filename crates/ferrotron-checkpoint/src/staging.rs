@@ -7,6 +7,20 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::CheckpointError;
+use serde_json::Value;
+
+/// Writes `v` as pretty JSON plus a newline to `dir/name` (transformers' layout for
+/// `config.json` and friends); returns the bytes written.
+pub(crate) fn write_json(dir: &Path, name: &str, v: &Value) -> Result<u64, CheckpointError> {
+    let path = dir.join(name);
+    let mut bytes = serde_json::to_vec_pretty(v).map_err(|e| CheckpointError::Format {
+        file: name.to_string(),
+        detail: format!("cannot serialize: {e}"),
+    })?;
+    bytes.push(b'\n');
+    fs::write(&path, &bytes).map_err(|e| CheckpointError::io(&path, e))?;
+    Ok(bytes.len() as u64)
+}
 
 /// A staging directory for `output`. Dropping it without [`StagingDir::commit`] removes it.
 pub(crate) struct StagingDir {

@@ -52,13 +52,7 @@ fn all_shapes(dir: &Path) -> BTreeMap<String, Vec<usize>> {
 }
 
 fn flat_params(model: &GptModel) -> Vec<Vec<f32>> {
-    let mut bufs: Vec<Vec<f32>> = model
-        .parameters()
-        .iter()
-        .map(|p| vec![0.0; p.numel()])
-        .collect();
-    let mut views: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-    model.copy_parameters_to(&mut views).unwrap();
+    let bufs: Vec<Vec<f32>> = model.parameters_f32();
     bufs
 }
 

@@ -46,11 +46,7 @@ fn main() {
         })
         .collect();
     let batch = TrainBatch::from_batch_major(&tokens, &labels, None, b, s);
-    let mut grads: Vec<Vec<f32>> = model
-        .parameters()
-        .iter()
-        .map(|p| vec![0f32; p.numel()])
-        .collect();
+    let mut grads: Vec<Vec<f32>> = model.zero_grads();
     let mut times = Vec::new();
     for _ in 0..4 {
         let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();

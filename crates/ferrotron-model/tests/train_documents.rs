@@ -15,11 +15,7 @@ fn fixture(name: &str) -> PathBuf {
 
 /// `(loss_sum, gradients)` of one forward/backward with loss scale 1.
 fn run(model: &GptModel, batch: &TrainBatch) -> (f64, Vec<Vec<f32>>) {
-    let mut grads: Vec<Vec<f32>> = model
-        .parameters()
-        .iter()
-        .map(|p| vec![0f32; p.numel()])
-        .collect();
+    let mut grads: Vec<Vec<f32>> = model.zero_grads();
     let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
     let stats = model.forward_backward(batch, &mut views, 1.0).unwrap();
     // forward_backward scales by 1/loss_count inside; undo it to compare sums.
@@ -87,11 +83,7 @@ fn packed_documents_equal_separate_rows() {
 fn bad_document_starts_are_errors() {
     let (model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
     let (t, y) = seq(6, 0, model.config.vocab_size);
-    let mut grads: Vec<Vec<f32>> = model
-        .parameters()
-        .iter()
-        .map(|p| vec![0f32; p.numel()])
-        .collect();
+    let mut grads: Vec<Vec<f32>> = model.zero_grads();
     for starts in [
         vec![0, 0, 0, 1, 3, 3],
         vec![0, 0, 0],

@@ -50,11 +50,7 @@ fn batch(name: &str) -> TrainBatch {
 }
 
 fn zero_grads(model: &GptModel) -> Vec<Vec<f32>> {
-    model
-        .parameters()
-        .iter()
-        .map(|p| vec![0f32; p.numel()])
-        .collect()
+    model.zero_grads()
 }
 
 fn run(model: &GptModel, batch: &TrainBatch, grads: &mut [Vec<f32>]) -> f32 {

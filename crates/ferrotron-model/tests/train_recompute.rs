@@ -56,11 +56,7 @@ fn run(
     recompute: Option<RecomputeGranularity>,
 ) -> (u32, Vec<Vec<f32>>) {
     model.config.recompute_granularity = recompute;
-    let mut grads: Vec<Vec<f32>> = model
-        .parameters()
-        .iter()
-        .map(|p| vec![0f32; p.numel()])
-        .collect();
+    let mut grads: Vec<Vec<f32>> = model.zero_grads();
     let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
     let stats = model.forward_backward(batch, &mut views, 2.0).unwrap();
     (stats.loss.to_bits(), grads)
@@ -91,13 +87,7 @@ fn deep_llama(num_layers: usize) -> GptModel {
         .map(|i| model.layers[i % model.layers.len()].clone())
         .collect();
     model.config.num_layers = num_layers;
-    let mut params: Vec<Vec<f32>> = model
-        .parameters()
-        .iter()
-        .map(|p| vec![0f32; p.numel()])
-        .collect();
-    let mut views: Vec<&mut [f32]> = params.iter_mut().map(|p| p.as_mut_slice()).collect();
-    model.copy_parameters_to(&mut views).unwrap();
+    let mut params: Vec<Vec<f32>> = model.parameters_f32();
     for (pi, p) in params.iter_mut().enumerate() {
         for (i, x) in p.iter_mut().enumerate() {
             *x *= 1.0 + 0.05 * (((pi * 31 + i * 17) % 13) as f32 / 6.0 - 1.0);
@@ -140,11 +130,7 @@ fn bad_recompute_num_layers_is_an_error_and_leaves_grads_alone() {
     for method in [RecomputeMethod::Uniform, RecomputeMethod::Block] {
         for n in [0, 3] {
             model.config.recompute_granularity = full(method, n);
-            let mut grads: Vec<Vec<f32>> = model
-                .parameters()
-                .iter()
-                .map(|p| vec![0f32; p.numel()])
-                .collect();
+            let mut grads: Vec<Vec<f32>> = model.zero_grads();
             let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
             let err = model
                 .forward_backward(&batch, &mut views, 1.0)

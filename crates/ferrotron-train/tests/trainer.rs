@@ -204,12 +204,7 @@ fn evaluate_matches_training_loss_and_weights_sync() {
         "the lr 5e-3 step lowers the loss"
     );
     let n = t.model().parameters().len();
-    let mut copy: Vec<Vec<f32>> = t
-        .model()
-        .parameters()
-        .iter()
-        .map(|p| vec![0.0; p.numel()])
-        .collect();
+    let mut copy: Vec<Vec<f32>> = t.model().zero_grads();
     let mut views: Vec<&mut [f32]> = copy.iter_mut().map(|c| c.as_mut_slice()).collect();
     t.model().copy_parameters_to(&mut views).unwrap();
     for (i, c) in copy.iter().enumerate().take(n) {

@@ -7,7 +7,6 @@
 //! silently dropped: a tensor or metadata the LLaMA mapping does not cover is an error.
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -18,7 +17,7 @@ use super::tensors::{plan_llama_tensors, unpermute_qk_rows};
 use super::tokenizer::hf_tokenizer_from_gguf;
 use crate::CheckpointError;
 use crate::safetensors_writer::{TensorSpec, write_safetensors};
-use crate::staging::StagingDir;
+use crate::staging::{StagingDir, write_json};
 
 /// Options of [`gguf_to_hf`].
 #[derive(Debug, Clone, Default)]
@@ -51,17 +50,6 @@ pub struct GgufToHfReport {
     pub added_tokens: Option<usize>,
     /// Names of the files written, in the output directory.
     pub files: Vec<String>,
-}
-
-fn write_json(dir: &Path, name: &str, v: &Value) -> Result<u64, CheckpointError> {
-    let path = dir.join(name);
-    let mut bytes = serde_json::to_vec_pretty(v).map_err(|e| CheckpointError::Format {
-        file: name.to_string(),
-        detail: format!("cannot serialize: {e}"),
-    })?;
-    bytes.push(b'\n');
-    fs::write(&path, &bytes).map_err(|e| CheckpointError::io(&path, e))?;
-    Ok(bytes.len() as u64)
 }
 
 /// Converts the LLaMA-family GGUF file `input` into an HF model directory at `output`.

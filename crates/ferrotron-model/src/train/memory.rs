@@ -180,11 +180,7 @@ mod tests {
         for mode in modes {
             model.config.recompute_granularity = mode;
             let want = model.config.activation_memory(b, s).unwrap();
-            let mut grads: Vec<Vec<f32>> = model
-                .parameters()
-                .iter()
-                .map(|p| vec![0f32; p.numel()])
-                .collect();
+            let mut grads: Vec<Vec<f32>> = model.zero_grads();
             let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
             let mut ledger = Ledger::default();
             let mut acts = model.train_forward(&batch, &mut ledger).unwrap();

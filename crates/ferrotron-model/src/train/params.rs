@@ -74,6 +74,25 @@ impl GptModel {
         self.param_views().into_iter().map(|(p, _)| p).collect()
     }
 
+    /// One zeroed f32 vector per parameter, in the order of [`GptModel::parameters`], each
+    /// [`ParamInfo::numel`] long: gradient storage for [`GptModel::forward_backward`].
+    pub fn zero_grads(&self) -> Vec<Vec<f32>> {
+        self.parameters()
+            .iter()
+            .map(|p| vec![0f32; p.numel()])
+            .collect()
+    }
+
+    /// Every parameter's values widened to f32 (exact), in the order of
+    /// [`GptModel::parameters`].
+    pub fn parameters_f32(&self) -> Vec<Vec<f32>> {
+        let mut values = self.zero_grads();
+        let mut views: Vec<&mut [f32]> = values.iter_mut().map(Vec::as_mut_slice).collect();
+        self.copy_parameters_to(&mut views)
+            .expect("views built from parameters()");
+        values
+    }
+
     /// Copies every parameter, widened to f32, into `dst` (one slice per parameter in the order
     /// of [`GptModel::parameters`], each exactly [`ParamInfo::numel`] long; **overwritten**).
     ///

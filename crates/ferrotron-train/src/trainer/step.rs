@@ -80,13 +80,7 @@ impl Trainer {
             model.copy_parameters_to(&mut buffer.param_slices_mut::<f32>()?)?;
         } else {
             // Exact: the model's bf16/f16 weights widen to f32 and round back unchanged.
-            let mut values: Vec<Vec<f32>> = model
-                .parameters()
-                .iter()
-                .map(|p| vec![0.0; p.numel()])
-                .collect();
-            let mut views: Vec<&mut [f32]> = values.iter_mut().map(Vec::as_mut_slice).collect();
-            model.copy_parameters_to(&mut views)?;
+            let values = model.parameters_f32();
             for (i, v) in values.iter().enumerate() {
                 buffer.set_param_from_f32(ParamId(i), v)?;
             }
@@ -246,12 +240,7 @@ impl Trainer {
             sum += if batch.position_ids.is_none() && batch.document_starts.is_none() {
                 self.forward_loss_sum(&batch)?
             } else {
-                let mut scratch: Vec<Vec<f32>> = self
-                    .model
-                    .parameters()
-                    .iter()
-                    .map(|p| vec![0.0; p.numel()])
-                    .collect();
+                let mut scratch: Vec<Vec<f32>> = self.model.zero_grads();
                 let mut grads: Vec<&mut [f32]> =
                     scratch.iter_mut().map(|g| g.as_mut_slice()).collect();
                 self.model
