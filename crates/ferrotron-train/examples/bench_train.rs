@@ -2,7 +2,7 @@
 //! `tools/bench_train_torch.py`, which documents the shared protocol).
 //!
 //! One configuration per process: an HF model directory loaded with
-//! [`load_hf_model`] (f32), a [`Trainer`] with `micro_batch_size = global_batch_size = b`
+//! [`load_hf_model`] (f32 or bf16 weights), a [`Trainer`] with `micro_batch_size = global_batch_size = b`
 //! (one forward/backward and one optimizer step per iteration: global-norm clipping + AdamW,
 //! constant lr 1e-5, betas 0.9/0.999, eps 1e-8, weight decay 0.01 except norms and biases),
 //! `--warmup` untimed then `--steps` timed [`Trainer::train_step`] calls on `--threads` rayon
@@ -12,8 +12,9 @@
 //! last `s`, every label counted.
 //!
 //! Prints one JSON line on stdout (tokens/s = `b·s` / median step time, ms/step, peak RSS from
-//! `/proc/self/status` `VmHWM` in MiB, first/last loss). `--precision bf16` prints a
-//! `"supported": false` line instead while the trainer keeps f32 parameters only.
+//! `/proc/self/status` `VmHWM` in MiB, first/last loss). `--precision bf16` trains as
+//! `ferrotron train` with `precision.bf16`: bf16 weights, f32 gradients, master weights and
+//! Adam moments, f32 compute.
 //!
 //! `cargo run --release -p ferrotron-train --example bench_train -- MODEL_DIR --micro-batch 1`
 
@@ -21,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use ferrotron_data::MicroBatch;
 use ferrotron_model::families::load_hf_model;
-use ferrotron_optim::LrDecayStyle;
+use ferrotron_optim::{LrDecayStyle, Precision as OptimPrecision};
 use ferrotron_tensor::DType;
 use ferrotron_train::trainer::{Trainer, TrainerOptions};
 use serde_json::json;
@@ -104,21 +105,16 @@ fn run(a: &Args) -> Result<()> {
         }
     }
     let (b, s) = (a.micro_batch, a.seq);
-    if a.precision == Precision::Bf16 {
-        let reason = "not supported yet: bf16 training (the Trainer keeps f32 parameters and \
-                      an fp32 optimizer; `ferrotron train` rejects precision.bf16 too)";
-        eprintln!("ferrotron bf16 b={b}: {reason}");
-        let line = json!({"impl": "ferrotron", "mode": "bf16", "micro_batch": b, "seq": s,
-                          "supported": false, "reason": reason});
-        println!("{line}");
-        return Ok(());
-    }
     rayon::ThreadPoolBuilder::new()
         .num_threads(a.threads)
         .build_global()
         .context("--threads: building the rayon pool")?;
 
-    let (model, _) = load_hf_model(&a.model_dir, DType::F32)
+    let (dtype, precision, mode) = match a.precision {
+        Precision::F32 => (DType::F32, OptimPrecision::Fp32, "f32"),
+        Precision::Bf16 => (DType::BF16, OptimPrecision::Bf16, "bf16"),
+    };
+    let (model, _) = load_hf_model(&a.model_dir, dtype)
         .with_context(|| format!("loading {}", a.model_dir.display()))?;
     let vocab = model.config.vocab_size;
     let total = a.warmup + a.steps;
@@ -149,6 +145,7 @@ fn run(a: &Args) -> Result<()> {
         lr_decay_style: LrDecayStyle::Constant,
         weight_decay: a.weight_decay,
         clip_grad: a.clip_grad,
+        precision,
         ..TrainerOptions::default()
     };
     let mut trainer = Trainer::new(model, options).context("building the trainer")?;
@@ -161,7 +158,7 @@ fn run(a: &Args) -> Result<()> {
         let dt = t.elapsed().as_secs_f64();
         let kind = if i < a.warmup { "warmup" } else { "timed" };
         eprintln!(
-            "ferrotron f32 b={b} step {}/{total} ({kind}): {:.0} ms, loss {:.4}",
+            "ferrotron {mode} b={b} step {}/{total} ({kind}): {:.0} ms, loss {:.4}",
             i + 1,
             dt * 1e3,
             stats.loss
@@ -174,7 +171,7 @@ fn run(a: &Args) -> Result<()> {
     let med = median(&mut times);
     let line = json!({
         "impl": "ferrotron",
-        "mode": "f32",
+        "mode": mode,
         "micro_batch": b,
         "seq": s,
         "threads": a.threads,

@@ -193,12 +193,12 @@ fn two_iterations_on_smollm2() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let json = |r: &Value| r.to_string();
-    let train = records
+    let train_records = records
         .iter()
         .filter(|r| json(r).contains("consumed_samples"))
         .count();
     let valid = records.iter().filter(|r| json(r).contains("ppl")).count();
-    assert_eq!(train, 2, "{metrics}");
+    assert_eq!(train_records, 2, "{metrics}");
     assert_eq!(valid, 1, "{metrics}");
     for r in &records {
         assert!(json(r).contains("lm_loss"), "{metrics}");
@@ -216,6 +216,40 @@ fn two_iterations_on_smollm2() {
     assert!(
         events.len() == 1 && events[0].starts_with("events.out.tfevents."),
         "{events:?}"
+    );
+
+    // skip_train evaluates the exported (f32, exact) model on the same validation batch the
+    // run evaluated at its end: the same loss.
+    let run_valid = records
+        .iter()
+        .find(|r| json(r).contains("ppl"))
+        .map(|r| r["lm_loss"].as_f64().unwrap())
+        .unwrap();
+    let eval_dir = tmp.path().join("eval");
+    let out = train(
+        tmp.path(),
+        &format!(
+            "[model]\nload = {:?}\nseq_length = 32\n\
+             [data]\ndata_path = {:?}\nsplit = \"90,10,0\"\n\
+             [training]\nmicro_batch_size = 1\nglobal_batch_size = 2\ntrain_iters = 2\n\
+             eval_interval = 2\neval_iters = 1\nskip_train = true\n\
+             [optimizer]\nlr = 1e-4\n\
+             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
+            export.to_str().unwrap(),
+            data_prefix.to_str().unwrap(),
+            eval_dir.to_str().unwrap()
+        ),
+    );
+    assert!(
+        !out.contains("consumed samples"),
+        "skip_train trained:\n{out}"
+    );
+    let line = std::fs::read_to_string(eval_dir.join("metrics.jsonl")).unwrap();
+    let eval: Value = serde_json::from_str(line.trim()).unwrap();
+    let loss = eval["lm_loss"].as_f64().unwrap();
+    assert!(
+        (loss - run_valid).abs() < 1e-5 * run_valid,
+        "exported model {loss} vs run {run_valid}"
     );
 
     // The exported HF directory loads and scores text.

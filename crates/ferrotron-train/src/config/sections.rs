@@ -159,6 +159,10 @@ section! {
         /// Load weights only from `checkpoint.load` (fresh optimizer, iteration 0).
         /// Default: false. Megatron: `--finetune`.
         finetune: bool = false,
+        /// Do not train: run one validation (eval_iters global batches of the validation
+        /// split) on the loaded model, report it and exit. Default: false.
+        /// Megatron: `--skip-train`.
+        skip_train: bool = false,
         /// Average the loss over non-masked tokens of the global batch rather than per
         /// micro-batch. Default: false. Megatron: `--calculate-per-token-loss`.
         calculate_per_token_loss: bool = false,

@@ -15,10 +15,10 @@ use ferrotron_checkpoint::{
 use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
 use ferrotron_optim::{DynamicGradScalerConfig, LrDecayStyle as OptimDecay};
 use ferrotron_train::config::{LrDecayStyle, Precision, RunConfig, documented_keys};
-use ferrotron_train::trainer::{SavePlan, TrainError, Trainer, TrainerOptions};
+use ferrotron_train::trainer::{EvalLine, SavePlan, TrainError, TrainLog, Trainer, TrainerOptions};
 use model::RunModel;
 use observer::RunObserver;
-use std::io::BufWriter;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -226,6 +226,21 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         }
         Ok(batches)
     };
+    if r.training.skip_train {
+        if !has_valid {
+            bail!(
+                "training.skip_train needs validation data: training.eval_iters > 0, training.eval_interval > 0 and a data.split with a validation part"
+            );
+        }
+        let line = TrainLog::Valid(EvalLine::new(
+            trainer.iteration(),
+            trainer.evaluate(&provider()?)?,
+        ));
+        println!("{line}");
+        writeln!(metrics, "{}", serde_json::to_string(&line)?)?;
+        metrics.flush()?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let valid_arg: Option<&mut dyn FnMut() -> std::result::Result<Vec<MicroBatch>, TrainError>> =
         if has_valid { Some(&mut provider) } else { None };
     let mut observer =
