@@ -27,7 +27,8 @@ pub struct TensorBoardWriter {
 impl TensorBoardWriter {
     /// Creates `dir` if needed and a new event file in it named
     /// `events.out.tfevents.<unix seconds, 10 digits>.<hostname>` (TensorFlow's name; the
-    /// hostname falls back to `localhost` when it cannot be read).
+    /// hostname falls back to `localhost` when it cannot be read), or, when that file exists
+    /// (two writers in one second), the same name followed by `.<pid>.<n>`.
     ///
     /// # Errors
     /// As [`create_file`](Self::create_file); creating `dir` fails with its path named.
@@ -39,7 +40,22 @@ impl TensorBoardWriter {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_secs();
-        TensorBoardWriter::create_file(dir.join(event_file_name(secs, &host)))
+        let name = event_file_name(secs, &host);
+        // A second writer in the same second (a resumed run) gets the name with the pid and a
+        // counter appended, as torch's SummaryWriter names its files.
+        let mut last = None;
+        for n in 0..1000u32 {
+            let file = if n == 0 {
+                name.clone()
+            } else {
+                format!("{name}.{}.{n}", std::process::id())
+            };
+            match TensorBoardWriter::create_file(dir.join(file)) {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
+                other => return other,
+            }
+        }
+        Err(last.expect("1000 attempts"))
     }
 
     /// Creates the event file `path` (which must not exist yet: an earlier run's file is never
@@ -218,6 +234,17 @@ mod tests {
             EventData::Summary(v) => (e.step, v.iter().map(|s| (s.tag.clone(), s.value)).collect()),
             EventData::FileVersion(v) => panic!("unexpected file_version {v}"),
         }
+    }
+
+    #[test]
+    fn writers_in_the_same_second_get_distinct_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let writers: Vec<_> = (0..3)
+            .map(|_| TensorBoardWriter::create(dir.path()).unwrap())
+            .collect();
+        let mut names: Vec<_> = writers.iter().map(|w| w.path().to_path_buf()).collect();
+        names.dedup();
+        assert_eq!(names.len(), 3, "{names:?}");
     }
 
     #[test]

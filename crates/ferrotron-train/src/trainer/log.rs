@@ -1,12 +1,12 @@
 //! The Megatron-style log lines (`training_log` and `evaluate_and_print_results` in
 //! `megatron/training/training.py`) and their JSON form for `metrics.jsonl`.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// One training log line, aggregated over the `log_interval` iterations ending at
 /// `iteration`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LogLine {
     /// Last iteration of the interval (1-based).
     pub iteration: u64,
@@ -39,7 +39,7 @@ pub struct LogLine {
 }
 
 /// One validation result (`evaluate_and_print_results`).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalLine {
     /// Iteration after which validation ran.
     pub iteration: u64,
@@ -61,7 +61,7 @@ impl EvalLine {
 }
 
 /// A checkpoint written by the loop (`save_checkpoint`'s `successfully saved checkpoint`).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SavedLine {
     /// Iteration saved.
     pub iteration: u64,
@@ -73,7 +73,7 @@ pub struct SavedLine {
 
 /// What the training loop reports: serialized as one JSON object per line in
 /// `metrics.jsonl`, tagged by `"kind": "train" | "valid" | "checkpoint"`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum TrainLog {
     /// A training log line.
@@ -231,5 +231,23 @@ mod tests {
         assert_eq!(json["kind"], "train");
         assert_eq!(json["lm_loss"], 3.21);
         assert_eq!(json["loss_scale"], serde_json::Value::Null);
+        // metrics.jsonl lines read back (a resumed run redraws its loss curve from them).
+        for log in [
+            TrainLog::Train(line()),
+            TrainLog::Valid(EvalLine::new(10, 3.21)),
+        ] {
+            let text = serde_json::to_string(&log).unwrap();
+            let back = serde_json::from_str::<TrainLog>(&text).unwrap();
+            // serde_json's float parsing may differ in the last bit.
+            match (back, &log) {
+                (TrainLog::Train(a), TrainLog::Train(b)) => {
+                    assert_eq!((a.iteration, a.lm_loss), (b.iteration, b.lm_loss))
+                }
+                (TrainLog::Valid(a), TrainLog::Valid(b)) => {
+                    assert_eq!((a.iteration, a.lm_loss), (b.iteration, b.lm_loss))
+                }
+                (back, _) => panic!("{log:?} read back as {back:?}"),
+            }
+        }
     }
 }

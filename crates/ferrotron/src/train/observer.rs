@@ -47,10 +47,23 @@ impl RunObserver {
             bar.reset_eta();
             bar
         });
+        let mut plot = LossPlot::new(out_dir.join("loss.png"));
+        if done > 0 {
+            // A resumed run: the curve continues from the points of the run it resumes.
+            let metrics = out_dir.join("metrics.jsonl");
+            if let Ok(text) = std::fs::read_to_string(&metrics) {
+                for log in text
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<TrainLog>(l).ok())
+                {
+                    plot.push(&log);
+                }
+            }
+        }
         Ok(RunObserver {
             bar,
             tensorboard,
-            plot: Some(LossPlot::new(out_dir.join("loss.png"))),
+            plot: Some(plot),
         })
     }
 
