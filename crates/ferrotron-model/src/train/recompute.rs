@@ -112,30 +112,13 @@ impl GptModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ModelFamily;
-    use ferrotron_tensor::ops::RopeScaling;
 
     fn config(num_layers: usize, recompute: Option<RecomputeGranularity>) -> TransformerConfig {
-        TransformerConfig {
-            family: ModelFamily::Llama,
-            num_layers,
-            hidden_size: 8,
-            ffn_hidden_size: 16,
-            num_attention_heads: 2,
-            num_query_groups: 1,
-            kv_channels: 4,
-            vocab_size: 10,
-            max_position_embeddings: 16,
-            rotary_base: 10000.0,
-            rope_scaling: RopeScaling::None,
-            layernorm_epsilon: 1e-5,
-            add_qkv_bias: false,
-            add_proj_bias: false,
-            add_mlp_bias: false,
-            untie_embeddings_and_output_weights: true,
-            sliding_window: None,
-            recompute_granularity: recompute,
-        }
+        // Built valid, then given `num_layers` as is (the tests also need an invalid 0).
+        let mut c = TransformerConfig::llama(1, 8, 16, 2, 1, 10, 16).unwrap();
+        c.num_layers = num_layers;
+        c.recompute_granularity = recompute;
+        c
     }
 
     fn full(method: RecomputeMethod, num_layers: usize) -> Option<RecomputeGranularity> {
