@@ -102,12 +102,7 @@ impl GptModel {
         );
         ledger.release(f32_bytes(&x_final) + f32_bytes(&rstd_final));
         drop((x_final, rstd_final, dnormed));
-        let pass = Pass {
-            c,
-            rope: self.rope(),
-            positions: &positions,
-            batch,
-        };
+        let pass = Pass::new(c, self.rope(), &positions, batch);
         let mut st = Backprop {
             dres,
             scratch: vec![0f32; rows * h],
@@ -243,7 +238,7 @@ fn core_attention_and_proj_backward(
     let mut dq = vec![0f32; rows * a * d];
     let mut dk = vec![0f32; rows * g * d];
     let mut dv = vec![0f32; rows * g * d];
-    let (dims, mask) = attention_dims(c, pass.batch);
+    let (dims, mask) = attention_dims(pass);
     core_attention_backward(
         &la.q, &la.k, &la.v, &core.ctx, &dctx, &core.lse, &mut dq, &mut dk, &mut dv, dims, mask,
     );

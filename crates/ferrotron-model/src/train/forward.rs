@@ -25,6 +25,30 @@ pub(crate) struct Pass<'a> {
     /// Rotary position of each row `[rows]`.
     pub positions: &'a [usize],
     pub batch: &'a TrainBatch,
+    /// The batch's document starts, checked once per pass (not per attention call).
+    pub documents: Option<DocumentStarts<'a>>,
+}
+
+impl<'a> Pass<'a> {
+    pub(crate) fn new(
+        c: &'a TransformerConfig,
+        rope: &'a RopeTable,
+        positions: &'a [usize],
+        batch: &'a TrainBatch,
+    ) -> Pass<'a> {
+        // Checked by TrainBatch::validate before any pass.
+        let documents = batch
+            .document_starts
+            .as_deref()
+            .map(|d| DocumentStarts::new(d, batch.micro_batch).expect("validated document starts"));
+        Pass {
+            c,
+            rope,
+            positions,
+            batch,
+            documents,
+        }
+    }
 }
 
 /// Core attention's output and softmax statistic: what selective recompute drops and the
@@ -43,7 +67,7 @@ impl CoreAttnOut {
         let rows = pass.positions.len();
         let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
         let mut lse = vec![0f32; rows * c.num_attention_heads];
-        let (dims, mask) = attention_dims(c, pass.batch);
+        let (dims, mask) = attention_dims(pass);
         core_attention_forward_train(q, k, v, &mut ctx, &mut lse, dims, mask);
         CoreAttnOut { ctx, lse }
     }
@@ -172,12 +196,7 @@ impl GptModel {
         self.embedding.forward(&batch.tokens, &mut x)?;
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
-        let pass = Pass {
-            c,
-            rope: self.rope(),
-            positions: &positions,
-            batch,
-        };
+        let pass = Pass::new(c, self.rope(), &positions, batch);
         let mut saved = Vec::with_capacity(self.layers.len());
         for run in c.recompute_runs() {
             match run.keep {
@@ -286,10 +305,8 @@ impl GptModel {
 }
 
 /// Attention dims and mask of a fresh causal pass over the batch.
-pub(crate) fn attention_dims<'b>(
-    c: &TransformerConfig,
-    batch: &'b TrainBatch,
-) -> (AttentionDims, AttentionMask<'b>) {
+pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMask<'b>) {
+    let (c, batch) = (pass.c, pass.batch);
     (
         AttentionDims {
             sq: batch.seq,
@@ -302,10 +319,7 @@ pub(crate) fn attention_dims<'b>(
         },
         AttentionMask {
             sliding_window: c.sliding_window,
-            // Checked by TrainBatch::validate before any pass.
-            documents: batch.document_starts.as_deref().map(|d| {
-                DocumentStarts::new(d, batch.micro_batch).expect("validated document starts")
-            }),
+            documents: pass.documents,
         },
     )
 }
