@@ -234,13 +234,16 @@ impl Trainer {
     /// Malformed batches or a model failure.
     pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<f64> {
         let (mut sum, mut count) = (0.0f64, 0.0f64);
+        // Gradient scratch of the forward + backward fallback, allocated once per evaluation
+        // (loss scale 0: it stays zero).
+        let mut scratch: Option<Vec<Vec<f32>>> = None;
         for mb in batches {
             let batch = self.to_train_batch(mb)?;
             count += batch.loss_token_count();
             sum += if batch.position_ids.is_none() && batch.document_starts.is_none() {
                 self.forward_loss_sum(&batch)?
             } else {
-                let mut scratch: Vec<Vec<f32>> = self.model.zero_grads();
+                let scratch = scratch.get_or_insert_with(|| self.model.zero_grads());
                 let mut grads: Vec<&mut [f32]> =
                     scratch.iter_mut().map(|g| g.as_mut_slice()).collect();
                 self.model
