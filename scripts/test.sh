@@ -8,6 +8,9 @@ cd "$root"
 
 need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
+# MPI backend (feature `mpi`, tested with mpirun): OpenMPI, and clang for rsmpi's bindgen.
+command -v mpirun >/dev/null || need_apt+=(libopenmpi-dev openmpi-bin)
+command -v clang >/dev/null || need_apt+=(clang libclang-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
 fi
@@ -27,6 +30,6 @@ export FERROTRON_SMOLLM2_HF
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
-echo "== cargo test --workspace"
-cargo test --workspace
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+echo "== cargo test --workspace --all-features (MPI tests run under mpirun)"
+cargo test --workspace --all-features

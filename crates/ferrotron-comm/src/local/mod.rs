@@ -1,0 +1,490 @@
+//! [`LocalComm`]: ranks as threads of one process, communicating through shared memory.
+//!
+//! [`run_local`] starts `world_size` rank threads, hands each its world communicator and
+//! returns their results in rank order. Sub-groups come from [`Communicator::split`]. A rank that returns an error or panics aborts the world: every rank
+//! waiting in a collective or a receive stops with [`CommError::Aborted`], and `run_local`
+//! returns the failing rank's own error — no hang, and the root cause rather than its echoes.
+
+mod group;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use group::{AbortFlag, GroupShared, Slot, lock};
+
+use crate::communicator::{Communicator, ElemType, ReduceOp, chunk_len, part_range, reduce_into};
+use crate::error::{CommError, Result, mismatch};
+
+/// Identifies a group created by a split: (parent group id, split number on the parent, color).
+type SplitKey = (u64, u64, usize);
+
+/// State shared by all ranks of one [`run_local`] world.
+struct World {
+    abort: Arc<AbortFlag>,
+    groups: Mutex<HashMap<SplitKey, (u64, Arc<GroupShared>)>>,
+    next_group_id: AtomicU64,
+}
+
+impl World {
+    fn abort(&self, rank: usize, reason: String) {
+        self.abort.raise(rank, reason);
+        for (_, g) in lock(&self.groups).values() {
+            g.wake_all();
+        }
+    }
+}
+
+/// One rank's handle on one in-process group (the world, or a group from [`Communicator::split`]).
+pub struct LocalComm {
+    world: Arc<World>,
+    group: Arc<GroupShared>,
+    group_id: u64,
+    rank: usize,
+    splits: AtomicU64,
+}
+
+impl fmt::Debug for LocalComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalComm")
+            .field("rank", &self.rank)
+            .field("world_ranks", &self.group.world_ranks)
+            .finish()
+    }
+}
+
+/// Why a [`run_local`] world failed: the first rank that failed and how.
+#[derive(Debug)]
+pub struct RankFailure<E> {
+    /// World rank that failed first.
+    pub rank: usize,
+    /// Its error, or its panic message.
+    pub cause: FailureCause<E>,
+}
+
+/// A rank's error or panic.
+#[derive(Debug)]
+pub enum FailureCause<E> {
+    /// The rank function returned `Err`.
+    Error(E),
+    /// The rank panicked with this message.
+    Panic(String),
+}
+
+impl<E: fmt::Display> fmt::Display for RankFailure<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.cause {
+            FailureCause::Error(e) => write!(f, "rank {}: {e}", self.rank),
+            FailureCause::Panic(m) => write!(f, "rank {} panicked: {m}", self.rank),
+        }
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> std::error::Error for RankFailure<E> {}
+
+/// Runs `f` on `world_size` rank threads (named `rank-<r>`), each with its world
+/// [`LocalComm`], and returns the results in rank order.
+///
+/// # Errors
+/// The first rank to return `Err` or to panic, as [`RankFailure`]; the others were aborted.
+/// `world_size == 0` is reported as a failure of rank 0.
+pub fn run_local<T, E, F>(world_size: usize, f: F) -> std::result::Result<Vec<T>, RankFailure<E>>
+where
+    T: Send,
+    E: Send + fmt::Display,
+    F: Fn(LocalComm) -> std::result::Result<T, E> + Sync,
+{
+    if world_size == 0 {
+        return Err(RankFailure {
+            rank: 0,
+            cause: FailureCause::Panic("run_local needs world_size >= 1".into()),
+        });
+    }
+    let world = Arc::new(World {
+        abort: Arc::default(),
+        groups: Mutex::default(),
+        next_group_id: AtomicU64::new(1),
+    });
+    let shared = Arc::new(GroupShared::new(
+        (0..world_size).collect(),
+        world.abort.clone(),
+    ));
+    // Registered (for abort wake-ups) under a key no split can produce.
+    lock(&world.groups).insert((u64::MAX, 0, 0), (0, shared.clone()));
+    let outcomes: Vec<std::result::Result<T, FailureCause<E>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                let comm = LocalComm {
+                    world: world.clone(),
+                    group: shared.clone(),
+                    group_id: 0,
+                    rank,
+                    splits: AtomicU64::new(0),
+                };
+                let (f, world) = (&f, &world);
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(scope, move || {
+                        let outcome = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
+                            Ok(Ok(v)) => return Ok(v),
+                            Ok(Err(e)) => FailureCause::Error(e),
+                            Err(payload) => FailureCause::Panic(panic_message(payload.as_ref())),
+                        };
+                        let reason = match &outcome {
+                            FailureCause::Error(e) => e.to_string(),
+                            FailureCause::Panic(m) => format!("panicked: {m}"),
+                        };
+                        world.abort(rank, reason);
+                        Err(outcome)
+                    })
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|p| Err(FailureCause::Panic(panic_message(p.as_ref()))))
+            })
+            .collect()
+    });
+    let first = world.abort.first().map(|(rank, _)| rank);
+    let mut results = Vec::with_capacity(world_size);
+    let mut failures: Vec<(usize, FailureCause<E>)> = Vec::new();
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        match o {
+            Ok(v) => results.push(v),
+            Err(cause) => failures.push((rank, cause)),
+        }
+    }
+    if failures.is_empty() {
+        return Ok(results);
+    }
+    let pos = failures
+        .iter()
+        .position(|(r, _)| Some(*r) == first)
+        .unwrap_or(0);
+    let (rank, cause) = failures.swap_remove(pos);
+    Err(RankFailure { rank, cause })
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+impl LocalComm {
+    /// This rank's index in the whole world.
+    pub fn world_rank(&self) -> usize {
+        self.group.world_ranks[self.rank]
+    }
+
+    /// World ranks of this group's members, in group-rank order.
+    pub fn world_ranks(&self) -> &[usize] {
+        &self.group.world_ranks
+    }
+
+    /// [`Communicator::split`] with the concrete type: collective over this group. Ranks passing the same `color` form a
+    /// new group, ordered by (`key`, rank here); `None` (MPI_UNDEFINED) joins no group.
+    ///
+    /// # Errors
+    /// Another rank failed.
+    pub fn split_local(&self, color: Option<usize>, key: usize) -> Result<Option<LocalComm>> {
+        let seq = self.splits.fetch_add(1, Ordering::SeqCst);
+        let n = self.group.size();
+        let mine = [color.map_or(0, |c| c as u64 + 1), key as u64];
+        let mut all = vec![0u64; 2 * n];
+        all[2 * self.rank..2 * self.rank + 2].copy_from_slice(&mine);
+        self.all_gather_bytes(bytemuck::cast_slice_mut(&mut all))?;
+        let Some(color) = color else {
+            return Ok(None);
+        };
+        let mut members: Vec<(u64, usize)> = (0..n)
+            .filter(|&r| all[2 * r] == color as u64 + 1)
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        members.sort_unstable();
+        let rank = members
+            .iter()
+            .position(|&(_, r)| r == self.rank)
+            .expect("this rank is a member of its own color");
+        let world_ranks: Vec<usize> = members
+            .iter()
+            .map(|&(_, r)| self.group.world_ranks[r])
+            .collect();
+        let (group_id, group) = lock(&self.world.groups)
+            .entry((self.group_id, seq, color))
+            .or_insert_with(|| {
+                let id = self.world.next_group_id.fetch_add(1, Ordering::SeqCst);
+                let g = GroupShared::new(world_ranks, self.world.abort.clone());
+                (id, Arc::new(g))
+            })
+            .clone();
+        Ok(Some(LocalComm {
+            world: self.world.clone(),
+            group,
+            group_id,
+            rank,
+            splits: AtomicU64::new(0),
+        }))
+    }
+
+    fn check_peer(&self, op: &'static str, rank: usize) -> Result<()> {
+        if rank >= self.group.size() {
+            return Err(CommError::Rank {
+                op,
+                rank,
+                size: self.group.size(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The raw bytes `range` of a buffer another rank published.
+///
+/// # Safety
+/// Between the two rendezvous of a collective, the owner does not touch its buffer and
+/// no other rank writes `range` of it.
+unsafe fn peer<'a>(addr: usize, range: std::ops::Range<usize>) -> &'a [u8] {
+    unsafe { std::slice::from_raw_parts((addr + range.start) as *const u8, range.len()) }
+}
+
+/// As [`peer`], writable.
+///
+/// # Safety
+/// As [`peer`], and no other rank reads or writes `range` of it.
+#[allow(clippy::mut_from_ref)]
+unsafe fn peer_mut<'a>(addr: usize, range: std::ops::Range<usize>) -> &'a mut [u8] {
+    unsafe { std::slice::from_raw_parts_mut((addr + range.start) as *mut u8, range.len()) }
+}
+
+/// A reduction result buffer aligned for every element type (8 bytes).
+struct Scratch {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Scratch {
+    fn new(len: usize) -> Self {
+        Scratch {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+fn same_lengths(op: &'static str, slots: &[Slot]) -> Result<()> {
+    let first = (slots[0].input_len, slots[0].output_len);
+    if let Some(s) = slots.iter().find(|s| (s.input_len, s.output_len) != first) {
+        return Err(mismatch(
+            op,
+            format!(
+                "ranks passed buffers of different lengths ({first:?} and {:?} bytes)",
+                (s.input_len, s.output_len)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn ty_code(ty: ElemType) -> u8 {
+    ty as u8
+}
+fn op_code(op: ReduceOp) -> u8 {
+    op as u8
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    fn all_reduce_bytes(&self, buf: &mut [u8], ty: ElemType, op: ReduceOp) -> Result<()> {
+        chunk_len("all_reduce", buf.len(), 1, ty)?;
+        let addr = buf.as_mut_ptr() as usize;
+        let slot = Slot {
+            input: addr,
+            input_len: buf.len(),
+            output: addr,
+            output_len: buf.len(),
+            signature: (1, ty_code(ty), op_code(op), 0),
+        };
+        let (n, me) = (self.size(), self.rank);
+        self.group.collective(me, "all_reduce", slot, |slots| {
+            same_lengths("all_reduce", slots)?;
+            // This rank reduces part `me` of every buffer and writes it back to all of them.
+            let part = part_range(buf.len(), ty.size(), n, me);
+            let mut acc = Scratch::new(part.len());
+            let acc = acc.bytes_mut();
+            {
+                // SAFETY: only this rank touches part `me` of any buffer until the rendezvous.
+                let ins: Vec<&[u8]> = slots
+                    .iter()
+                    .map(|s| unsafe { peer(s.input, part.clone()) })
+                    .collect();
+                reduce_into(acc, &ins, ty, op)?;
+            }
+            for s in slots {
+                // SAFETY: as above; the input views were dropped.
+                unsafe { peer_mut(s.output, part.clone()) }.copy_from_slice(acc);
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_scatter_bytes(&self, buf: &mut [u8], ty: ElemType, op: ReduceOp) -> Result<()> {
+        let (n, me) = (self.size(), self.rank);
+        let chunk = chunk_len("reduce_scatter", buf.len(), n, ty)?;
+        let addr = buf.as_mut_ptr() as usize;
+        let slot = Slot {
+            input: addr,
+            input_len: buf.len(),
+            output: addr,
+            output_len: buf.len(),
+            signature: (2, ty_code(ty), op_code(op), 0),
+        };
+        self.group.collective(me, "reduce_scatter", slot, |slots| {
+            same_lengths("reduce_scatter", slots)?;
+            let mine = me * chunk..(me + 1) * chunk;
+            let mut acc = Scratch::new(chunk);
+            let acc = acc.bytes_mut();
+            {
+                // SAFETY: chunk `me` of every buffer is read only by this rank, and written
+                // only by this rank after the reads.
+                let ins: Vec<&[u8]> = slots
+                    .iter()
+                    .map(|s| unsafe { peer(s.input, mine.clone()) })
+                    .collect();
+                reduce_into(acc, &ins, ty, op)?;
+            }
+            // SAFETY: as above.
+            unsafe { peer_mut(slots[me].output, mine) }.copy_from_slice(acc);
+            Ok(())
+        })
+    }
+
+    fn all_gather_bytes(&self, buf: &mut [u8]) -> Result<()> {
+        let (n, me) = (self.size(), self.rank);
+        let chunk = chunk_len("all_gather", buf.len(), n, ElemType::U8)?;
+        let addr = buf.as_mut_ptr() as usize;
+        let slot = Slot {
+            input: addr,
+            input_len: buf.len(),
+            output: addr,
+            output_len: buf.len(),
+            signature: (3, 0, 0, 0),
+        };
+        self.group.collective(me, "all_gather", slot, |slots| {
+            same_lengths("all_gather", slots)?;
+            for (r, s) in slots.iter().enumerate().filter(|&(r, _)| r != me) {
+                let range = r * chunk..(r + 1) * chunk;
+                // SAFETY: chunk `r` of rank `r`'s buffer is only read; chunk `r` of this
+                // rank's buffer is written only by this rank.
+                let src = unsafe { peer(s.input, range.clone()) };
+                unsafe { peer_mut(addr, range) }.copy_from_slice(src);
+            }
+            Ok(())
+        })
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        self.check_peer("broadcast", root)?;
+        let me = self.rank;
+        let addr = buf.as_mut_ptr() as usize;
+        let len = buf.len();
+        let slot = Slot {
+            input: addr,
+            input_len: len,
+            output: addr,
+            output_len: len,
+            signature: (4, 0, 0, root),
+        };
+        self.group.collective(me, "broadcast", slot, |slots| {
+            same_lengths("broadcast", slots)?;
+            if me != root {
+                // SAFETY: the root's buffer is only read; this rank's only written by itself.
+                let src = unsafe { peer(slots[root].input, 0..len) };
+                unsafe { peer_mut(addr, 0..len) }.copy_from_slice(src);
+            }
+            Ok(())
+        })
+    }
+
+    fn all_to_all_bytes(&self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        let (n, me) = (self.size(), self.rank);
+        let chunk = chunk_len("all_to_all", input.len(), n, ElemType::U8)?;
+        if output.len() != input.len() {
+            return Err(mismatch(
+                "all_to_all",
+                format!("output of {} bytes, input of {}", output.len(), input.len()),
+            ));
+        }
+        let slot = Slot {
+            input: input.as_ptr() as usize,
+            input_len: input.len(),
+            output: output.as_mut_ptr() as usize,
+            output_len: output.len(),
+            signature: (5, 0, 0, 0),
+        };
+        let out_addr = slot.output;
+        self.group.collective(me, "all_to_all", slot, |slots| {
+            same_lengths("all_to_all", slots)?;
+            for (r, s) in slots.iter().enumerate() {
+                // SAFETY: inputs are only read; this rank's output only written by itself.
+                let src = unsafe { peer(s.input, me * chunk..(me + 1) * chunk) };
+                unsafe { peer_mut(out_addr, r * chunk..(r + 1) * chunk) }.copy_from_slice(src);
+            }
+            Ok(())
+        })
+    }
+
+    fn send_bytes(&self, buf: &[u8], dest: usize) -> Result<()> {
+        self.check_peer("send", dest)?;
+        self.group.send(self.rank, dest, buf)
+    }
+
+    fn recv_bytes(&self, buf: &mut [u8], src: usize) -> Result<()> {
+        self.check_peer("recv", src)?;
+        let msg = self.group.recv(src, self.rank)?;
+        if msg.len() != buf.len() {
+            return Err(mismatch(
+                "recv",
+                format!(
+                    "rank {src} sent {} bytes, the receive buffer holds {}",
+                    msg.len(),
+                    buf.len()
+                ),
+            ));
+        }
+        buf.copy_from_slice(&msg);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let slot = Slot {
+            signature: (6, 0, 0, 0),
+            ..Slot::default()
+        };
+        self.group
+            .collective(self.rank, "barrier", slot, |_| Ok(()))
+    }
+
+    fn split(&self, color: Option<usize>, key: usize) -> Result<Option<Arc<dyn Communicator>>> {
+        Ok(self
+            .split_local(color, key)?
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>))
+    }
+}
