@@ -37,6 +37,7 @@ mod local;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 mod parallel_state;
+mod single;
 
 pub use async_comm::{AsyncComm, CommHandle};
 pub use communicator::{Collectives, Communicator, ElemType, Element, ReduceOp};
@@ -45,3 +46,4 @@ pub use local::{FailureCause, LocalComm, RankFailure, run_local};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::MpiComm;
 pub use parallel_state::{GroupKind, ParallelConfig, ParallelState, ProcessGroups, RankCoords};
+pub use single::SingleRankComm;

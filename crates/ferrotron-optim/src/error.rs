@@ -7,6 +7,9 @@ use thiserror::Error;
 /// when importing their state. Messages name the offending config field.
 #[derive(Debug, Error)]
 pub enum OptimError {
+    /// A cross-rank reduction of the step failed (the message is the communicator's).
+    #[error("optimizer step communication: {0}")]
+    Comm(String),
     /// An invalid configuration value; the message names the field(s), e.g.
     /// `min_lr (0.1) must be <= lr (0.01)`.
     #[error("invalid optimizer config: {0}")]

@@ -109,11 +109,14 @@ impl OptimizerConfig {
 }
 
 /// The cross-rank reductions of one step. Identity on a single rank ([`NoReduce`]).
+///
+/// # Errors
+/// Both methods fail with [`OptimError::Comm`] when the communication fails.
 pub trait GradStatsReduce {
     /// All-reduce SUM of a local partial (sum of squared grads).
-    fn all_reduce_sum(&mut self, local: f64) -> f64;
+    fn all_reduce_sum(&mut self, local: f64) -> Result<f64>;
     /// All-reduce MAX of a local flag/value (found-inf as 0.0 / 1.0).
-    fn all_reduce_max(&mut self, local: f64) -> f64;
+    fn all_reduce_max(&mut self, local: f64) -> Result<f64>;
 }
 
 /// Single-rank reduction: returns the local value.
@@ -121,11 +124,11 @@ pub trait GradStatsReduce {
 pub struct NoReduce;
 
 impl GradStatsReduce for NoReduce {
-    fn all_reduce_sum(&mut self, local: f64) -> f64 {
-        local
+    fn all_reduce_sum(&mut self, local: f64) -> Result<f64> {
+        Ok(local)
     }
-    fn all_reduce_max(&mut self, local: f64) -> f64 {
-        local
+    fn all_reduce_max(&mut self, local: f64) -> Result<f64> {
+        Ok(local)
     }
 }
 
@@ -247,13 +250,16 @@ impl Optimizer {
     /// Unscales the owned grads by `1/scale`, checks them for inf/NaN (reduced MAX across
     /// ranks) and updates the scaler (Megatron `prepare_grads`). Returns `found_inf`; always
     /// false without a scaler.
+    ///
+    /// # Errors
+    /// The reduction failed.
     pub fn prepare_grads(
         &mut self,
         buffer: &mut ParamAndGradBuffer,
         reduce: &mut dyn GradStatsReduce,
-    ) -> bool {
+    ) -> Result<bool> {
         let Some(scaler) = &mut self.scaler else {
-            return false;
+            return Ok(false);
         };
         let inv = scaler.inv_scale();
         let grads = buffer.grads_mut();
@@ -261,20 +267,25 @@ impl Optimizer {
         for range in self.adam.owned().ranges() {
             found |= clip::unscale_and_check_finite(&mut grads[range.clone()], inv);
         }
-        let found_inf = reduce.all_reduce_max(if found { 1.0 } else { 0.0 }) > 0.0;
+        let found_inf = reduce.all_reduce_max(if found { 1.0 } else { 0.0 })? > 0.0;
         scaler.update(found_inf);
-        found_inf
+        Ok(found_inf)
     }
 
     /// Computes the global grad norm (reduced SUM of squares) and, when `clip_grad > 0`,
     /// scales the owned grads by `clip_grad / (norm + 1e-6)` if that is < 1. Returns the norm
     /// before clipping.
+    ///
+    /// # Errors
+    /// The reduction failed.
     pub fn clip_grad_norm(
         &mut self,
         buffer: &mut ParamAndGradBuffer,
         reduce: &mut dyn GradStatsReduce,
-    ) -> f64 {
-        let total_norm = reduce.all_reduce_sum(self.local_grad_sq_sum(buffer)).sqrt();
+    ) -> Result<f64> {
+        let total_norm = reduce
+            .all_reduce_sum(self.local_grad_sq_sum(buffer))?
+            .sqrt();
         if self.config.clip_grad > 0.0 {
             let coeff = clip::clip_coeff(self.config.clip_grad, total_norm);
             if coeff < 1.0 {
@@ -284,7 +295,7 @@ impl Optimizer {
                 }
             }
         }
-        total_norm
+        Ok(total_norm)
     }
 
     /// One optimizer step on a single rank: [`step_with`](Self::step_with) and [`NoReduce`].
@@ -305,7 +316,8 @@ impl Optimizer {
     /// LR scheduler only when `update_successful` (Megatron does the same).
     ///
     /// # Errors
-    /// [`OptimError::Range`] when the buffer is not the one this optimizer was built for.
+    /// [`OptimError::Range`] when the buffer is not the one this optimizer was built for;
+    /// [`OptimError::Comm`] when a reduction failed.
     pub fn step_with(
         &mut self,
         buffer: &mut ParamAndGradBuffer,
@@ -329,12 +341,12 @@ impl Optimizer {
             loss_scale,
             found_inf: false,
         };
-        if self.prepare_grads(buffer, reduce) {
+        if self.prepare_grads(buffer, reduce)? {
             self.skipped_iterations += 1;
             outcome.found_inf = true;
             return Ok(outcome);
         }
-        let norm = self.clip_grad_norm(buffer, reduce);
+        let norm = self.clip_grad_norm(buffer, reduce)?;
         outcome.grad_norm = Some(norm);
         if !norm.is_finite() {
             self.skipped_iterations += 1;

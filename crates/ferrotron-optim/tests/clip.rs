@@ -67,7 +67,7 @@ fn optimizer_clips_owned_grads_with_global_norm() {
     buf.grad_mut(w).copy_from_slice(&[1.0, 2.0, 2.0, 4.0]); // norm 5
     buf.grad_mut(dup).copy_from_slice(&[100.0, 100.0]); // excluded from the norm
     assert_eq!(opt.local_grad_sq_sum(&buf), 25.0);
-    let norm = opt.clip_grad_norm(&mut buf, &mut NoReduce);
+    let norm = opt.clip_grad_norm(&mut buf, &mut NoReduce).unwrap();
     assert_eq!(norm, 5.0);
     let coeff = (1.0 / (5.0 + 1e-6)) as f32;
     assert_eq!(buf.grad(w), &[coeff, 2.0 * coeff, 2.0 * coeff, 4.0 * coeff]);
@@ -76,11 +76,11 @@ fn optimizer_clips_owned_grads_with_global_norm() {
     // A reducer standing in for 4 ranks with equal partials: global norm 10.
     struct FourRanks;
     impl GradStatsReduce for FourRanks {
-        fn all_reduce_sum(&mut self, local: f64) -> f64 {
-            4.0 * local
+        fn all_reduce_sum(&mut self, local: f64) -> ferrotron_optim::Result<f64> {
+            Ok(4.0 * local)
         }
-        fn all_reduce_max(&mut self, local: f64) -> f64 {
-            local
+        fn all_reduce_max(&mut self, local: f64) -> ferrotron_optim::Result<f64> {
+            Ok(local)
         }
     }
     buf.grad_mut(w).copy_from_slice(&[1.0, 2.0, 2.0, 4.0]);

@@ -19,7 +19,8 @@ use ferrotron_checkpoint::dist::{
     prune_checkpoints, write_tracker,
 };
 use ferrotron_optim::{
-    OptimizerMeta, ParamInfo, SchedulerLoadPolicy, SchedulerState, StateArray, StateDict, Stateful,
+    OptimizerMeta, OwnedRanges, ParamInfo, SchedulerLoadPolicy, SchedulerState, StateArray,
+    StateDict, Stateful,
 };
 use ferrotron_tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -65,6 +66,9 @@ pub enum LoadMode {
     /// `--finetune`).
     Finetune,
 }
+
+/// One data-parallel rank's owned flat ranges and its optimizer arrays (name -> values).
+type RankShard = (OwnedRanges, BTreeMap<String, Vec<f32>>);
 
 const MODEL: &str = "model.";
 const OPTIM: &str = "optimizer.";
@@ -119,11 +123,17 @@ impl Trainer {
         extra: serde_json::Value,
     ) -> Result<PathBuf> {
         let dir = iteration_dir(save, self.iteration);
+        let optim = self.optimizer.export_state();
+        let rank_shards = self.gather_optimizer_shards(&optim)?;
+        if self.dp.rank() != 0 {
+            // Rank 0 writes the replicated model and every rank's optimizer shard.
+            self.dp.barrier()?;
+            return Ok(dir);
+        }
         let buffer_state = self.buffer.export_state();
         let Some(StateArray::F32(flat_params)) = buffer_state.arrays.get("params") else {
             return Err(ckpt_err("the parameter buffer exported no `params` array"));
         };
-        let optim = self.optimizer.export_state();
         let params = self.buffer.params();
         let mut writer = CheckpointWriter::create(&dir, true).map_err(ckpt_err)?;
         let model: Vec<ShardedTensor> = params
@@ -140,22 +150,20 @@ impl Trainer {
         writer
             .write_file("model_rank00000.safetensors", dtype, &model)
             .map_err(ckpt_err)?;
-        let owned = &optim.meta.adam.owned;
         let mut shards = Vec::new();
-        for (name, arr) in &optim.arrays {
-            let StateArray::F32(values) = arr else {
-                return Err(ckpt_err(format!("optimizer array {name} is not f32")));
-            };
-            for p in params {
-                for (off, len, start) in owned_parts(p, owned) {
-                    shards.push(ShardedTensor {
-                        key: format!("{OPTIM}{name}.{}", p.name),
-                        global_shape: vec![p.numel],
-                        global_offset: vec![off],
-                        local_shape: vec![len],
-                        replica_id: 0,
-                        data: &values[start..start + len],
-                    });
+        for (owned, arrays) in &rank_shards {
+            for (name, values) in arrays {
+                for p in params {
+                    for (off, len, start) in owned_parts(p, owned) {
+                        shards.push(ShardedTensor {
+                            key: format!("{OPTIM}{name}.{}", p.name),
+                            global_shape: vec![p.numel],
+                            global_offset: vec![off],
+                            local_shape: vec![len],
+                            replica_id: 0,
+                            data: &values[start..start + len],
+                        });
+                    }
                 }
             }
         }
@@ -171,12 +179,53 @@ impl Trainer {
             optimizer: optim.meta.clone(),
         };
         let content = serde_json::json!({ "trainer": state, "extra": extra });
+        let layout = ParallelLayout {
+            data_parallel_size: self.dp.size(),
+            ..ParallelLayout::SINGLE
+        };
         writer
-            .commit(self.iteration, ParallelLayout::SINGLE, content)
+            .commit(self.iteration, layout, content)
             .map_err(ckpt_err)?;
         write_tracker(save, self.iteration).map_err(ckpt_err)?;
         prune_checkpoints(save, keep_last).map_err(ckpt_err)?;
+        self.dp.barrier()?;
         Ok(dir)
+    }
+
+    /// Every data-parallel rank's owned ranges and f32 optimizer arrays: this rank's alone,
+    /// or, with the distributed optimizer, all ranks' shards gathered (collective; the shards
+    /// have equal lengths because every bucket splits evenly over the group).
+    fn gather_optimizer_shards(
+        &self,
+        optim: &StateDict<OptimizerMeta>,
+    ) -> Result<Vec<RankShard>> {
+        let mut mine = BTreeMap::new();
+        for (name, arr) in &optim.arrays {
+            let StateArray::F32(values) = arr else {
+                return Err(ckpt_err(format!("optimizer array {name} is not f32")));
+            };
+            mine.insert(name.clone(), values.clone());
+        }
+        let (rank, size) = (self.dp.rank(), self.dp.size());
+        if !self.dp.use_distributed_optimizer() || size == 1 {
+            return Ok(vec![(optim.meta.adam.owned.clone(), mine)]);
+        }
+        let mut out: Vec<_> = (0..size)
+            .map(|r| {
+                let owned = OwnedRanges::distributed_shard(&self.buffer, r, size)?;
+                Ok((owned, BTreeMap::new()))
+            })
+            .collect::<Result<_>>()?;
+        for (name, values) in mine {
+            let n = values.len();
+            let mut all = vec![0f32; n * size];
+            all[rank * n..(rank + 1) * n].copy_from_slice(&values);
+            self.dp.all_gather_in_place(&mut all)?;
+            for (r, (_, arrays)) in out.iter_mut().enumerate() {
+                arrays.insert(name.clone(), all[r * n..(r + 1) * n].to_vec());
+            }
+        }
+        Ok(out)
     }
 
     /// Restores from the iteration directory `dir` (see [`LoadMode`]). The model must have
@@ -219,8 +268,7 @@ impl Trainer {
             self.consumed_valid_samples = state.consumed_valid_samples;
         } else {
             // Fresh optimizer state over the loaded weights (the master copy included).
-            self.optimizer =
-                ferrotron_optim::Optimizer::new(self.options.optimizer_config(), &self.buffer)?;
+            self.optimizer = super::step::new_optimizer(&self.options, &self.buffer, &self.dp)?;
         }
         self.sync_model_from_buffer()?;
         Ok(state)

@@ -20,6 +20,7 @@
 //! [`Trainer::save_checkpoint`], [`Trainer::load_checkpoint`].
 
 mod checkpoint;
+mod data_parallel;
 mod flops;
 mod log;
 mod options;
@@ -27,6 +28,7 @@ mod run;
 mod step;
 
 pub use checkpoint::{LoadMode, SavePlan, TrainerState};
+pub use data_parallel::DataParallel;
 pub use flops::{FlopsModel, num_floating_point_operations};
 pub use log::{EvalLine, LogLine, SavedLine, TrainLog, format_sci};
 pub use options::TrainerOptions;
@@ -55,6 +57,9 @@ pub enum TrainError {
     /// Saving or loading a checkpoint failed (the message names the file and the problem).
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// A collective across ranks failed (often: another rank failed first).
+    #[error("communication: {0}")]
+    Comm(String),
     /// Writing metrics failed.
     #[error("writing metrics: {0}")]
     Io(#[from] std::io::Error),

@@ -13,8 +13,15 @@ use ferrotron_optim::{
 pub struct TrainerOptions {
     /// Sequences per forward/backward pass (`micro_batch_size`).
     pub micro_batch_size: usize,
-    /// Sequences per optimizer step (`global_batch_size`); a multiple of `micro_batch_size`.
+    /// Sequences per optimizer step over all data-parallel ranks (`global_batch_size`); a
+    /// multiple of `micro_batch_size · data_parallel_size`.
     pub global_batch_size: usize,
+    /// Data-parallel ranks sharing each global batch (1 on a single rank); must equal the
+    /// size of the trainer's [`DataParallel`](super::DataParallel) group.
+    pub data_parallel_size: usize,
+    /// Gradient elements per DDP bucket (`ddp_bucket_size`); `None` = Megatron's default
+    /// `max(4e7, 1e6 · data_parallel_size)`.
+    pub ddp_bucket_size: Option<usize>,
     /// Optimizer steps of the run (`train_iters`).
     pub train_iters: u64,
     /// Iterations per log line (`log_interval`), > 0.
@@ -68,6 +75,8 @@ impl Default for TrainerOptions {
         TrainerOptions {
             micro_batch_size: 1,
             global_batch_size: 1,
+            data_parallel_size: 1,
+            ddp_bucket_size: None,
             train_iters: 1,
             log_interval: 100,
             eval_interval: 1000,
@@ -95,7 +104,7 @@ impl TrainerOptions {
     /// Micro-batches per optimizer step, `global_batch_size / micro_batch_size` (valid
     /// options only).
     pub fn num_microbatches(&self) -> usize {
-        self.global_batch_size / self.micro_batch_size.max(1)
+        self.global_batch_size / (self.micro_batch_size * self.data_parallel_size).max(1)
     }
 
     /// Checks the batch sizes and cadences here and the optimizer and schedule settings
@@ -105,15 +114,18 @@ impl TrainerOptions {
     /// [`TrainError::Config`] with one line per problem.
     pub fn validate(&self) -> Result<()> {
         let mut problems = Vec::new();
-        if self.micro_batch_size == 0 {
-            problems.push("micro_batch_size must be > 0".to_string());
-        } else if self.global_batch_size == 0
-            || !self.global_batch_size.is_multiple_of(self.micro_batch_size)
-        {
+        let per_step = self.micro_batch_size * self.data_parallel_size;
+        if self.micro_batch_size == 0 || self.data_parallel_size == 0 {
+            problems.push("micro_batch_size and data_parallel_size must be > 0".to_string());
+        } else if self.global_batch_size == 0 || !self.global_batch_size.is_multiple_of(per_step) {
             problems.push(format!(
-                "global_batch_size {} is not a positive multiple of micro_batch_size {}",
-                self.global_batch_size, self.micro_batch_size
+                "global_batch_size {} is not a positive multiple of micro_batch_size {} x \
+                 data_parallel_size {}",
+                self.global_batch_size, self.micro_batch_size, self.data_parallel_size
             ));
+        }
+        if self.ddp_bucket_size == Some(0) {
+            problems.push("ddp_bucket_size must be > 0".into());
         }
         if self.train_iters == 0 {
             problems.push("train_iters must be > 0".into());

@@ -225,10 +225,8 @@ impl Trainer {
     /// [`Trainer::evaluate`], counting the samples into `consumed_valid_samples`.
     fn evaluate_counted(&mut self, batches: &[MicroBatch]) -> Result<f64> {
         let loss = self.evaluate(batches)?;
-        self.consumed_valid_samples += batches
-            .iter()
-            .map(|b| b.micro_batch_size as u64)
-            .sum::<u64>();
+        let local: u64 = batches.iter().map(|b| b.micro_batch_size as u64).sum();
+        self.consumed_valid_samples += local * self.dp.size() as u64;
         Ok(loss)
     }
 }

@@ -3,11 +3,12 @@
 //! `train_step` with `--calculate-per-token-loss`) and a forward-only validation loss
 //! ([`Trainer::evaluate`]).
 
+use super::data_parallel::DataParallel;
 use super::{Result, TrainError, TrainerOptions};
 use ferrotron_data::MicroBatch;
 use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
 use ferrotron_optim::{
-    BufferConfig, Optimizer, OptimizerParamScheduler, ParamAndGradBuffer,
+    BufferConfig, Optimizer, OptimizerParamScheduler, OwnedRanges, ParamAndGradBuffer,
     ParamAndGradBufferBuilder, ParamFlags, ParamId,
 };
 use ferrotron_tensor::DType;
@@ -29,7 +30,7 @@ pub struct StepStats {
     pub lr: f64,
     /// The optimizer skipped the update (inf/NaN gradients).
     pub skipped: bool,
-    /// Input tokens processed (`global_batch_size · seq_length`).
+    /// Input tokens processed by all ranks (`global_batch_size · seq_length`).
     pub tokens: usize,
     /// Wall time of the step (forward, backward, optimizer, weight copy).
     pub elapsed: Duration,
@@ -47,17 +48,39 @@ pub struct Trainer {
     pub(super) consumed_samples: u64,
     pub(super) consumed_valid_samples: u64,
     pub(super) save_plan: Option<super::SavePlan>,
+    pub(super) dp: DataParallel,
 }
 
 impl Trainer {
-    /// Registers `model.parameters()` in order in a flat f32 buffer (norm weights and biases
-    /// flagged: no weight decay), copies the model's weights into it and builds the
-    /// optimizer and the schedule from `options`.
+    /// A single-rank trainer: [`Trainer::new_data_parallel`] with a group of one.
     ///
     /// # Errors
-    /// Invalid options ([`TrainerOptions::validate`]) or a buffer/optimizer failure.
+    /// As [`Trainer::new_data_parallel`].
     pub fn new(model: GptModel, options: TrainerOptions) -> Result<Trainer> {
+        Self::new_data_parallel(model, options, DataParallel::single())
+    }
+
+    /// Registers `model.parameters()` in order in a flat buffer (norm weights and biases
+    /// flagged: no weight decay) laid out for `dp`'s size, copies the model's weights into it
+    /// (then rank 0's to every rank of `dp`) and builds the optimizer (sharded with the
+    /// distributed optimizer) and the schedule from `options`. Collective over `dp`.
+    ///
+    /// # Errors
+    /// Invalid options ([`TrainerOptions::validate`]), `options.data_parallel_size` not the
+    /// group's size, or a buffer/optimizer/communication failure.
+    pub fn new_data_parallel(
+        model: GptModel,
+        options: TrainerOptions,
+        dp: DataParallel,
+    ) -> Result<Trainer> {
         options.validate()?;
+        if options.data_parallel_size != dp.size() {
+            return Err(TrainError::Config(format!(
+                "data_parallel_size is {}, the data-parallel group has {} ranks",
+                options.data_parallel_size,
+                dp.size()
+            )));
+        }
         let dtype = options.precision.param_dtype();
         let stored = model.embedding.weight().dtype();
         if stored != dtype {
@@ -66,7 +89,11 @@ impl Trainer {
                 options.precision
             )));
         }
-        let mut builder = ParamAndGradBufferBuilder::new(BufferConfig::new(dtype, 1));
+        let mut config = BufferConfig::new(dtype, dp.size());
+        if let Some(size) = options.ddp_bucket_size {
+            config.bucket_size = Some(size);
+        }
+        let mut builder = ParamAndGradBufferBuilder::new(config);
         for p in model.parameters() {
             let flags = ParamFlags {
                 is_norm_or_bias: p.is_norm_or_bias,
@@ -85,9 +112,10 @@ impl Trainer {
                 buffer.set_param_from_f32(ParamId(i), v)?;
             }
         }
-        let optimizer = Optimizer::new(options.optimizer_config(), &buffer)?;
+        dp.broadcast_params(&mut buffer)?;
+        let optimizer = new_optimizer(&options, &buffer, &dp)?;
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
-        Ok(Trainer {
+        let mut trainer = Trainer {
             model,
             options,
             buffer,
@@ -97,7 +125,17 @@ impl Trainer {
             consumed_samples: 0,
             consumed_valid_samples: 0,
             save_plan: None,
-        })
+            dp,
+        };
+        if trainer.dp.size() > 1 {
+            trainer.sync_model_from_buffer()?;
+        }
+        Ok(trainer)
+    }
+
+    /// The data-parallel group.
+    pub fn data_parallel(&self) -> &DataParallel {
+        &self.dp
     }
 
     /// The model with the weights of the last successful step.
@@ -141,8 +179,9 @@ impl Trainer {
         self.buffer.param_to_f32(ParamId(i))
     }
 
-    /// One optimizer step over a global batch of `num_microbatches` micro-batches of
-    /// `micro_batch_size` rows each (`[b, s]` row-major as the loader yields them).
+    /// One optimizer step over a global batch: this rank's `num_microbatches` micro-batches
+    /// of `micro_batch_size` rows each (`[b, s]` row-major as the loader yields them); the
+    /// other data-parallel ranks hold the rest (see [`DataParallel`]).
     ///
     /// Zeroes the gradients, runs forward + backward per micro-batch accumulating into the
     /// buffer with `loss_scale = tokens_i / tokens_total` (loss tokens of the micro-batch
@@ -168,7 +207,12 @@ impl Trainer {
             .iter()
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
-        let total: f64 = batches.iter().map(TrainBatch::loss_token_count).sum();
+        let mut total = [batches
+            .iter()
+            .map(TrainBatch::loss_token_count)
+            .sum::<f64>()];
+        self.dp.sum(&mut total)?;
+        let total = total[0];
         // fp16: backpropagate the loss times the scaler's scale; the optimizer unscales.
         let loss_scale = self.optimizer.loss_scale();
         self.buffer.zero_grad();
@@ -184,11 +228,19 @@ impl Trainer {
             loss_sum += stats.loss_sum;
             tokens += batch.tokens.len();
         }
+        self.dp.reduce_grads(&mut self.buffer)?;
+        let mut sums = [loss_sum, tokens as f64];
+        self.dp.sum(&mut sums)?;
+        let [loss_sum, tokens] = sums;
         let lr = self.scheduler.lr();
-        let out = self
-            .optimizer
-            .step(&mut self.buffer, lr, self.scheduler.weight_decay())?;
+        let out = self.optimizer.step_with(
+            &mut self.buffer,
+            lr,
+            self.scheduler.weight_decay(),
+            &mut self.dp.stats_reduce(),
+        )?;
         if out.update_successful {
+            self.dp.gather_params(&mut self.buffer)?;
             self.sync_model_from_buffer()?;
             self.scheduler.step(1);
         }
@@ -201,7 +253,7 @@ impl Trainer {
             grad_norm: out.grad_norm,
             lr,
             skipped: !out.update_successful,
-            tokens,
+            tokens: tokens as usize,
             elapsed: start.elapsed(),
         })
     }
@@ -224,7 +276,8 @@ impl Trainer {
         Ok(())
     }
 
-    /// Per-token mean validation loss (nats) over `batches`, forward only: the inference
+    /// Per-token mean validation loss (nats) over `batches` of every data-parallel rank
+    /// (collective), forward only: the inference
     /// forward (logits `[s, b, v]`, no activations kept for a backward) and the cross
     /// entropy with the batch's loss mask. Rows whose position ids are not `0..s` or that
     /// pack several documents (reset per document) fall back to a forward + backward into scratch gradients, which costs
@@ -251,6 +304,9 @@ impl Trainer {
                     .loss_sum
             };
         }
+        let mut totals = [sum, count];
+        self.dp.sum(&mut totals)?;
+        let [sum, count] = totals;
         Ok(if count > 0.0 { sum / count } else { 0.0 })
     }
 
@@ -316,4 +372,22 @@ impl Trainer {
         }
         Ok(batch)
     }
+}
+
+/// AdamW over the whole buffer, or over this rank's shards with the distributed optimizer.
+pub(super) fn new_optimizer(
+    options: &TrainerOptions,
+    buffer: &ParamAndGradBuffer,
+    dp: &DataParallel,
+) -> Result<Optimizer> {
+    let config = options.optimizer_config();
+    if !dp.use_distributed_optimizer() {
+        return Ok(Optimizer::new(config, buffer)?);
+    }
+    let owned = OwnedRanges::distributed_shard(buffer, dp.rank(), dp.size())?;
+    Ok(Optimizer::new_sharded(
+        config,
+        buffer,
+        owned.ranges().to_vec(),
+    )?)
 }

@@ -1,0 +1,196 @@
+//! Data parallelism of the [`Trainer`](super::Trainer): Megatron-Core's
+//! `DistributedDataParallel` (`megatron/core/distributed/distributed_data_parallel.py`) and,
+//! with `use_distributed_optimizer`, the ZeRO-1 `DistributedOptimizer`
+//! (`megatron/core/optimizer/distrib_optimizer.py`).
+//!
+//! One step on data-parallel rank `r` of `d`:
+//! 1. the loss-token count of the global batch is all-reduced first, so each rank's backward
+//!    already carries the global per-token scale `1 / Σ tokens` (`--calculate-per-token-loss`:
+//!    gradients are then SUMMED over ranks, not averaged);
+//! 2. after the local micro-batches, each gradient bucket is all-reduced (DDP), or
+//!    reduce-scattered so that rank `r` holds the reduced `r`-th shard of every bucket
+//!    (distributed optimizer);
+//! 3. the optimizer steps: all of the buffer (DDP: every rank computes the same update), or
+//!    only its shards (fp32 master weights and Adam moments exist for `1/d` of the buffer),
+//!    with the grad-norm partials and the fp16 inf flag reduced over the group;
+//! 4. distributed optimizer: each bucket's parameters are all-gathered from their owners.
+
+use std::sync::Arc;
+
+use ferrotron_comm::{Collectives, CommError, Communicator, ReduceOp, SingleRankComm};
+use ferrotron_optim::{GradStatsReduce, OptimError, ParamAndGradBuffer, ParamStorage};
+
+use super::{Result, TrainError};
+
+/// The data-parallel group of a trainer and how it shards the optimizer.
+#[derive(Clone)]
+pub struct DataParallel {
+    comm: Arc<dyn Communicator>,
+    use_distributed_optimizer: bool,
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("rank", &self.comm.rank())
+            .field("size", &self.comm.size())
+            .field("use_distributed_optimizer", &self.use_distributed_optimizer)
+            .finish()
+    }
+}
+
+pub(super) fn comm_err(e: CommError) -> TrainError {
+    TrainError::Comm(e.to_string())
+}
+
+impl DataParallel {
+    /// Ranks in `comm` train replicas of one model on disjoint parts of each global batch.
+    /// With `use_distributed_optimizer` the optimizer state is sharded over them.
+    pub fn new(comm: Arc<dyn Communicator>, use_distributed_optimizer: bool) -> Self {
+        DataParallel {
+            comm,
+            use_distributed_optimizer,
+        }
+    }
+
+    /// A group of one: the single-rank trainer.
+    pub fn single() -> Self {
+        DataParallel::new(Arc::new(SingleRankComm), false)
+    }
+
+    /// Data-parallel rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Data-parallel size.
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// Whether the optimizer state is sharded (ZeRO-1).
+    pub fn use_distributed_optimizer(&self) -> bool {
+        self.use_distributed_optimizer
+    }
+
+    /// The group.
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    /// Element-wise SUM of `values` over the group.
+    pub(super) fn sum(&self, values: &mut [f64]) -> Result<()> {
+        if self.size() > 1 {
+            self.comm
+                .all_reduce(values, ReduceOp::Sum)
+                .map_err(comm_err)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every rank of the group.
+    pub(super) fn barrier(&self) -> Result<()> {
+        self.comm.barrier().map_err(comm_err)
+    }
+
+    /// In place all-gather of equal f32 chunks (chunk `rank()` is this rank's).
+    pub(super) fn all_gather_in_place(&self, values: &mut [f32]) -> Result<()> {
+        self.comm.all_gather_in_place(values).map_err(comm_err)
+    }
+
+    /// Makes every rank's parameters those of rank 0 (Megatron's `broadcast_params` at DDP
+    /// construction), so replicas start identical however their weights were made.
+    pub(super) fn broadcast_params(&self, buffer: &mut ParamAndGradBuffer) -> Result<()> {
+        if self.size() == 1 {
+            return Ok(());
+        }
+        let (params, _) = buffer.data_mut();
+        self.comm
+            .broadcast_bytes(storage_bytes(params), 0)
+            .map_err(comm_err)
+    }
+
+    /// Step 2: reduces every bucket's gradients (SUM) over the group: all-reduce, or
+    /// reduce-scatter into this rank's shard with the distributed optimizer.
+    pub(super) fn reduce_grads(&self, buffer: &mut ParamAndGradBuffer) -> Result<()> {
+        if self.size() == 1 {
+            return Ok(());
+        }
+        for b in 0..buffer.buckets().len() {
+            let grads = buffer.bucket_grads_mut(b);
+            if self.use_distributed_optimizer {
+                self.comm.reduce_scatter_in_place(grads, ReduceOp::Sum)
+            } else {
+                self.comm.all_reduce(grads, ReduceOp::Sum)
+            }
+            .map_err(comm_err)?;
+        }
+        Ok(())
+    }
+
+    /// Step 4 (distributed optimizer): every bucket's parameters gathered from the ranks
+    /// that own its shards.
+    pub(super) fn gather_params(&self, buffer: &mut ParamAndGradBuffer) -> Result<()> {
+        if self.size() == 1 || !self.use_distributed_optimizer {
+            return Ok(());
+        }
+        let ranges: Vec<_> = buffer.buckets().iter().map(|b| b.start..b.end).collect();
+        let (params, _) = buffer.data_mut();
+        let elem = params_elem_size(params);
+        let bytes = storage_bytes(params);
+        for r in ranges {
+            self.comm
+                .all_gather_bytes(&mut bytes[r.start * elem..r.end * elem])
+                .map_err(comm_err)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer's cross-rank reductions: over the group when each rank holds a shard,
+    /// none when every rank holds the whole (identical) reduced gradient.
+    pub(super) fn stats_reduce(&self) -> StatsReduce<'_> {
+        StatsReduce {
+            comm: (self.use_distributed_optimizer && self.size() > 1).then_some(&*self.comm),
+        }
+    }
+}
+
+/// [`GradStatsReduce`] over a data-parallel group (or none).
+pub(super) struct StatsReduce<'a> {
+    comm: Option<&'a dyn Communicator>,
+}
+
+impl StatsReduce<'_> {
+    fn reduce(&self, local: f64, op: ReduceOp) -> ferrotron_optim::Result<f64> {
+        match self.comm {
+            None => Ok(local),
+            Some(c) => c
+                .all_reduce_scalar(local, op)
+                .map_err(|e| OptimError::Comm(e.to_string())),
+        }
+    }
+}
+
+impl GradStatsReduce for StatsReduce<'_> {
+    fn all_reduce_sum(&mut self, local: f64) -> ferrotron_optim::Result<f64> {
+        self.reduce(local, ReduceOp::Sum)
+    }
+    fn all_reduce_max(&mut self, local: f64) -> ferrotron_optim::Result<f64> {
+        self.reduce(local, ReduceOp::Max)
+    }
+}
+
+fn storage_bytes(params: &mut ParamStorage) -> &mut [u8] {
+    match params {
+        ParamStorage::F32(v) => bytemuck::cast_slice_mut(v),
+        ParamStorage::BF16(v) => bytemuck::cast_slice_mut(v),
+        ParamStorage::F16(v) => bytemuck::cast_slice_mut(v),
+    }
+}
+
+fn params_elem_size(params: &ParamStorage) -> usize {
+    match params {
+        ParamStorage::F32(_) => 4,
+        ParamStorage::BF16(_) | ParamStorage::F16(_) => 2,
+    }
+}

@@ -1,0 +1,174 @@
+//! Data parallelism is exact: dp 2 and dp 4 (in-process ranks), with and without the
+//! distributed optimizer, give the single-rank run's per-iteration losses and final
+//! parameters for the same global batches; a distributed-optimizer checkpoint resumes on one
+//! rank; a failing rank stops the job with its own error.
+
+mod common;
+
+use common::*;
+use ferrotron_comm::run_local;
+use ferrotron_data::MicroBatch;
+use ferrotron_train::trainer::{DataParallel, LoadMode, Trainer, TrainerOptions};
+use std::sync::Arc;
+
+const MBS: usize = 2;
+const GBS: usize = 8;
+const ITERS: usize = 4;
+
+/// Rank `r`'s micro-batches of global batch `it` (Megatron's sampler: micro-step `k` of the
+/// step covers `mbs · dp` consecutive samples, rank `r` takes the `r`-th `mbs` of them).
+fn rank_batches(it: usize, rank: usize, dp: usize) -> Vec<MicroBatch> {
+    (0..GBS / (MBS * dp))
+        .map(|k| {
+            let first = it * GBS + k * MBS * dp + rank * MBS;
+            micro_batches(first, MBS, MBS).remove(0)
+        })
+        .collect()
+}
+
+fn dp_options(dp: usize, iters: usize) -> TrainerOptions {
+    TrainerOptions {
+        data_parallel_size: dp,
+        // small buckets: several reductions per step, padded shards
+        ddp_bucket_size: Some(3000),
+        ..options(MBS, GBS, iters as u64)
+    }
+}
+
+fn params(t: &Trainer) -> Vec<Vec<f32>> {
+    (0..t.model().parameters().len())
+        .map(|i| t.param(i))
+        .collect()
+}
+
+/// (losses, final params) of `iters` steps from iteration `from`.
+fn train(t: &mut Trainer, from: usize, iters: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+    let dp = t.data_parallel();
+    let (rank, size) = (dp.rank(), dp.size());
+    let losses = (from..from + iters)
+        .map(|it| t.train_step(&rank_batches(it, rank, size)).unwrap().loss)
+        .collect();
+    (losses, params(t))
+}
+
+fn single_rank(iters: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+    let mut t = Trainer::new(tiny_model(), dp_options(1, iters)).unwrap();
+    train(&mut t, 0, iters)
+}
+
+fn data_parallel(dp: usize, distributed: bool) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
+    run_local(dp, |comm| {
+        let group = DataParallel::new(Arc::new(comm), distributed);
+        let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(dp, ITERS), group)?;
+        Ok::<_, ferrotron_train::trainer::TrainError>(train(&mut t, 0, ITERS))
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn assert_close(what: &str, a: f64, b: f64, tol: f64) {
+    let rel = (a - b).abs() / b.abs().max(1e-6);
+    assert!(rel <= tol, "{what}: {a} vs {b} (rel {rel:.2e})");
+}
+
+fn assert_same_run(label: &str, got: &(Vec<f64>, Vec<Vec<f32>>), want: &(Vec<f64>, Vec<Vec<f32>>)) {
+    for (i, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
+        assert_close(
+            &format!("{label} loss of iteration {}", i + 1),
+            *a,
+            *b,
+            1e-5,
+        );
+    }
+    for (p, (a, b)) in got.1.iter().zip(&want.1).enumerate() {
+        let max_diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            max_diff <= 1e-5,
+            "{label} parameter {p}: max |diff| {max_diff:.2e}"
+        );
+    }
+}
+
+#[test]
+fn dp2_and_dp4_match_one_rank() {
+    let reference = single_rank(ITERS);
+    assert!(
+        reference.0[ITERS - 1] < reference.0[0],
+        "loss falls: {:?}",
+        reference.0
+    );
+    for (dp, distributed) in [(2, false), (2, true), (4, false), (4, true)] {
+        let runs = data_parallel(dp, distributed);
+        for (r, run) in runs.iter().enumerate() {
+            let label = format!("dp{dp} distributed_optimizer={distributed} rank {r}");
+            assert_same_run(&label, run, &reference);
+            // every replica holds bit-identical weights
+            assert_eq!(run.1, runs[0].1, "{label}: replicas diverged");
+        }
+    }
+}
+
+/// A distributed-optimizer checkpoint (shards of two ranks) resumes on a single rank and
+/// continues as the uninterrupted single-rank run.
+#[test]
+fn distributed_optimizer_checkpoint_resumes_on_one_rank() {
+    let reference = single_rank(ITERS);
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().to_path_buf();
+    run_local(2, |comm| {
+        let group = DataParallel::new(Arc::new(comm), true);
+        let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(2, ITERS), group)?;
+        train(&mut t, 0, 2);
+        t.save_checkpoint(&save, 0, serde_json::Value::Null)
+            .map(|_| ())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut t = Trainer::new(tiny_model(), dp_options(1, ITERS)).unwrap();
+    let ckpt = ferrotron_checkpoint::dist::iteration_dir(&save, 2);
+    t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
+    let (losses, params) = train(&mut t, 2, 2);
+    assert_same_run(
+        "resumed",
+        &(losses, params),
+        &(reference.0[2..].to_vec(), reference.1.clone()),
+    );
+}
+
+#[test]
+fn a_rank_with_bad_batches_stops_the_job_with_its_error() {
+    let err = run_local(2, |comm| {
+        let group = DataParallel::new(Arc::new(comm), false);
+        let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(2, ITERS), group)?;
+        let rank = t.data_parallel().rank();
+        // rank 1 hands over a micro-batch too few; rank 0 waits in the token all-reduce
+        let mut batches = rank_batches(0, rank, 2);
+        if rank == 1 {
+            batches.pop();
+        }
+        t.train_step(&batches).map(|_| ())
+    })
+    .unwrap_err();
+    assert_eq!(err.rank, 1);
+    assert!(err.to_string().contains("a global batch has 2"), "{err}");
+}
+
+#[test]
+fn data_parallel_size_must_match_the_group() {
+    let err = run_local(2, |comm| {
+        Trainer::new_data_parallel(
+            tiny_model(),
+            dp_options(1, ITERS),
+            DataParallel::new(Arc::new(comm), false),
+        )
+        .map(|_| ())
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("data_parallel_size is 1, the data-parallel group has 2 ranks"),
+        "{err}"
+    );
+}
