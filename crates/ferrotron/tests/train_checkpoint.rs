@@ -2,37 +2,12 @@
 //! a run stopped at `exit_interval` and resumed gives the same losses as an uninterrupted run,
 //! and `kill -9` at random moments never leaves an unloadable latest checkpoint.
 
-use ferrotron_data::indexed::{IndexedDatasetBuilder, TokenDtype};
-use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 mod common;
-use common::ferrotron;
-
-const EOD: u32 = 2;
-
-/// 300 documents of 20..60 pseudo-random tokens in 3..112, each closed by EOD.
-fn corpus(dir: &Path) -> PathBuf {
-    let prefix = dir.join("corpus_text_document");
-    let mut b = IndexedDatasetBuilder::create(&prefix, TokenDtype::U16).unwrap();
-    let mut x = 12345u64;
-    for _ in 0..300 {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let len = 20 + (x >> 33) as usize % 40;
-        let doc: Vec<u32> = (0..len)
-            .map(|i| 3 + ((x >> 20) as usize + i * (i + 7)) as u32 % 109)
-            .chain([EOD])
-            .collect();
-        b.add_item(&doc).unwrap();
-        b.end_document();
-    }
-    b.finalize().unwrap();
-    prefix
-}
+use common::{ferrotron, tiny_corpus as corpus};
 
 fn config(dir: &Path, prefix: &Path, out: &str, iters: u64) -> PathBuf {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
@@ -57,22 +32,8 @@ fn config(dir: &Path, prefix: &Path, out: &str, iters: u64) -> PathBuf {
     .unwrap();
     cfg
 }
-
-/// `(kind, iteration, lm_loss)` of every train/valid line of `out/metrics.jsonl`.
 fn losses(dir: &Path, out: &str) -> Vec<(String, u64, f64)> {
-    std::fs::read_to_string(dir.join(out).join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|v| v["kind"] != "checkpoint")
-        .map(|v| {
-            (
-                v["kind"].as_str().unwrap().to_string(),
-                v["iteration"].as_u64().unwrap(),
-                v["lm_loss"].as_f64().unwrap(),
-            )
-        })
-        .collect()
+    common::metrics_losses(&dir.join(out))
 }
 
 fn train(cfg: &Path, extra: &[&str]) {

@@ -13,7 +13,7 @@ mod values;
 
 pub use sections::{
     BlendItem, CheckpointSection, DataPath, DataSection, LoggingSection, ModelSection,
-    OptimizerSection, PrecisionSection, RawConfig, SECTIONS, TrainingSection,
+    OptimizerSection, ParallelSection, PrecisionSection, RawConfig, SECTIONS, TrainingSection,
 };
 pub use types::{
     DatasetType, LrDecayStyle, ModelDims, ModelSource, Precision, Recompute, RecomputeMethod,
@@ -194,6 +194,7 @@ pub fn parse_raw(text: &str, overrides: &[String]) -> Result<RawConfig, ConfigEr
         training: section_from_table("training", take("training"), &mut problems),
         optimizer: section_from_table("optimizer", take("optimizer"), &mut problems),
         precision: section_from_table("precision", take("precision"), &mut problems),
+        parallel: section_from_table("parallel", take("parallel"), &mut problems),
         checkpoint: section_from_table("checkpoint", take("checkpoint"), &mut problems),
         logging: section_from_table("logging", take("logging"), &mut problems),
     };

@@ -226,6 +226,47 @@ section! {
 }
 
 section! {
+    /// `[parallel]`: how the ranks of a run split the model and the data (Megatron's
+    /// distributed arguments). The ranks are `tp x cp x pp x dp`: threads of this process by
+    /// default, or the processes of `mpirun` with `ferrotron train --dist-backend mpi`.
+    ParallelSection, "parallel" {
+        /// Data-parallel replicas. Default: unset = 1 in-process, or what `mpirun -np` leaves
+        /// after the model-parallel sizes. Megatron derives it from the world size.
+        data_parallel_size: Option<usize> = None,
+        /// Ranks splitting each layer (attention heads, MLP columns). Default: 1.
+        /// Megatron: `--tensor-model-parallel-size`.
+        tensor_model_parallel_size: usize = 1,
+        /// Pipeline stages splitting the layers. Default: 1.
+        /// Megatron: `--pipeline-model-parallel-size`.
+        pipeline_model_parallel_size: usize = 1,
+        /// Model chunks per pipeline stage (interleaved 1F1B). Default: unset (1).
+        /// Megatron: `--virtual-pipeline-model-parallel-size`.
+        virtual_pipeline_model_parallel_size: Option<usize> = None,
+        /// Ranks splitting the sequence in attention. Default: 1.
+        /// Megatron: `--context-parallel-size`.
+        context_parallel_size: usize = 1,
+        /// Ranks splitting the experts of MoE layers. Default: 1.
+        /// Megatron: `--expert-model-parallel-size`.
+        expert_model_parallel_size: usize = 1,
+        /// Shard norms and dropout along the sequence over the tensor-parallel ranks.
+        /// Default: false. Megatron: `--sequence-parallel`.
+        sequence_parallel: bool = false,
+        /// Shard the fp32 master weights and Adam moments over the data-parallel ranks
+        /// (ZeRO-1). Default: false. Megatron: `--use-distributed-optimizer`.
+        use_distributed_optimizer: bool = false,
+        /// Gradient elements per DDP bucket. Default: unset = max(4e7, 1e6 x dp).
+        /// Megatron: `--ddp-bucket-size`.
+        ddp_bucket_size: Option<usize> = None,
+        /// Reduce each gradient bucket while the backward still runs. Default: false.
+        /// Megatron: `--overlap-grad-reduce`.
+        overlap_grad_reduce: bool = false,
+        /// All-gather updated parameters bucket by bucket during the next forward
+        /// (distributed optimizer). Default: false. Megatron: `--overlap-param-gather`.
+        overlap_param_gather: bool = false,
+    }
+}
+
+section! {
     /// `[checkpoint]`: saving, resuming and exporting.
     CheckpointSection, "checkpoint" {
         /// Directory to save checkpoints into. Default: unset (no saving). Megatron: `--save`.
@@ -267,6 +308,8 @@ pub struct RawConfig {
     pub optimizer: OptimizerSection,
     /// `[precision]`.
     pub precision: PrecisionSection,
+    /// `[parallel]`.
+    pub parallel: ParallelSection,
     /// `[checkpoint]`.
     pub checkpoint: CheckpointSection,
     /// `[logging]`.
@@ -280,6 +323,7 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
     (TrainingSection::SECTION, TrainingSection::KEYS),
     (OptimizerSection::SECTION, OptimizerSection::KEYS),
     (PrecisionSection::SECTION, PrecisionSection::KEYS),
+    (ParallelSection::SECTION, ParallelSection::KEYS),
     (CheckpointSection::SECTION, CheckpointSection::KEYS),
     (LoggingSection::SECTION, LoggingSection::KEYS),
 ];

@@ -146,8 +146,10 @@ impl RunConfig {
             p.push("data.prefetch must be at least 1".to_string());
         }
 
+        // [parallel]
+        let dp_size = validate_parallel(&r.parallel, &mut p);
+
         // [training]
-        let dp_size = 1usize;
         if t.micro_batch_size == 0 {
             p.push("training.micro_batch_size must be positive".to_string());
         }
@@ -368,4 +370,40 @@ impl RunConfig {
             recompute,
         })
     }
+}
+
+/// Checks the `[parallel]` sizes (the process grid's own rules) and returns the
+/// data-parallel size (1 when unset).
+fn validate_parallel(par: &super::ParallelSection, p: &mut Vec<String>) -> usize {
+    let dp = par.data_parallel_size.unwrap_or(1);
+    if dp == 0 {
+        p.push("parallel.data_parallel_size must be at least 1".to_string());
+        return 1;
+    }
+    let config = ferrotron_comm::ParallelConfig {
+        tensor_model_parallel_size: par.tensor_model_parallel_size,
+        pipeline_model_parallel_size: par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size: par.virtual_pipeline_model_parallel_size,
+        context_parallel_size: par.context_parallel_size,
+        expert_model_parallel_size: par.expert_model_parallel_size,
+    };
+    let world = dp
+        * par.tensor_model_parallel_size
+        * par.pipeline_model_parallel_size
+        * par.context_parallel_size;
+    if let Err(e) = ferrotron_comm::ParallelState::new(world, 0, config) {
+        p.push(format!("[parallel]: {e}"));
+    }
+    if par.ddp_bucket_size == Some(0) {
+        p.push("parallel.ddp_bucket_size must be at least 1".to_string());
+    }
+    if par.overlap_param_gather && !par.use_distributed_optimizer {
+        p.push(
+            "parallel.overlap_param_gather needs parallel.use_distributed_optimizer".to_string(),
+        );
+    }
+    if par.sequence_parallel && par.tensor_model_parallel_size == 1 {
+        p.push("parallel.sequence_parallel needs tensor_model_parallel_size > 1".to_string());
+    }
+    dp
 }

@@ -195,10 +195,7 @@ impl Trainer {
     /// Every data-parallel rank's owned ranges and f32 optimizer arrays: this rank's alone,
     /// or, with the distributed optimizer, all ranks' shards gathered (collective; the shards
     /// have equal lengths because every bucket splits evenly over the group).
-    fn gather_optimizer_shards(
-        &self,
-        optim: &StateDict<OptimizerMeta>,
-    ) -> Result<Vec<RankShard>> {
+    fn gather_optimizer_shards(&self, optim: &StateDict<OptimizerMeta>) -> Result<Vec<RankShard>> {
         let mut mine = BTreeMap::new();
         for (name, arr) in &optim.arrays {
             let StateArray::F32(values) = arr else {

@@ -1,25 +1,20 @@
-//! `train`: a single-rank pretraining or SFT run from a `run.toml` (Megatron's
-//! `pretrain_gpt.py`, Pai-Megatron-Patch's SFT entry points), wiring the run config, the
-//! datasets, the data loader, checkpoints and the trainer together.
+//! `train`: a pretraining or SFT run from a `run.toml` (Megatron's `pretrain_gpt.py`,
+//! Pai-Megatron-Patch's SFT entry points), wiring the run config, the ranks, the datasets,
+//! the data loader, checkpoints and the trainer together.
 
 mod data;
+mod launch;
 mod model;
 mod observer;
+mod rank;
 mod resume;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use ferrotron_checkpoint::{
-    HfExportOptions, HfExportSource, OutputDtype, TOKENIZER_FILES, export_hf,
-};
-use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
-use ferrotron_optim::{DynamicGradScalerConfig, LrDecayStyle as OptimDecay};
-use ferrotron_train::config::{LrDecayStyle, Precision, RunConfig, documented_keys};
-use ferrotron_train::trainer::{EvalLine, SavePlan, TrainError, TrainLog, Trainer, TrainerOptions};
-use model::RunModel;
-use observer::RunObserver;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use ferrotron_optim::LrDecayStyle as OptimDecay;
+use ferrotron_train::config::{LrDecayStyle, RunConfig, documented_keys};
+pub use launch::DistBackend;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Args)]
@@ -40,6 +35,11 @@ pub struct TrainArgs {
     /// Print every config key (section.key), its default and its documentation, then exit.
     #[arg(long)]
     list_keys: bool,
+    /// Where the ranks run: `local` = threads of this process (tp x cp x pp x dp of the
+    /// [parallel] section), `mpi` = one rank per process of
+    /// `mpirun -np N ferrotron train --dist-backend mpi ...` (dp = N / (tp x cp x pp)).
+    #[arg(long, value_enum, default_value = "local")]
+    dist_backend: DistBackend,
 }
 
 /// The `section.key = default` lines and docs of every key.
@@ -64,6 +64,35 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
     if rc.lr_decay_style == LrDecayStyle::Wsd {
         no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
     }
+    let p = &rc.resolved.parallel;
+    for (key, size) in [
+        (
+            "parallel.tensor_model_parallel_size",
+            p.tensor_model_parallel_size,
+        ),
+        (
+            "parallel.pipeline_model_parallel_size",
+            p.pipeline_model_parallel_size,
+        ),
+        ("parallel.context_parallel_size", p.context_parallel_size),
+        (
+            "parallel.expert_model_parallel_size",
+            p.expert_model_parallel_size,
+        ),
+    ] {
+        if size > 1 {
+            no(key, "only data parallelism runs so far");
+        }
+    }
+    if p.sequence_parallel {
+        no("parallel.sequence_parallel", "needs tensor parallelism");
+    }
+    if p.overlap_grad_reduce || p.overlap_param_gather {
+        no(
+            "parallel.overlap_grad_reduce / overlap_param_gather",
+            "buckets are reduced after the backward",
+        );
+    }
     out
 }
 
@@ -83,7 +112,26 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let path = a.config.as_deref().context("--config is required")?;
-    let rc = RunConfig::load(path, &a.set)?;
+    #[cfg(feature = "mpi")]
+    let (rc, mpi_world) = if a.dist_backend == DistBackend::Mpi {
+        use ferrotron_comm::Communicator;
+        let world = ferrotron_comm::MpiComm::world()?;
+        let rc = RunConfig::load(path, &a.set)?;
+        let dp = launch::mpi_data_parallel_size(&rc, world.size())?;
+        let mut sets = a.set.clone();
+        sets.push(format!("parallel.data_parallel_size={dp}"));
+        (RunConfig::load(path, &sets)?, Some(world))
+    } else {
+        (RunConfig::load(path, &a.set)?, None)
+    };
+    #[cfg(not(feature = "mpi"))]
+    let rc = if a.dist_backend == DistBackend::Mpi {
+        bail!(
+            "--dist-backend mpi: this ferrotron was built without MPI (cargo build --features mpi)"
+        );
+    } else {
+        RunConfig::load(path, &a.set)?
+    };
     if a.print_config {
         print!("{}", rc.to_toml());
         return Ok(ExitCode::SUCCESS);
@@ -92,217 +140,9 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
     if !problems.is_empty() {
         bail!("{}", problems.join("\n  "));
     }
-    let r = &rc.resolved;
-    let out_dir = &r.logging.output_dir;
-    std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("creating logging.output_dir {}", out_dir.display()))?;
-    std::fs::write(out_dir.join("run.toml"), rc.to_toml())
-        .with_context(|| format!("writing {}", out_dir.join("run.toml").display()))?;
-
-    let run_model = model::build(&rc)?;
-    let eod = run_model.eod;
-    if eod.is_none()
-        && (r.data.eod_mask_loss || r.data.reset_position_ids || r.data.reset_attention_mask)
-    {
-        bail!(
-            "data.eod_mask_loss / reset_position_ids / reset_attention_mask need an end-of-document id: \
-             give model.load an HF directory whose config.json has eos_token_id, or set data.tokenizer_model"
-        );
+    #[cfg(feature = "mpi")]
+    if let Some(world) = mpi_world {
+        return launch::run_mpi(&rc, world);
     }
-
-    let mbs = r.training.micro_batch_size;
-    let gbs = rc.global_batch_size;
-    let iters = rc.train_iters;
-    let eval_iters = r.training.eval_iters as usize;
-    let eval_interval = r.training.eval_interval;
-    // Megatron's sizes: every train sample, and eval_iters global batches per evaluation
-    // (train_iters / eval_interval of them plus the final one).
-    let evals = iters.checked_div(eval_interval).map_or(0, |n| n + 1);
-    let valid_samples = eval_iters * gbs * evals as usize;
-    let data = data::build(
-        &rc,
-        [gbs * iters as usize, valid_samples],
-        eod,
-        run_model.tokenizer_dir.as_deref(),
-    )?;
-    if data.valid.is_none() && eval_interval > 0 && eval_iters > 0 {
-        eprintln!(
-            "note: data.split `{}` has no validation part: no validation",
-            r.data.split
-        );
-    }
-
-    let opts = TrainerOptions {
-        micro_batch_size: mbs,
-        global_batch_size: gbs,
-        train_iters: iters,
-        log_interval: r.training.log_interval,
-        eval_interval: if data.valid.is_some() {
-            eval_interval
-        } else {
-            0
-        },
-        eval_iters,
-        lr: rc.lr,
-        min_lr: r.optimizer.min_lr,
-        lr_warmup_iters: rc.lr_warmup_iters,
-        lr_decay_iters: Some(rc.lr_decay_iters),
-        lr_decay_style: decay_style(rc.lr_decay_style)?,
-        weight_decay: r.optimizer.weight_decay,
-        adam_beta1: r.optimizer.adam_beta1,
-        adam_beta2: r.optimizer.adam_beta2,
-        adam_eps: r.optimizer.adam_eps,
-        clip_grad: r.optimizer.clip_grad,
-        precision: model::precision(&rc).0,
-        loss_scale: r.precision.loss_scale.map(|x| x as f32),
-        dynamic_loss_scale: DynamicGradScalerConfig {
-            initial_scale: r.precision.initial_loss_scale as f32,
-            min_scale: r.precision.min_loss_scale as f32,
-            growth_interval: r.precision.loss_scale_window as u32,
-            hysteresis: r.precision.hysteresis as u32,
-            ..DynamicGradScalerConfig::default()
-        },
-        exit_interval: r.training.exit_interval,
-        seed: r.training.seed,
-    };
-    let micro_per_eval = eval_iters * opts.num_microbatches();
-    let has_valid = opts.eval_interval > 0;
-    let RunModel {
-        model,
-        tokenizer_dir,
-        export_source,
-        ..
-    } = run_model;
-    let mut trainer = Trainer::new(model, opts)?;
-    if let Some(load) = &r.checkpoint.load {
-        resume::load(&mut trainer, load, r.training.finetune)?;
-    }
-    if let Some(save) = &r.checkpoint.save {
-        trainer.set_save_plan(Some(SavePlan {
-            dir: save.clone(),
-            interval: r.checkpoint.save_interval,
-            keep_last: r.checkpoint.keep_last.unwrap_or(0),
-            extra: serde_json::json!({ "run_config": rc.to_toml() }),
-        }));
-    }
-    let loader_cfg = |prefetch, consumed: u64| {
-        let mut c = LoaderConfig::new(mbs, 0, 1, consumed as usize);
-        c.prefetch = prefetch;
-        c
-    };
-    let mut loader = DataLoader::new(
-        data.train,
-        &loader_cfg(r.data.prefetch, trainer.consumed_samples()),
-    )?;
-    let mut valid_loader = match (data.valid, has_valid) {
-        (Some(v), true) => Some(DataLoader::new(
-            v,
-            &loader_cfg(1, trainer.consumed_valid_samples()),
-        )?),
-        _ => None,
-    };
-
-    // A resumed run appends to the metrics of the run it continues.
-    let metrics_path = out_dir.join("metrics.jsonl");
-    let metrics_file = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .append(trainer.iteration() > 0)
-        .truncate(trainer.iteration() == 0)
-        .open(&metrics_path)
-        .with_context(|| format!("creating {}", metrics_path.display()))?;
-    let mut metrics = BufWriter::new(metrics_file);
-    let mut provider = || -> std::result::Result<Vec<MicroBatch>, TrainError> {
-        let loader = valid_loader.as_mut().expect("validation configured");
-        let batches = loader
-            .by_ref()
-            .take(micro_per_eval)
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        if batches.len() < micro_per_eval {
-            return Err(TrainError::Config(format!(
-                "the validation data ran out ({} of {micro_per_eval} micro-batches)",
-                batches.len()
-            )));
-        }
-        Ok(batches)
-    };
-    if r.training.skip_train {
-        if !has_valid {
-            bail!(
-                "training.skip_train needs validation data: training.eval_iters > 0, training.eval_interval > 0 and a data.split with a validation part"
-            );
-        }
-        let line = TrainLog::Valid(EvalLine::new(
-            trainer.iteration(),
-            trainer.evaluate(&provider()?)?,
-        ));
-        println!("{line}");
-        writeln!(metrics, "{}", serde_json::to_string(&line)?)?;
-        metrics.flush()?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let valid_arg: Option<&mut dyn FnMut() -> std::result::Result<Vec<MicroBatch>, TrainError>> =
-        if has_valid { Some(&mut provider) } else { None };
-    let mut observer =
-        RunObserver::new(out_dir, r.logging.tensorboard, trainer.iteration(), iters)?;
-    let summary = trainer.train(&mut loader, valid_arg, &mut metrics, &mut observer);
-    observer.finish();
-    let summary = summary?;
-    if summary.exited_early {
-        eprintln!(
-            "exiting at iteration {} (training.exit_interval); resume with checkpoint.load",
-            summary.iterations
-        );
-    }
-    if summary.data_exhausted {
-        eprintln!(
-            "warning: the training data ran out after {} of {iters} iterations",
-            summary.iterations
-        );
-    }
-    eprintln!(
-        "done: {} iterations, {} samples; metrics in {}, loss curve in {}",
-        summary.iterations,
-        summary.consumed_samples,
-        metrics_path.display(),
-        out_dir.join("loss.png").display()
-    );
-    if let Some(dir) = &r.checkpoint.export_hf
-        && !summary.exited_early
-    {
-        export(&trainer, &export_source, tokenizer_dir, dir, &rc)?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `checkpoint.export_hf`: the trained model as an HF directory (weights in the run's
-/// precision, f32 for fp32 runs), tokenizer files copied along.
-fn export(
-    trainer: &Trainer,
-    source: &HfExportSource,
-    tokenizer_dir: Option<PathBuf>,
-    dir: &Path,
-    rc: &RunConfig,
-) -> Result<()> {
-    let dtype = match rc.precision {
-        Precision::Fp32 => OutputDtype::F32,
-        Precision::Bf16 => OutputDtype::BF16,
-        Precision::Fp16 => OutputDtype::F16,
-    };
-    let opts = HfExportOptions {
-        dtype,
-        force: true,
-        tokenizer_dir: tokenizer_dir
-            .filter(|d| TOKENIZER_FILES.iter().any(|f| d.join(f).is_file())),
-        ..HfExportOptions::default()
-    };
-    let report = export_hf(trainer.model(), source, dir, &opts)
-        .with_context(|| format!("checkpoint.export_hf {}", dir.display()))?;
-    eprintln!(
-        "exported the trained model to {} ({} tensors, {:.1} MB)",
-        report.output.display(),
-        report.tensors_written,
-        report.bytes_written as f64 / 1e6
-    );
-    Ok(())
+    launch::run_in_process(&rc)
 }

@@ -47,3 +47,46 @@ pub fn model_dir() -> Option<&'static Path> {
     })
     .as_deref()
 }
+
+/// `(kind, iteration, lm_loss)` of every train/valid line of `out_dir/metrics.jsonl`.
+pub fn metrics_losses(out_dir: &Path) -> Vec<(String, u64, f64)> {
+    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] != "checkpoint")
+        .map(|v| {
+            (
+                v["kind"].as_str().unwrap().to_string(),
+                v["iteration"].as_u64().unwrap(),
+                v["lm_loss"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The end-of-document id of [`tiny_corpus`].
+pub const TINY_EOD: u32 = 2;
+
+/// 300 documents of 20..60 pseudo-random tokens in 3..112 (the tiny-llama fixture's vocab),
+/// each closed by [`TINY_EOD`], as a `.bin/.idx` pair; returns the prefix.
+pub fn tiny_corpus(dir: &Path) -> PathBuf {
+    use ferrotron_data::indexed::{IndexedDatasetBuilder, TokenDtype};
+    let prefix = dir.join("corpus_text_document");
+    let mut b = IndexedDatasetBuilder::create(&prefix, TokenDtype::U16).unwrap();
+    let mut x = 12345u64;
+    for _ in 0..300 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let len = 20 + (x >> 33) as usize % 40;
+        let doc: Vec<u32> = (0..len)
+            .map(|i| 3 + ((x >> 20) as usize + i * (i + 7)) as u32 % 109)
+            .chain([TINY_EOD])
+            .collect();
+        b.add_item(&doc).unwrap();
+        b.end_document();
+    }
+    b.finalize().unwrap();
+    prefix
+}

@@ -1,0 +1,169 @@
+//! Starting the ranks of a `train` run: one rank in this thread, `tp x cp x pp x dp` rank
+//! threads in this process ([`ferrotron_comm::run_local`], the cores split between them), or
+//! one rank per `mpirun` process (`--dist-backend mpi`).
+
+use super::rank::run_rank;
+use anyhow::{Context, Result, anyhow};
+use ferrotron_comm::{
+    Communicator, ParallelConfig, ParallelState, ProcessGroups, SingleRankComm, run_local,
+};
+use ferrotron_train::config::RunConfig;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// Where the ranks of a run live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DistBackend {
+    /// Threads of this process over shared memory (the default).
+    Local,
+    /// One process per rank, started by `mpirun -np N` (build feature `mpi`).
+    Mpi,
+}
+
+/// A rank's process groups and what follows from them.
+pub struct RankContext {
+    /// Its groups (world, data, tensor, pipeline, ...).
+    pub groups: ProcessGroups,
+}
+
+impl RankContext {
+    fn new(config: ParallelConfig, world: Arc<dyn Communicator>) -> Result<Self> {
+        let state = ParallelState::new(world.size(), world.rank(), config)?;
+        Ok(RankContext {
+            groups: ProcessGroups::new(state, world)?,
+        })
+    }
+
+    /// World rank 0 writes the run directory, the metrics and the log.
+    pub fn is_logging_rank(&self) -> bool {
+        self.groups.state.rank() == 0
+    }
+
+    /// Runs `f` on world rank 0 first, then on every other rank (e.g. building the dataset
+    /// index caches once instead of racing to write them).
+    ///
+    /// # Errors
+    /// `f`'s error, or a failed barrier.
+    pub fn first_then_others<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.is_logging_rank() {
+            let value = f()?;
+            self.groups.world.barrier()?;
+            Ok(value)
+        } else {
+            self.groups.world.barrier()?;
+            f()
+        }
+    }
+}
+
+fn parallel_config(rc: &RunConfig) -> ParallelConfig {
+    let p = &rc.resolved.parallel;
+    ParallelConfig {
+        tensor_model_parallel_size: p.tensor_model_parallel_size,
+        pipeline_model_parallel_size: p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size: p.virtual_pipeline_model_parallel_size,
+        context_parallel_size: p.context_parallel_size,
+        expert_model_parallel_size: p.expert_model_parallel_size,
+    }
+}
+
+/// Ranks in the run: `tp · cp · pp · dp`.
+fn world_size(rc: &RunConfig) -> usize {
+    let p = &rc.resolved.parallel;
+    p.tensor_model_parallel_size
+        * p.context_parallel_size
+        * p.pipeline_model_parallel_size
+        * rc.data_parallel_size
+}
+
+/// Trains `rc` with every rank in this process; returns rank 0's exit code.
+///
+/// # Errors
+/// The first rank's failure, named `rank N: ...`.
+pub fn run_in_process(rc: &RunConfig) -> Result<ExitCode> {
+    let config = parallel_config(rc);
+    let world = world_size(rc);
+    if world == 1 {
+        let ctx = RankContext::new(config, Arc::new(SingleRankComm))?;
+        return run_rank(rc, &ctx);
+    }
+    let threads = (rayon::current_num_threads() / world).max(1);
+    eprintln!(
+        "running {world} ranks in this process (tensor {} x pipeline {} x data {}), \
+         {threads} thread(s) each",
+        config.tensor_model_parallel_size,
+        config.pipeline_model_parallel_size,
+        rc.data_parallel_size
+    );
+    let codes = run_local(world, |comm| -> Result<ExitCode> {
+        let rank = comm.world_rank();
+        let ctx = RankContext::new(config, Arc::new(comm))?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("rank{rank}-worker{i}"))
+            .build()
+            .context("starting the rank's worker threads")?;
+        pool.install(|| run_rank(rc, &ctx))
+    })
+    .map_err(|e| anyhow!("{e}"))?;
+    Ok(codes[0])
+}
+
+/// Trains `rc` as this `mpirun` process's rank. A failing rank prints its error and ends
+/// the whole job (`MPI_Abort`), so no rank waits forever for it.
+#[cfg(feature = "mpi")]
+pub fn run_mpi(rc: &RunConfig, world: ferrotron_comm::MpiComm) -> Result<ExitCode> {
+    let rank = world.rank();
+    let world: Arc<ferrotron_comm::MpiComm> = Arc::new(world);
+    let local_ranks: usize = std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / local_ranks.max(1)).max(1);
+    let result = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("starting the rank's worker threads")
+        .and_then(|pool| {
+            pool.install(|| {
+                let ctx = RankContext::new(parallel_config(rc), world.clone())?;
+                run_rank(rc, &ctx)
+            })
+        });
+    match result {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            eprintln!("error: rank {rank}: {e:#}");
+            world.abort(1)
+        }
+    }
+}
+
+#[cfg(feature = "mpi")]
+/// The data-parallel size an `mpirun` world of `world_size` processes leaves for `rc`'s
+/// model-parallel sizes.
+///
+/// # Errors
+/// The world does not divide, or `parallel.data_parallel_size` says otherwise.
+pub fn mpi_data_parallel_size(rc: &RunConfig, world_size: usize) -> Result<usize> {
+    let p = &rc.resolved.parallel;
+    let model =
+        p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size;
+    if !world_size.is_multiple_of(model) {
+        anyhow::bail!(
+            "mpirun started {world_size} processes, not a multiple of tensor x context x pipeline \
+             parallel sizes ({model})"
+        );
+    }
+    let dp = world_size / model;
+    if let Some(set) = p.data_parallel_size
+        && set != dp
+    {
+        anyhow::bail!(
+            "parallel.data_parallel_size is {set}, but {world_size} processes with model-parallel \
+             size {model} give {dp}"
+        );
+    }
+    Ok(dp)
+}

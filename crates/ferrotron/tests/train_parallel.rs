@@ -1,0 +1,147 @@
+//! `ferrotron train` with data parallelism end to end on the tiny LLaMA fixture and a
+//! generated corpus: two in-process ranks, with and without the distributed optimizer, and
+//! two `mpirun` processes give the single-rank run's training and validation losses; a
+//! distributed-optimizer checkpoint resumes on one rank.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod common;
+use common::{ferrotron, metrics_losses, tiny_corpus};
+
+fn config(dir: &Path, prefix: &Path, out: &str) -> PathBuf {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    let cfg = dir.join(format!("{out}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nload = {:?}\nseq_length = 16\n\
+             [data]\ndata_path = {:?}\nsplit = \"90,10,0\"\ndata_cache_path = {:?}\n\
+             [training]\nmicro_batch_size = 1\nglobal_batch_size = 4\ntrain_iters = 6\n\
+             log_interval = 1\neval_interval = 2\neval_iters = 1\n\
+             [optimizer]\nlr = 3e-3\nmin_lr = 3e-4\nlr_warmup_iters = 1\n\
+             [parallel]\nddp_bucket_size = 2000\n\
+             [checkpoint]\nsave = {:?}\n\
+             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
+            model.to_str().unwrap(),
+            prefix.to_str().unwrap(),
+            dir.join("cache").to_str().unwrap(),
+            dir.join(format!("{out}-ckpt")).to_str().unwrap(),
+            dir.join(out).to_str().unwrap(),
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+fn train(cfg: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = ferrotron(&args);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "train {extra:?} failed: {err}");
+    err
+}
+
+fn assert_same_losses(label: &str, got: &[(String, u64, f64)], want: &[(String, u64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{label}: {got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!((&g.0, g.1), (&w.0, w.1), "{label}");
+        let rel = (g.2 - w.2).abs() / w.2;
+        assert!(rel <= 1e-5, "{label}: {g:?} vs {w:?} (rel {rel:.1e})");
+    }
+}
+
+#[test]
+fn dp2_in_process_matches_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    train(&config(tmp.path(), &prefix, "single"), &[]);
+    let want = metrics_losses(&tmp.path().join("single"));
+    assert_eq!(
+        want.iter().filter(|l| l.0 == "valid").count(),
+        3,
+        "{want:?}"
+    );
+
+    let err = train(
+        &config(tmp.path(), &prefix, "dp2"),
+        &["--set", "parallel.data_parallel_size=2"],
+    );
+    assert!(err.contains("running 2 ranks in this process"), "{err}");
+    assert_same_losses("dp2", &metrics_losses(&tmp.path().join("dp2")), &want);
+
+    // ZeRO-1, stopped at iteration 4, then resumed on ONE rank from its sharded optimizer
+    let zero = config(tmp.path(), &prefix, "zero1");
+    let dp2_zero = [
+        "--set",
+        "parallel.data_parallel_size=2",
+        "--set",
+        "parallel.use_distributed_optimizer=true",
+    ];
+    train(
+        &zero,
+        &[&dp2_zero[..], &["--set", "training.exit_interval=4"]].concat(),
+    );
+    let ckpt = tmp.path().join("zero1-ckpt");
+    let load = format!("checkpoint.load={:?}", ckpt.to_str().unwrap());
+    train(&zero, &["--set", &load]);
+    assert_same_losses(
+        "dp2 zero1 + resume on 1 rank",
+        &metrics_losses(&tmp.path().join("zero1")),
+        &want,
+    );
+}
+
+#[test]
+fn bad_parallel_settings_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let cfg = config(tmp.path(), &prefix, "bad");
+    let o = ferrotron(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--set",
+        "parallel.data_parallel_size=3",
+        "--set",
+        "parallel.overlap_param_gather=true",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("training.global_batch_size (4) is not a multiple of micro_batch_size (1) x data_parallel_size (3)"), "{err}");
+    assert!(
+        err.contains("parallel.overlap_param_gather needs parallel.use_distributed_optimizer"),
+        "{err}"
+    );
+}
+
+/// `mpirun -np 2 ferrotron train --dist-backend mpi`: two processes, the same losses.
+#[cfg(feature = "mpi")]
+#[test]
+fn dp2_via_mpirun_matches_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    train(&config(tmp.path(), &prefix, "single"), &[]);
+    let want = metrics_losses(&tmp.path().join("single"));
+    let cfg = config(tmp.path(), &prefix, "mpi");
+    let o = Command::new("mpirun")
+        .args(["--oversubscribe", "--allow-run-as-root", "-np", "2"])
+        .arg(env!("CARGO_BIN_EXE_ferrotron"))
+        .args([
+            "train",
+            "--dist-backend",
+            "mpi",
+            "--config",
+            cfg.to_str().unwrap(),
+        ])
+        .output()
+        .expect("mpirun (openmpi-bin)");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "mpirun failed: {err}");
+    assert_same_losses(
+        "mpirun dp2",
+        &metrics_losses(&tmp.path().join("mpi")),
+        &want,
+    );
+}
