@@ -19,6 +19,9 @@ pub enum ModelError {
     /// Running the model with inputs it cannot take (e.g. a sequence past the KV-cache capacity).
     #[error("{0}")]
     Input(String),
+    /// A collective between model shards failed (often: another rank failed first).
+    #[error("model-parallel communication: {0}")]
+    Comm(String),
     /// A layer-level error (parameter shapes, token ids).
     #[error(transparent)]
     Nn(#[from] ferrotron_nn::NnError),

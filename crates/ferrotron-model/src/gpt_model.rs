@@ -24,6 +24,9 @@ pub struct GptModel {
     /// `[v, h]`; `None` when tied to the embedding.
     pub output_layer: Option<Linear>,
     rope: RopeTable,
+    /// Set on a tensor-parallel shard ([`GptModel::tensor_parallel_shard`]): `config` then
+    /// holds the local sizes.
+    pub(crate) tp: Option<crate::TpInfo>,
 }
 
 impl GptModel {
@@ -61,6 +64,7 @@ impl GptModel {
             final_layernorm,
             output_layer,
             rope,
+            tp: None,
         })
     }
 

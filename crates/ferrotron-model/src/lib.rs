@@ -8,6 +8,7 @@ pub mod families;
 mod gpt_model;
 mod init;
 mod kv_cache;
+pub mod tensor_parallel;
 pub mod train;
 mod transformer_layer;
 
@@ -16,6 +17,7 @@ pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
+pub use tensor_parallel::{TpInfo, TpSplit, padded_vocab_size};
 pub use train::{ActivationMemory, LossStats, ParamInfo, TrainBatch};
 pub use transformer_layer::TransformerLayer;
 

@@ -11,6 +11,7 @@ mod error;
 mod linear;
 mod mlp;
 mod norm;
+pub mod tensor_parallel;
 
 pub use attention::{AttentionMask, core_attention};
 pub use embedding::Embedding;
@@ -18,6 +19,7 @@ pub use error::NnError;
 pub use linear::Linear;
 pub use mlp::SwiGluMlp;
 pub use norm::RmsNorm;
+pub use tensor_parallel::TensorParallel;
 
 /// Result alias for layer construction and forward passes.
 pub type Result<T> = std::result::Result<T, NnError>;

@@ -64,11 +64,17 @@ impl Linear {
 
     /// `y[rows, out] = x[rows, in]·Wᵀ + b`. Backward needs `x` (for dW) and `W` (for dx).
     pub fn forward(&self, x: &[f32], y: &mut [f32]) {
-        let (n, k) = (self.out_features(), self.in_features());
-        let rows = x.len() / k;
-        matmul_weight_t(x, self.weight.weight_ref(), y, rows, n, k, false);
+        self.forward_without_bias(x, y);
         if let Some(b) = &self.bias {
             add_bias(y, b);
         }
+    }
+
+    /// `y[rows, out] = x[rows, in]·Wᵀ`: a row-parallel layer adds its bias only after the
+    /// tensor-parallel reduction (Megatron's `RowParallelLinear`).
+    pub fn forward_without_bias(&self, x: &[f32], y: &mut [f32]) {
+        let (n, k) = (self.out_features(), self.in_features());
+        let rows = x.len() / k;
+        matmul_weight_t(x, self.weight.weight_ref(), y, rows, n, k, false);
     }
 }

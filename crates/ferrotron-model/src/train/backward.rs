@@ -11,12 +11,13 @@ use super::forward::{
 };
 use super::memory::Ledger;
 use super::params::LayerSlots;
-use crate::{GptModel, TransformerLayer};
+use super::tp_ops::{column_input_backward, row_parallel_output_grad};
+use crate::{GptModel, Result, TransformerLayer};
 use ferrotron_nn::attention::core_attention_backward;
 use ferrotron_nn::{Linear, RmsNorm};
 use ferrotron_tensor::gemm::{Op, sgemm};
 use ferrotron_tensor::ops::{
-    add_bias_backward, add_inplace, embedding_backward, rms_norm_backward, swiglu_packed_backward,
+    add_bias_backward, add_inplace, rms_norm_backward, swiglu_packed_backward,
 };
 use ferrotron_tensor::{Storage, Tensor};
 use std::borrow::Cow;
@@ -38,13 +39,16 @@ impl GptModel {
     /// model, accumulating into `grads` (order of [`GptModel::parameters`]). Consumes the
     /// activations, freeing each as soon as its backward is done (recorded in `ledger`);
     /// groups saved as their input alone are re-run first ([`super::recompute`]).
+    ///
+    /// # Errors
+    /// A failed tensor-parallel collective.
     pub(crate) fn train_backward(
         &self,
         batch: &TrainBatch,
         acts: Activations,
         grads: &mut [&mut [f32]],
         ledger: &mut Ledger,
-    ) {
+    ) -> Result<()> {
         let Activations {
             saved,
             positions,
@@ -65,7 +69,7 @@ impl GptModel {
             ),
             None => (self.embedding.weight(), slots.embedding),
         };
-        let mut dnormed = vec![0f32; rows * h];
+        let mut dnormed_all = vec![0f32; rows * h];
         sgemm(
             rows,
             h,
@@ -74,9 +78,10 @@ impl GptModel {
             Op::N,
             &f32_weight(w_out),
             Op::N,
-            &mut dnormed,
+            &mut dnormed_all,
             false,
         );
+        let dnormed = column_input_backward(self.tp.as_ref(), dnormed_all)?;
         sgemm(
             v,
             h,
@@ -91,7 +96,7 @@ impl GptModel {
         ledger.release(f32_bytes(&dlogits) + f32_bytes(&normed_final));
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
-        let mut dres = vec![0f32; rows * h];
+        let mut dres = vec![0f32; x_final.len()];
         norm_backward(
             &self.final_layernorm,
             &x_final,
@@ -102,10 +107,10 @@ impl GptModel {
         );
         ledger.release(f32_bytes(&x_final) + f32_bytes(&rstd_final));
         drop((x_final, rstd_final, dnormed));
-        let pass = Pass::new(c, self.rope(), &positions, batch);
+        let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
         let mut st = Backprop {
+            scratch: vec![0f32; dres.len()],
             dres,
-            scratch: vec![0f32; rows * h],
             grads,
             ledger,
         };
@@ -118,32 +123,39 @@ impl GptModel {
                         &slots.layers[index],
                         &pass,
                         &mut st,
-                    );
+                    )?;
                     st.ledger.release(acts.bytes());
                 }
                 Saved::Input { layers, x } => {
-                    self.recompute_backward(layers, x, &slots, &pass, &mut st);
+                    self.recompute_backward(layers, x, &slots, &pass, &mut st)?;
                 }
             }
         }
-        embedding_backward(&batch.tokens, &st.dres, st.grads[slots.embedding], h);
+        self.embed_train_backward(&batch.tokens, &st.dres, st.grads[slots.embedding])?;
         st.ledger.release(usize_bytes(&positions));
+        Ok(())
     }
 }
 
-/// One layer's backward: `st.dres: [rows, h]` is the gradient of the layer output on entry and
-/// of its input on return. Under selective recompute core attention is re-run right before
-/// the attention backward.
+/// One layer's backward: `st.dres: [local rows, h]` is the gradient of the layer output on
+/// entry and of its input on return. Under selective recompute core attention is re-run right
+/// before the attention backward. Row-parallel biases take their gradient from the local rows
+/// (reduced over the tensor-parallel ranks by [`GptModel::finalize_grads`] under sequence
+/// parallelism).
+///
+/// # Errors
+/// A failed tensor-parallel collective.
 pub(crate) fn layer_backward(
     layer: &TransformerLayer,
     la: &LayerActs,
     ls: &LayerSlots,
     pass: &Pass<'_>,
     st: &mut Backprop<'_, '_>,
-) {
+) -> Result<()> {
     let c = pass.c;
     let (a, g, f) = (c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size);
     let rows = pass.positions.len();
+    let h = c.hidden_size;
     let Backprop {
         dres,
         scratch,
@@ -151,20 +163,18 @@ pub(crate) fn layer_backward(
         ledger,
     } = st;
     // MLP: y = x_mid + fc2(swiglu(fc1(norm2(x_mid)))).
+    let dy = row_parallel_output_grad(pass.tp, dres)?;
     let mut dact = vec![0f32; rows * f];
-    linear_backward(
-        &layer.mlp.linear_fc2,
-        &la.act,
-        dres,
-        &mut dact,
-        grads,
-        ls.fc2_w,
-        ls.fc2_b,
-    );
+    let fc2 = &layer.mlp.linear_fc2;
+    linear_backward(fc2, &la.act, &dy, &mut dact, grads, ls.fc2_w, None);
+    if let Some(b) = ls.fc2_b {
+        add_bias_backward(dres, grads[b]);
+    }
+    drop(dy);
     let mut dfc1 = vec![0f32; rows * 2 * f];
     swiglu_packed_backward(&la.fc1, &dact, &mut dfc1, f);
     drop(dact);
-    let mut dnorm2 = vec![0f32; dres.len()];
+    let mut dnorm2 = vec![0f32; rows * h];
     linear_backward(
         &layer.mlp.linear_fc1,
         &la.norm2,
@@ -175,18 +185,24 @@ pub(crate) fn layer_backward(
         ls.fc1_b,
     );
     drop(dfc1);
+    let dnorm2 = column_input_backward(pass.tp, dnorm2)?;
     let n2 = &layer.pre_mlp_layernorm;
     norm_backward(n2, &la.x_mid, &la.rstd2, &dnorm2, scratch, grads[ls.norm2]);
     add_inplace(dres, scratch);
     // Attention: x_mid = x + proj(attn(rope(qkv(norm1(x))))).
+    let dy = row_parallel_output_grad(pass.tp, dres)?;
     let [mut dq, mut dk, dv] =
-        core_attention_and_proj_backward(layer, la, ls, pass, dres, grads, ledger);
+        core_attention_and_proj_backward(layer, la, ls, pass, &dy, grads, ledger);
+    drop(dy);
+    if let Some(b) = ls.proj_b {
+        add_bias_backward(dres, grads[b]);
+    }
     pass.rope.apply_inverse(&mut dq, pass.positions, a);
     pass.rope.apply_inverse(&mut dk, pass.positions, g);
     let mut dqkv = vec![0f32; rows * c.qkv_size()];
     pack_qkv(&dq, &dk, &dv, c, &mut dqkv);
     drop((dq, dk, dv));
-    let mut dnorm1 = dnorm2;
+    let mut dnorm1 = vec![0f32; rows * h];
     linear_backward(
         &layer.linear_qkv,
         &la.norm1,
@@ -196,13 +212,16 @@ pub(crate) fn layer_backward(
         ls.qkv_w,
         ls.qkv_b,
     );
+    let dnorm1 = column_input_backward(pass.tp, dnorm1)?;
     let n1 = &layer.input_layernorm;
     norm_backward(n1, &la.x, &la.rstd1, &dnorm1, scratch, grads[ls.norm1]);
     add_inplace(dres, scratch);
+    Ok(())
 }
 
-/// `linear_proj` and core attention backward: returns `[dq, dk, dv]` (`[rows, a, d]`,
-/// `[rows, g, d]`, `[rows, g, d]`, still rotated) for `dres` the gradient of `x_mid`. Core
+/// `linear_proj` (without its bias) and core attention backward: returns `[dq, dk, dv]`
+/// (`[rows, a, d]`, `[rows, g, d]`, `[rows, g, d]`, still rotated) for `dres` the gradient of
+/// the projection's output over all rows. Core
 /// attention's output is recomputed when the layer did not keep it, and freed on return.
 fn core_attention_and_proj_backward(
     layer: &TransformerLayer,
@@ -233,7 +252,7 @@ fn core_attention_and_proj_backward(
         &mut dctx,
         grads,
         ls.proj_w,
-        ls.proj_b,
+        None,
     );
     let mut dq = vec![0f32; rows * a * d];
     let mut dk = vec![0f32; rows * g * d];

@@ -6,14 +6,16 @@
 
 use super::memory::Ledger;
 use super::recompute::Keep;
+use super::tp_ops::{column_input, row_parallel_forward};
 use super::{LossStats, TrainBatch};
-use crate::{GptModel, Result, TransformerConfig, TransformerLayer};
+use crate::{GptModel, Result, TpInfo, TransformerConfig, TransformerLayer};
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, DocumentStarts, core_attention_forward_train,
 };
+use ferrotron_nn::tensor_parallel::vocab_parallel_cross_entropy;
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{
-    RopeTable, add_inplace, cross_entropy_fused_inplace, rms_norm, swiglu_packed,
+    RopeTable, VocabShard, add_inplace, cross_entropy_fused_inplace, rms_norm, swiglu_packed,
 };
 use std::ops::Range;
 
@@ -27,6 +29,8 @@ pub(crate) struct Pass<'a> {
     pub batch: &'a TrainBatch,
     /// The batch's document starts, checked once per pass (not per attention call).
     pub documents: Option<DocumentStarts<'a>>,
+    /// The tensor-parallel group of a model shard (`None`: a full model).
+    pub tp: Option<&'a TpInfo>,
 }
 
 impl<'a> Pass<'a> {
@@ -35,6 +39,7 @@ impl<'a> Pass<'a> {
         rope: &'a RopeTable,
         positions: &'a [usize],
         batch: &'a TrainBatch,
+        tp: Option<&'a TpInfo>,
     ) -> Pass<'a> {
         // Checked by TrainBatch::validate before any pass.
         let documents = batch
@@ -47,6 +52,7 @@ impl<'a> Pass<'a> {
             positions,
             batch,
             documents,
+            tp,
         }
     }
 }
@@ -88,11 +94,12 @@ impl CoreAttnOut {
 /// q and k are saved **after** rotary embedding (what core attention consumed); the backward
 /// rotates their gradients back with [`RopeTable::apply_inverse`].
 pub(crate) struct LayerActs {
-    /// Layer input (residual stream) `[rows, h]`.
+    /// Layer input (residual stream) `[local rows, h]`.
     pub x: Vec<f32>,
-    /// `1/rms` of `x` per row `[rows]`.
+    /// `1/rms` of `x` per row `[local rows]`.
     pub rstd1: Vec<f32>,
-    /// `input_layernorm(x)` `[rows, h]` (input of `linear_qkv`).
+    /// `input_layernorm(x)` `[rows, h]` (input of `linear_qkv`; all rows, gathered under
+    /// sequence parallelism).
     pub norm1: Vec<f32>,
     /// Queries after rope `[rows, a, d]`.
     pub q: Vec<f32>,
@@ -102,11 +109,11 @@ pub(crate) struct LayerActs {
     pub v: Vec<f32>,
     /// Core attention's output; `None` under selective recompute (recomputed in the backward).
     pub core_attn: Option<CoreAttnOut>,
-    /// Residual stream after attention `[rows, h]`.
+    /// Residual stream after attention `[local rows, h]`.
     pub x_mid: Vec<f32>,
-    /// `1/rms` of `x_mid` `[rows]`.
+    /// `1/rms` of `x_mid` `[local rows]`.
     pub rstd2: Vec<f32>,
-    /// `pre_mlp_layernorm(x_mid)` `[rows, h]` (input of `linear_fc1`).
+    /// `pre_mlp_layernorm(x_mid)` `[rows, h]` (input of `linear_fc1`, all rows).
     pub norm2: Vec<f32>,
     /// `linear_fc1` output `[rows, 2f]` (rows `[gate | up]`).
     pub fc1: Vec<f32>,
@@ -192,18 +199,26 @@ impl GptModel {
         let c = &self.config;
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
-        let mut x = vec![0f32; rows * h];
-        self.embedding.forward(&batch.tokens, &mut x)?;
+        if let Some(tp) = &self.tp {
+            tp.group.local_rows(batch.seq, batch.micro_batch)?;
+            let v = tp.global.vocab_size;
+            if let Some(&bad) = batch.tokens.iter().find(|&&id| id as usize >= v) {
+                return Err(crate::ModelError::Input(format!(
+                    "train batch: token id {bad} >= vocabulary size {v}"
+                )));
+            }
+        }
+        let mut x = self.embed_train(&batch.tokens)?;
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
-        let pass = Pass::new(c, self.rope(), &positions, batch);
+        let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
         let mut saved = Vec::with_capacity(self.layers.len());
         for run in c.recompute_runs() {
             match run.keep {
                 Keep::Each { core_attention } => {
                     for index in run.layers {
                         let (acts, y) =
-                            layer_forward(&self.layers[index], &pass, x, core_attention);
+                            layer_forward(&self.layers[index], &pass, x, core_attention)?;
                         ledger.hold(acts.bytes());
                         saved.push(Saved::Layer { index, acts });
                         x = y;
@@ -212,7 +227,7 @@ impl GptModel {
                 Keep::Input => {
                     let mut input = None;
                     for index in run.layers.clone() {
-                        let (acts, y) = layer_forward(&self.layers[index], &pass, x, true);
+                        let (acts, y) = layer_forward(&self.layers[index], &pass, x, true)?;
                         if input.is_none() {
                             input = Some(acts.into_input());
                         }
@@ -228,8 +243,9 @@ impl GptModel {
                 }
             }
         }
-        let mut rstd_final = vec![0f32; rows];
-        let mut normed_final = vec![0f32; rows * h];
+        let local_rows = x.len() / h;
+        let mut rstd_final = vec![0f32; local_rows];
+        let mut normed_final = vec![0f32; local_rows * h];
         let fln = &self.final_layernorm;
         rms_norm(
             &x,
@@ -238,6 +254,7 @@ impl GptModel {
             &mut normed_final,
             Some(&mut rstd_final),
         );
+        let normed_final = column_input(pass.tp, normed_final)?;
         let weight = match &self.output_layer {
             Some(l) => l.weight(),
             None => self.embedding.weight(),
@@ -282,14 +299,33 @@ impl GptModel {
         };
         let dloss = vec![dl; rows];
         let mut losses = vec![0f32; rows];
-        cross_entropy_fused_inplace(
-            &mut acts.dlogits,
-            &batch.labels,
-            batch.loss_mask.as_deref(),
-            &dloss,
-            &mut losses,
-            self.config.vocab_size,
-        )?;
+        match &self.tp {
+            None => cross_entropy_fused_inplace(
+                &mut acts.dlogits,
+                &batch.labels,
+                batch.loss_mask.as_deref(),
+                &dloss,
+                &mut losses,
+                self.config.vocab_size,
+            )?,
+            Some(tp) => {
+                let shard = VocabShard {
+                    labels: &batch.labels,
+                    loss_mask: batch.loss_mask.as_deref(),
+                    v_local: self.config.vocab_size,
+                    valid: tp.vocab_valid,
+                    vocab_start: tp.vocab_start,
+                };
+                vocab_parallel_cross_entropy(
+                    &tp.group,
+                    &shard,
+                    tp.global.vocab_size,
+                    &mut acts.dlogits,
+                    &dloss,
+                    &mut losses,
+                )?;
+            }
+        }
         let loss_sum: f64 = losses.iter().map(|&l| l as f64).sum();
         let loss = if count > 0.0 {
             (loss_sum / count) as f32
@@ -324,14 +360,20 @@ pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMa
     )
 }
 
-/// One layer on the residual stream `x: [rows, h]` (consumed and saved); returns the saved
-/// activations (core attention's output only when `keep_core_attention`) and the layer output.
+/// One layer on the residual stream `x: [local rows, h]` (consumed and saved); returns the
+/// saved activations (core attention's output only when `keep_core_attention`) and the layer
+/// output. On a tensor-parallel shard the linears are column/row parallel: the norm outputs
+/// are all-gathered along `s` under sequence parallelism (and saved gathered), the
+/// row-parallel outputs reduced.
+///
+/// # Errors
+/// A failed tensor-parallel collective.
 pub(crate) fn layer_forward(
     layer: &TransformerLayer,
     pass: &Pass<'_>,
     x: Vec<f32>,
     keep_core_attention: bool,
-) -> (LayerActs, Vec<f32>) {
+) -> Result<(LayerActs, Vec<f32>)> {
     let c = pass.c;
     let (h, a, g, d, f) = (
         c.hidden_size,
@@ -341,10 +383,12 @@ pub(crate) fn layer_forward(
         c.ffn_hidden_size,
     );
     let rows = pass.positions.len();
+    let local_rows = x.len() / h;
     let n1 = &layer.input_layernorm;
-    let mut rstd1 = vec![0f32; rows];
-    let mut norm1 = vec![0f32; rows * h];
+    let mut rstd1 = vec![0f32; local_rows];
+    let mut norm1 = vec![0f32; local_rows * h];
     rms_norm(&x, n1.weight(), n1.eps(), &mut norm1, Some(&mut rstd1));
+    let norm1 = column_input(pass.tp, norm1)?;
     let mut qkv = vec![0f32; rows * c.qkv_size()];
     layer.linear_qkv.forward(&norm1, &mut qkv);
     let mut q = vec![0f32; rows * a * d];
@@ -355,20 +399,20 @@ pub(crate) fn layer_forward(
     pass.rope.apply(&mut q, pass.positions, a);
     pass.rope.apply(&mut k, pass.positions, g);
     let core = CoreAttnOut::compute(&q, &k, &v, pass);
-    let mut x_mid = x.clone();
-    let mut out = vec![0f32; rows * h];
-    layer.linear_proj.forward(&core.ctx, &mut out);
+    let out = row_parallel_forward(pass, &layer.linear_proj, &core.ctx)?;
     let core_attn = keep_core_attention.then_some(core);
+    let mut x_mid = x.clone();
     add_inplace(&mut x_mid, &out);
     let n2 = &layer.pre_mlp_layernorm;
-    let mut rstd2 = vec![0f32; rows];
-    let mut norm2 = vec![0f32; rows * h];
+    let mut rstd2 = vec![0f32; local_rows];
+    let mut norm2 = vec![0f32; local_rows * h];
     rms_norm(&x_mid, n2.weight(), n2.eps(), &mut norm2, Some(&mut rstd2));
+    let norm2 = column_input(pass.tp, norm2)?;
     let mut fc1 = vec![0f32; rows * 2 * f];
     let mut act = vec![0f32; rows * f];
     layer.mlp.linear_fc1.forward(&norm2, &mut fc1);
     swiglu_packed(&fc1, &mut act, f);
-    layer.mlp.linear_fc2.forward(&act, &mut out);
+    let out = row_parallel_forward(pass, &layer.mlp.linear_fc2, &act)?;
     let mut y = x_mid.clone();
     add_inplace(&mut y, &out);
     let acts = LayerActs {
@@ -385,7 +429,7 @@ pub(crate) fn layer_forward(
         fc1,
         act,
     };
-    (acts, y)
+    Ok((acts, y))
 }
 
 /// Bytes of an f32 buffer.

@@ -32,6 +32,7 @@ mod forward;
 pub mod memory;
 mod params;
 pub mod recompute;
+mod tp_ops;
 
 pub use memory::ActivationMemory;
 pub use params::ParamInfo;
@@ -270,7 +271,7 @@ impl GptModel {
             let mut ledger = memory::Ledger::default();
             let mut acts = self.train_forward(batch, &mut ledger)?;
             let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
-            self.train_backward(batch, acts, grads, &mut ledger);
+            self.train_backward(batch, acts, grads, &mut ledger)?;
             Ok(stats)
         })
     }

@@ -79,7 +79,7 @@ impl TransformerConfig {
 }
 
 impl GptModel {
-    /// Backward of the group `layers` saved as its input `x: [rows, h]`: re-runs their forward
+    /// Backward of the group `layers` saved as its input `x: [local rows, h]`: re-runs their forward
     /// from `x` keeping every activation, then backpropagates through them in reverse, freeing
     /// each layer's activations after its backward.
     pub(crate) fn recompute_backward(
@@ -89,13 +89,13 @@ impl GptModel {
         slots: &Slots,
         pass: &Pass<'_>,
         st: &mut Backprop<'_, '_>,
-    ) {
+    ) -> crate::Result<()> {
         // The input moves into the first layer's activations.
         st.ledger.release(f32_bytes(&x));
         let mut acts = Vec::with_capacity(layers.len());
         let mut x = x;
         for index in layers.clone() {
-            let (la, y) = layer_forward(&self.layers[index], pass, x, true);
+            let (la, y) = layer_forward(&self.layers[index], pass, x, true)?;
             st.ledger.hold(la.bytes());
             acts.push(la);
             x = y;
@@ -103,9 +103,10 @@ impl GptModel {
         // `x` is the group's output; the gradient with respect to it is already in `st.dres`.
         drop(x);
         for (index, la) in layers.zip(acts).rev() {
-            layer_backward(&self.layers[index], &la, &slots.layers[index], pass, st);
+            layer_backward(&self.layers[index], &la, &slots.layers[index], pass, st)?;
             st.ledger.release(la.bytes());
         }
+        Ok(())
     }
 }
 

@@ -228,3 +228,137 @@ multiversion! {
         x[y] -= c;
     }
 }
+
+/// One vocabulary shard of Megatron's `vocab_parallel_cross_entropy`
+/// (`megatron/core/tensor_parallel/cross_entropy.py`): `logits: [n, v_local]` hold the
+/// columns `vocab_start .. vocab_start + v_local` of the full `[n, v]` logits; columns at
+/// `valid..` of the shard are vocabulary padding and never take part (unlike Megatron, which
+/// trains its padding rows: here the loss equals the unpadded model's). Labels are global ids.
+///
+/// The three passes around the two tensor-parallel all-reduces:
+/// 1. [`VocabShard::row_max`] → all-reduce MAX;
+/// 2. [`VocabShard::sum_exp_and_target`] → all-reduce SUM of both;
+/// 3. [`VocabShard::loss_and_grad_inplace`]: the loss and `∂loss/∂logits` of the shard.
+#[derive(Clone, Copy, Debug)]
+pub struct VocabShard<'a> {
+    /// Token labels `[n]` (global ids; [`IGNORE_INDEX`] skips a token).
+    pub labels: &'a [i64],
+    /// Per-token loss weight `[n]`; `None` = ones.
+    pub loss_mask: Option<&'a [f32]>,
+    /// Columns of the shard (`v_local`).
+    pub v_local: usize,
+    /// Real (unpadded) columns of the shard, `<= v_local`.
+    pub valid: usize,
+    /// Global id of the shard's first column.
+    pub vocab_start: usize,
+}
+
+impl VocabShard<'_> {
+    /// Checks the labels against the global vocabulary of `v_global` real ids.
+    ///
+    /// # Errors
+    /// A label outside `0..v_global` other than [`IGNORE_INDEX`].
+    pub fn check_labels(&self, logits_len: usize, v_global: usize) -> Result<()> {
+        assert!(self.valid <= self.v_local, "vocab shard: valid > v_local");
+        let n = check(
+            self.labels.len() * v_global,
+            self.labels,
+            self.loss_mask,
+            v_global,
+        )?;
+        assert_eq!(
+            logits_len,
+            n * self.v_local,
+            "vocab shard: logits is not [n, v_local]"
+        );
+        Ok(())
+    }
+
+    fn local_label(&self, t: usize) -> Option<(Option<usize>, f32)> {
+        weight(self.labels, self.loss_mask, t).map(|(y, m)| {
+            let local = y.checked_sub(self.vocab_start).filter(|&j| j < self.valid);
+            (local, m)
+        })
+    }
+
+    /// Pass 1: the max of each row's real columns (`-inf` for skipped tokens).
+    pub fn row_max(&self, logits: &[f32], out: &mut [f32]) {
+        logits
+            .par_chunks(self.v_local)
+            .zip(out.par_iter_mut())
+            .enumerate()
+            .for_each(|(t, (row, m))| {
+                *m = match self.local_label(t) {
+                    Some(_) if self.valid > 0 => row_max(&row[..self.valid]),
+                    _ => f32::NEG_INFINITY,
+                };
+            });
+    }
+
+    /// Pass 2: per row, `Σ exp(x − max)` over the real columns and the label's logit when
+    /// the label falls in this shard (0 otherwise), given the global `max`.
+    pub fn sum_exp_and_target(
+        &self,
+        logits: &[f32],
+        max: &[f32],
+        sum_exp: &mut [f32],
+        target: &mut [f32],
+    ) {
+        logits
+            .par_chunks(self.v_local)
+            .zip(sum_exp.par_iter_mut().zip(target.par_iter_mut()))
+            .enumerate()
+            .for_each(|(t, (row, (s, y)))| match self.local_label(t) {
+                Some((local, _)) => {
+                    *s = if self.valid > 0 {
+                        row_sum_exp(&row[..self.valid], max[t])
+                    } else {
+                        0.0
+                    };
+                    *y = local.map_or(0.0, |j| row[j]);
+                }
+                None => (*s, *y) = (0.0, 0.0),
+            });
+    }
+
+    /// Pass 3, from the global `max`, `sum_exp` and `target`: writes
+    /// `losses[t] = mₜ·((max − target) + ln sum_exp)` and turns the shard's logits into
+    /// `dloss[t]·mₜ·(softmax − one_hot)` (padding columns and skipped rows 0).
+    pub fn loss_and_grad_inplace(
+        &self,
+        logits: &mut [f32],
+        stats: [&[f32]; 3],
+        dloss: &[f32],
+        losses: &mut [f32],
+    ) {
+        let [max, sum_exp, target] = stats;
+        logits
+            .par_chunks_mut(self.v_local)
+            .zip(losses.par_iter_mut())
+            .enumerate()
+            .for_each(|(t, (row, loss))| match self.local_label(t) {
+                Some((local, m)) => {
+                    let ln_s = sum_exp[t].ln();
+                    *loss = m * ((max[t] - target[t]) + ln_s);
+                    let (real, pad) = row.split_at_mut(self.valid);
+                    row_grad_shard(real, max[t] + ln_s, dloss[t] * m, local);
+                    pad.fill(0.0);
+                }
+                None => {
+                    *loss = 0.0;
+                    row.fill(0.0);
+                }
+            });
+    }
+}
+
+multiversion! {
+    fn row_grad_shard(x: &mut [f32], lse: f32, c: f32, y: Option<usize>) {
+        for x in x.iter_mut() {
+            *x = c * fast_exp(*x - lse);
+        }
+        if let Some(y) = y {
+            x[y] -= c;
+        }
+    }
+}

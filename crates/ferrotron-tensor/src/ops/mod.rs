@@ -16,8 +16,8 @@ mod tile;
 
 pub use activation::{swiglu, swiglu_backward, swiglu_packed, swiglu_packed_backward};
 pub use cross_entropy::{
-    IGNORE_INDEX, cross_entropy_backward, cross_entropy_backward_inplace, cross_entropy_forward,
-    cross_entropy_fused_inplace,
+    IGNORE_INDEX, VocabShard, cross_entropy_backward, cross_entropy_backward_inplace,
+    cross_entropy_forward, cross_entropy_fused_inplace,
 };
 pub use elementwise::{add_bias, add_bias_backward, add_inplace};
 pub use embedding::{embedding_backward, embedding_lookup};

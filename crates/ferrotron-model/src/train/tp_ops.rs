@@ -1,0 +1,120 @@
+//! Where a training pass talks to the other tensor-parallel ranks (Megatron-Core's
+//! `ColumnParallelLinear` / `RowParallelLinear` / `VocabParallelEmbedding` forward and
+//! backward, `mappings.py`), each a no-op on a full model. "Local rows" are the rank's
+//! residual-stream rows (all rows without sequence parallelism).
+
+use super::forward::Pass;
+use crate::{GptModel, Result, TpInfo};
+use ferrotron_nn::Linear;
+use ferrotron_nn::tensor_parallel::{
+    copy_to_tensor_model_parallel_region_backward, gather_from_sequence_parallel_region,
+    gather_from_sequence_parallel_region_backward, reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region_backward, vocab_parallel_embedding_backward,
+    vocab_parallel_embedding_forward,
+};
+use ferrotron_tensor::ops::{add_bias, embedding_backward};
+use std::borrow::Cow;
+
+fn sequence_parallel(tp: Option<&TpInfo>) -> Option<&TpInfo> {
+    tp.filter(|t| t.group.sequence_parallel())
+}
+
+/// The input of a column-parallel linear from the local rows: all-gathered along `s` under
+/// sequence parallelism (`gather_from_sequence_parallel_region`), as is otherwise.
+pub(crate) fn column_input(tp: Option<&TpInfo>, local: Vec<f32>) -> Result<Vec<f32>> {
+    match sequence_parallel(tp) {
+        Some(t) => Ok(gather_from_sequence_parallel_region(&t.group, &local)?),
+        None => Ok(local),
+    }
+}
+
+/// Backward of [`column_input`]: the input gradient over all rows (a partial sum on each
+/// rank) → the local rows' gradient: reduce-scatter along `s`, or all-reduce
+/// (`copy_to_tensor_model_parallel_region`).
+pub(crate) fn column_input_backward(tp: Option<&TpInfo>, mut d: Vec<f32>) -> Result<Vec<f32>> {
+    match tp {
+        Some(t) if t.group.sequence_parallel() => {
+            Ok(gather_from_sequence_parallel_region_backward(&t.group, d)?)
+        }
+        Some(t) => {
+            copy_to_tensor_model_parallel_region_backward(&t.group, &mut d)?;
+            Ok(d)
+        }
+        None => Ok(d),
+    }
+}
+
+/// A row-parallel linear's output for the local rows: `input·Wᵀ` summed over the ranks
+/// (all-reduce, or reduce-scatter along `s`), then the bias.
+pub(crate) fn row_parallel_forward(pass: &Pass<'_>, l: &Linear, input: &[f32]) -> Result<Vec<f32>> {
+    let rows = input.len() / l.in_features();
+    let mut out = vec![0f32; rows * l.out_features()];
+    l.forward_without_bias(input, &mut out);
+    let mut out = reduce_partial_rows(pass.tp, out)?;
+    if let Some(b) = l.bias() {
+        add_bias(&mut out, b);
+    }
+    Ok(out)
+}
+
+/// Partial sums over all rows → the summed local rows.
+fn reduce_partial_rows(tp: Option<&TpInfo>, mut out: Vec<f32>) -> Result<Vec<f32>> {
+    match tp {
+        Some(t) if t.group.sequence_parallel() => {
+            Ok(reduce_scatter_to_sequence_parallel_region(&t.group, out)?)
+        }
+        Some(t) => {
+            reduce_from_tensor_model_parallel_region(&t.group, &mut out)?;
+            Ok(out)
+        }
+        None => Ok(out),
+    }
+}
+
+/// Backward of [`row_parallel_forward`]'s reduction: the local rows' output gradient → all
+/// rows' (all-gathered along `s`; the all-reduce's backward is the identity).
+pub(crate) fn row_parallel_output_grad<'d>(
+    tp: Option<&TpInfo>,
+    dlocal: &'d [f32],
+) -> Result<Cow<'d, [f32]>> {
+    match sequence_parallel(tp) {
+        Some(t) => Ok(Cow::Owned(
+            reduce_scatter_to_sequence_parallel_region_backward(&t.group, dlocal)?,
+        )),
+        None => Ok(Cow::Borrowed(dlocal)),
+    }
+}
+
+impl GptModel {
+    /// The embedding of `ids: [rows]` for the local rows `[local_rows, h]`.
+    pub(crate) fn embed_train(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let h = self.config.hidden_size;
+        let mut x = vec![0f32; ids.len() * h];
+        let Some(tp) = &self.tp else {
+            self.embedding.forward(ids, &mut x)?;
+            return Ok(x);
+        };
+        let w = self.embedding.weight();
+        let v_local = w.shape()[0];
+        vocab_parallel_embedding_forward(w.weight_ref(), h, tp.vocab_start, v_local, ids, &mut x)?;
+        reduce_partial_rows(Some(tp), x)
+    }
+
+    /// Backward of [`embed_train`](Self::embed_train): **accumulates** into `dtable`.
+    pub(crate) fn embed_train_backward(
+        &self,
+        ids: &[u32],
+        dlocal: &[f32],
+        dtable: &mut [f32],
+    ) -> Result<()> {
+        let h = self.config.hidden_size;
+        let Some(tp) = &self.tp else {
+            embedding_backward(ids, dlocal, dtable, h);
+            return Ok(());
+        };
+        let dy = row_parallel_output_grad(Some(tp), dlocal)?;
+        vocab_parallel_embedding_backward(ids, &dy, dtable, h, tp.vocab_start);
+        Ok(())
+    }
+}
