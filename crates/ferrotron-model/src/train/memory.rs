@@ -186,7 +186,9 @@ mod tests {
             let mut acts = model.train_forward(&batch, &mut ledger).unwrap();
             assert_eq!(ledger.held(), want.forward_end_bytes as u128, "{mode:?}");
             model.loss_and_logit_grad(&batch, &mut acts, 1.0).unwrap();
-            model.train_backward(&batch, acts, &mut views, &mut ledger);
+            model
+                .train_backward(&batch, acts, &mut views, &mut ledger)
+                .unwrap();
             assert_eq!(ledger.peak(), want.peak_bytes as u128, "{mode:?}");
             assert_eq!(ledger.held(), 0, "{mode:?}");
         }
