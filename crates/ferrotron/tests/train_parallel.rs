@@ -4,7 +4,6 @@
 //! distributed-optimizer checkpoint resumes on one rank.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 mod common;
 use common::{ferrotron, metrics_losses, tiny_corpus};
@@ -125,7 +124,7 @@ fn dp2_via_mpirun_matches_one_rank() {
     train(&config(tmp.path(), &prefix, "single"), &[]);
     let want = metrics_losses(&tmp.path().join("single"));
     let cfg = config(tmp.path(), &prefix, "mpi");
-    let o = Command::new("mpirun")
+    let o = std::process::Command::new("mpirun")
         .args(["--oversubscribe", "--allow-run-as-root", "-np", "2"])
         .arg(env!("CARGO_BIN_EXE_ferrotron"))
         .args([

@@ -4,6 +4,11 @@
 //! returns their results in rank order. Sub-groups come from [`Communicator::split`]. A rank that returns an error or panics aborts the world: every rank
 //! waiting in a collective or a receive stops with [`CommError::Aborted`], and `run_local`
 //! returns the failing rank's own error — no hang, and the root cause rather than its echoes.
+//!
+//! Each rank runs inside its own rayon thread pool (the cores of the current pool split
+//! evenly, at least one thread each): a rank blocked in a collective inside a parallel
+//! kernel's scope must not hold a worker that another rank needs to reach the same
+//! collective, which a shared pool cannot guarantee.
 
 mod group;
 
@@ -85,7 +90,8 @@ impl<E: fmt::Display> fmt::Display for RankFailure<E> {
 impl<E: fmt::Debug + fmt::Display> std::error::Error for RankFailure<E> {}
 
 /// Runs `f` on `world_size` rank threads (named `rank-<r>`), each with its world
-/// [`LocalComm`], and returns the results in rank order.
+/// [`LocalComm`] and its own rayon pool of `current_num_threads() / world_size` threads (at
+/// least 1), and returns the results in rank order.
 ///
 /// # Errors
 /// The first rank to return `Err` or to panic, as [`RankFailure`]; the others were aborted.
@@ -113,6 +119,7 @@ where
     ));
     // Registered (for abort wake-ups) under a key no split can produce.
     lock(&world.groups).insert((u64::MAX, 0, 0), (0, shared.clone()));
+    let threads = (rayon::current_num_threads() / world_size).max(1);
     let outcomes: Vec<std::result::Result<T, FailureCause<E>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {
@@ -127,7 +134,16 @@ where
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        let outcome = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(threads)
+                            .thread_name(move |i| format!("rank-{rank}-worker-{i}"))
+                            .build();
+                        let run = || match &pool {
+                            Ok(pool) => pool.install(|| f(comm)),
+                            // No pool (thread limit): run on the shared one.
+                            Err(_) => f(comm),
+                        };
+                        let outcome = match catch_unwind(AssertUnwindSafe(run)) {
                             Ok(Ok(v)) => return Ok(v),
                             Ok(Err(e)) => FailureCause::Error(e),
                             Err(payload) => FailureCause::Panic(panic_message(payload.as_ref())),

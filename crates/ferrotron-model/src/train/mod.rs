@@ -219,6 +219,21 @@ pub struct LossStats {
 }
 
 impl GptModel {
+    /// The loss of `batch` from the training forward alone (no gradients; activations
+    /// dropped as soon as the loss is known): validation for batches the inference forward
+    /// cannot take (packed documents, reset positions, tensor-parallel shards).
+    ///
+    /// # Errors
+    /// As [`GptModel::forward_backward`].
+    pub fn forward_loss(&self, batch: &TrainBatch) -> Result<LossStats> {
+        batch.validate(self)?;
+        rayon::scope(|_| {
+            let mut ledger = memory::Ledger::default();
+            let mut acts = self.train_forward(batch, &mut ledger)?;
+            self.loss_and_logit_grad(batch, &mut acts, 0.0)
+        })
+    }
+
     /// One training forward and backward pass over `batch` (no KV cache, causal attention with
     /// the model's sliding window if any), returning the loss.
     ///

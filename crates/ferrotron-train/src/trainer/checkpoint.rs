@@ -19,8 +19,7 @@ use ferrotron_checkpoint::dist::{
     prune_checkpoints, write_tracker,
 };
 use ferrotron_optim::{
-    OptimizerMeta, OwnedRanges, ParamInfo, SchedulerLoadPolicy, SchedulerState, StateArray,
-    StateDict, Stateful,
+    OptimizerMeta, ParamInfo, SchedulerLoadPolicy, SchedulerState, StateArray, StateDict, Stateful,
 };
 use ferrotron_tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -67,9 +66,6 @@ pub enum LoadMode {
     Finetune,
 }
 
-/// One data-parallel rank's owned flat ranges and its optimizer arrays (name -> values).
-type RankShard = (OwnedRanges, BTreeMap<String, Vec<f32>>);
-
 const MODEL: &str = "model.";
 const OPTIM: &str = "optimizer.";
 
@@ -91,7 +87,10 @@ fn stored(dtype: DType) -> Result<StoredDtype> {
 
 /// `(offset in the flattened parameter, length, start in the local state arrays)` of each part
 /// of `p` held in the flat optimizer arrays described by `owned` (one per intersecting range).
-fn owned_parts(p: &ParamInfo, owned: &ferrotron_optim::OwnedRanges) -> Vec<(usize, usize, usize)> {
+pub(super) fn owned_parts(
+    p: &ParamInfo,
+    owned: &ferrotron_optim::OwnedRanges,
+) -> Vec<(usize, usize, usize)> {
     let r = p.range();
     owned
         .iter()
@@ -123,27 +122,26 @@ impl Trainer {
         extra: serde_json::Value,
     ) -> Result<PathBuf> {
         let dir = iteration_dir(save, self.iteration);
-        let optim = self.optimizer.export_state();
-        let rank_shards = self.gather_optimizer_shards(&optim)?;
-        if self.dp.rank() != 0 {
-            // Rank 0 writes the replicated model and every rank's optimizer shard.
-            self.dp.barrier()?;
+        let full = self.gather_full_state()?;
+        if !self.is_writer() {
+            // The writer stores the whole (gathered) model and optimizer state.
+            self.barrier_all()?;
             return Ok(dir);
         }
-        let buffer_state = self.buffer.export_state();
-        let Some(StateArray::F32(flat_params)) = buffer_state.arrays.get("params") else {
-            return Err(ckpt_err("the parameter buffer exported no `params` array"));
-        };
-        let params = self.buffer.params();
-        let mut writer = CheckpointWriter::create(&dir, true).map_err(ckpt_err)?;
-        let model: Vec<ShardedTensor> = params
+        let shapes = self.global_shapes();
+        let names: Vec<&str> = self
+            .buffer
+            .params()
             .iter()
-            .map(|p| {
-                ShardedTensor::full(
-                    format!("{MODEL}{}", p.name),
-                    &p.shape,
-                    &flat_params[p.range()],
-                )
+            .map(|p| p.name.as_str())
+            .collect();
+        let mut writer = CheckpointWriter::create(&dir, true).map_err(ckpt_err)?;
+        let model: Vec<ShardedTensor> = names
+            .iter()
+            .zip(&shapes)
+            .zip(&full.params)
+            .map(|((name, shape), values)| {
+                ShardedTensor::full(format!("{MODEL}{name}"), shape, values)
             })
             .collect();
         let dtype = stored(self.buffer.param_dtype())?;
@@ -151,20 +149,10 @@ impl Trainer {
             .write_file("model_rank00000.safetensors", dtype, &model)
             .map_err(ckpt_err)?;
         let mut shards = Vec::new();
-        for (owned, arrays) in &rank_shards {
-            for (name, values) in arrays {
-                for p in params {
-                    for (off, len, start) in owned_parts(p, owned) {
-                        shards.push(ShardedTensor {
-                            key: format!("{OPTIM}{name}.{}", p.name),
-                            global_shape: vec![p.numel],
-                            global_offset: vec![off],
-                            local_shape: vec![len],
-                            replica_id: 0,
-                            data: &values[start..start + len],
-                        });
-                    }
-                }
+        for (array, per_param) in &full.optim {
+            for (name, values) in names.iter().zip(per_param) {
+                let key = format!("{OPTIM}{array}.{name}");
+                shards.push(ShardedTensor::full(key, &[values.len()], values));
             }
         }
         writer
@@ -176,11 +164,12 @@ impl Trainer {
             consumed_valid_samples: self.consumed_valid_samples,
             seed: self.options.seed,
             scheduler: self.scheduler.export_state().meta,
-            optimizer: optim.meta.clone(),
+            optimizer: full.meta,
         };
         let content = serde_json::json!({ "trainer": state, "extra": extra });
         let layout = ParallelLayout {
             data_parallel_size: self.dp.size(),
+            tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),
             ..ParallelLayout::SINGLE
         };
         writer
@@ -188,41 +177,8 @@ impl Trainer {
             .map_err(ckpt_err)?;
         write_tracker(save, self.iteration).map_err(ckpt_err)?;
         prune_checkpoints(save, keep_last).map_err(ckpt_err)?;
-        self.dp.barrier()?;
+        self.barrier_all()?;
         Ok(dir)
-    }
-
-    /// Every data-parallel rank's owned ranges and f32 optimizer arrays: this rank's alone,
-    /// or, with the distributed optimizer, all ranks' shards gathered (collective; the shards
-    /// have equal lengths because every bucket splits evenly over the group).
-    fn gather_optimizer_shards(&self, optim: &StateDict<OptimizerMeta>) -> Result<Vec<RankShard>> {
-        let mut mine = BTreeMap::new();
-        for (name, arr) in &optim.arrays {
-            let StateArray::F32(values) = arr else {
-                return Err(ckpt_err(format!("optimizer array {name} is not f32")));
-            };
-            mine.insert(name.clone(), values.clone());
-        }
-        let (rank, size) = (self.dp.rank(), self.dp.size());
-        if !self.dp.use_distributed_optimizer() || size == 1 {
-            return Ok(vec![(optim.meta.adam.owned.clone(), mine)]);
-        }
-        let mut out: Vec<_> = (0..size)
-            .map(|r| {
-                let owned = OwnedRanges::distributed_shard(&self.buffer, r, size)?;
-                Ok((owned, BTreeMap::new()))
-            })
-            .collect::<Result<_>>()?;
-        for (name, values) in mine {
-            let n = values.len();
-            let mut all = vec![0f32; n * size];
-            all[rank * n..(rank + 1) * n].copy_from_slice(&values);
-            self.dp.all_gather_in_place(&mut all)?;
-            for (r, (_, arrays)) in out.iter_mut().enumerate() {
-                arrays.insert(name.clone(), all[r * n..(r + 1) * n].to_vec());
-            }
-        }
-        Ok(out)
     }
 
     /// Restores from the iteration directory `dir` (see [`LoadMode`]). The model must have
@@ -239,18 +195,22 @@ impl Trainer {
         let state: TrainerState = serde_json::from_value(content["trainer"].clone())
             .map_err(|e| ckpt_err(format!("{}: content.trainer: {e}", dir.display())))?;
         let params = self.buffer.params().to_vec();
+        let shapes = self.global_shapes();
         let expected: Vec<(String, Vec<usize>)> = params
             .iter()
-            .map(|p| (format!("{MODEL}{}", p.name), p.shape.clone()))
+            .zip(&shapes)
+            .map(|(p, shape)| (format!("{MODEL}{}", p.name), shape.clone()))
             .collect();
         reader.check_tensors(MODEL, &expected).map_err(ckpt_err)?;
+        let full = params
+            .iter()
+            .map(|p| reader.read(&format!("{MODEL}{}", p.name)).map_err(ckpt_err))
+            .collect::<Result<Vec<_>>>()?;
+        let local = self.model.shard_tensor_parallel(full);
         let mut buffer_state = self.buffer.export_state();
         let mut flat = vec![0f32; self.buffer.numel()];
-        for p in &params {
-            let values = reader
-                .read(&format!("{MODEL}{}", p.name))
-                .map_err(ckpt_err)?;
-            flat[p.range()].copy_from_slice(&values);
+        for (p, values) in params.iter().zip(&local) {
+            flat[p.range()].copy_from_slice(values);
         }
         buffer_state
             .arrays
@@ -271,8 +231,9 @@ impl Trainer {
         Ok(state)
     }
 
-    /// Imports the Adam moments (and master weights) of every parameter into this run's
-    /// owned ranges, with the checkpoint's step, loss scaler and skip counter.
+    /// Imports the Adam moments (and master weights) of every parameter, read whole and cut
+    /// to this rank's tensor-parallel shard and owned ranges, with the checkpoint's step,
+    /// loss scaler and skip counter.
     fn load_optimizer(
         &mut self,
         reader: &CheckpointReader,
@@ -283,12 +244,19 @@ impl Trainer {
         let owned = current.meta.adam.owned.clone();
         let mut arrays = BTreeMap::new();
         for name in current.arrays.keys() {
+            let full = params
+                .iter()
+                .map(|p| {
+                    reader
+                        .read(&format!("{OPTIM}{name}.{}", p.name))
+                        .map_err(ckpt_err)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let local = self.model.shard_tensor_parallel(full);
             let mut values = vec![0f32; owned.local_len()];
-            for p in params {
-                let key = format!("{OPTIM}{name}.{}", p.name);
+            for (p, param_values) in params.iter().zip(&local) {
                 for (off, len, start) in owned_parts(p, &owned) {
-                    let part = reader.read_box(&key, &[off], &[len]).map_err(ckpt_err)?;
-                    values[start..start + len].copy_from_slice(&part);
+                    values[start..start + len].copy_from_slice(&param_values[off..off + len]);
                 }
             }
             arrays.insert(name.clone(), StateArray::F32(values));

@@ -146,28 +146,37 @@ impl DataParallel {
         Ok(())
     }
 
-    /// The optimizer's cross-rank reductions: over the group when each rank holds a shard,
-    /// none when every rank holds the whole (identical) reduced gradient.
-    pub(super) fn stats_reduce(&self) -> StatsReduce<'_> {
-        StatsReduce {
-            comm: (self.use_distributed_optimizer && self.size() > 1).then_some(&*self.comm),
+    /// The optimizer's cross-rank reductions (grad-norm partials, fp16 inf flag): over
+    /// `tensor` (a model shard's tensor-parallel group: each rank holds different
+    /// gradients) and over this group when each rank holds an optimizer shard; none when
+    /// every rank holds the whole (identical) reduced gradient.
+    pub(super) fn stats_reduce<'a>(
+        &'a self,
+        tensor: Option<&'a dyn Communicator>,
+    ) -> StatsReduce<'a> {
+        let mut comms = Vec::with_capacity(2);
+        comms.extend(tensor.filter(|c| c.size() > 1));
+        if self.use_distributed_optimizer && self.size() > 1 {
+            comms.push(&*self.comm);
         }
+        StatsReduce { comms }
     }
 }
 
-/// [`GradStatsReduce`] over a data-parallel group (or none).
+/// [`GradStatsReduce`] over the groups whose ranks hold different parts of the gradients.
 pub(super) struct StatsReduce<'a> {
-    comm: Option<&'a dyn Communicator>,
+    comms: Vec<&'a dyn Communicator>,
 }
 
 impl StatsReduce<'_> {
     fn reduce(&self, local: f64, op: ReduceOp) -> ferrotron_optim::Result<f64> {
-        match self.comm {
-            None => Ok(local),
-            Some(c) => c
-                .all_reduce_scalar(local, op)
-                .map_err(|e| OptimError::Comm(e.to_string())),
+        let mut value = local;
+        for c in &self.comms {
+            value = c
+                .all_reduce_scalar(value, op)
+                .map_err(|e| OptimError::Comm(e.to_string()))?;
         }
+        Ok(value)
     }
 }
 

@@ -22,6 +22,7 @@
 mod checkpoint;
 mod data_parallel;
 mod flops;
+mod full_state;
 mod log;
 mod options;
 mod run;

@@ -94,10 +94,18 @@ impl Trainer {
             config.bucket_size = Some(size);
         }
         let mut builder = ParamAndGradBufferBuilder::new(config);
-        for p in model.parameters() {
+        // Tensor-parallel duplicates (replicated parameters on tp rank > 0) stay out of the
+        // grad norm, as Megatron's `param_is_not_tensor_parallel_duplicate`.
+        let duplicate = |i: usize| {
+            model.tensor_parallel().is_some_and(|tp| {
+                tp.group.rank() > 0 && tp.splits[i] == ferrotron_model::TpSplit::Replicated
+            })
+        };
+        for (i, p) in model.parameters().into_iter().enumerate() {
             let flags = ParamFlags {
                 is_norm_or_bias: p.is_norm_or_bias,
                 is_embedding: p.is_embedding,
+                exclude_from_grad_norm: duplicate(i),
                 ..ParamFlags::default()
             };
             builder.register(&p.name, &p.shape, flags)?;
@@ -174,7 +182,8 @@ impl Trainer {
     }
 
     /// Parameter `i` (order of `model.parameters()`) as held by the optimizer buffer,
-    /// widened to f32 (exact) when the buffer holds bf16/f16.
+    /// widened to f32 (exact) when the buffer holds bf16/f16; a tensor-parallel shard's
+    /// local part.
     pub fn param(&self, i: usize) -> Vec<f32> {
         self.buffer.param_to_f32(ParamId(i))
     }
@@ -228,6 +237,8 @@ impl Trainer {
             loss_sum += stats.loss_sum;
             tokens += batch.tokens.len();
         }
+        self.model
+            .finalize_grads(&mut self.buffer.grad_slices_mut())?;
         self.dp.reduce_grads(&mut self.buffer)?;
         let mut sums = [loss_sum, tokens as f64];
         self.dp.sum(&mut sums)?;
@@ -237,7 +248,9 @@ impl Trainer {
             &mut self.buffer,
             lr,
             self.scheduler.weight_decay(),
-            &mut self.dp.stats_reduce(),
+            &mut self
+                .dp
+                .stats_reduce(self.model.tensor_parallel().map(|t| &**t.group.comm())),
         )?;
         if out.update_successful {
             self.dp.gather_params(&mut self.buffer)?;
@@ -287,21 +300,14 @@ impl Trainer {
     /// Malformed batches or a model failure.
     pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<f64> {
         let (mut sum, mut count) = (0.0f64, 0.0f64);
-        // Gradient scratch of the forward + backward fallback, allocated once per evaluation
-        // (loss scale 0: it stays zero).
-        let mut scratch: Option<Vec<Vec<f32>>> = None;
         for mb in batches {
             let batch = self.to_train_batch(mb)?;
             count += batch.loss_token_count();
-            sum += if batch.position_ids.is_none() && batch.document_starts.is_none() {
+            let plain = batch.position_ids.is_none() && batch.document_starts.is_none();
+            sum += if plain && self.model.tensor_parallel().is_none() {
                 self.forward_loss_sum(&batch)?
             } else {
-                let scratch = scratch.get_or_insert_with(|| self.model.zero_grads());
-                let mut grads: Vec<&mut [f32]> =
-                    scratch.iter_mut().map(|g| g.as_mut_slice()).collect();
-                self.model
-                    .forward_backward(&batch, &mut grads, 0.0)?
-                    .loss_sum
+                self.model.forward_loss(&batch)?.loss_sum
             };
         }
         let mut totals = [sum, count];

@@ -3,7 +3,9 @@
 //! one rank per `mpirun` process (`--dist-backend mpi`).
 
 use super::rank::run_rank;
-use anyhow::{Context, Result, anyhow};
+#[cfg(feature = "mpi")]
+use anyhow::Context;
+use anyhow::{Result, anyhow};
 use ferrotron_comm::{
     Communicator, ParallelConfig, ParallelState, ProcessGroups, SingleRankComm, run_local,
 };
@@ -95,15 +97,10 @@ pub fn run_in_process(rc: &RunConfig) -> Result<ExitCode> {
         config.pipeline_model_parallel_size,
         rc.data_parallel_size
     );
+    // run_local gives every rank its own pool of `threads` workers.
     let codes = run_local(world, |comm| -> Result<ExitCode> {
-        let rank = comm.world_rank();
         let ctx = RankContext::new(config, Arc::new(comm))?;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(move |i| format!("rank{rank}-worker{i}"))
-            .build()
-            .context("starting the rank's worker threads")?;
-        pool.install(|| run_rank(rc, &ctx))
+        run_rank(rc, &ctx)
     })
     .map_err(|e| anyhow!("{e}"))?;
     Ok(codes[0])

@@ -1,14 +1,16 @@
-//! Data parallelism is exact: dp 2 and dp 4 (in-process ranks), with and without the
-//! distributed optimizer, give the single-rank run's per-iteration losses and final
-//! parameters for the same global batches; a distributed-optimizer checkpoint resumes on one
+//! Every parallel layout is exact: dp 2 and dp 4, with and without the distributed
+//! optimizer, tp 2 with and without sequence parallelism, and tp 2 x dp 2 (in-process ranks)
+//! give the single-rank run's per-iteration losses and final parameters for the same global
+//! batches; checkpoints saved under dp 2 + distributed optimizer or tp 2 x dp 2 resume on one
 //! rank; a failing rank stops the job with its own error.
 
 mod common;
 
 use common::*;
-use ferrotron_comm::run_local;
+use ferrotron_comm::{LocalComm, ParallelConfig, ParallelState, ProcessGroups, run_local};
 use ferrotron_data::MicroBatch;
-use ferrotron_train::trainer::{DataParallel, LoadMode, Trainer, TrainerOptions};
+use ferrotron_nn::TensorParallel;
+use ferrotron_train::trainer::{DataParallel, LoadMode, TrainError, Trainer, TrainerOptions};
 use std::sync::Arc;
 
 const MBS: usize = 2;
@@ -35,10 +37,12 @@ fn dp_options(dp: usize, iters: usize) -> TrainerOptions {
     }
 }
 
+/// The full model's parameters (gathered over tensor parallelism).
 fn params(t: &Trainer) -> Vec<Vec<f32>> {
-    (0..t.model().parameters().len())
+    let local = (0..t.model().parameters().len())
         .map(|i| t.param(i))
-        .collect()
+        .collect();
+    t.model().gather_tensor_parallel(local).unwrap()
 }
 
 /// (losses, final params) of `iters` steps from iteration `from`.
@@ -90,6 +94,75 @@ fn assert_same_run(label: &str, got: &(Vec<f64>, Vec<Vec<f32>>), want: &(Vec<f64
             "{label} parameter {p}: max |diff| {max_diff:.2e}"
         );
     }
+}
+
+/// A trainer for rank `comm` of a `tp x dp` grid (Megatron order: tp ranks adjacent).
+fn grid_trainer(
+    comm: LocalComm,
+    tp: usize,
+    sp: bool,
+    distributed: bool,
+    iters: usize,
+) -> Result<Trainer, TrainError> {
+    let world = comm.world_ranks().len();
+    let config = ParallelConfig {
+        tensor_model_parallel_size: tp,
+        ..ParallelConfig::default()
+    };
+    let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
+    let dp = state.data_parallel_size();
+    let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
+    let shard =
+        tiny_model().tensor_parallel_shard(TensorParallel::new(groups.tensor.clone(), sp), 128)?;
+    let group = DataParallel::new(groups.data.clone(), distributed);
+    Trainer::new_data_parallel(shard, dp_options(dp, iters), group)
+}
+
+#[test]
+fn tensor_parallel_layouts_match_one_rank() {
+    let reference = single_rank(ITERS);
+    for (tp, dp, sp, distributed) in [
+        (2, 1, false, false),
+        (2, 1, true, false),
+        (2, 2, false, false),
+        (2, 2, true, true),
+    ] {
+        let runs = run_local(tp * dp, |comm| {
+            let mut t = grid_trainer(comm, tp, sp, distributed, ITERS)?;
+            Ok::<_, TrainError>(train(&mut t, 0, ITERS))
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        for (r, run) in runs.iter().enumerate() {
+            let label =
+                format!("tp{tp} dp{dp} sp={sp} distributed_optimizer={distributed} rank {r}");
+            assert_same_run(&label, run, &reference);
+        }
+    }
+}
+
+/// A checkpoint saved by tp 2 x dp 2 (sequence parallel, distributed optimizer) resumes on
+/// one rank as the uninterrupted single-rank run.
+#[test]
+fn tensor_parallel_checkpoint_resumes_on_one_rank() {
+    let reference = single_rank(ITERS);
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().to_path_buf();
+    run_local(4, |comm| {
+        let mut t = grid_trainer(comm, 2, true, true, ITERS)?;
+        train(&mut t, 0, 2);
+        t.save_checkpoint(&save, 0, serde_json::Value::Null)
+            .map(|_| ())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut t = Trainer::new(tiny_model(), dp_options(1, ITERS)).unwrap();
+    let ckpt = ferrotron_checkpoint::dist::iteration_dir(&save, 2);
+    t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
+    let resumed = train(&mut t, 2, 2);
+    assert_same_run(
+        "tp2 x dp2 -> 1 rank",
+        &resumed,
+        &(reference.0[2..].to_vec(), reference.1.clone()),
+    );
 }
 
 #[test]
