@@ -1,7 +1,8 @@
-//! `ferrotron train` with data parallelism end to end on the tiny LLaMA fixture and a
-//! generated corpus: two in-process ranks, with and without the distributed optimizer, and
-//! two `mpirun` processes give the single-rank run's training and validation losses; a
-//! distributed-optimizer checkpoint resumes on one rank.
+//! `ferrotron train` with data and tensor parallelism end to end on the tiny LLaMA fixture and
+//! a generated corpus: dp 2 in-process (with and without the distributed optimizer), tp 2 x
+//! dp 2 with sequence parallelism, and two `mpirun` processes give the single-rank run's
+//! training and validation losses; a distributed-optimizer checkpoint resumes on one rank;
+//! the tensor-parallel run's HF export holds the gathered model.
 
 use std::path::{Path, PathBuf};
 
@@ -89,6 +90,62 @@ fn dp2_in_process_matches_one_rank() {
         "dp2 zero1 + resume on 1 rank",
         &metrics_losses(&tmp.path().join("zero1")),
         &want,
+    );
+}
+
+#[test]
+fn tp2_x_dp2_in_process_matches_one_rank_and_exports_the_full_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let export_to = |name: &str| {
+        let dir = tmp.path().join(name);
+        (
+            format!("checkpoint.export_hf={:?}", dir.to_str().unwrap()),
+            dir,
+        )
+    };
+    let (set_single, single_export) = export_to("single-export");
+    train(
+        &config(tmp.path(), &prefix, "single"),
+        &["--set", &set_single],
+    );
+    let want = metrics_losses(&tmp.path().join("single"));
+    let (set_tp, tp_export) = export_to("tp-export");
+    let err = train(
+        &config(tmp.path(), &prefix, "tp2dp2"),
+        &[
+            "--set",
+            "parallel.tensor_model_parallel_size=2",
+            "--set",
+            "parallel.data_parallel_size=2",
+            "--set",
+            "parallel.sequence_parallel=true",
+            "--set",
+            &set_tp,
+        ],
+    );
+    assert!(
+        err.contains("running 4 ranks in this process (tensor 2 x pipeline 1 x data 2)"),
+        "{err}"
+    );
+    assert_same_losses(
+        "tp2 x dp2 + sp",
+        &metrics_losses(&tmp.path().join("tp2dp2")),
+        &want,
+    );
+    // The export is the whole trained model: it validates as the single-rank run's export.
+    let validate = |export: &Path, out: &str| {
+        let load = format!("model.load={:?}", export.to_str().unwrap());
+        train(
+            &config(tmp.path(), &prefix, out),
+            &["--set", &load, "--set", "training.skip_train=true"],
+        );
+        metrics_losses(&tmp.path().join(out))
+    };
+    assert_same_losses(
+        "exports",
+        &validate(&tp_export, "check-tp"),
+        &validate(&single_export, "check-single"),
     );
 }
 

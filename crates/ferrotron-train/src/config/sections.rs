@@ -87,6 +87,10 @@ section! {
         /// Use a separate output projection instead of the tied embedding. Default: false.
         /// Megatron: `--untie-embeddings-and-output-weights`.
         untie_embeddings_and_output_weights: bool = false,
+        /// Pad the vocabulary to a multiple of this x tensor_model_parallel_size rows when
+        /// the embedding is split over tensor-parallel ranks (the padded ids never enter the
+        /// loss). Default: 128. Megatron: `--make-vocab-size-divisible-by`.
+        make_vocab_size_divisible_by: usize = 128,
     }
 }
 

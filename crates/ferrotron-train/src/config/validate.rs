@@ -148,6 +148,9 @@ impl RunConfig {
 
         // [parallel]
         let dp_size = validate_parallel(&r.parallel, &mut p);
+        if m.make_vocab_size_divisible_by == 0 {
+            p.push("model.make_vocab_size_divisible_by must be at least 1".to_string());
+        }
 
         // [training]
         if t.micro_batch_size == 0 {

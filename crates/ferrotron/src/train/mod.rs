@@ -67,10 +67,6 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
     let p = &rc.resolved.parallel;
     for (key, size) in [
         (
-            "parallel.tensor_model_parallel_size",
-            p.tensor_model_parallel_size,
-        ),
-        (
             "parallel.pipeline_model_parallel_size",
             p.pipeline_model_parallel_size,
         ),
@@ -81,11 +77,8 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
         ),
     ] {
         if size > 1 {
-            no(key, "only data parallelism runs so far");
+            no(key, "data and tensor parallelism run so far");
         }
-    }
-    if p.sequence_parallel {
-        no("parallel.sequence_parallel", "needs tensor parallelism");
     }
     if p.overlap_grad_reduce || p.overlap_param_gather {
         no(

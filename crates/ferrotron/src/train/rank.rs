@@ -9,6 +9,8 @@ use ferrotron_checkpoint::{
     HfExportOptions, HfExportSource, OutputDtype, TOKENIZER_FILES, export_hf,
 };
 use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
+use ferrotron_model::GptModel;
+use ferrotron_nn::TensorParallel;
 use ferrotron_optim::DynamicGradScalerConfig;
 use ferrotron_train::config::{Precision, RunConfig};
 use ferrotron_train::trainer::{
@@ -112,6 +114,17 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         export_source,
         ..
     } = run_model;
+    // Tensor parallelism: this rank trains its shard; the logging rank keeps the full
+    // model's structure to export the gathered weights into.
+    let (model, full_model) = if par.tensor_model_parallel_size > 1 {
+        let group = TensorParallel::new(rank.groups.tensor.clone(), par.sequence_parallel);
+        let shard = model
+            .tensor_parallel_shard(group, r.model.make_vocab_size_divisible_by)
+            .context("[parallel] tensor_model_parallel_size")?;
+        (shard, lead.then_some(model))
+    } else {
+        (model, None)
+    };
     let dp = DataParallel::new(rank.groups.data.clone(), par.use_distributed_optimizer);
     let (dp_rank, dp_size) = (dp.rank(), dp.size());
     let mut trainer = Trainer::new_data_parallel(model, opts, dp)?;
@@ -200,6 +213,19 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     } else {
         trainer.train(&mut loader, valid_arg, &mut metrics, &mut |_: &TrainLog| {})?
     };
+    let export_dir = r
+        .checkpoint
+        .export_hf
+        .as_ref()
+        .filter(|_| !summary.exited_early);
+    // The full weights for the export, gathered over tensor parallelism (collective).
+    let full_params = match export_dir {
+        Some(_) if trainer.model().tensor_parallel().is_some() => {
+            let local = trainer.model().parameters_f32();
+            Some(trainer.model().gather_tensor_parallel(local)?)
+        }
+        _ => None,
+    };
     if !lead {
         return Ok(ExitCode::SUCCESS);
     }
@@ -222,10 +248,16 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         metrics_path.display(),
         out_dir.join("loss.png").display()
     );
-    if let Some(dir) = &r.checkpoint.export_hf
-        && !summary.exited_early
-    {
-        export(&trainer, &export_source, tokenizer_dir, dir, rc)?;
+    if let Some(dir) = export_dir {
+        let model = match (full_model, full_params) {
+            (Some(mut full), Some(params)) => {
+                let views: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+                full.load_parameters_from(&views)?;
+                full
+            }
+            _ => trainer.into_model(),
+        };
+        export(&model, &export_source, tokenizer_dir, dir, rc)?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -233,7 +265,7 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
 /// `checkpoint.export_hf`: the trained model as an HF directory (weights in the run's
 /// precision, f32 for fp32 runs), tokenizer files copied along.
 fn export(
-    trainer: &Trainer,
+    model: &GptModel,
     source: &HfExportSource,
     tokenizer_dir: Option<PathBuf>,
     dir: &Path,
@@ -251,7 +283,7 @@ fn export(
             .filter(|d| TOKENIZER_FILES.iter().any(|f| d.join(f).is_file())),
         ..HfExportOptions::default()
     };
-    let report = export_hf(trainer.model(), source, dir, &opts)
+    let report = export_hf(model, source, dir, &opts)
         .with_context(|| format!("checkpoint.export_hf {}", dir.display()))?;
     eprintln!(
         "exported the trained model to {} ({} tensors, {:.1} MB)",
