@@ -172,17 +172,71 @@ fn bad_parallel_settings_are_named() {
     );
 }
 
-/// `mpirun -np 2 ferrotron train --dist-backend mpi`: two processes, the same losses.
+/// `mpirun -np N ferrotron train --dist-backend mpi`: dp 2 and dp 4 (with the distributed
+/// optimizer), and tp 2 x dp 2, as separate processes: the single rank's losses.
 #[cfg(feature = "mpi")]
 #[test]
-fn dp2_via_mpirun_matches_one_rank() {
+fn mpirun_layouts_match_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
     train(&config(tmp.path(), &prefix, "single"), &[]);
     let want = metrics_losses(&tmp.path().join("single"));
-    let cfg = config(tmp.path(), &prefix, "mpi");
-    let o = std::process::Command::new("mpirun")
-        .args(["--oversubscribe", "--allow-run-as-root", "-np", "2"])
+    let layouts: [(&str, usize, &[&str]); 3] = [
+        ("mpi-dp2", 2, &[]),
+        (
+            "mpi-dp4-zero1",
+            4,
+            &["--set", "parallel.use_distributed_optimizer=true"],
+        ),
+        (
+            "mpi-tp2dp2",
+            4,
+            &["--set", "parallel.tensor_model_parallel_size=2"],
+        ),
+    ];
+    for (name, np, sets) in layouts {
+        let cfg = config(tmp.path(), &prefix, name);
+        let o = std::process::Command::new("mpirun")
+            .args([
+                "--oversubscribe",
+                "--allow-run-as-root",
+                "-np",
+                &np.to_string(),
+            ])
+            .arg(env!("CARGO_BIN_EXE_ferrotron"))
+            .args([
+                "train",
+                "--dist-backend",
+                "mpi",
+                "--config",
+                cfg.to_str().unwrap(),
+            ])
+            .args(sets)
+            .output()
+            .expect("mpirun (openmpi-bin)");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{name}: mpirun failed: {err}");
+        assert_same_losses(name, &metrics_losses(&tmp.path().join(name)), &want);
+    }
+}
+
+/// A layout that does not fit the mpirun world fails every process with the error, no hang.
+#[cfg(feature = "mpi")]
+#[test]
+fn a_bad_mpi_layout_fails_the_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let cfg = config(tmp.path(), &prefix, "fail");
+    // 3 processes: global batch 4 does not split over 3 data-parallel ranks
+    let o = std::process::Command::new("timeout")
+        .args([
+            "60",
+            "mpirun",
+            "--oversubscribe",
+            "--allow-run-as-root",
+            "-np",
+            "3",
+        ])
         .arg(env!("CARGO_BIN_EXE_ferrotron"))
         .args([
             "train",
@@ -192,12 +246,11 @@ fn dp2_via_mpirun_matches_one_rank() {
             cfg.to_str().unwrap(),
         ])
         .output()
-        .expect("mpirun (openmpi-bin)");
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "mpirun failed: {err}");
-    assert_same_losses(
-        "mpirun dp2",
-        &metrics_losses(&tmp.path().join("mpi")),
-        &want,
+    assert!(!o.status.success() && o.status.code() != Some(124), "{err}");
+    assert!(
+        err.contains("not a multiple of micro_batch_size (1) x data_parallel_size (3)"),
+        "{err}"
     );
 }

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Parallel layouts side by side on the real job: `ferrotron train` continue-pretraining
+# SmolLM2-135M on a Megatron .bin/.idx corpus (the KJV Bible by default) for a few iterations
+# under each layout, the same global batch for all. Prints per layout: median tokens/s of the
+# timed iterations (the first is warmup), the ratio to the single rank, the peak RSS of the
+# whole job (all in-process ranks together; per process for mpirun), and the training losses
+# (f32: every layout must track the single rank).
+#
+#   bash scripts/bench-parallel.sh --data /work/runs/kjv/kjv_text_document
+#   bash scripts/bench-parallel.sh --data PREFIX --layouts single,dp2,tp2 --iters 4
+#
+# Layouts: single, dp2, dp2-zero1 (distributed optimizer), tp2, tp2-sp, tp2xdp2, mpi-dp2
+# (needs a build with --features mpi and OpenMPI). Options: --model DIR (default
+# .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8), --mbs N (2),
+# --out DIR (default target/bench-parallel).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+model="$root/.cache/smollm2-hf" data="" layouts="single,dp2,dp2-zero1,tp2,tp2-sp,tp2xdp2,mpi-dp2"
+iters=6 seq=512 gbs=8 mbs=2 out="$root/target/bench-parallel"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) model="$2"; shift ;;
+    --data) data="$2"; shift ;;
+    --layouts) layouts="$2"; shift ;;
+    --iters) iters="$2"; shift ;;
+    --seq) seq="$2"; shift ;;
+    --gbs) gbs="$2"; shift ;;
+    --mbs) mbs="$2"; shift ;;
+    --out) out="$2"; shift ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "bench-parallel.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ -n "$data" ] || { echo "bench-parallel.sh: --data PREFIX (a .bin/.idx corpus) is required" >&2; exit 2; }
+[ -f "$data.idx" ] || { echo "bench-parallel.sh: $data.idx not found" >&2; exit 2; }
+[ -f "$model/config.json" ] || { echo "bench-parallel.sh: $model has no config.json" >&2; exit 2; }
+features=""
+if command -v mpirun >/dev/null; then features="--features mpi"; fi
+cargo build --release --quiet -p ferrotron $features
+bin="${CARGO_TARGET_DIR:-$root/target}/release/ferrotron"
+mkdir -p "$out"
+
+layout_sets() {
+  case "$1" in
+    single) echo "" ;;
+    dp2) echo "--set parallel.data_parallel_size=2" ;;
+    dp2-zero1) echo "--set parallel.data_parallel_size=2 --set parallel.use_distributed_optimizer=true" ;;
+    tp2) echo "--set parallel.tensor_model_parallel_size=2" ;;
+    tp2-sp) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.sequence_parallel=true" ;;
+    tp2xdp2) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.data_parallel_size=2" ;;
+    mpi-dp2) echo "" ;;
+    *) echo "bench-parallel.sh: unknown layout $1" >&2; exit 2 ;;
+  esac
+}
+
+printf '%-10s %10s %7s %10s  %s\n' layout "tok/s" ratio "peak GiB" "losses"
+base=""
+IFS=',' read -r -a list <<< "$layouts"
+for l in "${list[@]}"; do
+  dir="$out/$l"; rm -rf "$dir"; mkdir -p "$dir"
+  cat > "$dir/run.toml" <<TOML
+[model]
+load = "$model"
+seq_length = $seq
+[data]
+data_path = "$data"
+split = "969,30,1"
+[training]
+micro_batch_size = $mbs
+global_batch_size = $gbs
+train_iters = $iters
+log_interval = 1
+eval_interval = 0
+[optimizer]
+lr = 1e-4
+min_lr = 1e-5
+lr_warmup_iters = 1
+[logging]
+output_dir = "$dir"
+tensorboard = false
+TOML
+  # shellcheck disable=SC2046
+  if [ "$l" = mpi-dp2 ]; then
+    /usr/bin/time -v mpirun --oversubscribe --allow-run-as-root -np 2 "$bin" train \
+      --dist-backend mpi --config "$dir/run.toml" > "$dir/stdout" 2> "$dir/stderr"
+  else
+    /usr/bin/time -v "$bin" train --config "$dir/run.toml" $(layout_sets "$l") \
+      > "$dir/stdout" 2> "$dir/stderr"
+  fi
+  python3 - "$dir" "$l" "${base:-}" <<'PY' | tee -a "$out/results.txt"
+import json, re, statistics, sys
+d, layout, base = sys.argv[1], sys.argv[2], sys.argv[3]
+rows = [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"train"' in l]
+tps = [r["tokens_per_second"] for r in rows[1:]] or [rows[0]["tokens_per_second"]]
+med = statistics.median(tps)
+rss = max(int(m) for m in re.findall(r"Maximum resident set size \(kbytes\): (\d+)", open(f"{d}/stderr").read())) / 2**20
+ratio = f"{med / float(base):.2f}" if base else "1.00"
+print(f"{layout:<10} {med:10.1f} {ratio:>7} {rss:10.2f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
+PY
+  if [ -z "$base" ]; then
+    base=$(python3 -c "import json,statistics;r=[json.loads(l) for l in open('$dir/metrics.jsonl') if '\"train\"' in l];t=[x['tokens_per_second'] for x in r[1:]] or [r[0]['tokens_per_second']];print(statistics.median(t))")
+  fi
+done
