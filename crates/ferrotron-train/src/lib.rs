@@ -1,6 +1,8 @@
-//! Training for Ferrotron: the run configuration (`ferrotron train --config run.toml`) and,
-//! later, the training loop built on it.
+//! Training for Ferrotron: the run configuration (`ferrotron train --config run.toml`), the
+//! [`trainer`] (single rank, data and tensor parallel), the [`pipeline`] schedules and the
+//! [`metrics`] writers.
 
 pub mod config;
 pub mod metrics;
+pub mod pipeline;
 pub mod trainer;

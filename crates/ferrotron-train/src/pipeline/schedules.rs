@@ -1,0 +1,291 @@
+//! Pipeline schedules as pure functions: `(pp_size, pp_rank, num_microbatches[, vp]) ->
+//! Vec<Action>`, the program one pipeline rank runs for one global batch (Megatron-Core
+//! `megatron/core/pipeline_parallel/schedules.py`):
+//!
+//! - [`no_pipelining`]: one stage, forward then backward per micro-batch (gradient
+//!   accumulation; `forward_backward_no_pipelining`);
+//! - [`one_f_one_b`]: `pp - rank - 1` warmup forwards, then one forward + one backward per
+//!   step, then the cooldown backwards (`forward_backward_pipelining_without_interleaving`);
+//! - [`interleaved_one_f_one_b`]: `vp` model chunks per rank, virtual stage `c·pp + rank`
+//!   for chunk `c` (`forward_backward_pipelining_with_interleaving`).
+//!
+//! Communication is explicit: a forward is preceded by its [`Action::RecvForward`] (except on
+//! the first virtual stage) and followed by [`Action::SendForward`] (except on the last);
+//! backwards mirror that. Sends never wait for the receiver (the communicator buffers them),
+//! receives block. [`simulate`] runs all ranks' programs against each other and checks them.
+
+use std::collections::{HashMap, VecDeque};
+
+/// One step of a pipeline rank's program; `mb` is the micro-batch, `chunk` the model chunk
+/// on this rank (always 0 without interleaving).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Receive the input activation `[s·b, h]` from the previous virtual stage.
+    RecvForward { mb: usize, chunk: usize },
+    /// Run the chunk's forward (the loss too on the last virtual stage).
+    Forward { mb: usize, chunk: usize },
+    /// Send the output activation to the next virtual stage.
+    SendForward { mb: usize, chunk: usize },
+    /// Receive the gradient of the output activation from the next virtual stage.
+    RecvBackward { mb: usize, chunk: usize },
+    /// Run the chunk's backward, freeing the micro-batch's activations.
+    Backward { mb: usize, chunk: usize },
+    /// Send the gradient of the input activation to the previous virtual stage.
+    SendBackward { mb: usize, chunk: usize },
+}
+
+/// Where a rank sits in a (possibly interleaved) pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PipelineRank {
+    /// `pipeline_model_parallel_size`.
+    pub pp: usize,
+    /// This rank's stage.
+    pub rank: usize,
+    /// Model chunks per rank (`virtual_pipeline_model_parallel_size`, 1 without).
+    pub vp: usize,
+}
+
+impl PipelineRank {
+    /// Virtual stage of `chunk` on this rank: `chunk·pp + rank`.
+    pub fn virtual_stage(&self, chunk: usize) -> usize {
+        chunk * self.pp + self.rank
+    }
+    /// Holds the first virtual stage (the embedding) for `chunk`.
+    pub fn is_first(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) == 0
+    }
+    /// Holds the last virtual stage (the loss) for `chunk`.
+    pub fn is_last(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) + 1 == self.pp * self.vp
+    }
+    /// The rank holding the next virtual stage after `chunk` (the ring: the last rank's
+    /// chunk `c` feeds rank 0's chunk `c + 1`).
+    pub fn next_rank(&self) -> usize {
+        (self.rank + 1) % self.pp
+    }
+    /// The rank holding the previous virtual stage.
+    pub fn prev_rank(&self) -> usize {
+        (self.rank + self.pp - 1) % self.pp
+    }
+}
+
+/// The forward of `(mb, chunk)` with its receive and send.
+fn forward(p: &PipelineRank, mb: usize, chunk: usize, out: &mut Vec<Action>) {
+    if !p.is_first(chunk) {
+        out.push(Action::RecvForward { mb, chunk });
+    }
+    out.push(Action::Forward { mb, chunk });
+    if !p.is_last(chunk) {
+        out.push(Action::SendForward { mb, chunk });
+    }
+}
+
+/// The backward of `(mb, chunk)` with its receive and send.
+fn backward(p: &PipelineRank, mb: usize, chunk: usize, out: &mut Vec<Action>) {
+    if !p.is_last(chunk) {
+        out.push(Action::RecvBackward { mb, chunk });
+    }
+    out.push(Action::Backward { mb, chunk });
+    if !p.is_first(chunk) {
+        out.push(Action::SendBackward { mb, chunk });
+    }
+}
+
+/// One stage: forward and backward of each micro-batch in turn.
+pub fn no_pipelining(num_microbatches: usize) -> Vec<Action> {
+    one_f_one_b(1, 0, num_microbatches)
+}
+
+/// Megatron's 1F1B on stage `rank` of `pp`: `warmup = min(pp − rank − 1, M)` forwards,
+/// then `M − warmup` steps of one forward and one backward, then the remaining backwards.
+/// At most `warmup + 1` micro-batches hold activations at once.
+pub fn one_f_one_b(pp: usize, rank: usize, num_microbatches: usize) -> Vec<Action> {
+    let p = PipelineRank { pp, rank, vp: 1 };
+    let m = num_microbatches;
+    let warmup = (pp - rank - 1).min(m);
+    let mut out = Vec::with_capacity(6 * m);
+    for mb in 0..warmup {
+        forward(&p, mb, 0, &mut out);
+    }
+    for i in 0..m - warmup {
+        forward(&p, warmup + i, 0, &mut out);
+        backward(&p, i, 0, &mut out);
+    }
+    for mb in m - warmup..m {
+        backward(&p, mb, 0, &mut out);
+    }
+    out
+}
+
+/// Megatron's interleaved 1F1B on stage `rank` of `pp` with `vp` chunks per rank. Forward
+/// step `k` runs chunk `(k mod pp·vp) / pp` on micro-batch `(k / (pp·vp))·pp + k mod pp`;
+/// backward steps walk the chunks in reverse. Warmup: `(pp − rank − 1)·2 + (vp − 1)·pp`
+/// forwards (all of them when `M == pp`).
+///
+/// # Errors
+/// `num_microbatches` not a positive multiple of `pp` (Megatron's requirement), `vp < 2`
+/// or `pp < 2`, with a message naming the sizes.
+pub fn interleaved_one_f_one_b(
+    pp: usize,
+    rank: usize,
+    num_microbatches: usize,
+    vp: usize,
+) -> Result<Vec<Action>, String> {
+    let m = num_microbatches;
+    if pp < 2 || vp < 2 {
+        return Err(format!(
+            "the interleaved schedule needs pipeline_model_parallel_size >= 2 and \
+             virtual_pipeline_model_parallel_size >= 2, got {pp} and {vp}"
+        ));
+    }
+    if m == 0 || !m.is_multiple_of(pp) {
+        return Err(format!(
+            "the interleaved schedule needs the number of micro-batches ({m}) to be a positive \
+             multiple of pipeline_model_parallel_size ({pp})"
+        ));
+    }
+    let p = PipelineRank { pp, rank, vp };
+    let total = m * vp;
+    let step = |k: usize, fwd: bool| {
+        let in_group = k % (pp * vp);
+        let chunk = in_group / pp;
+        let chunk = if fwd { chunk } else { vp - 1 - chunk };
+        (k / (pp * vp) * pp + in_group % pp, chunk)
+    };
+    let warmup = if m == pp {
+        total
+    } else {
+        ((pp - rank - 1) * 2 + (vp - 1) * pp).min(total)
+    };
+    let mut out = Vec::with_capacity(6 * total);
+    for k in 0..warmup {
+        let (mb, chunk) = step(k, true);
+        forward(&p, mb, chunk, &mut out);
+    }
+    for k in 0..total - warmup {
+        let (mb, chunk) = step(k + warmup, true);
+        forward(&p, mb, chunk, &mut out);
+        let (mb, chunk) = step(k, false);
+        backward(&p, mb, chunk, &mut out);
+    }
+    for k in total - warmup..total {
+        let (mb, chunk) = step(k, false);
+        backward(&p, mb, chunk, &mut out);
+    }
+    Ok(out)
+}
+
+/// What [`simulate`] measured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Simulation {
+    /// Per rank, the most micro-batch chunks holding activations at once.
+    pub peak_in_flight: Vec<usize>,
+    /// Rounds of the lock-step simulation until every program finished (a rough length
+    /// of the pipeline, bubbles included).
+    pub rounds: usize,
+}
+
+/// Runs every rank's program (`programs[r]` for stage `r` of `pp`, `vp` chunks) against the
+/// others: sends enqueue on the (sender, receiver, kind, mb, chunk) channel, receives wait
+/// for theirs. Checks that no program deadlocks, every message sent is received, each
+/// forward comes before its backward on its rank, every (micro-batch, chunk) runs exactly one
+/// forward and one backward on every rank, and the message shapes line up across the ring.
+///
+/// # Errors
+/// The first violation, naming the rank and action.
+pub fn simulate(
+    programs: &[Vec<Action>],
+    vp: usize,
+    num_microbatches: usize,
+) -> Result<Simulation, String> {
+    let pp = programs.len();
+    // channel key: (to, kind, mb, chunk of the receiver)
+    let mut channels: HashMap<(usize, u8, usize, usize), VecDeque<usize>> = HashMap::new();
+    let mut pc = vec![0usize; pp];
+    let mut alive: Vec<HashMap<(usize, usize), ()>> = vec![HashMap::new(); pp];
+    let mut peak = vec![0usize; pp];
+    let mut done: Vec<HashMap<(bool, usize, usize), usize>> = vec![HashMap::new(); pp];
+    let mut rounds = 0;
+    while pc.iter().zip(programs).any(|(&i, p)| i < p.len()) {
+        rounds += 1;
+        let mut progressed = false;
+        for r in 0..pp {
+            // Run this rank until it blocks on a receive or finishes.
+            while let Some(&a) = programs[r].get(pc[r]) {
+                match a {
+                    Action::RecvForward { mb, chunk } | Action::RecvBackward { mb, chunk } => {
+                        let kind = u8::from(matches!(a, Action::RecvBackward { .. }));
+                        let key = (r, kind, mb, chunk);
+                        match channels.get_mut(&key).and_then(VecDeque::pop_front) {
+                            Some(_) => {}
+                            None => break,
+                        }
+                    }
+                    Action::SendForward { mb, chunk } => {
+                        // next virtual stage: rank + 1 same chunk, or rank 0 next chunk
+                        let (to, c) = if r + 1 < pp {
+                            (r + 1, chunk)
+                        } else {
+                            (0, chunk + 1)
+                        };
+                        channels.entry((to, 0, mb, c)).or_default().push_back(r);
+                    }
+                    Action::SendBackward { mb, chunk } => {
+                        let (to, c) = if r > 0 {
+                            (r - 1, chunk)
+                        } else {
+                            (pp - 1, chunk.wrapping_sub(1))
+                        };
+                        channels.entry((to, 1, mb, c)).or_default().push_back(r);
+                    }
+                    Action::Forward { mb, chunk } => {
+                        if alive[r].insert((mb, chunk), ()).is_some() {
+                            return Err(format!("rank {r}: second forward of {a:?}"));
+                        }
+                        peak[r] = peak[r].max(alive[r].len());
+                        *done[r].entry((true, mb, chunk)).or_default() += 1;
+                    }
+                    Action::Backward { mb, chunk } => {
+                        if alive[r].remove(&(mb, chunk)).is_none() {
+                            return Err(format!("rank {r}: {a:?} before its forward"));
+                        }
+                        *done[r].entry((false, mb, chunk)).or_default() += 1;
+                    }
+                }
+                pc[r] += 1;
+                progressed = true;
+            }
+        }
+        if !progressed {
+            let stuck: Vec<String> = (0..pp)
+                .filter(|&r| pc[r] < programs[r].len())
+                .map(|r| format!("rank {r} at {:?}", programs[r][pc[r]]))
+                .collect();
+            return Err(format!("deadlock: {}", stuck.join(", ")));
+        }
+    }
+    if let Some((k, q)) = channels.iter().find(|(_, q)| !q.is_empty()) {
+        return Err(format!(
+            "message never received: {k:?} from rank {:?}",
+            q.front()
+        ));
+    }
+    for (r, d) in done.iter().enumerate() {
+        for mb in 0..num_microbatches {
+            for chunk in 0..vp {
+                for fwd in [true, false] {
+                    if d.get(&(fwd, mb, chunk)) != Some(&1) {
+                        let what = if fwd { "forward" } else { "backward" };
+                        return Err(format!(
+                            "rank {r}: micro-batch {mb} chunk {chunk} has no single {what}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(Simulation {
+        peak_in_flight: peak,
+        rounds,
+    })
+}
