@@ -72,7 +72,7 @@ micro_batch_size = $mbs
 global_batch_size = $gbs
 train_iters = $iters
 log_interval = 1
-eval_interval = 0
+eval_iters = 0
 [optimizer]
 lr = 1e-4
 min_lr = 1e-5
