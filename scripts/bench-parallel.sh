@@ -9,14 +9,15 @@
 #   bash scripts/bench-parallel.sh --data /work/runs/kjv/kjv_text_document
 #   bash scripts/bench-parallel.sh --data PREFIX --layouts single,dp2,tp2 --iters 4
 #
-# Layouts: single, dp2, dp2-zero1 (distributed optimizer), tp2, tp2-sp, tp2xdp2, mpi-dp2
+# Layouts: single, dp2, dp2-overlap (overlap_grad_reduce), dp2-zero1 (distributed optimizer),
+# tp2, tp2-sp, tp2xdp2, mpi-dp2
 # (needs a build with --features mpi and OpenMPI). Options: --model DIR (default
 # .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8), --mbs N (2),
 # --out DIR (default target/bench-parallel).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-model="$root/.cache/smollm2-hf" data="" layouts="single,dp2,dp2-zero1,tp2,tp2-sp,tp2xdp2,mpi-dp2"
+model="$root/.cache/smollm2-hf" data="" layouts="single,dp2,dp2-overlap,dp2-zero1,tp2,tp2-sp,tp2xdp2,mpi-dp2"
 iters=6 seq=512 gbs=8 mbs=2 out="$root/target/bench-parallel"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -46,6 +47,7 @@ layout_sets() {
   case "$1" in
     single) echo "" ;;
     dp2) echo "--set parallel.data_parallel_size=2" ;;
+    dp2-overlap) echo "--set parallel.data_parallel_size=2 --set parallel.overlap_grad_reduce=true" ;;
     dp2-zero1) echo "--set parallel.data_parallel_size=2 --set parallel.use_distributed_optimizer=true" ;;
     tp2) echo "--set parallel.tensor_model_parallel_size=2" ;;
     tp2-sp) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.sequence_parallel=true" ;;
@@ -55,7 +57,7 @@ layout_sets() {
   esac
 }
 
-printf '%-10s %10s %7s %10s  %s\n' layout "tok/s" ratio "peak GiB" "losses"
+printf '%-11s %9s %6s %9s %9s  %s\n' layout "tok/s" ratio "peak GiB" "wait ms" "losses"
 base=""
 IFS=',' read -r -a list <<< "$layouts"
 for l in "${list[@]}"; do
@@ -97,7 +99,8 @@ tps = [r["tokens_per_second"] for r in rows[1:]] or [rows[0]["tokens_per_second"
 med = statistics.median(tps)
 rss = max(int(m) for m in re.findall(r"Maximum resident set size \(kbytes\): (\d+)", open(f"{d}/stderr").read())) / 2**20
 ratio = f"{med / float(base):.2f}" if base else "1.00"
-print(f"{layout:<10} {med:10.1f} {ratio:>7} {rss:10.2f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
+wait = statistics.median([r.get("comm_wait_ms", 0.0) for r in rows[1:]] or [0.0])
+print(f"{layout:<11} {med:9.1f} {ratio:>6} {rss:9.2f} {wait:9.1f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
 PY
   if [ -z "$base" ]; then
     base=$(python3 -c "import json,statistics;r=[json.loads(l) for l in open('$dir/metrics.jsonl') if '\"train\"' in l];t=[x['tokens_per_second'] for x in r[1:]] or [r[0]['tokens_per_second']];print(statistics.median(t))")

@@ -18,7 +18,7 @@ pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
 pub use tensor_parallel::{TpInfo, TpSplit, padded_vocab_size};
-pub use train::{ActivationMemory, LossStats, ParamInfo, TrainBatch};
+pub use train::{ActivationMemory, GradReady, LossStats, NoGradHook, ParamInfo, TrainBatch};
 pub use transformer_layer::TransformerLayer;
 
 /// Result alias for model construction and forward passes.

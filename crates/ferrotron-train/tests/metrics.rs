@@ -28,6 +28,7 @@ fn simulated_run() -> Vec<TrainLog> {
             grad_norm: Some(1.0 / it as f64),
             skipped_iterations: 0,
             nan_iterations: 0,
+            comm_wait_ms: 0.0,
         }));
         if it % 10 == 0 {
             logs.push(TrainLog::Valid(EvalLine::new(it, loss(it) + 0.1)));

@@ -165,6 +165,38 @@ fn tensor_parallel_checkpoint_resumes_on_one_rank() {
     );
 }
 
+/// overlap_grad_reduce: buckets reduced on the progress thread during the last backward
+/// (small buckets: several per step), with and without the distributed optimizer and under
+/// tensor parallelism, give the same run.
+#[test]
+fn overlapped_grad_reduce_matches_one_rank() {
+    let reference = single_rank(ITERS);
+    for (tp, dp, distributed) in [(1, 2, false), (1, 2, true), (2, 2, false)] {
+        let runs = run_local(tp * dp, |comm| {
+            let world = comm.world_ranks().len();
+            let config = ParallelConfig {
+                tensor_model_parallel_size: tp,
+                ..ParallelConfig::default()
+            };
+            let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
+            let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
+            let shard = tiny_model()
+                .tensor_parallel_shard(TensorParallel::new(groups.tensor.clone(), false), 128)?;
+            let group =
+                DataParallel::new(groups.data.clone(), distributed).with_overlap_grad_reduce()?;
+            let mut t = Trainer::new_data_parallel(shard, dp_options(dp, ITERS), group)?;
+            let run = train(&mut t, 0, ITERS);
+            Ok::<_, TrainError>(run)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        for (r, run) in runs.iter().enumerate() {
+            let label =
+                format!("overlap tp{tp} dp{dp} distributed_optimizer={distributed} rank {r}");
+            assert_same_run(&label, run, &reference);
+        }
+    }
+}
+
 #[test]
 fn dp2_and_dp4_match_one_rank() {
     let reference = single_rank(ITERS);

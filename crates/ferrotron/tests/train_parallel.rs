@@ -71,13 +71,16 @@ fn dp2_in_process_matches_one_rank() {
     assert!(err.contains("running 2 ranks in this process"), "{err}");
     assert_same_losses("dp2", &metrics_losses(&tmp.path().join("dp2")), &want);
 
-    // ZeRO-1, stopped at iteration 4, then resumed on ONE rank from its sharded optimizer
+    // ZeRO-1 with overlapped gradient reduction, stopped at iteration 4, then resumed on ONE
+    // rank from its sharded optimizer
     let zero = config(tmp.path(), &prefix, "zero1");
     let dp2_zero = [
         "--set",
         "parallel.data_parallel_size=2",
         "--set",
         "parallel.use_distributed_optimizer=true",
+        "--set",
+        "parallel.overlap_grad_reduce=true",
     ];
     train(
         &zero,

@@ -4,7 +4,6 @@
 //! gradients are per-call buffers. Saved activations are freed as soon as their layer's
 //! backward is done.
 
-use super::TrainBatch;
 use super::forward::{
     Activations, CoreAttnOut, LayerActs, Pass, Saved, attention_dims, f32_bytes, pack_qkv,
     usize_bytes,
@@ -12,6 +11,7 @@ use super::forward::{
 use super::memory::Ledger;
 use super::params::LayerSlots;
 use super::tp_ops::{column_input_backward, row_parallel_output_grad};
+use super::{GradReady, TrainBatch};
 use crate::{GptModel, Result, TransformerLayer};
 use ferrotron_nn::attention::core_attention_backward;
 use ferrotron_nn::{Linear, RmsNorm};
@@ -32,6 +32,8 @@ pub(crate) struct Backprop<'g, 'p> {
     pub grads: &'g mut [&'p mut [f32]],
     /// Saved-activation bytes: released as the backward frees them.
     pub ledger: &'g mut Ledger,
+    /// Told as each parameter group's gradients become final.
+    pub ready: &'g mut (dyn GradReady + Send),
 }
 
 impl GptModel {
@@ -48,6 +50,7 @@ impl GptModel {
         acts: Activations,
         grads: &mut [&mut [f32]],
         ledger: &mut Ledger,
+        ready: &mut (dyn GradReady + Send),
     ) -> Result<()> {
         let Activations {
             saved,
@@ -107,12 +110,17 @@ impl GptModel {
         );
         ledger.release(f32_bytes(&x_final) + f32_bytes(&rstd_final));
         drop((x_final, rstd_final, dnormed));
+        match slots.output {
+            Some(out) => ready.ready(&[out, slots.final_norm], grads),
+            None => ready.ready(&[slots.final_norm], grads),
+        }
         let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
         let mut st = Backprop {
             scratch: vec![0f32; dres.len()],
             dres,
             grads,
             ledger,
+            ready,
         };
         for s in saved.into_iter().rev() {
             match s {
@@ -125,6 +133,7 @@ impl GptModel {
                         &mut st,
                     )?;
                     st.ledger.release(acts.bytes());
+                    st.ready.ready(&slots.layers[index].indices(), st.grads);
                 }
                 Saved::Input { layers, x } => {
                     self.recompute_backward(layers, x, &slots, &pass, &mut st)?;
@@ -132,6 +141,7 @@ impl GptModel {
             }
         }
         self.embed_train_backward(&batch.tokens, &st.dres, st.grads[slots.embedding])?;
+        st.ready.ready(&[slots.embedding], st.grads);
         st.ledger.release(usize_bytes(&positions));
         Ok(())
     }
@@ -161,6 +171,7 @@ pub(crate) fn layer_backward(
         scratch,
         grads,
         ledger,
+        ..
     } = st;
     // MLP: y = x_mid + fc2(swiglu(fc1(norm2(x_mid)))).
     let dy = row_parallel_output_grad(pass.tp, dres)?;

@@ -187,7 +187,13 @@ mod tests {
             assert_eq!(ledger.held(), want.forward_end_bytes as u128, "{mode:?}");
             model.loss_and_logit_grad(&batch, &mut acts, 1.0).unwrap();
             model
-                .train_backward(&batch, acts, &mut views, &mut ledger)
+                .train_backward(
+                    &batch,
+                    acts,
+                    &mut views,
+                    &mut ledger,
+                    &mut crate::NoGradHook,
+                )
                 .unwrap();
             assert_eq!(ledger.peak(), want.peak_bytes as u128, "{mode:?}");
             assert_eq!(ledger.held(), 0, "{mode:?}");

@@ -207,6 +207,24 @@ fn to_seq_major<T: Copy>(x: &[T], b: usize, s: usize) -> Vec<T> {
         .collect()
 }
 
+/// Hears, during [`GptModel::forward_backward_with`], that the gradients of some parameters
+/// are final for this call (Megatron's backward hooks that make DDP buckets ready): the
+/// output layer and final norm first, then each decoder layer from the last, the embedding
+/// last.
+pub trait GradReady {
+    /// `params` (indices in the order of [`GptModel::parameters`]) will not change any more
+    /// in this call; `grads` are all gradients, readable.
+    fn ready(&mut self, params: &[usize], grads: &[&mut [f32]]);
+}
+
+/// A [`GradReady`] that ignores everything.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoGradHook;
+
+impl GradReady for NoGradHook {
+    fn ready(&mut self, _: &[usize], _: &[&mut [f32]]) {}
+}
+
 /// The loss of one [`GptModel::forward_backward`] call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossStats {
@@ -261,6 +279,21 @@ impl GptModel {
         grads: &mut [&mut [f32]],
         loss_scale: f32,
     ) -> Result<LossStats> {
+        self.forward_backward_with(batch, grads, loss_scale, &mut NoGradHook)
+    }
+
+    /// [`GptModel::forward_backward`], telling `ready` as parameter gradients become final
+    /// (so their communication can start while the backward goes on).
+    ///
+    /// # Errors
+    /// As [`GptModel::forward_backward`].
+    pub fn forward_backward_with(
+        &self,
+        batch: &TrainBatch,
+        grads: &mut [&mut [f32]],
+        loss_scale: f32,
+        ready: &mut (dyn GradReady + Send),
+    ) -> Result<LossStats> {
         batch.validate(self)?;
         self.config.validate_recompute()?;
         let infos = self.parameters();
@@ -286,7 +319,7 @@ impl GptModel {
             let mut ledger = memory::Ledger::default();
             let mut acts = self.train_forward(batch, &mut ledger)?;
             let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
-            self.train_backward(batch, acts, grads, &mut ledger)?;
+            self.train_backward(batch, acts, grads, &mut ledger, ready)?;
             Ok(stats)
         })
     }

@@ -42,6 +42,27 @@ pub(crate) struct LayerSlots {
     pub fc2_b: Option<usize>,
 }
 
+impl LayerSlots {
+    /// Every parameter index of the layer.
+    pub(crate) fn indices(&self) -> Vec<usize> {
+        [
+            Some(self.norm1),
+            Some(self.qkv_w),
+            self.qkv_b,
+            Some(self.proj_w),
+            self.proj_b,
+            Some(self.norm2),
+            Some(self.fc1_w),
+            self.fc1_b,
+            Some(self.fc2_w),
+            self.fc2_b,
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}
+
 /// Indices into the parameter list (the order of [`GptModel::parameters`]).
 #[derive(Clone, Debug)]
 pub(crate) struct Slots {

@@ -105,6 +105,7 @@ impl GptModel {
         for (index, la) in layers.zip(acts).rev() {
             layer_backward(&self.layers[index], &la, &slots.layers[index], pass, st)?;
             st.ledger.release(la.bytes());
+            st.ready.ready(&slots.layers[index].indices(), st.grads);
         }
         Ok(())
     }

@@ -226,6 +226,7 @@ mod tests {
             grad_norm: Some(1.25),
             skipped_iterations: 0,
             nan_iterations: 0,
+            comm_wait_ms: 0.0,
         }
     }
 

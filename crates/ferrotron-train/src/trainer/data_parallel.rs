@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use ferrotron_comm::{Collectives, CommError, Communicator, ReduceOp, SingleRankComm};
+use ferrotron_comm::{AsyncComm, Collectives, CommError, Communicator, ReduceOp, SingleRankComm};
 use ferrotron_optim::{GradStatsReduce, OptimError, ParamAndGradBuffer, ParamStorage};
 
 use super::{Result, TrainError};
@@ -27,6 +27,8 @@ use super::{Result, TrainError};
 pub struct DataParallel {
     comm: Arc<dyn Communicator>,
     use_distributed_optimizer: bool,
+    /// The group's progress thread, with `overlap_grad_reduce`.
+    overlap: Option<Arc<AsyncComm>>,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -35,6 +37,7 @@ impl std::fmt::Debug for DataParallel {
             .field("rank", &self.comm.rank())
             .field("size", &self.comm.size())
             .field("use_distributed_optimizer", &self.use_distributed_optimizer)
+            .field("overlap_grad_reduce", &self.overlap.is_some())
             .finish()
     }
 }
@@ -50,7 +53,28 @@ impl DataParallel {
         DataParallel {
             comm,
             use_distributed_optimizer,
+            overlap: None,
         }
+    }
+
+    /// Megatron's `overlap_grad_reduce`: each gradient bucket is reduced on a progress thread
+    /// as soon as the last micro-batch's backward has finished it (see `overlap.rs`). A group
+    /// of one has nothing to overlap.
+    ///
+    /// # Errors
+    /// The progress thread could not start.
+    pub fn with_overlap_grad_reduce(mut self) -> Result<Self> {
+        if self.size() > 1 {
+            self.overlap = Some(Arc::new(
+                AsyncComm::new(self.comm.clone()).map_err(comm_err)?,
+            ));
+        }
+        Ok(self)
+    }
+
+    /// The progress thread of `overlap_grad_reduce`, if on.
+    pub(super) fn overlap_comm(&self) -> Option<&AsyncComm> {
+        self.overlap.as_deref()
     }
 
     /// A group of one: the single-rank trainer.

@@ -36,6 +36,10 @@ pub struct LogLine {
     pub skipped_iterations: u64,
     /// Iterations in the interval whose loss was NaN or infinite.
     pub nan_iterations: u64,
+    /// Mean time per iteration spent waiting for the data-parallel gradient reduction,
+    /// milliseconds (metrics only; 0 on one rank).
+    #[serde(default)]
+    pub comm_wait_ms: f64,
 }
 
 /// One validation result (`evaluate_and_print_results`).
@@ -198,6 +202,7 @@ mod tests {
             grad_norm: Some(1.2344),
             skipped_iterations: 0,
             nan_iterations: 0,
+            comm_wait_ms: 0.0,
         }
     }
 

@@ -25,6 +25,7 @@ mod flops;
 mod full_state;
 mod log;
 mod options;
+mod overlap;
 mod run;
 mod step;
 

@@ -52,6 +52,7 @@ struct Interval {
     elapsed: Duration,
     skipped: u64,
     nan: u64,
+    comm_wait: Duration,
 }
 
 /// Hands `log` to `on_log` and appends it to `metrics` as one JSON line (flushed).
@@ -114,6 +115,7 @@ impl Trainer {
             acc.iterations += 1;
             acc.tokens += stats.tokens;
             acc.elapsed += stats.elapsed;
+            acc.comm_wait += stats.comm_wait;
             if stats.skipped {
                 acc.skipped += 1;
             } else {
@@ -147,6 +149,7 @@ impl Trainer {
                     grad_norm: stats.grad_norm,
                     skipped_iterations: acc.skipped,
                     nan_iterations: acc.nan,
+                    comm_wait_ms: acc.comm_wait.as_secs_f64() * 1e3 / acc.iterations as f64,
                 };
                 emit(TrainLog::Train(line), metrics, on_log)?;
                 acc = Interval::default();

@@ -4,6 +4,7 @@
 //! ([`Trainer::evaluate`]).
 
 use super::data_parallel::DataParallel;
+use super::overlap::BucketOverlap;
 use super::{Result, TrainError, TrainerOptions};
 use ferrotron_data::MicroBatch;
 use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
@@ -34,6 +35,9 @@ pub struct StepStats {
     pub tokens: usize,
     /// Wall time of the step (forward, backward, optimizer, weight copy).
     pub elapsed: Duration,
+    /// Time the step waited for the data-parallel gradient reduction: all of it without
+    /// `overlap_grad_reduce`, only what was left after the backward with it.
+    pub comm_wait: Duration,
 }
 
 /// Single-rank trainer: owns the model, the f32 [`ParamAndGradBuffer`], the fp32 AdamW
@@ -226,20 +230,40 @@ impl Trainer {
         let loss_scale = self.optimizer.loss_scale();
         self.buffer.zero_grad();
         let (mut loss_sum, mut tokens) = (0.0, 0);
-        for batch in &batches {
+        // overlap_grad_reduce: the last micro-batch's backward starts each bucket's reduction.
+        let distributed = self.dp.use_distributed_optimizer();
+        let mut overlap = self
+            .dp
+            .overlap_comm()
+            .map(|c| BucketOverlap::new(c, distributed, &self.buffer));
+        let last = batches.len() - 1;
+        for (k, batch) in batches.iter().enumerate() {
             let scale = if total > 0.0 {
                 (batch.loss_token_count() / total) as f32 * loss_scale
             } else {
                 0.0
             };
             let mut grads = self.buffer.grad_slices_mut();
-            let stats = self.model.forward_backward(batch, &mut grads, scale)?;
+            let stats = match overlap.as_mut() {
+                Some(hook) if k == last => self
+                    .model
+                    .forward_backward_with(batch, &mut grads, scale, hook)?,
+                _ => self.model.forward_backward(batch, &mut grads, scale)?,
+            };
             loss_sum += stats.loss_sum;
             tokens += batch.tokens.len();
         }
+        let comm_wait = match overlap {
+            Some(hook) => hook.finish(&mut self.buffer)?,
+            None => {
+                let wait = Instant::now();
+                self.dp.reduce_grads(&mut self.buffer)?;
+                wait.elapsed()
+            }
+        };
+        // Sequence-parallel norm gradients over tp (sums commute with the dp reduction).
         self.model
             .finalize_grads(&mut self.buffer.grad_slices_mut())?;
-        self.dp.reduce_grads(&mut self.buffer)?;
         let mut sums = [loss_sum, tokens as f64];
         self.dp.sum(&mut sums)?;
         let [loss_sum, tokens] = sums;
@@ -268,6 +292,7 @@ impl Trainer {
             skipped: !out.update_successful,
             tokens: tokens as usize,
             elapsed: start.elapsed(),
+            comm_wait,
         })
     }
 

@@ -80,10 +80,10 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
             no(key, "data and tensor parallelism run so far");
         }
     }
-    if p.overlap_grad_reduce || p.overlap_param_gather {
+    if p.overlap_param_gather {
         no(
-            "parallel.overlap_grad_reduce / overlap_param_gather",
-            "buckets are reduced after the backward",
+            "parallel.overlap_param_gather",
+            "parameters are all-gathered right after the step",
         );
     }
     out

@@ -125,7 +125,10 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     } else {
         (model, None)
     };
-    let dp = DataParallel::new(rank.groups.data.clone(), par.use_distributed_optimizer);
+    let mut dp = DataParallel::new(rank.groups.data.clone(), par.use_distributed_optimizer);
+    if par.overlap_grad_reduce {
+        dp = dp.with_overlap_grad_reduce()?;
+    }
     let (dp_rank, dp_size) = (dp.rank(), dp.size());
     let mut trainer = Trainer::new_data_parallel(model, opts, dp)?;
     if let Some(load) = &r.checkpoint.load {
