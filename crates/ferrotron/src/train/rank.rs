@@ -78,7 +78,8 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         ddp_bucket_size: par.ddp_bucket_size,
         train_iters: iters,
         log_interval: r.training.log_interval,
-        eval_interval: if data.valid.is_some() {
+        // eval_iters = 0 turns validation off (Megatron skips evaluate then).
+        eval_interval: if data.valid.is_some() && eval_iters > 0 {
             eval_interval
         } else {
             0
