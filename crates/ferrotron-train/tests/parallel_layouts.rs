@@ -277,3 +277,50 @@ fn data_parallel_size_must_match_the_group() {
         "{err}"
     );
 }
+
+/// Model-state memory per rank follows Megatron's formula: `6 + 12/dp` bytes per parameter
+/// (bf16 params, fp32 grads, fp32 master + Adam moments sharded by the distributed
+/// optimizer), 18 without sharding.
+#[test]
+fn model_state_memory_follows_megatrons_formula() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    let bf16_model = || {
+        ferrotron_model::families::load_hf_model(&dir, ferrotron_tensor::DType::BF16)
+            .unwrap()
+            .0
+    };
+    let options = |dp| TrainerOptions {
+        precision: ferrotron_optim::Precision::Bf16,
+        ..dp_options(dp, ITERS)
+    };
+    let per_element = |t: &Trainer, numel: usize| t.model_state_bytes() as f64 / numel as f64;
+    let one = Trainer::new(bf16_model(), options(1)).unwrap();
+    let numel = one
+        .model()
+        .parameters()
+        .iter()
+        .map(|p| p.numel())
+        .sum::<usize>();
+    let padded = one.model_state_bytes() / 18;
+    assert_eq!(one.model_state_bytes(), 18 * padded);
+    assert!(
+        padded >= numel && padded < numel + numel / 10,
+        "padding {padded} vs {numel}"
+    );
+    for dp in [2, 4] {
+        let bytes = run_local(dp, |comm| {
+            let group = DataParallel::new(Arc::new(comm), true);
+            let t = Trainer::new_data_parallel(bf16_model(), options(dp), group)?;
+            Ok::<_, TrainError>((t.model_state_bytes(), per_element(&t, padded)))
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        for (b, per) in bytes {
+            let want = 6.0 + 12.0 / dp as f64;
+            // buckets are padded to lcm(dp, 128) elements, so a shard can be a little more
+            assert!(
+                (per - want).abs() < 0.05,
+                "dp {dp}: {per} bytes/param, want {want} ({b} bytes)"
+            );
+        }
+    }
+}

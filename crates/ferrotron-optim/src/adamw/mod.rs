@@ -184,6 +184,12 @@ impl AdamW {
     pub fn step_count(&self) -> u64 {
         self.step
     }
+    /// Bytes of optimizer state held: the f32 Adam moments and master weights of the owned
+    /// ranges (`12` bytes per owned element with bf16/f16 params, `8` with f32).
+    pub fn state_bytes(&self) -> usize {
+        4 * (self.exp_avg.len() + self.exp_avg_sq.len() + self.master.as_ref().map_or(0, Vec::len))
+    }
+
     /// The owned flat ranges and their local offsets.
     pub fn owned(&self) -> &OwnedRanges {
         &self.owned

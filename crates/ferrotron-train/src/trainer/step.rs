@@ -150,6 +150,18 @@ impl Trainer {
         &self.dp
     }
 
+    /// Bytes of model state this rank holds: the parameter buffer (2 bytes per element in
+    /// bf16/fp16, 4 in fp32), the f32 gradient buffer (4) and the optimizer state (Adam
+    /// moments and fp32 master weights: 12 per owned element with 16-bit params, 8 in fp32).
+    /// Megatron's formula: `6 + 12/dp` bytes per parameter with bf16 params, fp32 grads and
+    /// the distributed optimizer (`18` without it); buffer padding adds a little.
+    pub fn model_state_bytes(&self) -> usize {
+        let numel = self.buffer.numel();
+        numel * self.buffer.param_dtype().size_in_bytes()
+            + 4 * numel
+            + self.optimizer.adam().state_bytes()
+    }
+
     /// The model with the weights of the last successful step.
     pub fn model(&self) -> &GptModel {
         &self.model
