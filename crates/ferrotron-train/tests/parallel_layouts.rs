@@ -197,6 +197,24 @@ fn overlapped_grad_reduce_matches_one_rank() {
     }
 }
 
+/// bf16 gradient reduction (`grad_reduce_in_fp32 = false`) rounds each rank's gradient to
+/// bf16 once: the run tracks the f32 one closely, not bit for bit.
+#[test]
+fn bf16_grad_reduce_tracks_one_rank() {
+    let reference = single_rank(ITERS);
+    let runs = run_local(2, |comm| {
+        let group = DataParallel::new(Arc::new(comm), true).with_bf16_grad_reduce();
+        let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(2, ITERS), group)?;
+        Ok::<_, TrainError>(train(&mut t, 0, ITERS))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (a, b) in runs[0].0.iter().zip(&reference.0) {
+        let rel = (a - b).abs() / b;
+        assert!(rel < 1e-2, "bf16 reduce loss {a} vs {b}");
+    }
+    assert_eq!(runs[0].1, runs[1].1, "replicas diverged");
+}
+
 #[test]
 fn dp2_and_dp4_match_one_rank() {
     let reference = single_rank(ITERS);

@@ -264,6 +264,10 @@ section! {
         /// Reduce each gradient bucket while the backward still runs. Default: false.
         /// Megatron: `--overlap-grad-reduce`.
         overlap_grad_reduce: bool = false,
+        /// Reduce gradients over data-parallel ranks in f32; false sends them as bf16 (half
+        /// the traffic, each rank's part rounded once). Default: true.
+        /// Megatron: `grad_reduce_in_fp32` (DDP config).
+        grad_reduce_in_fp32: bool = true,
         /// All-gather updated parameters bucket by bucket during the next forward
         /// (distributed optimizer). Default: false. Megatron: `--overlap-param-gather`.
         overlap_param_gather: bool = false,

@@ -405,6 +405,13 @@ fn validate_parallel(par: &super::ParallelSection, p: &mut Vec<String>) -> usize
             "parallel.overlap_param_gather needs parallel.use_distributed_optimizer".to_string(),
         );
     }
+    if !par.grad_reduce_in_fp32 && par.overlap_grad_reduce {
+        p.push(
+            "parallel.grad_reduce_in_fp32 = false cannot be combined with overlap_grad_reduce \
+             (overlapped buckets are reduced in f32)"
+                .to_string(),
+        );
+    }
     if par.sequence_parallel && par.tensor_model_parallel_size == 1 {
         p.push("parallel.sequence_parallel needs tensor_model_parallel_size > 1".to_string());
     }

@@ -130,6 +130,9 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     if par.overlap_grad_reduce {
         dp = dp.with_overlap_grad_reduce()?;
     }
+    if !par.grad_reduce_in_fp32 {
+        dp = dp.with_bf16_grad_reduce();
+    }
     let (dp_rank, dp_size) = (dp.rank(), dp.size());
     let mut trainer = Trainer::new_data_parallel(model, opts, dp)?;
     if let Some(load) = &r.checkpoint.load {
