@@ -27,6 +27,8 @@ pub struct GptModel {
     /// Set on a tensor-parallel shard ([`GptModel::tensor_parallel_shard`]): `config` then
     /// holds the local sizes.
     pub(crate) tp: Option<crate::TpInfo>,
+    /// Set on a pipeline stage ([`GptModel::pipeline_stage`]).
+    pub(crate) stage: Option<crate::StageInfo>,
 }
 
 impl GptModel {
@@ -65,6 +67,7 @@ impl GptModel {
             output_layer,
             rope,
             tp: None,
+            stage: None,
         })
     }
 

@@ -8,6 +8,7 @@ pub mod families;
 mod gpt_model;
 mod init;
 mod kv_cache;
+mod pipeline_stage;
 pub mod tensor_parallel;
 pub mod train;
 mod transformer_layer;
@@ -17,8 +18,11 @@ pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
+pub use pipeline_stage::{StageInfo, stage_layers};
 pub use tensor_parallel::{TpInfo, TpSplit, padded_vocab_size};
-pub use train::{ActivationMemory, GradReady, LossStats, NoGradHook, ParamInfo, TrainBatch};
+pub use train::{
+    ActivationMemory, GradReady, LossStats, NoGradHook, ParamInfo, StageForward, TrainBatch,
+};
 pub use transformer_layer::TransformerLayer;
 
 /// Result alias for model construction and forward passes.

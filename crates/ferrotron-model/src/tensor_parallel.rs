@@ -161,7 +161,10 @@ impl GptModel {
         let vocab = TpSplit::Vocab {
             padded: padded_vocab,
         };
-        let mut out = vec![vocab];
+        let mut out = Vec::new();
+        if self.has_embedding_param() {
+            out.push(vocab);
+        }
         for l in &self.layers {
             out.push(TpSplit::Replicated);
             out.push(rows(1));
@@ -182,9 +185,11 @@ impl GptModel {
                 out.push(TpSplit::Replicated);
             }
         }
-        out.push(TpSplit::Replicated);
-        if self.output_layer.is_some() {
-            out.push(vocab);
+        if self.is_post_process() {
+            out.push(TpSplit::Replicated);
+            if self.output_layer.is_some() {
+                out.push(vocab);
+            }
         }
         out
     }
@@ -300,13 +305,24 @@ impl GptModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embedding = Embedding::new("embedding", zeros(&[v, h], dtype)?)?;
+        let rows = |has: bool| if has { v } else { 0 };
+        let embedding = Embedding::new(
+            "embedding",
+            zeros(&[rows(self.has_embedding_param()), h], dtype)?,
+        )?;
         let output_layer = match &self.output_layer {
-            Some(_) => Some(linear("output_layer", v, h, false)?),
+            Some(_) => Some(linear(
+                "output_layer",
+                rows(self.is_post_process()),
+                h,
+                false,
+            )?),
             None => None,
         };
         let final_norm = norm("final_layernorm", self.final_layernorm.eps())?;
-        GptModel::new(config, embedding, layers, final_norm, output_layer)
+        let mut model = GptModel::new(config, embedding, layers, final_norm, output_layer)?;
+        model.stage = self.stage;
+        Ok(model)
     }
 
     /// The tensor-parallel shard info, `None` for a full model.

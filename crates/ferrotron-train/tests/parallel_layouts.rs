@@ -10,7 +10,9 @@ use common::*;
 use ferrotron_comm::{LocalComm, ParallelConfig, ParallelState, ProcessGroups, run_local};
 use ferrotron_data::MicroBatch;
 use ferrotron_nn::TensorParallel;
-use ferrotron_train::trainer::{DataParallel, LoadMode, TrainError, Trainer, TrainerOptions};
+use ferrotron_train::trainer::{
+    DataParallel, LoadMode, PipelineParallel, TrainError, Trainer, TrainerOptions,
+};
 use std::sync::Arc;
 
 const MBS: usize = 2;
@@ -38,15 +40,20 @@ fn dp_options(dp: usize, iters: usize) -> TrainerOptions {
 }
 
 /// The full model's parameters (gathered over tensor parallelism).
-fn params(t: &Trainer) -> Vec<Vec<f32>> {
-    let local = (0..t.model().parameters().len())
-        .map(|i| t.param(i))
-        .collect();
-    t.model().gather_tensor_parallel(local).unwrap()
+/// The (named) parameters this rank's model holds, gathered over tensor parallelism: the
+/// whole model, or one pipeline stage's part under their global names.
+fn params(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+    let infos = t.model().parameters();
+    let local = (0..infos.len()).map(|i| t.param(i)).collect();
+    let full = t.model().gather_tensor_parallel(local).unwrap();
+    infos.into_iter().map(|p| p.name).zip(full).collect()
 }
 
+/// Per-iteration losses and the final named parameters of a run.
+type Run = (Vec<f64>, Vec<(String, Vec<f32>)>);
+
 /// (losses, final params) of `iters` steps from iteration `from`.
-fn train(t: &mut Trainer, from: usize, iters: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+fn train(t: &mut Trainer, from: usize, iters: usize) -> Run {
     let dp = t.data_parallel();
     let (rank, size) = (dp.rank(), dp.size());
     let losses = (from..from + iters)
@@ -55,12 +62,12 @@ fn train(t: &mut Trainer, from: usize, iters: usize) -> (Vec<f64>, Vec<Vec<f32>>
     (losses, params(t))
 }
 
-fn single_rank(iters: usize) -> (Vec<f64>, Vec<Vec<f32>>) {
+fn single_rank(iters: usize) -> Run {
     let mut t = Trainer::new(tiny_model(), dp_options(1, iters)).unwrap();
     train(&mut t, 0, iters)
 }
 
-fn data_parallel(dp: usize, distributed: bool) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
+fn data_parallel(dp: usize, distributed: bool) -> Vec<Run> {
     run_local(dp, |comm| {
         let group = DataParallel::new(Arc::new(comm), distributed);
         let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(dp, ITERS), group)?;
@@ -74,7 +81,7 @@ fn assert_close(what: &str, a: f64, b: f64, tol: f64) {
     assert!(rel <= tol, "{what}: {a} vs {b} (rel {rel:.2e})");
 }
 
-fn assert_same_run(label: &str, got: &(Vec<f64>, Vec<Vec<f32>>), want: &(Vec<f64>, Vec<Vec<f32>>)) {
+fn assert_same_run(label: &str, got: &Run, want: &Run) {
     for (i, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
         assert_close(
             &format!("{label} loss of iteration {}", i + 1),
@@ -83,7 +90,15 @@ fn assert_same_run(label: &str, got: &(Vec<f64>, Vec<Vec<f32>>), want: &(Vec<f64
             1e-5,
         );
     }
-    for (p, (a, b)) in got.1.iter().zip(&want.1).enumerate() {
+    assert!(!got.1.is_empty(), "{label}: no parameters");
+    for (name, a) in &got.1 {
+        let b = &want
+            .1
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{label}: {name}"))
+            .1;
+        assert_eq!(a.len(), b.len(), "{label} {name}");
         let max_diff = a
             .iter()
             .zip(b)
@@ -91,7 +106,7 @@ fn assert_same_run(label: &str, got: &(Vec<f64>, Vec<Vec<f32>>), want: &(Vec<f64
             .fold(0.0f32, f32::max);
         assert!(
             max_diff <= 1e-5,
-            "{label} parameter {p}: max |diff| {max_diff:.2e}"
+            "{label} {name}: max |diff| {max_diff:.2e}"
         );
     }
 }
@@ -104,18 +119,76 @@ fn grid_trainer(
     distributed: bool,
     iters: usize,
 ) -> Result<Trainer, TrainError> {
+    grid_trainer_pp(comm, tp, 1, sp, distributed, iters, tiny_model())
+}
+
+/// A trainer for rank `comm` of a `tp x dp x pp` grid over `full`: its pipeline stage,
+/// sharded over tensor parallelism.
+fn grid_trainer_pp(
+    comm: LocalComm,
+    tp: usize,
+    pp: usize,
+    sp: bool,
+    distributed: bool,
+    iters: usize,
+    full: ferrotron_model::GptModel,
+) -> Result<Trainer, TrainError> {
     let world = comm.world_ranks().len();
     let config = ParallelConfig {
         tensor_model_parallel_size: tp,
+        pipeline_model_parallel_size: pp,
         ..ParallelConfig::default()
     };
     let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
-    let dp = state.data_parallel_size();
+    let (dp, stage) = (state.data_parallel_size(), state.coords().pp);
     let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
-    let shard =
-        tiny_model().tensor_parallel_shard(TensorParallel::new(groups.tensor.clone(), sp), 128)?;
+    let layers = ferrotron_model::stage_layers(full.config.num_layers, pp, stage, None)?;
+    let model = if pp > 1 {
+        full.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
+    } else {
+        full
+    };
+    let shard = model.tensor_parallel_shard(TensorParallel::new(groups.tensor.clone(), sp), 128)?;
     let group = DataParallel::new(groups.data.clone(), distributed);
-    Trainer::new_data_parallel(shard, dp_options(dp, iters), group)
+    let mut t = Trainer::new_data_parallel(shard, dp_options(dp, iters), group)?;
+    if pp > 1 {
+        t.set_pipeline(PipelineParallel::new(
+            groups.pipeline.clone(),
+            groups.embedding.clone(),
+        ))?;
+    }
+    Ok(t)
+}
+
+fn fixture(name: &str) -> ferrotron_model::GptModel {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name);
+    ferrotron_model::families::load_hf_model(&dir, ferrotron_tensor::DType::F32)
+        .unwrap()
+        .0
+}
+
+/// Pipeline parallelism (1F1B over 2 stages of the 2-layer fixtures), alone and with data
+/// and tensor parallelism, untied and tied embeddings: the single rank's run.
+#[test]
+fn pipeline_layouts_match_one_rank() {
+    for name in ["tiny-llama", "tiny-llama3"] {
+        let mut one = Trainer::new(fixture(name), dp_options(1, ITERS)).unwrap();
+        let reference = train(&mut one, 0, ITERS);
+        for (tp, pp, dp, distributed) in [(1, 2, 1, false), (1, 2, 2, true), (2, 2, 1, false)] {
+            let runs = run_local(tp * pp * dp, |comm| {
+                let mut t =
+                    grid_trainer_pp(comm, tp, pp, false, distributed, ITERS, fixture(name))?;
+                Ok::<_, TrainError>(train(&mut t, 0, ITERS))
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+            for (r, run) in runs.iter().enumerate() {
+                let label = format!("{name} tp{tp} pp{pp} dp{dp} rank {r}");
+                assert_same_run(&label, run, &reference);
+            }
+        }
+    }
 }
 
 #[test]

@@ -9,7 +9,7 @@ use super::forward::{
     usize_bytes,
 };
 use super::memory::Ledger;
-use super::params::LayerSlots;
+use super::params::{LayerSlots, Slots};
 use super::tp_ops::{column_input_backward, row_parallel_output_grad};
 use super::{GradReady, TrainBatch};
 use crate::{GptModel, Result, TransformerLayer};
@@ -51,7 +51,8 @@ impl GptModel {
         grads: &mut [&mut [f32]],
         ledger: &mut Ledger,
         ready: &mut (dyn GradReady + Send),
-    ) -> Result<()> {
+        dout: Option<Vec<f32>>,
+    ) -> Result<Option<Vec<f32>>> {
         let Activations {
             saved,
             positions,
@@ -61,16 +62,91 @@ impl GptModel {
             dlogits,
         } = acts;
         let c = &self.config;
+        let slots = self.param_slots();
+        let dres = if self.is_post_process() {
+            let head = Head {
+                x_final,
+                rstd_final,
+                normed_final,
+                dlogits,
+            };
+            self.head_backward(batch, head, &slots, grads, ledger, ready)?
+        } else {
+            ledger.release(f32_bytes(&x_final));
+            let want = self.local_rows(batch)? * c.hidden_size;
+            match dout {
+                Some(d) if d.len() == want => d,
+                _ => {
+                    return Err(crate::ModelError::Input(format!(
+                        "a pipeline stage before the last needs the gradient of its output \
+                         ({want} values)"
+                    )));
+                }
+            }
+        };
+        let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
+        let mut st = Backprop {
+            scratch: vec![0f32; dres.len()],
+            dres,
+            grads,
+            ledger,
+            ready,
+        };
+        for s in saved.into_iter().rev() {
+            match s {
+                Saved::Layer { index, acts } => {
+                    layer_backward(
+                        &self.layers[index],
+                        &acts,
+                        &slots.layers[index],
+                        &pass,
+                        &mut st,
+                    )?;
+                    st.ledger.release(acts.bytes());
+                    st.ready.ready(&slots.layers[index].indices(), st.grads);
+                }
+                Saved::Input { layers, x } => {
+                    self.recompute_backward(layers, x, &slots, &pass, &mut st)?;
+                }
+            }
+        }
+        st.ledger.release(usize_bytes(&positions));
+        if !self.is_pre_process() {
+            return Ok(Some(st.dres));
+        }
+        let emb = slots
+            .embedding
+            .expect("the first stage holds the embedding");
+        self.embed_train_backward(&batch.tokens, &st.dres, st.grads[emb])?;
+        st.ready.ready(&[emb], st.grads);
+        Ok(None)
+    }
+
+    /// The last stage's head backward (output layer, then the final norm): returns the
+    /// gradient of the residual stream after the last layer.
+    fn head_backward(
+        &self,
+        batch: &TrainBatch,
+        head: Head,
+        slots: &Slots,
+        grads: &mut [&mut [f32]],
+        ledger: &mut Ledger,
+        ready: &mut (dyn GradReady + Send),
+    ) -> Result<Vec<f32>> {
+        let Head {
+            x_final,
+            rstd_final,
+            normed_final,
+            dlogits,
+        } = head;
+        let c = &self.config;
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
-        let slots = self.param_slots();
         // Output layer `logits = normed·Wᵀ`, W: [v, h] (the embedding table when tied).
-        let (w_out, out_slot) = match &self.output_layer {
-            Some(l) => (
-                l.weight(),
-                slots.output.expect("untied model has an output slot"),
-            ),
-            None => (self.embedding.weight(), slots.embedding),
+        let (w_out, out_slot) = match (&self.output_layer, slots.output, slots.embedding) {
+            (Some(l), Some(out), _) => (l.weight(), out),
+            (None, _, Some(emb)) => (self.embedding.weight(), emb),
+            _ => unreachable!("the last stage holds an output weight"),
         };
         let mut dnormed_all = vec![0f32; rows * h];
         sgemm(
@@ -99,6 +175,9 @@ impl GptModel {
         ledger.release(f32_bytes(&dlogits) + f32_bytes(&normed_final));
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
+        let norm_slot = slots
+            .final_norm
+            .expect("the last stage holds the final norm");
         let mut dres = vec![0f32; x_final.len()];
         norm_backward(
             &self.final_layernorm,
@@ -106,45 +185,23 @@ impl GptModel {
             &rstd_final,
             &dnormed,
             &mut dres,
-            grads[slots.final_norm],
+            grads[norm_slot],
         );
         ledger.release(f32_bytes(&x_final) + f32_bytes(&rstd_final));
-        drop((x_final, rstd_final, dnormed));
         match slots.output {
-            Some(out) => ready.ready(&[out, slots.final_norm], grads),
-            None => ready.ready(&[slots.final_norm], grads),
+            Some(out) => ready.ready(&[out, norm_slot], grads),
+            None => ready.ready(&[norm_slot], grads),
         }
-        let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
-        let mut st = Backprop {
-            scratch: vec![0f32; dres.len()],
-            dres,
-            grads,
-            ledger,
-            ready,
-        };
-        for s in saved.into_iter().rev() {
-            match s {
-                Saved::Layer { index, acts } => {
-                    layer_backward(
-                        &self.layers[index],
-                        &acts,
-                        &slots.layers[index],
-                        &pass,
-                        &mut st,
-                    )?;
-                    st.ledger.release(acts.bytes());
-                    st.ready.ready(&slots.layers[index].indices(), st.grads);
-                }
-                Saved::Input { layers, x } => {
-                    self.recompute_backward(layers, x, &slots, &pass, &mut st)?;
-                }
-            }
-        }
-        self.embed_train_backward(&batch.tokens, &st.dres, st.grads[slots.embedding])?;
-        st.ready.ready(&[slots.embedding], st.grads);
-        st.ledger.release(usize_bytes(&positions));
-        Ok(())
+        Ok(dres)
     }
+}
+
+/// The last stage's saved head activations.
+struct Head {
+    x_final: Vec<f32>,
+    rstd_final: Vec<f32>,
+    normed_final: Vec<f32>,
+    dlogits: Vec<f32>,
 }
 
 /// One layer's backward: `st.dres: [local rows, h]` is the gradient of the layer output on

@@ -189,11 +189,18 @@ pub(crate) struct Activations {
 }
 
 impl GptModel {
-    /// Embedding, every layer and the final norm, saving activations as the config's
-    /// recompute setting says (recorded in `ledger`); logits in `dlogits`.
+    /// Embedding (or, on a later pipeline stage, the previous stage's output `input`:
+    /// `[local rows, h]`), every layer and, on the last stage, the final norm and the
+    /// logits (in `dlogits`), saving activations as the config's recompute setting says
+    /// (recorded in `ledger`). Before the last stage `x_final` is the stage's output.
+    ///
+    /// # Errors
+    /// Bad token ids, an input of the wrong length or given to the first stage, a failed
+    /// collective.
     pub(crate) fn train_forward(
         &self,
         batch: &TrainBatch,
+        input: Option<Vec<f32>>,
         ledger: &mut Ledger,
     ) -> Result<Activations> {
         let c = &self.config;
@@ -208,7 +215,29 @@ impl GptModel {
                 )));
             }
         }
-        let mut x = self.embed_train(&batch.tokens)?;
+        let mut x = match (input, self.is_pre_process()) {
+            (None, true) => self.embed_train(&batch.tokens)?,
+            (Some(x), false) => {
+                let want = self.local_rows(batch)? * h;
+                if x.len() != want {
+                    return Err(crate::ModelError::Input(format!(
+                        "pipeline stage input of {} values, expected {want} (rows x hidden)",
+                        x.len()
+                    )));
+                }
+                x
+            }
+            (Some(_), true) => {
+                return Err(crate::ModelError::Input(
+                    "the first pipeline stage takes token ids, not activations".into(),
+                ));
+            }
+            (None, false) => {
+                return Err(crate::ModelError::Input(
+                    "a later pipeline stage needs the previous stage's activations".into(),
+                ));
+            }
+        };
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
         let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
@@ -242,6 +271,17 @@ impl GptModel {
                     }
                 }
             }
+        }
+        if !self.is_post_process() {
+            ledger.hold(f32_bytes(&x));
+            return Ok(Activations {
+                saved,
+                positions,
+                x_final: x,
+                rstd_final: Vec::new(),
+                normed_final: Vec::new(),
+                dlogits: Vec::new(),
+            });
         }
         let local_rows = x.len() / h;
         let mut rstd_final = vec![0f32; local_rows];
@@ -280,6 +320,26 @@ impl GptModel {
             normed_final,
             dlogits,
         })
+    }
+
+    /// Values in the activation a pipeline stage passes on for `batch` (`[local rows, h]`).
+    ///
+    /// # Errors
+    /// Sequence parallelism cannot split the sequence.
+    pub fn activation_len(&self, batch: &TrainBatch) -> Result<usize> {
+        Ok(self.local_rows(batch)? * self.config.hidden_size)
+    }
+
+    /// Rows of this rank's residual stream for `batch`: all `s·b`, or `1/t` of them under
+    /// sequence parallelism.
+    ///
+    /// # Errors
+    /// Sequence parallelism cannot split the sequence.
+    pub(crate) fn local_rows(&self, batch: &TrainBatch) -> Result<usize> {
+        match &self.tp {
+            Some(tp) => Ok(tp.group.local_rows(batch.seq, batch.micro_batch)?),
+            None => Ok(batch.tokens.len()),
+        }
     }
 
     /// Cross entropy of the logits in `acts.dlogits` (Megatron's masked mean), replacing them

@@ -183,7 +183,7 @@ mod tests {
             let mut grads: Vec<Vec<f32>> = model.zero_grads();
             let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
             let mut ledger = Ledger::default();
-            let mut acts = model.train_forward(&batch, &mut ledger).unwrap();
+            let mut acts = model.train_forward(&batch, None, &mut ledger).unwrap();
             assert_eq!(ledger.held(), want.forward_end_bytes as u128, "{mode:?}");
             model.loss_and_logit_grad(&batch, &mut acts, 1.0).unwrap();
             model
@@ -193,6 +193,7 @@ mod tests {
                     &mut views,
                     &mut ledger,
                     &mut crate::NoGradHook,
+                    None,
                 )
                 .unwrap();
             assert_eq!(ledger.peak(), want.peak_bytes as u128, "{mode:?}");

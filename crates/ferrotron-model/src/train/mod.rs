@@ -244,10 +244,15 @@ impl GptModel {
     /// # Errors
     /// As [`GptModel::forward_backward`].
     pub fn forward_loss(&self, batch: &TrainBatch) -> Result<LossStats> {
+        if !self.is_pre_process() || !self.is_post_process() {
+            return Err(ModelError::Input(
+                "forward_loss needs the whole model (a pipeline stage: stage_forward)".into(),
+            ));
+        }
         batch.validate(self)?;
         rayon::scope(|_| {
             let mut ledger = memory::Ledger::default();
-            let mut acts = self.train_forward(batch, &mut ledger)?;
+            let mut acts = self.train_forward(batch, None, &mut ledger)?;
             self.loss_and_logit_grad(batch, &mut acts, 0.0)
         })
     }
@@ -294,6 +299,25 @@ impl GptModel {
         loss_scale: f32,
         ready: &mut (dyn GradReady + Send),
     ) -> Result<LossStats> {
+        if !self.is_pre_process() || !self.is_post_process() {
+            return Err(ModelError::Input(
+                "forward_backward needs the whole model (a pipeline stage: stage_forward and \
+                 stage_backward)"
+                    .into(),
+            ));
+        }
+        self.check_grads(batch, grads)?;
+        rayon::scope(|_| {
+            let mut ledger = memory::Ledger::default();
+            let mut acts = self.train_forward(batch, None, &mut ledger)?;
+            let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
+            self.train_backward(batch, acts, grads, &mut ledger, ready, None)?;
+            Ok(stats)
+        })
+    }
+
+    /// Checks the batch, the recompute setting and that `grads` fit the parameters.
+    fn check_grads(&self, batch: &TrainBatch, grads: &[&mut [f32]]) -> Result<()> {
         batch.validate(self)?;
         self.config.validate_recompute()?;
         let infos = self.parameters();
@@ -314,13 +338,78 @@ impl GptModel {
                 )));
             }
         }
-        // Run on a rayon worker so the many small parallel kernels start inline (as forward).
+        Ok(())
+    }
+
+    /// A pipeline stage's forward of one micro-batch: from token ids on the first stage
+    /// (`input = None`) or from the previous stage's output `[local rows, h]`; on the last
+    /// stage also the loss and the gradient of `loss_scale · loss` with respect to the
+    /// logits (as [`GptModel::forward_backward`]). The result waits for
+    /// [`GptModel::stage_backward`]; take the output for the next stage from it first.
+    ///
+    /// # Errors
+    /// As [`GptModel::forward_backward`], or an input that does not fit the stage.
+    pub fn stage_forward(
+        &self,
+        batch: &TrainBatch,
+        input: Option<Vec<f32>>,
+        loss_scale: f32,
+    ) -> Result<StageForward> {
+        batch.validate(self)?;
+        self.config.validate_recompute()?;
         rayon::scope(|_| {
             let mut ledger = memory::Ledger::default();
-            let mut acts = self.train_forward(batch, &mut ledger)?;
-            let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
-            self.train_backward(batch, acts, grads, &mut ledger, ready)?;
-            Ok(stats)
+            let mut acts = self.train_forward(batch, input, &mut ledger)?;
+            let loss = if self.is_post_process() {
+                Some(self.loss_and_logit_grad(batch, &mut acts, loss_scale)?)
+            } else {
+                None
+            };
+            Ok(StageForward { acts, ledger, loss })
         })
+    }
+
+    /// The backward of a [`StageForward`]: accumulates into `grads` (order of
+    /// [`GptModel::parameters`]) from `dout`, the gradient of the stage's output (`None` on
+    /// the last stage, whose loss gradient is already in the forward's logits); returns the
+    /// gradient of the stage's input for the previous stage (`None` on the first).
+    ///
+    /// # Errors
+    /// Gradient slices or `dout` that do not fit, or a failed collective.
+    pub fn stage_backward(
+        &self,
+        batch: &TrainBatch,
+        forward: StageForward,
+        grads: &mut [&mut [f32]],
+        dout: Option<Vec<f32>>,
+    ) -> Result<Option<Vec<f32>>> {
+        self.check_grads(batch, grads)?;
+        let StageForward {
+            acts, mut ledger, ..
+        } = forward;
+        rayon::scope(|_| {
+            self.train_backward(batch, acts, grads, &mut ledger, &mut NoGradHook, dout)
+        })
+    }
+}
+
+/// One micro-batch's forward on a pipeline stage, kept for its backward
+/// ([`GptModel::stage_forward`]).
+pub struct StageForward {
+    acts: forward::Activations,
+    ledger: memory::Ledger,
+    loss: Option<LossStats>,
+}
+
+impl StageForward {
+    /// The loss (last stage only).
+    pub fn loss(&self) -> Option<LossStats> {
+        self.loss
+    }
+
+    /// The stage's output `[local rows, h]` for the next stage (empty on the last stage, and
+    /// after the first call).
+    pub fn take_output(&mut self) -> Vec<f32> {
+        std::mem::take(&mut self.acts.x_final)
     }
 }

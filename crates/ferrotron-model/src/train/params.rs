@@ -66,10 +66,13 @@ impl LayerSlots {
 /// Indices into the parameter list (the order of [`GptModel::parameters`]).
 #[derive(Clone, Debug)]
 pub(crate) struct Slots {
-    pub embedding: usize,
+    /// `None` on a pipeline stage without the word embedding.
+    pub embedding: Option<usize>,
     pub layers: Vec<LayerSlots>,
-    pub final_norm: usize,
-    /// `None` when tied: the output layer's gradient goes to `embedding`.
+    /// `None` on a pipeline stage before the last.
+    pub final_norm: Option<usize>,
+    /// `None` when tied (the output layer's gradient goes to `embedding`) or not the last
+    /// stage.
     pub output: Option<usize>,
 }
 
@@ -167,7 +170,7 @@ impl GptModel {
             next += 1;
             next - 1
         };
-        let embedding = take();
+        let embedding = self.has_embedding_param().then(&mut take);
         let layers = self
             .layers
             .iter()
@@ -196,8 +199,9 @@ impl GptModel {
                 }
             })
             .collect();
-        let final_norm = take();
-        let output = self.output_layer.as_ref().map(|_| take());
+        let post = self.is_post_process();
+        let final_norm = post.then(&mut take);
+        let output = self.output_layer.as_ref().filter(|_| post).map(|_| take());
         Slots {
             embedding,
             layers,
@@ -209,12 +213,15 @@ impl GptModel {
     fn param_views(&self) -> Vec<(ParamInfo, View<'_>)> {
         let mut out = Vec::new();
         let emb = self.embedding.weight();
-        out.push((
-            info("embedding.word_embeddings.weight", emb.shape(), false, true),
-            View::Tensor(emb),
-        ));
+        if self.has_embedding_param() {
+            out.push((
+                info("embedding.word_embeddings.weight", emb.shape(), false, true),
+                View::Tensor(emb),
+            ));
+        }
+        let first = self.first_layer();
         for (i, l) in self.layers.iter().enumerate() {
-            let p = format!("decoder.layers.{i}");
+            let p = format!("decoder.layers.{}", first + i);
             out.push(norm_view(&p, "input_layernorm", l.input_layernorm.weight()));
             push_linear(
                 &mut out,
@@ -234,6 +241,9 @@ impl GptModel {
             push_linear(&mut out, &format!("{p}.mlp.linear_fc1"), &l.mlp.linear_fc1);
             push_linear(&mut out, &format!("{p}.mlp.linear_fc2"), &l.mlp.linear_fc2);
         }
+        if !self.is_post_process() {
+            return out;
+        }
         let fw = self.final_layernorm.weight();
         out.push((
             info("decoder.final_layernorm.weight", &[fw.len()], true, false),
@@ -250,7 +260,11 @@ impl GptModel {
 
     /// The same order as `param_views`, mutably.
     fn param_views_mut(&mut self) -> Vec<ViewMut<'_>> {
-        let mut out = vec![ViewMut::Tensor(self.embedding.weight_mut())];
+        let (has_embedding, post) = (self.has_embedding_param(), self.is_post_process());
+        let mut out = Vec::new();
+        if has_embedding {
+            out.push(ViewMut::Tensor(self.embedding.weight_mut()));
+        }
         for l in self.layers.iter_mut() {
             out.push(ViewMut::F32(l.input_layernorm.weight_mut()));
             push_linear_mut(&mut out, &mut l.linear_qkv);
@@ -258,6 +272,9 @@ impl GptModel {
             out.push(ViewMut::F32(l.pre_mlp_layernorm.weight_mut()));
             push_linear_mut(&mut out, &mut l.mlp.linear_fc1);
             push_linear_mut(&mut out, &mut l.mlp.linear_fc2);
+        }
+        if !post {
+            return out;
         }
         out.push(ViewMut::F32(self.final_layernorm.weight_mut()));
         if let Some(o) = &mut self.output_layer {

@@ -122,6 +122,11 @@ impl Trainer {
         extra: serde_json::Value,
     ) -> Result<PathBuf> {
         let dir = iteration_dir(save, self.iteration);
+        if self.pp.is_some() {
+            return Err(ckpt_err(
+                "saving checkpoints under pipeline parallelism is not supported yet",
+            ));
+        }
         let full = self.gather_full_state()?;
         if !self.is_writer() {
             // The writer stores the whole (gathered) model and optimizer state.

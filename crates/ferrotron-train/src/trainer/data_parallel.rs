@@ -197,15 +197,17 @@ impl DataParallel {
     }
 
     /// The optimizer's cross-rank reductions (grad-norm partials, fp16 inf flag): over
-    /// `tensor` (a model shard's tensor-parallel group: each rank holds different
-    /// gradients) and over this group when each rank holds an optimizer shard; none when
+    /// `tensor` (a model shard's tensor-parallel group) and `pipeline` (each stage holds
+    /// other parameters), where ranks hold different gradients, and over this group when each rank holds an optimizer shard; none when
     /// every rank holds the whole (identical) reduced gradient.
     pub(super) fn stats_reduce<'a>(
         &'a self,
         tensor: Option<&'a dyn Communicator>,
+        pipeline: Option<&'a dyn Communicator>,
     ) -> StatsReduce<'a> {
-        let mut comms = Vec::with_capacity(2);
+        let mut comms = Vec::with_capacity(3);
         comms.extend(tensor.filter(|c| c.size() > 1));
+        comms.extend(pipeline.filter(|c| c.size() > 1));
         if self.use_distributed_optimizer && self.size() > 1 {
             comms.push(&*self.comm);
         }

@@ -26,6 +26,7 @@ mod full_state;
 mod log;
 mod options;
 mod overlap;
+mod pipeline_exec;
 mod run;
 mod step;
 
@@ -34,6 +35,7 @@ pub use data_parallel::DataParallel;
 pub use flops::{FlopsModel, num_floating_point_operations};
 pub use log::{EvalLine, LogLine, SavedLine, TrainLog, format_sci};
 pub use options::TrainerOptions;
+pub use pipeline_exec::PipelineParallel;
 pub use run::{TrainObserver, TrainSummary};
 pub use step::{StepStats, Trainer};
 

@@ -53,6 +53,7 @@ pub struct Trainer {
     pub(super) consumed_valid_samples: u64,
     pub(super) save_plan: Option<super::SavePlan>,
     pub(super) dp: DataParallel,
+    pub(super) pp: Option<super::PipelineParallel>,
 }
 
 impl Trainer {
@@ -100,16 +101,19 @@ impl Trainer {
         let mut builder = ParamAndGradBufferBuilder::new(config);
         // Tensor-parallel duplicates (replicated parameters on tp rank > 0) stay out of the
         // grad norm, as Megatron's `param_is_not_tensor_parallel_duplicate`.
-        let duplicate = |i: usize| {
-            model.tensor_parallel().is_some_and(|tp| {
+        // So is the last pipeline stage's copy of a tied embedding (`param_is_not_shared`).
+        let shared_copy = model.holds_shared_embedding_copy();
+        let duplicate = |i: usize, name: &str| {
+            let tp_duplicate = model.tensor_parallel().is_some_and(|tp| {
                 tp.group.rank() > 0 && tp.splits[i] == ferrotron_model::TpSplit::Replicated
-            })
+            });
+            tp_duplicate || (shared_copy && name == "embedding.word_embeddings.weight")
         };
         for (i, p) in model.parameters().into_iter().enumerate() {
             let flags = ParamFlags {
                 is_norm_or_bias: p.is_norm_or_bias,
                 is_embedding: p.is_embedding,
-                exclude_from_grad_norm: duplicate(i),
+                exclude_from_grad_norm: duplicate(i, &p.name),
                 ..ParamFlags::default()
             };
             builder.register(&p.name, &p.shape, flags)?;
@@ -138,6 +142,7 @@ impl Trainer {
             consumed_valid_samples: 0,
             save_plan: None,
             dp,
+            pp: None,
         };
         if trainer.dp.size() > 1 {
             trainer.sync_model_from_buffer()?;
@@ -148,6 +153,27 @@ impl Trainer {
     /// The data-parallel group.
     pub fn data_parallel(&self) -> &DataParallel {
         &self.dp
+    }
+
+    /// Runs this trainer's model (a pipeline stage) as stage `pp.stage()` of a pipeline:
+    /// every step runs the 1F1B schedule with the other stages (collective over `pp`).
+    ///
+    /// # Errors
+    /// The model's stage does not match `pp` (first/last stage flags).
+    pub fn set_pipeline(&mut self, pp: super::PipelineParallel) -> Result<()> {
+        let (stage, stages) = (pp.stage(), pp.stages());
+        if self.model.is_pre_process() != (stage == 0)
+            || self.model.is_post_process() != (stage + 1 == stages)
+        {
+            return Err(TrainError::Config(format!(
+                "pipeline stage {stage} of {stages} needs a model stage with pre_process = {} and \
+                 post_process = {}",
+                stage == 0,
+                stage + 1 == stages
+            )));
+        }
+        self.pp = Some(pp);
+        Ok(())
     }
 
     /// Bytes of model state this rank holds: the parameter buffer (2 bytes per element in
@@ -242,14 +268,27 @@ impl Trainer {
         let loss_scale = self.optimizer.loss_scale();
         self.buffer.zero_grad();
         let (mut loss_sum, mut tokens) = (0.0, 0);
+        if let Some(pp) = self.pp.clone() {
+            loss_sum = self.run_pipeline(&pp, &batches, total, loss_scale)?;
+            tokens = batches.iter().map(|b| b.tokens.len()).sum();
+            self.reduce_shared_embedding_grads(&pp)?;
+        }
         // overlap_grad_reduce: the last micro-batch's backward starts each bucket's reduction.
         let distributed = self.dp.use_distributed_optimizer();
-        let mut overlap = self
-            .dp
-            .overlap_comm()
-            .map(|c| BucketOverlap::new(c, distributed, &self.buffer));
+        let mut overlap = match self.pp {
+            Some(_) => None,
+            None => self
+                .dp
+                .overlap_comm()
+                .map(|c| BucketOverlap::new(c, distributed, &self.buffer)),
+        };
         let last = batches.len() - 1;
-        for (k, batch) in batches.iter().enumerate() {
+        let micro_batches = if self.pp.is_some() {
+            &[][..]
+        } else {
+            &batches[..]
+        };
+        for (k, batch) in micro_batches.iter().enumerate() {
             let scale = if total > 0.0 {
                 (batch.loss_token_count() / total) as f32 * loss_scale
             } else {
@@ -284,9 +323,10 @@ impl Trainer {
             &mut self.buffer,
             lr,
             self.scheduler.weight_decay(),
-            &mut self
-                .dp
-                .stats_reduce(self.model.tensor_parallel().map(|t| &**t.group.comm())),
+            &mut self.dp.stats_reduce(
+                self.model.tensor_parallel().map(|t| &**t.group.comm()),
+                self.pp.as_ref().map(|p| &**p.comm()),
+            ),
         )?;
         if out.update_successful {
             self.dp.gather_params(&mut self.buffer)?;
@@ -340,6 +380,10 @@ impl Trainer {
         for mb in batches {
             let batch = self.to_train_batch(mb)?;
             count += batch.loss_token_count();
+            if let Some(pp) = &self.pp {
+                sum += self.evaluate_pipeline(pp, std::slice::from_ref(&batch))?;
+                continue;
+            }
             let plain = batch.position_ids.is_none() && batch.document_starts.is_none();
             sum += if plain && self.model.tensor_parallel().is_none() {
                 self.forward_loss_sum(&batch)?
