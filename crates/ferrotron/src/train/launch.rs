@@ -7,7 +7,8 @@ use super::rank::run_rank;
 use anyhow::Context;
 use anyhow::{Result, anyhow};
 use ferrotron_comm::{
-    Communicator, ParallelConfig, ParallelState, ProcessGroups, SingleRankComm, run_local,
+    Communicator, FailureCause, ParallelConfig, ParallelState, ProcessGroups, SingleRankComm,
+    run_local,
 };
 use ferrotron_train::config::RunConfig;
 use std::process::ExitCode;
@@ -102,7 +103,10 @@ pub fn run_in_process(rc: &RunConfig) -> Result<ExitCode> {
         let ctx = RankContext::new(config, Arc::new(comm))?;
         run_rank(rc, &ctx)
     })
-    .map_err(|e| anyhow!("{e}"))?;
+    .map_err(|f| match f.cause {
+        FailureCause::Error(e) => anyhow!("rank {}: {e:#}", f.rank),
+        FailureCause::Panic(m) => anyhow!("rank {} panicked: {m}", f.rank),
+    })?;
     Ok(codes[0])
 }
 

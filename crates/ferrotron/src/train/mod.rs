@@ -66,10 +66,6 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
     }
     let p = &rc.resolved.parallel;
     for (key, size) in [
-        (
-            "parallel.pipeline_model_parallel_size",
-            p.pipeline_model_parallel_size,
-        ),
         ("parallel.context_parallel_size", p.context_parallel_size),
         (
             "parallel.expert_model_parallel_size",
@@ -79,6 +75,24 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
         if size > 1 {
             no(key, "data and tensor parallelism run so far");
         }
+    }
+    if p.pipeline_model_parallel_size > 1 {
+        let r = &rc.resolved;
+        for (key, set) in [
+            ("checkpoint.save", r.checkpoint.save.is_some()),
+            ("checkpoint.load", r.checkpoint.load.is_some()),
+            ("checkpoint.export_hf", r.checkpoint.export_hf.is_some()),
+        ] {
+            if set {
+                no(key, "with pipeline_model_parallel_size > 1");
+            }
+        }
+    }
+    if let Some(v) = p.virtual_pipeline_model_parallel_size.filter(|&v| v > 1) {
+        no(
+            &format!("parallel.virtual_pipeline_model_parallel_size = {v}"),
+            "the interleaved schedule has no executor yet",
+        );
     }
     if p.overlap_param_gather {
         no(

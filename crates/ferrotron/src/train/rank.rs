@@ -14,7 +14,8 @@ use ferrotron_nn::TensorParallel;
 use ferrotron_optim::DynamicGradScalerConfig;
 use ferrotron_train::config::{Precision, RunConfig};
 use ferrotron_train::trainer::{
-    DataParallel, EvalLine, SavePlan, TrainError, TrainLog, Trainer, TrainerOptions,
+    DataParallel, EvalLine, PipelineParallel, SavePlan, TrainError, TrainLog, Trainer,
+    TrainerOptions,
 };
 use model::RunModel;
 use std::io::{BufWriter, Write};
@@ -115,6 +116,16 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         export_source,
         ..
     } = run_model;
+    // Pipeline parallelism: this rank holds its stage's layers (an even split).
+    let pp = par.pipeline_model_parallel_size;
+    let model = if pp > 1 {
+        let stage = rank.groups.state.coords().pp;
+        let layers = ferrotron_model::stage_layers(model.config.num_layers, pp, stage, None)
+            .context("[parallel] pipeline_model_parallel_size")?;
+        model.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
+    } else {
+        model
+    };
     // Tensor parallelism: this rank trains its shard; the logging rank keeps the full
     // model's structure to export the gathered weights into.
     let (model, full_model) = if par.tensor_model_parallel_size > 1 {
@@ -135,6 +146,13 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     }
     let (dp_rank, dp_size) = (dp.rank(), dp.size());
     let mut trainer = Trainer::new_data_parallel(model, opts, dp)?;
+    if pp > 1 {
+        let groups = &rank.groups;
+        trainer.set_pipeline(PipelineParallel::new(
+            groups.pipeline.clone(),
+            groups.embedding.clone(),
+        ))?;
+    }
     if let Some(load) = &r.checkpoint.load {
         resume::load(&mut trainer, load, r.training.finetune)?;
     }
