@@ -10,14 +10,15 @@
 #   bash scripts/bench-parallel.sh --data PREFIX --layouts single,dp2,tp2 --iters 4
 #
 # Layouts: single, dp2, dp2-overlap (overlap_grad_reduce), dp2-zero1 (distributed optimizer),
-# tp2, tp2-sp, tp2xdp2, mpi-dp2
+# tp3 (SmolLM2-135M's 9 heads / 3 query groups split over 3, not 2), tp3xdp2, pp2, pp2xdp2,
+# tp2 / tp2-sp / tp2xdp2 (models whose heads and groups divide by 2), mpi-dp2
 # (needs a build with --features mpi and OpenMPI). Options: --model DIR (default
 # .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8), --mbs N (2),
 # --out DIR (default target/bench-parallel).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-model="$root/.cache/smollm2-hf" data="" layouts="single,dp2,dp2-overlap,dp2-zero1,tp2,tp2-sp,tp2xdp2,mpi-dp2"
+model="$root/.cache/smollm2-hf" data="" layouts="single,dp2,dp2-overlap,dp2-zero1,tp3,pp2,pp2xdp2,mpi-dp2"
 iters=6 seq=512 gbs=8 mbs=2 out="$root/target/bench-parallel"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -50,6 +51,10 @@ layout_sets() {
     dp2-overlap) echo "--set parallel.data_parallel_size=2 --set parallel.overlap_grad_reduce=true" ;;
     dp2-zero1) echo "--set parallel.data_parallel_size=2 --set parallel.use_distributed_optimizer=true" ;;
     tp2) echo "--set parallel.tensor_model_parallel_size=2" ;;
+    tp3) echo "--set parallel.tensor_model_parallel_size=3" ;;
+    tp3xdp2) echo "--set parallel.tensor_model_parallel_size=3 --set parallel.data_parallel_size=2" ;;
+    pp2) echo "--set parallel.pipeline_model_parallel_size=2" ;;
+    pp2xdp2) echo "--set parallel.pipeline_model_parallel_size=2 --set parallel.data_parallel_size=2" ;;
     tp2-sp) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.sequence_parallel=true" ;;
     tp2xdp2) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.data_parallel_size=2" ;;
     mpi-dp2) echo "" ;;

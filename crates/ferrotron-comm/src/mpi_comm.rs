@@ -7,12 +7,20 @@
 //! `MPI_IN_PLACE`); bf16 is reduced as f32 (MPI has no bf16 sum). A count above `i32::MAX`
 //! elements is an error. A failing rank should call [`MpiComm::abort`], which ends every
 //! process of the job (`MPI_Abort`) instead of leaving the others waiting.
+//!
+//! Point-to-point sends are immediate (`MPI_Isend` from a copy of the buffer), completed in
+//! the background of later calls: two ranks sending to each other at once (a pipeline's
+//! activation one way, a gradient the other) never wait on each other, whatever the
+//! message size and the MPI library's eager limit.
 
 use std::sync::Arc;
 
 use half::bf16;
+use std::sync::Mutex;
+
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
+use mpi::request::{Request, StaticScope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
@@ -22,7 +30,41 @@ use crate::error::{CommError, Result, mismatch};
 /// One MPI communicator (the world or a split of it).
 pub struct MpiComm {
     comm: SimpleCommunicator,
+    /// Immediate sends still in flight, each with the copy of its buffer.
+    sends: Mutex<Vec<PendingSend>>,
     _universe: Arc<Universe>,
+}
+
+/// An `MPI_Isend` and the leaked copy of its buffer (freed once the send completes).
+struct PendingSend {
+    request: Option<Request<'static, [u8], StaticScope>>,
+    buf: *mut [u8],
+}
+
+// SAFETY: the buffer is owned by the PendingSend alone (leaked from a Box) and MPI is
+// initialized with MPI_THREAD_MULTIPLE.
+unsafe impl Send for PendingSend {}
+
+impl PendingSend {
+    /// Completes the send when it is done (or waits for it with `wait`); returns the still
+    /// pending send otherwise.
+    fn complete(mut self, wait: bool) -> Option<PendingSend> {
+        let request = self.request.take()?;
+        match (wait, request) {
+            (true, r) => {
+                r.wait();
+            }
+            (false, r) => {
+                if let Err(r) = r.test() {
+                    self.request = Some(r);
+                    return Some(self);
+                }
+            }
+        }
+        // SAFETY: `buf` came from Box::leak in `send_bytes`; the send using it completed.
+        drop(unsafe { Box::from_raw(self.buf) });
+        None
+    }
 }
 
 // SAFETY: MPI is initialized with MPI_THREAD_MULTIPLE (checked in `world`), so any thread may
@@ -57,6 +99,7 @@ impl MpiComm {
         }
         Ok(MpiComm {
             comm: universe.world(),
+            sends: Mutex::default(),
             _universe: Arc::new(universe),
         })
     }
@@ -71,6 +114,26 @@ impl MpiComm {
     /// Ends every process of the job with `code` (`MPI_Abort`).
     pub fn abort(&self, code: i32) -> ! {
         self.comm.abort(code)
+    }
+
+    /// Frees the immediate sends that have completed (all of them, waiting, with `wait`).
+    fn progress_sends(&self, wait: bool) {
+        let mut sends = self
+            .sends
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let pending = std::mem::take(&mut *sends);
+        *sends = pending
+            .into_iter()
+            .filter_map(|p| p.complete(wait))
+            .collect();
+    }
+}
+
+impl Drop for MpiComm {
+    /// Waits for the sends still in flight (their buffers must outlive them).
+    fn drop(&mut self) {
+        self.progress_sends(true);
     }
 }
 
@@ -213,7 +276,22 @@ impl Comm for MpiComm {
             });
         }
         count("send", buf.len())?;
-        self.comm.process_at_rank(dest as i32).send(buf);
+        self.progress_sends(false);
+        let copy: &'static mut [u8] = Box::leak(buf.to_vec().into_boxed_slice());
+        let ptr: *mut [u8] = copy;
+        // SAFETY: the leaked copy lives until `PendingSend::complete` frees it after the send.
+        let data: &'static [u8] = unsafe { &*ptr };
+        let request = self
+            .comm
+            .process_at_rank(dest as i32)
+            .immediate_send(StaticScope, data);
+        self.sends
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(PendingSend {
+                request: Some(request),
+                buf: ptr,
+            });
         Ok(())
     }
 
@@ -225,6 +303,7 @@ impl Comm for MpiComm {
                 size: self.size(),
             });
         }
+        self.progress_sends(false);
         let (msg, _status) = self.comm.process_at_rank(src as i32).receive_vec::<u8>();
         if msg.len() != buf.len() {
             return Err(mismatch(
@@ -256,6 +335,7 @@ impl Comm for MpiComm {
         Ok(self.comm.split_by_color_with_key(color, key).map(|comm| {
             Arc::new(MpiComm {
                 comm,
+                sends: Mutex::default(),
                 _universe: self._universe.clone(),
             }) as Arc<dyn Comm>
         }))

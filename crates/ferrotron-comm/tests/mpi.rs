@@ -70,6 +70,13 @@ fn mpi_worker() {
     let mut got = [0.0f32; 3];
     world.recv(&mut got, (r + n - 1) % n).unwrap();
     assert_eq!(got, [((r + n - 1) % n) as f32; 3]);
+    // Head-on 4 MB messages (past any eager limit): both sides send first, then receive.
+    let big = vec![r as f32; 1 << 20];
+    let peer = r ^ 1;
+    world.send(&big, peer).unwrap();
+    let mut back = vec![0.0f32; 1 << 20];
+    world.recv(&mut back, peer).unwrap();
+    assert!(back.iter().all(|&v| v == peer as f32));
     // tp 2 x dp 2: data-parallel groups {0, 2} and {1, 3}
     let config = ParallelConfig {
         tensor_model_parallel_size: 2,

@@ -237,8 +237,13 @@ fn mpirun_layouts_match_one_rank() {
     let prefix = tiny_corpus(tmp.path());
     train(&config(tmp.path(), &prefix, "single"), &[]);
     let want = metrics_losses(&tmp.path().join("single"));
-    let layouts: [(&str, usize, &[&str]); 3] = [
+    let layouts: [(&str, usize, &[&str]); 4] = [
         ("mpi-dp2", 2, &[]),
+        (
+            "mpi-pp2",
+            2,
+            &["--set", "parallel.pipeline_model_parallel_size=2"],
+        ),
         (
             "mpi-dp4-zero1",
             4,
@@ -251,7 +256,7 @@ fn mpirun_layouts_match_one_rank() {
         ),
     ];
     for (name, np, sets) in layouts {
-        let cfg = config(tmp.path(), &prefix, name);
+        let cfg = config_saving(tmp.path(), &prefix, name, !name.contains("pp"));
         let o = std::process::Command::new("mpirun")
             .args([
                 "--oversubscribe",
