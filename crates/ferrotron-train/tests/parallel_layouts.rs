@@ -111,7 +111,57 @@ fn assert_same_run(label: &str, got: &Run, want: &Run) {
     }
 }
 
-/// A trainer for rank `comm` of a `tp x dp` grid (Megatron order: tp ranks adjacent).
+/// A parallel layout of the tests: the data-parallel size is what the world leaves.
+#[derive(Clone, Copy, Default)]
+struct Layout {
+    tp: usize,
+    pp: usize,
+    sp: bool,
+    distributed: bool,
+    overlap: bool,
+}
+
+impl Layout {
+    /// The trainer of rank `comm` over `full`: its pipeline stage, sharded over tensor
+    /// parallelism (Megatron order: tp ranks adjacent), in its data-parallel group.
+    fn trainer(
+        self,
+        comm: LocalComm,
+        iters: usize,
+        full: ferrotron_model::GptModel,
+    ) -> Result<Trainer, TrainError> {
+        let (tp, pp) = (self.tp.max(1), self.pp.max(1));
+        let world = comm.world_ranks().len();
+        let config = ParallelConfig {
+            tensor_model_parallel_size: tp,
+            pipeline_model_parallel_size: pp,
+            ..ParallelConfig::default()
+        };
+        let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
+        let (dp, stage) = (state.data_parallel_size(), state.coords().pp);
+        let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
+        let layers = ferrotron_model::stage_layers(full.config.num_layers, pp, stage, None)?;
+        let model = if pp > 1 {
+            full.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
+        } else {
+            full
+        };
+        let tp_group = TensorParallel::new(groups.tensor.clone(), self.sp);
+        let shard = model.tensor_parallel_shard(tp_group, 128)?;
+        let mut group = DataParallel::new(groups.data.clone(), self.distributed);
+        if self.overlap {
+            group = group.with_overlap_grad_reduce()?;
+        }
+        let mut t = Trainer::new_data_parallel(shard, dp_options(dp, iters), group)?;
+        if pp > 1 {
+            let pipeline = PipelineParallel::new(groups.pipeline.clone(), groups.embedding.clone());
+            t.set_pipeline(pipeline)?;
+        }
+        Ok(t)
+    }
+}
+
+/// A trainer for rank `comm` of a `tp x dp` grid over the tiny fixture.
 fn grid_trainer(
     comm: LocalComm,
     tp: usize,
@@ -119,45 +169,13 @@ fn grid_trainer(
     distributed: bool,
     iters: usize,
 ) -> Result<Trainer, TrainError> {
-    grid_trainer_pp(comm, tp, 1, sp, distributed, iters, tiny_model())
-}
-
-/// A trainer for rank `comm` of a `tp x dp x pp` grid over `full`: its pipeline stage,
-/// sharded over tensor parallelism.
-fn grid_trainer_pp(
-    comm: LocalComm,
-    tp: usize,
-    pp: usize,
-    sp: bool,
-    distributed: bool,
-    iters: usize,
-    full: ferrotron_model::GptModel,
-) -> Result<Trainer, TrainError> {
-    let world = comm.world_ranks().len();
-    let config = ParallelConfig {
-        tensor_model_parallel_size: tp,
-        pipeline_model_parallel_size: pp,
-        ..ParallelConfig::default()
+    let layout = Layout {
+        tp,
+        sp,
+        distributed,
+        ..Layout::default()
     };
-    let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
-    let (dp, stage) = (state.data_parallel_size(), state.coords().pp);
-    let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
-    let layers = ferrotron_model::stage_layers(full.config.num_layers, pp, stage, None)?;
-    let model = if pp > 1 {
-        full.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
-    } else {
-        full
-    };
-    let shard = model.tensor_parallel_shard(TensorParallel::new(groups.tensor.clone(), sp), 128)?;
-    let group = DataParallel::new(groups.data.clone(), distributed);
-    let mut t = Trainer::new_data_parallel(shard, dp_options(dp, iters), group)?;
-    if pp > 1 {
-        t.set_pipeline(PipelineParallel::new(
-            groups.pipeline.clone(),
-            groups.embedding.clone(),
-        ))?;
-    }
-    Ok(t)
+    layout.trainer(comm, iters, tiny_model())
 }
 
 fn fixture(name: &str) -> ferrotron_model::GptModel {
@@ -178,8 +196,13 @@ fn pipeline_layouts_match_one_rank() {
         let reference = train(&mut one, 0, ITERS);
         for (tp, pp, dp, distributed) in [(1, 2, 1, false), (1, 2, 2, true), (2, 2, 1, false)] {
             let runs = run_local(tp * pp * dp, |comm| {
-                let mut t =
-                    grid_trainer_pp(comm, tp, pp, false, distributed, ITERS, fixture(name))?;
+                let layout = Layout {
+                    tp,
+                    pp,
+                    distributed,
+                    ..Layout::default()
+                };
+                let mut t = layout.trainer(comm, ITERS, fixture(name))?;
                 Ok::<_, TrainError>(train(&mut t, 0, ITERS))
             })
             .unwrap_or_else(|e| panic!("{e}"));
@@ -246,20 +269,14 @@ fn overlapped_grad_reduce_matches_one_rank() {
     let reference = single_rank(ITERS);
     for (tp, dp, distributed) in [(1, 2, false), (1, 2, true), (2, 2, false)] {
         let runs = run_local(tp * dp, |comm| {
-            let world = comm.world_ranks().len();
-            let config = ParallelConfig {
-                tensor_model_parallel_size: tp,
-                ..ParallelConfig::default()
+            let layout = Layout {
+                tp,
+                distributed,
+                overlap: true,
+                ..Layout::default()
             };
-            let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
-            let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
-            let shard = tiny_model()
-                .tensor_parallel_shard(TensorParallel::new(groups.tensor.clone(), false), 128)?;
-            let group =
-                DataParallel::new(groups.data.clone(), distributed).with_overlap_grad_reduce()?;
-            let mut t = Trainer::new_data_parallel(shard, dp_options(dp, ITERS), group)?;
-            let run = train(&mut t, 0, ITERS);
-            Ok::<_, TrainError>(run)
+            let mut t = layout.trainer(comm, ITERS, tiny_model())?;
+            Ok::<_, TrainError>(train(&mut t, 0, ITERS))
         })
         .unwrap_or_else(|e| panic!("{e}"));
         for (r, run) in runs.iter().enumerate() {

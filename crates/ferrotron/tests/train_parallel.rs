@@ -228,6 +228,27 @@ fn bad_parallel_settings_are_named() {
     );
 }
 
+/// `[timeout 120] mpirun --oversubscribe -np N ferrotron train --dist-backend mpi --config CFG
+/// EXTRA...` (the timeout turns a hang into a failure).
+#[cfg(feature = "mpi")]
+fn mpirun_train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Output {
+    std::process::Command::new("timeout")
+        .args([
+            "120",
+            "mpirun",
+            "--oversubscribe",
+            "--allow-run-as-root",
+            "-np",
+        ])
+        .arg(np.to_string())
+        .arg(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["train", "--dist-backend", "mpi", "--config"])
+        .arg(cfg)
+        .args(extra)
+        .output()
+        .expect("timeout and mpirun (openmpi-bin)")
+}
+
 /// `mpirun -np N ferrotron train --dist-backend mpi`: dp 2 and dp 4 (with the distributed
 /// optimizer), and tp 2 x dp 2, as separate processes: the single rank's losses.
 #[cfg(feature = "mpi")]
@@ -257,24 +278,7 @@ fn mpirun_layouts_match_one_rank() {
     ];
     for (name, np, sets) in layouts {
         let cfg = config_saving(tmp.path(), &prefix, name, !name.contains("pp"));
-        let o = std::process::Command::new("mpirun")
-            .args([
-                "--oversubscribe",
-                "--allow-run-as-root",
-                "-np",
-                &np.to_string(),
-            ])
-            .arg(env!("CARGO_BIN_EXE_ferrotron"))
-            .args([
-                "train",
-                "--dist-backend",
-                "mpi",
-                "--config",
-                cfg.to_str().unwrap(),
-            ])
-            .args(sets)
-            .output()
-            .expect("mpirun (openmpi-bin)");
+        let o = mpirun_train(np, &cfg, sets);
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "{name}: mpirun failed: {err}");
         assert_same_losses(name, &metrics_losses(&tmp.path().join(name)), &want);
@@ -289,25 +293,7 @@ fn a_bad_mpi_layout_fails_the_job() {
     let prefix = tiny_corpus(tmp.path());
     let cfg = config(tmp.path(), &prefix, "fail");
     // 3 processes: global batch 4 does not split over 3 data-parallel ranks
-    let o = std::process::Command::new("timeout")
-        .args([
-            "60",
-            "mpirun",
-            "--oversubscribe",
-            "--allow-run-as-root",
-            "-np",
-            "3",
-        ])
-        .arg(env!("CARGO_BIN_EXE_ferrotron"))
-        .args([
-            "train",
-            "--dist-backend",
-            "mpi",
-            "--config",
-            cfg.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let o = mpirun_train(3, &cfg, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && o.status.code() != Some(124), "{err}");
     assert!(
