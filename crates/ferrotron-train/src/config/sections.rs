@@ -243,6 +243,10 @@ section! {
         /// Pipeline stages splitting the layers. Default: 1.
         /// Megatron: `--pipeline-model-parallel-size`.
         pipeline_model_parallel_size: usize = 1,
+        /// Layers of the first pipeline stage when they do not split evenly (the other stages
+        /// share the rest equally). Default: unset (even split).
+        /// Megatron: `--decoder-first-pipeline-num-layers`.
+        decoder_first_pipeline_num_layers: Option<usize> = None,
         /// Model chunks per pipeline stage (interleaved 1F1B). Default: unset (1).
         /// Megatron: `--virtual-pipeline-model-parallel-size`.
         virtual_pipeline_model_parallel_size: Option<usize> = None,

@@ -412,6 +412,12 @@ fn validate_parallel(par: &super::ParallelSection, p: &mut Vec<String>) -> usize
                 .to_string(),
         );
     }
+    if par.decoder_first_pipeline_num_layers.is_some() && par.pipeline_model_parallel_size < 2 {
+        p.push(
+            "parallel.decoder_first_pipeline_num_layers needs pipeline_model_parallel_size > 1"
+                .to_string(),
+        );
+    }
     if par.sequence_parallel && par.tensor_model_parallel_size == 1 {
         p.push("parallel.sequence_parallel needs tensor_model_parallel_size > 1".to_string());
     }

@@ -116,11 +116,13 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         export_source,
         ..
     } = run_model;
-    // Pipeline parallelism: this rank holds its stage's layers (an even split).
+    // Pipeline parallelism: this rank holds its stage's layers (an even split, or
+    // decoder_first_pipeline_num_layers on the first stage).
     let pp = par.pipeline_model_parallel_size;
     let model = if pp > 1 {
         let stage = rank.groups.state.coords().pp;
-        let layers = ferrotron_model::stage_layers(model.config.num_layers, pp, stage, None)
+        let first = par.decoder_first_pipeline_num_layers;
+        let layers = ferrotron_model::stage_layers(model.config.num_layers, pp, stage, first)
             .context("[parallel] pipeline_model_parallel_size")?;
         model.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
     } else {
