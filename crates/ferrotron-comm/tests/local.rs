@@ -230,3 +230,25 @@ fn async_calls_complete_in_order() {
     assert_eq!(out[1].1[2..], [3.0, 3.0]);
     assert_eq!(out[1].2, vec![0.0, 1.0]);
 }
+
+/// A rank that fails while the others wait in a rendezvous of a different group must not
+/// let a late arriver complete it: every survivor stops with the failure, none hangs.
+#[test]
+fn abort_during_a_partial_rendezvous_releases_everyone() {
+    for _ in 0..20 {
+        let err = run_local(3, |c| -> Result<()> {
+            let pair = c.split(Some(usize::from(c.rank() == 2)), c.rank())?;
+            match c.rank() {
+                // rank 0 waits in the pair's barrier; rank 1 arrives late; rank 2 fails
+                0 => pair.unwrap().barrier(),
+                1 => {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    pair.unwrap().barrier()
+                }
+                _ => Err(CommError::Mpi("rank 2 failed".into())),
+            }
+        })
+        .unwrap_err();
+        assert_eq!(err.rank, 2, "{err}");
+    }
+}

@@ -164,44 +164,61 @@ fn tp2_x_dp2_in_process_matches_one_rank_and_exports_the_full_model() {
 }
 
 /// Pipeline parallel 2 (one layer per stage), alone and with tensor parallel 2: the single
-/// rank's losses, validation included.
+/// rank's losses, validation included; a tp2 x pp2 run stopped at iteration 4 resumes under
+/// pp2 alone, and its HF export equals the single rank's.
 #[test]
 fn pipeline_parallel_in_process_matches_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
-    train(&config_saving(tmp.path(), &prefix, "single", false), &[]);
+    let export_to = |name: &str| {
+        let dir = tmp.path().join(name);
+        (
+            format!("checkpoint.export_hf={:?}", dir.to_str().unwrap()),
+            dir,
+        )
+    };
+    let (set_single, single_export) = export_to("single-export");
+    train(
+        &config_saving(tmp.path(), &prefix, "single", false),
+        &["--set", &set_single],
+    );
     let want = metrics_losses(&tmp.path().join("single"));
-    for (name, sets) in [
-        (
-            "pp2",
-            vec!["--set", "parallel.pipeline_model_parallel_size=2"],
-        ),
-        (
-            "tp2pp2",
-            vec![
-                "--set",
-                "parallel.pipeline_model_parallel_size=2",
-                "--set",
-                "parallel.tensor_model_parallel_size=2",
-            ],
-        ),
-    ] {
-        train(&config_saving(tmp.path(), &prefix, name, false), &sets);
-        assert_same_losses(name, &metrics_losses(&tmp.path().join(name)), &want);
-    }
-    // checkpoints are not written under pipeline parallelism yet: said before any work
-    let o = ferrotron(&[
-        "train",
-        "--config",
-        config(tmp.path(), &prefix, "pp-save").to_str().unwrap(),
-        "--set",
-        "parallel.pipeline_model_parallel_size=2",
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("not supported yet: checkpoint.save (with pipeline_model_parallel_size > 1)"),
-        "{err}"
+    let pp2 = ["--set", "parallel.pipeline_model_parallel_size=2"];
+    train(&config_saving(tmp.path(), &prefix, "pp2", false), &pp2);
+    assert_same_losses("pp2", &metrics_losses(&tmp.path().join("pp2")), &want);
+    // tp2 x pp2, stopped at 4 with a checkpoint, resumed under pp2 with an export
+    let cfg = config(tmp.path(), &prefix, "tp2pp2");
+    let tp2pp2 = [
+        &pp2[..],
+        &["--set", "parallel.tensor_model_parallel_size=2"],
+    ]
+    .concat();
+    train(
+        &cfg,
+        &[&tp2pp2[..], &["--set", "training.exit_interval=4"]].concat(),
+    );
+    let ckpt = tmp.path().join("tp2pp2-ckpt");
+    let load = format!("checkpoint.load={:?}", ckpt.to_str().unwrap());
+    let (set_pp, pp_export) = export_to("pp-export");
+    train(
+        &cfg,
+        &[&pp2[..], &["--set", &load, "--set", &set_pp]].concat(),
+    );
+    assert_same_losses(
+        "tp2 x pp2 -> pp2",
+        &metrics_losses(&tmp.path().join("tp2pp2")),
+        &want,
+    );
+    let validate = |export: &Path, out: &str| {
+        let load = format!("model.load={:?}", export.to_str().unwrap());
+        let cfg = config_saving(tmp.path(), &prefix, out, false);
+        train(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
+        metrics_losses(&tmp.path().join(out))
+    };
+    assert_same_losses(
+        "pp export",
+        &validate(&pp_export, "check-pp"),
+        &validate(&single_export, "check-single"),
     );
 }
 

@@ -128,6 +128,36 @@ impl CheckpointReader {
         }
     }
 
+    /// Checks that the checkpoint holds the tensors `expected` (key, global shape), extra
+    /// keys allowed (a pipeline stage reads its own part): one error listing every missing
+    /// key and every shape mismatch.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Format`] naming `metadata.json` and the offending keys.
+    pub fn check_tensors_present(
+        &self,
+        expected: &[(String, Vec<usize>)],
+    ) -> Result<(), CheckpointError> {
+        let problems: Vec<String> = expected
+            .iter()
+            .filter_map(|(key, shape)| match self.metadata.tensors.get(key) {
+                None => Some(format!("missing tensor {key}")),
+                Some(t) if &t.global_shape != shape => Some(format!(
+                    "tensor {key} has shape {:?}, expected {shape:?}",
+                    t.global_shape
+                )),
+                Some(_) => None,
+            })
+            .collect();
+        if problems.is_empty() {
+            return Ok(());
+        }
+        Err(format_err(
+            &self.dir.join(METADATA_FILE),
+            problems.join("; "),
+        ))
+    }
+
     /// The whole tensor `key` as f32, row-major in its global shape.
     ///
     /// # Errors

@@ -130,8 +130,11 @@ impl GroupShared {
         }
         let generation = st.generation;
         while st.generation == generation {
-            if abortable {
-                self.abort.check()?;
+            if abortable && let Err(e) = self.abort.check() {
+                // Leave uncounted: a later arriver must not complete the rendezvous (and go
+                // on to touch buffers) as if this rank were still here.
+                st.arrived -= 1;
+                return Err(e);
             }
             st = self
                 .arrived

@@ -122,28 +122,17 @@ impl Trainer {
         extra: serde_json::Value,
     ) -> Result<PathBuf> {
         let dir = iteration_dir(save, self.iteration);
-        if self.pp.is_some() {
-            return Err(ckpt_err(
-                "saving checkpoints under pipeline parallelism is not supported yet",
-            ));
-        }
         let full = self.gather_full_state()?;
         if !self.is_writer() {
             // The writer stores the whole (gathered) model and optimizer state.
             self.barrier_all()?;
             return Ok(dir);
         }
-        let shapes = self.global_shapes();
-        let names: Vec<&str> = self
-            .buffer
-            .params()
-            .iter()
-            .map(|p| p.name.as_str())
-            .collect();
+        let (names, shapes) = (&full.names, &full.shapes);
         let mut writer = CheckpointWriter::create(&dir, true).map_err(ckpt_err)?;
         let model: Vec<ShardedTensor> = names
             .iter()
-            .zip(&shapes)
+            .zip(shapes)
             .zip(&full.params)
             .map(|((name, shape), values)| {
                 ShardedTensor::full(format!("{MODEL}{name}"), shape, values)
@@ -175,6 +164,7 @@ impl Trainer {
         let layout = ParallelLayout {
             data_parallel_size: self.dp.size(),
             tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),
+            pipeline_model_parallel_size: self.pp.as_ref().map_or(1, |p| p.stages()),
             ..ParallelLayout::SINGLE
         };
         writer
@@ -206,7 +196,12 @@ impl Trainer {
             .zip(&shapes)
             .map(|(p, shape)| (format!("{MODEL}{}", p.name), shape.clone()))
             .collect();
-        reader.check_tensors(MODEL, &expected).map_err(ckpt_err)?;
+        // A pipeline stage reads its own parameters; the others' are the other stages'.
+        if self.pp.is_some() {
+            reader.check_tensors_present(&expected).map_err(ckpt_err)?;
+        } else {
+            reader.check_tensors(MODEL, &expected).map_err(ckpt_err)?;
+        }
         let full = params
             .iter()
             .map(|p| reader.read(&format!("{MODEL}{}", p.name)).map_err(ckpt_err))

@@ -11,8 +11,13 @@ use super::checkpoint::owned_parts;
 use super::data_parallel::comm_err;
 use super::{Result, TrainError, Trainer};
 
-/// Full-model arrays, one per parameter in the order of [`ferrotron_model::GptModel::parameters`].
+/// Full-model arrays, one per parameter in the order of [`ferrotron_model::GptModel::parameters`]
+/// (pipeline stages after one another, the tied embedding's second copy dropped).
 pub(super) struct FullState {
+    /// Parameter names (Megatron's, global layer numbers).
+    pub names: Vec<String>,
+    /// Full shapes.
+    pub shapes: Vec<Vec<usize>>,
     /// Weights, widened to f32.
     pub params: Vec<Vec<f32>>,
     /// Optimizer arrays by name (`exp_avg`, `exp_avg_sq`, `master`), each per parameter,
@@ -26,20 +31,21 @@ pub(super) struct FullState {
 type RankShard = (OwnedRanges, BTreeMap<String, Vec<f32>>);
 
 impl Trainer {
-    /// The rank that writes checkpoints: data-parallel and tensor-parallel rank 0.
+    /// The rank that writes checkpoints: data-, tensor- and pipeline-parallel rank 0.
     pub(super) fn is_writer(&self) -> bool {
-        self.dp.rank() == 0
-            && self
-                .model
-                .tensor_parallel()
-                .is_none_or(|t| t.group.rank() == 0)
+        let tp_rank = self.model.tensor_parallel().map_or(0, |t| t.group.rank());
+        let stage = self.pp.as_ref().map_or(0, |p| p.stage());
+        self.dp.rank() == 0 && tp_rank == 0 && stage == 0
     }
 
-    /// Waits for every rank of the data- and tensor-parallel groups.
+    /// Waits for every rank of the data-, tensor- and pipeline-parallel groups.
     pub(super) fn barrier_all(&self) -> Result<()> {
         self.dp.barrier()?;
         if let Some(tp) = self.model.tensor_parallel() {
             tp.group.comm().barrier().map_err(comm_err)?;
+        }
+        if let Some(pp) = &self.pp {
+            pp.comm().barrier().map_err(comm_err)?;
         }
         Ok(())
     }
@@ -63,7 +69,29 @@ impl Trainer {
     /// # Errors
     /// A failed collective or a malformed optimizer export.
     pub(super) fn gather_full_state(&self) -> Result<FullState> {
-        let optim = self.optimizer.export_state();
+        self.gather_state(true)
+    }
+
+    /// The full model's named parameters (f32), gathered over tensor and pipeline
+    /// parallelism: `Some` on the checkpoint writer (world rank 0), `None` elsewhere.
+    /// Collective (every rank calls it), e.g. to export the trained model.
+    ///
+    /// # Errors
+    /// A failed collective.
+    pub fn gather_model_parameters(&self) -> Result<Option<Vec<(String, Vec<f32>)>>> {
+        let state = self.gather_state(false)?;
+        Ok(self
+            .is_writer()
+            .then(|| state.names.into_iter().zip(state.params).collect()))
+    }
+
+    /// [`gather_full_state`](Self::gather_full_state), the optimizer arrays only when
+    /// `with_optimizer`.
+    fn gather_state(&self, with_optimizer: bool) -> Result<FullState> {
+        let mut optim = self.optimizer.export_state();
+        if !with_optimizer {
+            optim.arrays.clear();
+        }
         let shards = self.gather_optimizer_shards(&optim)?;
         let infos = self.buffer.params();
         let params_local: Vec<Vec<f32>> = (0..infos.len())
@@ -87,11 +115,17 @@ impl Trainer {
             .into_iter()
             .map(|(name, local)| Ok((name, self.model.gather_tensor_parallel(local)?)))
             .collect::<Result<_>>()?;
-        Ok(FullState {
+        let state = FullState {
+            names: infos.iter().map(|p| p.name.clone()).collect(),
+            shapes: self.global_shapes(),
             params,
             optim: optim_full,
             meta: optim.meta,
-        })
+        };
+        match &self.pp {
+            Some(pp) => gather_stages(pp, state),
+            None => Ok(state),
+        }
     }
 
     /// Every data-parallel rank's owned ranges and f32 optimizer arrays: this rank's alone,
@@ -130,4 +164,57 @@ impl Trainer {
         }
         Ok(out)
     }
+}
+
+/// Stage 0 of the pipeline gets every stage's full state appended to its own (stage order;
+/// a name seen before, the tied embedding's last-stage copy, is dropped); the other stages
+/// keep theirs. Collective over the pipeline group: each later stage sends a JSON header
+/// (names, shapes, optimizer array names) and then every array to stage 0.
+fn gather_stages(pp: &super::PipelineParallel, mut state: FullState) -> Result<FullState> {
+    use ferrotron_comm::Collectives;
+    let comm = pp.comm();
+    let err = |e: serde_json::Error| TrainError::Checkpoint(format!("pipeline state header: {e}"));
+    if pp.stage() > 0 {
+        let arrays: Vec<&String> = state.optim.keys().collect();
+        let header = serde_json::to_vec(&(&state.names, &state.shapes, arrays)).map_err(err)?;
+        comm.send(&(header.len() as u64).to_le_bytes(), 0)
+            .map_err(comm_err)?;
+        comm.send(&header, 0).map_err(comm_err)?;
+        for values in state.params.iter().chain(state.optim.values().flatten()) {
+            comm.send(values, 0).map_err(comm_err)?;
+        }
+        return Ok(state);
+    }
+    for stage in 1..pp.stages() {
+        let mut len = [0u8; 8];
+        comm.recv(&mut len, stage).map_err(comm_err)?;
+        let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
+        comm.recv(&mut header, stage).map_err(comm_err)?;
+        let (names, shapes, arrays): (Vec<String>, Vec<Vec<usize>>, Vec<String>) =
+            serde_json::from_slice(&header).map_err(err)?;
+        let mut receive = |shape: &Vec<usize>| -> Result<Vec<f32>> {
+            let mut v = vec![0f32; shape.iter().product()];
+            comm.recv(&mut v, stage).map_err(comm_err)?;
+            Ok(v)
+        };
+        let mut params: Vec<Vec<f32>> = shapes.iter().map(&mut receive).collect::<Result<_>>()?;
+        let mut optim: Vec<Vec<Vec<f32>>> = Vec::with_capacity(arrays.len());
+        for _ in &arrays {
+            optim.push(shapes.iter().map(&mut receive).collect::<Result<_>>()?);
+        }
+        for (i, name) in names.iter().enumerate() {
+            if state.names.contains(name) {
+                continue;
+            }
+            state.names.push(name.clone());
+            state.shapes.push(shapes[i].clone());
+            state.params.push(std::mem::take(&mut params[i]));
+            for (array, per_param) in arrays.iter().zip(optim.iter_mut()) {
+                if let Some(dst) = state.optim.get_mut(array) {
+                    dst.push(std::mem::take(&mut per_param[i]));
+                }
+            }
+        }
+    }
+    Ok(state)
 }

@@ -76,18 +76,6 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
             no(key, "data and tensor parallelism run so far");
         }
     }
-    if p.pipeline_model_parallel_size > 1 {
-        let r = &rc.resolved;
-        for (key, set) in [
-            ("checkpoint.save", r.checkpoint.save.is_some()),
-            ("checkpoint.load", r.checkpoint.load.is_some()),
-            ("checkpoint.export_hf", r.checkpoint.export_hf.is_some()),
-        ] {
-            if set {
-                no(key, "with pipeline_model_parallel_size > 1");
-            }
-        }
-    }
     if let Some(v) = p.virtual_pipeline_model_parallel_size.filter(|&v| v > 1) {
         no(
             &format!("parallel.virtual_pipeline_model_parallel_size = {v}"),

@@ -116,6 +116,10 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         export_source,
         ..
     } = run_model;
+    // The logging rank keeps the full model's structure to export the gathered weights into
+    // when the trained model is split over ranks.
+    let split = par.tensor_model_parallel_size > 1 || par.pipeline_model_parallel_size > 1;
+    let full_model = (lead && split && r.checkpoint.export_hf.is_some()).then(|| model.clone());
     // Pipeline parallelism: this rank holds its stage's layers (an even split, or
     // decoder_first_pipeline_num_layers on the first stage).
     let pp = par.pipeline_model_parallel_size;
@@ -128,16 +132,15 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     } else {
         model
     };
-    // Tensor parallelism: this rank trains its shard; the logging rank keeps the full
-    // model's structure to export the gathered weights into.
-    let (model, full_model) = if par.tensor_model_parallel_size > 1 {
+    // Tensor parallelism: this rank trains its shard.
+    let model = if par.tensor_model_parallel_size > 1 {
         let group = TensorParallel::new(rank.groups.tensor.clone(), par.sequence_parallel);
         let shard = model
             .tensor_parallel_shard(group, r.model.make_vocab_size_divisible_by)
             .context("[parallel] tensor_model_parallel_size")?;
-        (shard, lead.then_some(model))
+        shard
     } else {
-        (model, None)
+        model
     };
     let mut dp = DataParallel::new(rank.groups.data.clone(), par.use_distributed_optimizer);
     if par.overlap_grad_reduce {
@@ -245,12 +248,10 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         .export_hf
         .as_ref()
         .filter(|_| !summary.exited_early);
-    // The full weights for the export, gathered over tensor parallelism (collective).
+    // The full weights for the export, gathered over tensor and pipeline parallelism
+    // (collective; the logging rank gets them).
     let full_params = match export_dir {
-        Some(_) if trainer.model().tensor_parallel().is_some() => {
-            let local = trainer.model().parameters_f32();
-            Some(trainer.model().gather_tensor_parallel(local)?)
-        }
+        Some(_) if split => trainer.gather_model_parameters()?,
         _ => None,
     };
     if !lead {
@@ -277,8 +278,19 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     );
     if let Some(dir) = export_dir {
         let model = match (full_model, full_params) {
-            (Some(mut full), Some(params)) => {
-                let views: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+            (Some(mut full), Some(named)) => {
+                let by_name: std::collections::HashMap<String, Vec<f32>> =
+                    named.into_iter().collect();
+                let values = full
+                    .parameters()
+                    .iter()
+                    .map(|p| {
+                        by_name.get(&p.name).cloned().ok_or_else(|| {
+                            anyhow::anyhow!("export: parameter {} was not gathered", p.name)
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let views: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
                 full.load_parameters_from(&views)?;
                 full
             }
