@@ -165,7 +165,6 @@ impl Trainer {
             data_parallel_size: self.dp.size(),
             tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),
             pipeline_model_parallel_size: self.pp.as_ref().map_or(1, |p| p.stages()),
-            ..ParallelLayout::SINGLE
         };
         writer
             .commit(self.iteration, layout, content)

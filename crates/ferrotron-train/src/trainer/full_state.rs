@@ -27,6 +27,9 @@ pub(super) struct FullState {
     pub meta: OptimizerMeta,
 }
 
+/// `(name, values)` of every parameter.
+pub type NamedParams = Vec<(String, Vec<f32>)>;
+
 /// One data-parallel rank's owned flat ranges and its optimizer arrays (name -> values).
 type RankShard = (OwnedRanges, BTreeMap<String, Vec<f32>>);
 
@@ -78,7 +81,7 @@ impl Trainer {
     ///
     /// # Errors
     /// A failed collective.
-    pub fn gather_model_parameters(&self) -> Result<Option<Vec<(String, Vec<f32>)>>> {
+    pub fn gather_model_parameters(&self) -> Result<Option<NamedParams>> {
         let state = self.gather_state(false)?;
         Ok(self
             .is_writer()

@@ -33,6 +33,7 @@ mod step;
 pub use checkpoint::{LoadMode, SavePlan, TrainerState};
 pub use data_parallel::DataParallel;
 pub use flops::{FlopsModel, num_floating_point_operations};
+pub use full_state::NamedParams;
 pub use log::{EvalLine, LogLine, SavedLine, TrainLog, format_sci};
 pub use options::TrainerOptions;
 pub use pipeline_exec::PipelineParallel;
