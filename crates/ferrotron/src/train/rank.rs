@@ -135,10 +135,9 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     // Tensor parallelism: this rank trains its shard.
     let model = if par.tensor_model_parallel_size > 1 {
         let group = TensorParallel::new(rank.groups.tensor.clone(), par.sequence_parallel);
-        let shard = model
+        model
             .tensor_parallel_shard(group, r.model.make_vocab_size_divisible_by)
-            .context("[parallel] tensor_model_parallel_size")?;
-        shard
+            .context("[parallel] tensor_model_parallel_size")?
     } else {
         model
     };
