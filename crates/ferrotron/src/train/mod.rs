@@ -82,6 +82,12 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
             "the interleaved schedule has no executor yet",
         );
     }
+    if p.overlap_grad_reduce && p.pipeline_model_parallel_size > 1 {
+        no(
+            "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1",
+            "the pipeline schedule reduces after its last backward",
+        );
+    }
     if p.overlap_param_gather {
         no(
             "parallel.overlap_param_gather",
