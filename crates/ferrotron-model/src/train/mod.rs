@@ -29,6 +29,7 @@
 
 mod backward;
 mod forward;
+mod loss;
 pub mod memory;
 mod params;
 pub mod recompute;
