@@ -161,6 +161,25 @@ impl Layout {
     }
 }
 
+/// Runs `layout` on `world` in-process ranks over `full()` for `ITERS` steps and checks every
+/// rank against `reference`.
+fn assert_layout(
+    label: &str,
+    world: usize,
+    layout: Layout,
+    full: impl Fn() -> ferrotron_model::GptModel + Sync,
+    reference: &Run,
+) {
+    let runs = run_local(world, |comm| {
+        let mut t = layout.trainer(comm, ITERS, full())?;
+        Ok::<_, TrainError>(train(&mut t, 0, ITERS))
+    })
+    .unwrap_or_else(|e| panic!("{label}: {e}"));
+    for (r, run) in runs.iter().enumerate() {
+        assert_same_run(&format!("{label} rank {r}"), run, reference);
+    }
+}
+
 /// A trainer for rank `comm` of a `tp x dp` grid over the tiny fixture.
 fn grid_trainer(
     comm: LocalComm,
@@ -195,21 +214,14 @@ fn pipeline_layouts_match_one_rank() {
         let mut one = Trainer::new(fixture(name), dp_options(1, ITERS)).unwrap();
         let reference = train(&mut one, 0, ITERS);
         for (tp, pp, dp, distributed) in [(1, 2, 1, false), (1, 2, 2, true), (2, 2, 1, false)] {
-            let runs = run_local(tp * pp * dp, |comm| {
-                let layout = Layout {
-                    tp,
-                    pp,
-                    distributed,
-                    ..Layout::default()
-                };
-                let mut t = layout.trainer(comm, ITERS, fixture(name))?;
-                Ok::<_, TrainError>(train(&mut t, 0, ITERS))
-            })
-            .unwrap_or_else(|e| panic!("{e}"));
-            for (r, run) in runs.iter().enumerate() {
-                let label = format!("{name} tp{tp} pp{pp} dp{dp} rank {r}");
-                assert_same_run(&label, run, &reference);
-            }
+            let layout = Layout {
+                tp,
+                pp,
+                distributed,
+                ..Layout::default()
+            };
+            let label = format!("{name} tp{tp} pp{pp} dp{dp}");
+            assert_layout(&label, tp * pp * dp, layout, || fixture(name), &reference);
         }
     }
 }
@@ -223,16 +235,14 @@ fn tensor_parallel_layouts_match_one_rank() {
         (2, 2, false, false),
         (2, 2, true, true),
     ] {
-        let runs = run_local(tp * dp, |comm| {
-            let mut t = grid_trainer(comm, tp, sp, distributed, ITERS)?;
-            Ok::<_, TrainError>(train(&mut t, 0, ITERS))
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-        for (r, run) in runs.iter().enumerate() {
-            let label =
-                format!("tp{tp} dp{dp} sp={sp} distributed_optimizer={distributed} rank {r}");
-            assert_same_run(&label, run, &reference);
-        }
+        let layout = Layout {
+            tp,
+            sp,
+            distributed,
+            ..Layout::default()
+        };
+        let label = format!("tp{tp} dp{dp} sp={sp} distributed_optimizer={distributed}");
+        assert_layout(&label, tp * dp, layout, tiny_model, &reference);
     }
 }
 
@@ -268,22 +278,14 @@ fn tensor_parallel_checkpoint_resumes_on_one_rank() {
 fn overlapped_grad_reduce_matches_one_rank() {
     let reference = single_rank(ITERS);
     for (tp, dp, distributed) in [(1, 2, false), (1, 2, true), (2, 2, false)] {
-        let runs = run_local(tp * dp, |comm| {
-            let layout = Layout {
-                tp,
-                distributed,
-                overlap: true,
-                ..Layout::default()
-            };
-            let mut t = layout.trainer(comm, ITERS, tiny_model())?;
-            Ok::<_, TrainError>(train(&mut t, 0, ITERS))
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-        for (r, run) in runs.iter().enumerate() {
-            let label =
-                format!("overlap tp{tp} dp{dp} distributed_optimizer={distributed} rank {r}");
-            assert_same_run(&label, run, &reference);
-        }
+        let layout = Layout {
+            tp,
+            distributed,
+            overlap: true,
+            ..Layout::default()
+        };
+        let label = format!("overlap tp{tp} dp{dp} distributed_optimizer={distributed}");
+        assert_layout(&label, tp * dp, layout, tiny_model, &reference);
     }
 }
 

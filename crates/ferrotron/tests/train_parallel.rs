@@ -54,6 +54,24 @@ fn train(cfg: &Path, extra: &[&str]) -> String {
     err
 }
 
+/// `checkpoint.export_hf=<dir/name>` and that directory.
+fn export_to(dir: &Path, name: &str) -> (String, PathBuf) {
+    let out = dir.join(name);
+    (
+        format!("checkpoint.export_hf={:?}", out.to_str().unwrap()),
+        out,
+    )
+}
+
+/// The validation loss of the HF directory `export` alone (`training.skip_train`), run as
+/// `out` under `dir`.
+fn validate_export(dir: &Path, prefix: &Path, export: &Path, out: &str) -> Vec<(String, u64, f64)> {
+    let load = format!("model.load={:?}", export.to_str().unwrap());
+    let cfg = config_saving(dir, prefix, out, false);
+    train(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
+    metrics_losses(&dir.join(out))
+}
+
 fn assert_same_losses(label: &str, got: &[(String, u64, f64)], want: &[(String, u64, f64)]) {
     assert_eq!(got.len(), want.len(), "{label}: {got:?} vs {want:?}");
     for (g, w) in got.iter().zip(want) {
@@ -111,20 +129,13 @@ fn dp2_in_process_matches_one_rank() {
 fn tp2_x_dp2_in_process_matches_one_rank_and_exports_the_full_model() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
-    let export_to = |name: &str| {
-        let dir = tmp.path().join(name);
-        (
-            format!("checkpoint.export_hf={:?}", dir.to_str().unwrap()),
-            dir,
-        )
-    };
-    let (set_single, single_export) = export_to("single-export");
+    let (set_single, single_export) = export_to(tmp.path(), "single-export");
     train(
         &config(tmp.path(), &prefix, "single"),
         &["--set", &set_single],
     );
     let want = metrics_losses(&tmp.path().join("single"));
-    let (set_tp, tp_export) = export_to("tp-export");
+    let (set_tp, tp_export) = export_to(tmp.path(), "tp-export");
     let err = train(
         &config(tmp.path(), &prefix, "tp2dp2"),
         &[
@@ -148,18 +159,10 @@ fn tp2_x_dp2_in_process_matches_one_rank_and_exports_the_full_model() {
         &want,
     );
     // The export is the whole trained model: it validates as the single-rank run's export.
-    let validate = |export: &Path, out: &str| {
-        let load = format!("model.load={:?}", export.to_str().unwrap());
-        train(
-            &config(tmp.path(), &prefix, out),
-            &["--set", &load, "--set", "training.skip_train=true"],
-        );
-        metrics_losses(&tmp.path().join(out))
-    };
     assert_same_losses(
         "exports",
-        &validate(&tp_export, "check-tp"),
-        &validate(&single_export, "check-single"),
+        &validate_export(tmp.path(), &prefix, &tp_export, "check-tp"),
+        &validate_export(tmp.path(), &prefix, &single_export, "check-single"),
     );
 }
 
@@ -170,14 +173,7 @@ fn tp2_x_dp2_in_process_matches_one_rank_and_exports_the_full_model() {
 fn pipeline_parallel_in_process_matches_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
-    let export_to = |name: &str| {
-        let dir = tmp.path().join(name);
-        (
-            format!("checkpoint.export_hf={:?}", dir.to_str().unwrap()),
-            dir,
-        )
-    };
-    let (set_single, single_export) = export_to("single-export");
+    let (set_single, single_export) = export_to(tmp.path(), "single-export");
     train(
         &config_saving(tmp.path(), &prefix, "single", false),
         &["--set", &set_single],
@@ -199,7 +195,7 @@ fn pipeline_parallel_in_process_matches_one_rank() {
     );
     let ckpt = tmp.path().join("tp2pp2-ckpt");
     let load = format!("checkpoint.load={:?}", ckpt.to_str().unwrap());
-    let (set_pp, pp_export) = export_to("pp-export");
+    let (set_pp, pp_export) = export_to(tmp.path(), "pp-export");
     train(
         &cfg,
         &[&pp2[..], &["--set", &load, "--set", &set_pp]].concat(),
@@ -209,16 +205,10 @@ fn pipeline_parallel_in_process_matches_one_rank() {
         &metrics_losses(&tmp.path().join("tp2pp2")),
         &want,
     );
-    let validate = |export: &Path, out: &str| {
-        let load = format!("model.load={:?}", export.to_str().unwrap());
-        let cfg = config_saving(tmp.path(), &prefix, out, false);
-        train(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
-        metrics_losses(&tmp.path().join(out))
-    };
     assert_same_losses(
         "pp export",
-        &validate(&pp_export, "check-pp"),
-        &validate(&single_export, "check-single"),
+        &validate_export(tmp.path(), &prefix, &pp_export, "check-pp"),
+        &validate_export(tmp.path(), &prefix, &single_export, "check-single"),
     );
 }
 
