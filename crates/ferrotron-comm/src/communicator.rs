@@ -271,6 +271,25 @@ pub(crate) fn chunk_len(op: &'static str, len: usize, parts: usize, ty: ElemType
     Ok(len / parts)
 }
 
+/// Copies a received message into `buf`, whose length must match.
+///
+/// # Errors
+/// [`CommError::Mismatch`](crate::CommError::Mismatch) naming the sender and both lengths.
+pub(crate) fn deliver(msg: &[u8], buf: &mut [u8], src: usize) -> Result<()> {
+    if msg.len() != buf.len() {
+        return Err(mismatch(
+            "recv",
+            format!(
+                "rank {src} sent {} bytes, the receive buffer holds {}",
+                msg.len(),
+                buf.len()
+            ),
+        ));
+    }
+    buf.copy_from_slice(msg);
+    Ok(())
+}
+
 /// The byte range of part `r` of `parts` near-equal parts of `len` bytes, cut at whole
 /// elements of `elem` bytes (how an all-reduce splits the reduction work over ranks).
 pub(crate) fn part_range(

@@ -24,7 +24,7 @@ use mpi::request::{Request, StaticScope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use crate::communicator::{Communicator as Comm, ElemType, ReduceOp, chunk_len};
+use crate::communicator::{Communicator as Comm, ElemType, ReduceOp, chunk_len, deliver};
 use crate::error::{CommError, Result, mismatch};
 
 /// One MPI communicator (the world or a split of it).
@@ -305,18 +305,7 @@ impl Comm for MpiComm {
         }
         self.progress_sends(false);
         let (msg, _status) = self.comm.process_at_rank(src as i32).receive_vec::<u8>();
-        if msg.len() != buf.len() {
-            return Err(mismatch(
-                "recv",
-                format!(
-                    "rank {src} sent {} bytes, the receive buffer holds {}",
-                    msg.len(),
-                    buf.len()
-                ),
-            ));
-        }
-        buf.copy_from_slice(&msg);
-        Ok(())
+        deliver(&msg, buf, src)
     }
 
     fn barrier(&self) -> Result<()> {

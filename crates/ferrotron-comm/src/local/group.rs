@@ -71,6 +71,19 @@ pub(crate) struct Slot {
     pub signature: (u8, u8, u8, usize),
 }
 
+impl Slot {
+    /// A collective working in place on one buffer of `len` bytes at `addr`.
+    pub(crate) fn in_place(addr: usize, len: usize, signature: (u8, u8, u8, usize)) -> Slot {
+        Slot {
+            input: addr,
+            input_len: len,
+            output: addr,
+            output_len: len,
+            signature,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Rendezvous {
     arrived: usize,

@@ -21,7 +21,9 @@ use std::sync::{Arc, Mutex};
 use group::{AbortFlag, GroupShared, Slot, lock};
 pub use launch::{FailureCause, RankFailure, run_local};
 
-use crate::communicator::{Communicator, ElemType, ReduceOp, chunk_len, part_range, reduce_into};
+use crate::communicator::{
+    Communicator, ElemType, ReduceOp, chunk_len, deliver, part_range, reduce_into,
+};
 use crate::error::{CommError, Result, mismatch};
 
 /// Identifies a group created by a split: (parent group id, split number on the parent, color).
@@ -198,13 +200,7 @@ impl Communicator for LocalComm {
     fn all_reduce_bytes(&self, buf: &mut [u8], ty: ElemType, op: ReduceOp) -> Result<()> {
         chunk_len("all_reduce", buf.len(), 1, ty)?;
         let addr = buf.as_mut_ptr() as usize;
-        let slot = Slot {
-            input: addr,
-            input_len: buf.len(),
-            output: addr,
-            output_len: buf.len(),
-            signature: (1, ty_code(ty), op_code(op), 0),
-        };
+        let slot = Slot::in_place(addr, buf.len(), (1, ty_code(ty), op_code(op), 0));
         let (n, me) = (self.size(), self.rank);
         self.group.collective(me, "all_reduce", slot, |slots| {
             same_lengths("all_reduce", slots)?;
@@ -232,13 +228,7 @@ impl Communicator for LocalComm {
         let (n, me) = (self.size(), self.rank);
         let chunk = chunk_len("reduce_scatter", buf.len(), n, ty)?;
         let addr = buf.as_mut_ptr() as usize;
-        let slot = Slot {
-            input: addr,
-            input_len: buf.len(),
-            output: addr,
-            output_len: buf.len(),
-            signature: (2, ty_code(ty), op_code(op), 0),
-        };
+        let slot = Slot::in_place(addr, buf.len(), (2, ty_code(ty), op_code(op), 0));
         self.group.collective(me, "reduce_scatter", slot, |slots| {
             same_lengths("reduce_scatter", slots)?;
             let mine = me * chunk..(me + 1) * chunk;
@@ -263,13 +253,7 @@ impl Communicator for LocalComm {
         let (n, me) = (self.size(), self.rank);
         let chunk = chunk_len("all_gather", buf.len(), n, ElemType::U8)?;
         let addr = buf.as_mut_ptr() as usize;
-        let slot = Slot {
-            input: addr,
-            input_len: buf.len(),
-            output: addr,
-            output_len: buf.len(),
-            signature: (3, 0, 0, 0),
-        };
+        let slot = Slot::in_place(addr, buf.len(), (3, 0, 0, 0));
         self.group.collective(me, "all_gather", slot, |slots| {
             same_lengths("all_gather", slots)?;
             for (r, s) in slots.iter().enumerate().filter(|&(r, _)| r != me) {
@@ -288,13 +272,7 @@ impl Communicator for LocalComm {
         let me = self.rank;
         let addr = buf.as_mut_ptr() as usize;
         let len = buf.len();
-        let slot = Slot {
-            input: addr,
-            input_len: len,
-            output: addr,
-            output_len: len,
-            signature: (4, 0, 0, root),
-        };
+        let slot = Slot::in_place(addr, buf.len(), (4, 0, 0, root));
         self.group.collective(me, "broadcast", slot, |slots| {
             same_lengths("broadcast", slots)?;
             if me != root {
@@ -342,18 +320,7 @@ impl Communicator for LocalComm {
     fn recv_bytes(&self, buf: &mut [u8], src: usize) -> Result<()> {
         self.check_peer("recv", src)?;
         let msg = self.group.recv(src, self.rank)?;
-        if msg.len() != buf.len() {
-            return Err(mismatch(
-                "recv",
-                format!(
-                    "rank {src} sent {} bytes, the receive buffer holds {}",
-                    msg.len(),
-                    buf.len()
-                ),
-            ));
-        }
-        buf.copy_from_slice(&msg);
-        Ok(())
+        deliver(&msg, buf, src)
     }
 
     fn barrier(&self) -> Result<()> {
