@@ -8,9 +8,11 @@ cd "$root"
 
 need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
-# MPI backend (feature `mpi`, tested with mpirun): OpenMPI, and clang for rsmpi's bindgen.
-command -v mpirun >/dev/null || need_apt+=(libopenmpi-dev openmpi-bin)
-command -v clang >/dev/null || need_apt+=(clang libclang-dev)
+# MPI backend (feature `mpi`, tested with mpirun): OpenMPI, and libclang for rsmpi's bindgen.
+command -v mpirun >/dev/null || need_apt+=(openmpi-bin)
+command -v mpicc >/dev/null || need_apt+=(libopenmpi-dev)
+command -v clang >/dev/null || need_apt+=(clang)
+compgen -G "/usr/lib/llvm-*/lib/libclang*.so*" >/dev/null || need_apt+=(libclang-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
 fi
