@@ -23,7 +23,7 @@ use std::process::ExitCode;
 )]
 pub struct TrainArgs {
     /// The run configuration (TOML with [model], [data], [training], [optimizer], [precision],
-    /// [checkpoint] and [logging] sections, Megatron argument names).
+    /// [parallel], [checkpoint] and [logging] sections, Megatron argument names).
     #[arg(long, required_unless_present = "list_keys")]
     config: Option<PathBuf>,
     /// Override one key, `section.key=value` (TOML value; bare words are strings). Repeatable.
