@@ -24,6 +24,8 @@ pub struct StageInfo {
     pub post_process: bool,
     /// Global index of the stage's first decoder layer.
     pub first_layer: usize,
+    /// Decoder layers of the whole model.
+    pub total_layers: usize,
 }
 
 /// The layers of stage `stage` of `pp` over `num_layers`: even split, or
@@ -119,6 +121,7 @@ impl GptModel {
             pre_process,
             post_process,
             first_layer: layers.start,
+            total_layers: self.layers.len(),
         });
         Ok(stage)
     }

@@ -330,9 +330,18 @@ impl GptModel {
         self.tp.as_ref()
     }
 
-    /// The full model's config (the shard's own `config` has the local sizes).
-    pub fn global_config(&self) -> &TransformerConfig {
-        self.tp.as_ref().map_or(&self.config, |tp| &tp.global)
+    /// The whole model's config: a tensor-parallel shard's own `config` has the local sizes
+    /// and a pipeline stage's its own layer count; this has neither.
+    pub fn global_config(&self) -> TransformerConfig {
+        let mut c = self
+            .tp
+            .as_ref()
+            .map_or(&self.config, |tp| &tp.global)
+            .clone();
+        if let Some(stage) = &self.stage {
+            c.num_layers = stage.total_layers;
+        }
+        c
     }
 
     /// Per-parameter arrays of this shard (order of [`GptModel::parameters`], e.g. weights or

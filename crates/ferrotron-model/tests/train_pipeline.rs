@@ -62,6 +62,12 @@ fn two_stages_back_to_back_equal_the_whole_model() {
             "{last_names:?}"
         );
         assert_eq!(last.holds_shared_embedding_copy(), name == "tiny-llama3");
+        assert_eq!(last.config.num_layers, 1);
+        assert_eq!(
+            last.global_config(),
+            full.config,
+            "{name}: the whole model's config"
+        );
 
         let mut f0 = first.stage_forward(&batch, None, 1.0).unwrap();
         assert!(f0.loss().is_none());
