@@ -250,12 +250,8 @@ impl GptModel {
                 "forward_loss needs the whole model (a pipeline stage: stage_forward)".into(),
             ));
         }
-        batch.validate(self)?;
-        rayon::scope(|_| {
-            let mut ledger = memory::Ledger::default();
-            let mut acts = self.train_forward(batch, None, &mut ledger)?;
-            self.loss_and_logit_grad(batch, &mut acts, 0.0)
-        })
+        let forward = self.stage_forward(batch, None, 0.0)?;
+        Ok(forward.loss().expect("a whole model computes its loss"))
     }
 
     /// One training forward and backward pass over `batch` (no KV cache, causal attention with

@@ -186,7 +186,7 @@ impl DataParallel {
         }
         let ranges: Vec<_> = buffer.buckets().iter().map(|b| b.start..b.end).collect();
         let (params, _) = buffer.data_mut();
-        let elem = params_elem_size(params);
+        let elem = params.dtype().size_in_bytes();
         let bytes = storage_bytes(params);
         for r in ranges {
             self.comm
@@ -246,12 +246,5 @@ fn storage_bytes(params: &mut ParamStorage) -> &mut [u8] {
         ParamStorage::F32(v) => bytemuck::cast_slice_mut(v),
         ParamStorage::BF16(v) => bytemuck::cast_slice_mut(v),
         ParamStorage::F16(v) => bytemuck::cast_slice_mut(v),
-    }
-}
-
-fn params_elem_size(params: &ParamStorage) -> usize {
-    match params {
-        ParamStorage::F32(_) => 4,
-        ParamStorage::BF16(_) | ParamStorage::F16(_) => 2,
     }
 }

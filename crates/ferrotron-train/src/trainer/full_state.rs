@@ -125,9 +125,12 @@ impl Trainer {
             optim: optim_full,
             meta: optim.meta,
         };
+        // Only the writer's pipeline (data- and tensor-parallel rank 0 on every stage) needs
+        // the stages put together; every rank of a pipeline shares those coordinates.
+        let tp_rank = self.model.tensor_parallel().map_or(0, |t| t.group.rank());
         match &self.pp {
-            Some(pp) => gather_stages(pp, state),
-            None => Ok(state),
+            Some(pp) if self.dp.rank() == 0 && tp_rank == 0 => gather_stages(pp, state),
+            _ => Ok(state),
         }
     }
 

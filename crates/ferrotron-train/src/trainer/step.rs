@@ -268,6 +268,7 @@ impl Trainer {
         let loss_scale = self.optimizer.loss_scale();
         self.buffer.zero_grad();
         let (mut loss_sum, mut tokens) = (0.0, 0);
+        let pipelined = self.pp.is_some();
         if let Some(pp) = self.pp.clone() {
             loss_sum = self.run_pipeline(&pp, &batches, total, loss_scale)?;
             tokens = batches.iter().map(|b| b.tokens.len()).sum();
@@ -283,12 +284,9 @@ impl Trainer {
                 .map(|c| BucketOverlap::new(c, distributed, &self.buffer)),
         };
         let last = batches.len() - 1;
-        let micro_batches = if self.pp.is_some() {
-            &[][..]
-        } else {
-            &batches[..]
-        };
-        for (k, batch) in micro_batches.iter().enumerate() {
+        // Without a pipeline: forward + backward of each micro-batch in turn.
+        let micro_batches = batches.iter().enumerate().filter(|_| !pipelined);
+        for (k, batch) in micro_batches {
             let scale = if total > 0.0 {
                 (batch.loss_token_count() / total) as f32 * loss_scale
             } else {
@@ -376,19 +374,21 @@ impl Trainer {
     /// # Errors
     /// Malformed batches or a model failure.
     pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<f64> {
-        let (mut sum, mut count) = (0.0f64, 0.0f64);
-        for mb in batches {
-            let batch = self.to_train_batch(mb)?;
-            count += batch.loss_token_count();
-            if let Some(pp) = &self.pp {
-                sum += self.evaluate_pipeline(pp, std::slice::from_ref(&batch))?;
-                continue;
-            }
+        let batches = batches
+            .iter()
+            .map(|mb| self.to_train_batch(mb))
+            .collect::<Result<Vec<_>>>()?;
+        let count: f64 = batches.iter().map(TrainBatch::loss_token_count).sum();
+        let mut sum = 0.0f64;
+        if let Some(pp) = &self.pp {
+            sum = self.evaluate_pipeline(pp, &batches)?;
+        }
+        for batch in batches.iter().filter(|_| self.pp.is_none()) {
             let plain = batch.position_ids.is_none() && batch.document_starts.is_none();
             sum += if plain && self.model.tensor_parallel().is_none() {
-                self.forward_loss_sum(&batch)?
+                self.forward_loss_sum(batch)?
             } else {
-                self.model.forward_loss(&batch)?.loss_sum
+                self.model.forward_loss(batch)?.loss_sum
             };
         }
         let mut totals = [sum, count];
