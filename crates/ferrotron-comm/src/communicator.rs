@@ -271,6 +271,17 @@ pub(crate) fn chunk_len(op: &'static str, len: usize, parts: usize, ty: ElemType
     Ok(len / parts)
 }
 
+/// Checks that `rank` is a member of a group of `size` for `op`.
+///
+/// # Errors
+/// [`CommError::Rank`](crate::CommError::Rank) otherwise.
+pub(crate) fn check_rank(op: &'static str, rank: usize, size: usize) -> Result<()> {
+    if rank >= size {
+        return Err(crate::CommError::Rank { op, rank, size });
+    }
+    Ok(())
+}
+
 /// Copies a received message into `buf`, whose length must match.
 ///
 /// # Errors

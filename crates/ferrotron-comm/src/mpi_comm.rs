@@ -24,7 +24,9 @@ use mpi::request::{Request, StaticScope};
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use crate::communicator::{Communicator as Comm, ElemType, ReduceOp, chunk_len, deliver};
+use crate::communicator::{
+    Communicator as Comm, ElemType, ReduceOp, check_rank, chunk_len, deliver,
+};
 use crate::error::{CommError, Result, mismatch};
 
 /// One MPI communicator (the world or a split of it).
@@ -242,13 +244,7 @@ impl Comm for MpiComm {
     }
 
     fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        if root >= self.size() {
-            return Err(CommError::Rank {
-                op: "broadcast",
-                rank: root,
-                size: self.size(),
-            });
-        }
+        check_rank("broadcast", root, self.size())?;
         count("broadcast", buf.len())?;
         self.comm.process_at_rank(root as i32).broadcast_into(buf);
         Ok(())
@@ -268,13 +264,7 @@ impl Comm for MpiComm {
     }
 
     fn send_bytes(&self, buf: &[u8], dest: usize) -> Result<()> {
-        if dest >= self.size() {
-            return Err(CommError::Rank {
-                op: "send",
-                rank: dest,
-                size: self.size(),
-            });
-        }
+        check_rank("send", dest, self.size())?;
         count("send", buf.len())?;
         self.progress_sends(false);
         let copy: &'static mut [u8] = Box::leak(buf.to_vec().into_boxed_slice());
@@ -296,13 +286,7 @@ impl Comm for MpiComm {
     }
 
     fn recv_bytes(&self, buf: &mut [u8], src: usize) -> Result<()> {
-        if src >= self.size() {
-            return Err(CommError::Rank {
-                op: "recv",
-                rank: src,
-                size: self.size(),
-            });
-        }
+        check_rank("recv", src, self.size())?;
         self.progress_sends(false);
         let (msg, _status) = self.comm.process_at_rank(src as i32).receive_vec::<u8>();
         deliver(&msg, buf, src)

@@ -22,9 +22,9 @@ use group::{AbortFlag, GroupShared, Slot, lock};
 pub use launch::{FailureCause, RankFailure, run_local};
 
 use crate::communicator::{
-    Communicator, ElemType, ReduceOp, chunk_len, deliver, part_range, reduce_into,
+    Communicator, ElemType, ReduceOp, check_rank, chunk_len, deliver, part_range, reduce_into,
 };
-use crate::error::{CommError, Result, mismatch};
+use crate::error::{Result, mismatch};
 
 /// Identifies a group created by a split: (parent group id, split number on the parent, color).
 type SplitKey = (u64, u64, usize);
@@ -117,17 +117,6 @@ impl LocalComm {
             rank,
             splits: AtomicU64::new(0),
         }))
-    }
-
-    fn check_peer(&self, op: &'static str, rank: usize) -> Result<()> {
-        if rank >= self.group.size() {
-            return Err(CommError::Rank {
-                op,
-                rank,
-                size: self.group.size(),
-            });
-        }
-        Ok(())
     }
 }
 
@@ -268,7 +257,7 @@ impl Communicator for LocalComm {
     }
 
     fn broadcast_bytes(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        self.check_peer("broadcast", root)?;
+        check_rank("broadcast", root, self.size())?;
         let me = self.rank;
         let addr = buf.as_mut_ptr() as usize;
         let len = buf.len();
@@ -313,12 +302,12 @@ impl Communicator for LocalComm {
     }
 
     fn send_bytes(&self, buf: &[u8], dest: usize) -> Result<()> {
-        self.check_peer("send", dest)?;
+        check_rank("send", dest, self.size())?;
         self.group.send(self.rank, dest, buf)
     }
 
     fn recv_bytes(&self, buf: &mut [u8], src: usize) -> Result<()> {
-        self.check_peer("recv", src)?;
+        check_rank("recv", src, self.size())?;
         let msg = self.group.recv(src, self.rank)?;
         deliver(&msg, buf, src)
     }
