@@ -42,7 +42,7 @@ mod single;
 pub use async_comm::{AsyncComm, CommHandle};
 pub use communicator::{Collectives, Communicator, ElemType, Element, ReduceOp};
 pub use error::{CommError, Result};
-pub use local::{FailureCause, LocalComm, RankFailure, run_local};
+pub use local::{FailureCause, LocalComm, RankFailure, run_local, threads_per_rank};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::MpiComm;
 pub use parallel_state::{GroupKind, ParallelConfig, ParallelState, ProcessGroups, RankCoords};

@@ -38,6 +38,12 @@ impl<E: fmt::Display> fmt::Display for RankFailure<E> {
 
 impl<E: fmt::Debug + fmt::Display> std::error::Error for RankFailure<E> {}
 
+/// The rayon threads each of `world_size` in-process ranks gets: the current pool's split
+/// evenly, at least one.
+pub fn threads_per_rank(world_size: usize) -> usize {
+    (rayon::current_num_threads() / world_size.max(1)).max(1)
+}
+
 /// Runs `f` on `world_size` rank threads (named `rank-<r>`), each with its world
 /// [`LocalComm`] and its own rayon pool of `current_num_threads() / world_size` threads (at
 /// least 1), and returns the results in rank order.
@@ -68,7 +74,7 @@ where
     ));
     // Registered (for abort wake-ups) under a key no split can produce.
     lock(&world.groups).insert((u64::MAX, 0, 0), (0, shared.clone()));
-    let threads = (rayon::current_num_threads() / world_size).max(1);
+    let threads = threads_per_rank(world_size);
     let outcomes: Vec<std::result::Result<T, FailureCause<E>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use group::{AbortFlag, GroupShared, Slot, lock};
-pub use launch::{FailureCause, RankFailure, run_local};
+pub use launch::{FailureCause, RankFailure, run_local, threads_per_rank};
 
 use crate::communicator::{
     Communicator, ElemType, ReduceOp, check_rank, chunk_len, deliver, part_range, reduce_into,

@@ -8,7 +8,7 @@ use anyhow::Context;
 use anyhow::{Result, anyhow};
 use ferrotron_comm::{
     Communicator, FailureCause, ParallelConfig, ParallelState, ProcessGroups, SingleRankComm,
-    run_local,
+    run_local, threads_per_rank,
 };
 use ferrotron_train::config::RunConfig;
 use std::process::ExitCode;
@@ -90,7 +90,7 @@ pub fn run_in_process(rc: &RunConfig) -> Result<ExitCode> {
         let ctx = RankContext::new(config, Arc::new(SingleRankComm))?;
         return run_rank(rc, &ctx);
     }
-    let threads = (rayon::current_num_threads() / world).max(1);
+    let threads = threads_per_rank(world);
     eprintln!(
         "running {world} ranks in this process (tensor {} x pipeline {} x data {}), \
          {threads} thread(s) each",
