@@ -58,8 +58,22 @@ impl StagingDir {
     /// Creates `.<name>.tmp-<pid>` in `output`'s parent (creating the parent if needed), after
     /// [`check_output`].
     pub(crate) fn create(output: &Path, force: bool) -> Result<StagingDir, CheckpointError> {
-        check_output(output, force)?;
         let name = output
+            .file_name()
+            .map(|n| format!(".{}.tmp-{}", n.to_string_lossy(), std::process::id()))
+            .unwrap_or_default();
+        StagingDir::create_named(output, force, &name)
+    }
+
+    /// [`create`](Self::create) with the staging directory named `tmp_name` (beside
+    /// `output`); an existing directory of that name (a stale staging directory) is removed.
+    pub(crate) fn create_named(
+        output: &Path,
+        force: bool,
+        tmp_name: &str,
+    ) -> Result<StagingDir, CheckpointError> {
+        check_output(output, force)?;
+        output
             .file_name()
             .ok_or_else(|| CheckpointError::OutputExists {
                 path: output.to_path_buf(),
@@ -70,11 +84,7 @@ impl StagingDir {
             _ => PathBuf::from("."),
         };
         fs::create_dir_all(&parent).map_err(|e| CheckpointError::io(&parent, e))?;
-        let tmp = parent.join(format!(
-            ".{}.tmp-{}",
-            name.to_string_lossy(),
-            std::process::id()
-        ));
+        let tmp = parent.join(tmp_name);
         if tmp.exists() {
             fs::remove_dir_all(&tmp).map_err(|e| CheckpointError::io(&tmp, e))?;
         }

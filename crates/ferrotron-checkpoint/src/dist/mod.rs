@@ -30,7 +30,7 @@ pub use metadata::{
     StoredDtype, TensorRecord,
 };
 pub use read::CheckpointReader;
-pub use write::{CheckpointWriter, ShardedTensor};
+pub use write::{CheckpointWriter, ShardFile, ShardSpec, ShardedTensor, TensorRecords};
 
 use crate::CheckpointError;
 use std::path::{Path, PathBuf};

@@ -10,6 +10,7 @@ use super::metadata::{
 use crate::CheckpointError;
 use memmap2::Mmap;
 use safetensors::SafeTensors;
+use safetensors::tensor::Metadata;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -18,8 +19,16 @@ use std::path::{Path, PathBuf};
 pub struct CheckpointReader {
     dir: PathBuf,
     metadata: CheckpointMetadata,
-    /// Memory-mapped safetensors files by name.
-    files: BTreeMap<String, Mmap>,
+    /// Memory-mapped safetensors files by name, headers parsed once.
+    files: BTreeMap<String, MappedFile>,
+}
+
+/// One mapped shard file and its parsed header.
+struct MappedFile {
+    mmap: Mmap,
+    /// Start of the data section (after the 8-byte length and the header).
+    data_start: usize,
+    header: Metadata,
 }
 
 fn format_err(path: &Path, detail: impl Into<String>) -> CheckpointError {
@@ -69,7 +78,16 @@ impl CheckpointReader {
                 // directories are immutable once committed).
                 let mmap =
                     unsafe { Mmap::map(&file) }.map_err(|e| CheckpointError::io(&path, e))?;
-                files.insert(s.file.clone(), mmap);
+                let (header_len, header) = SafeTensors::read_metadata(&mmap)
+                    .map_err(|e| format_err(&path, format!("invalid safetensors file: {e}")))?;
+                files.insert(
+                    s.file.clone(),
+                    MappedFile {
+                        mmap,
+                        data_start: 8 + header_len,
+                        header,
+                    },
+                );
             }
         }
         Ok(CheckpointReader {
@@ -232,7 +250,7 @@ impl CheckpointReader {
         }
         let bytes = self.shard_bytes(key, dtype, s)?;
         if rank == 0 {
-            out[0] = decode(dtype, bytes, 0);
+            decode_run(dtype, bytes, 0, &mut out[..1]);
             return Ok(());
         }
         // Walk every index of the overlap except the last dimension; copy one run per index.
@@ -241,9 +259,7 @@ impl CheckpointReader {
         loop {
             let src = flat(&idx, &s.global_offset, &s.local_shape);
             let dst = flat(&idx, offset, shape);
-            for (i, o) in out[dst..dst + run].iter_mut().enumerate() {
-                *o = decode(dtype, bytes, src + i);
-            }
+            decode_run(dtype, bytes, src, &mut out[dst..dst + run]);
             // Next index in row-major order over dims 0..rank-1.
             let mut d = rank - 1;
             loop {
@@ -268,27 +284,39 @@ impl CheckpointReader {
         s: &ShardRecord,
     ) -> Result<&[u8], CheckpointError> {
         let path = self.dir.join(&s.file);
-        let mmap = &self.files[&s.file];
-        let st = SafeTensors::deserialize(mmap)
-            .map_err(|e| format_err(&path, format!("invalid safetensors file: {e}")))?;
-        let view = st
-            .tensor(&s.name)
-            .map_err(|e| format_err(&path, format!("tensor {} (of {key}): {e}", s.name)))?;
-        let want: Vec<usize> = s.local_shape.clone();
-        if view.shape() != want.as_slice() || view.dtype().to_string() != dtype.safetensors_name() {
+        let file = &self.files[&s.file];
+        let info = file.header.info(&s.name).ok_or_else(|| {
+            format_err(
+                &path,
+                format!("no tensor {} (of {key}) in this file", s.name),
+            )
+        })?;
+        if info.shape != s.local_shape || info.dtype.to_string() != dtype.safetensors_name() {
             return Err(format_err(
                 &path,
                 format!(
                     "tensor {}: stored as {} {:?}, metadata says {} {:?}",
                     s.name,
-                    view.dtype(),
-                    view.shape(),
+                    info.dtype,
+                    info.shape,
                     dtype.safetensors_name(),
-                    want
+                    s.local_shape
                 ),
             ));
         }
-        Ok(view.data())
+        let (start, end) = info.data_offsets;
+        let expected = volume(&s.local_shape)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(dtype.size());
+        file.mmap
+            .get(file.data_start + start..file.data_start + end)
+            .filter(|b| b.len() == expected)
+            .ok_or_else(|| {
+                format_err(
+                    &path,
+                    format!("tensor {}: data lies past the end of the file", s.name),
+                )
+            })
     }
 }
 
@@ -300,15 +328,26 @@ fn flat(idx: &[usize], offset: &[usize], shape: &[usize]) -> usize {
         .fold(0, |acc, ((&i, &o), &n)| acc * n + (i - o))
 }
 
-/// Element `i` of little-endian `bytes` of type `dtype`, widened to f32.
-fn decode(dtype: StoredDtype, bytes: &[u8], i: usize) -> f32 {
+/// Elements `start .. start + out.len()` of little-endian `bytes` of type `dtype`, widened to
+/// f32 into `out`.
+fn decode_run(dtype: StoredDtype, bytes: &[u8], start: usize, out: &mut [f32]) {
+    let n = dtype.size();
+    let src = bytes[start * n..(start + out.len()) * n].chunks_exact(n);
     match dtype {
-        StoredDtype::F32 => f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap()),
+        StoredDtype::F32 => {
+            for (o, b) in out.iter_mut().zip(src) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
         StoredDtype::BF16 => {
-            half::bf16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f32()
+            for (o, b) in out.iter_mut().zip(src) {
+                *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
         }
         StoredDtype::F16 => {
-            half::f16::from_le_bytes(bytes[2 * i..2 * i + 2].try_into().unwrap()).to_f32()
+            for (o, b) in out.iter_mut().zip(src) {
+                *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
         }
     }
 }
