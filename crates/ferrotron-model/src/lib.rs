@@ -19,7 +19,7 @@ pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
 pub use pipeline_stage::{StageInfo, stage_layers};
-pub use tensor_parallel::{TpInfo, TpSplit, padded_vocab_size};
+pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
     ActivationMemory, GradReady, LossStats, NoGradHook, ParamInfo, StageForward, TrainBatch,
 };

@@ -219,6 +219,41 @@ impl GptModel {
         Ok(model)
     }
 
+    /// The full shape of parameter `i` (order of [`GptModel::parameters`]).
+    pub fn global_param_shape(&self, i: usize) -> Vec<usize> {
+        match &self.tp {
+            Some(tp) => tp.global_shapes[i].clone(),
+            None => self.parameters()[i].shape.clone(),
+        }
+    }
+
+    /// Where the local elements `range` of parameter `i` (order of
+    /// [`GptModel::parameters`]) lie in the full parameter: one box per contiguous run (see
+    /// [`TpSplit::boxes`]); a full model's parameter is its own full tensor.
+    pub fn param_boxes(&self, i: usize, range: std::ops::Range<usize>) -> Vec<ParamBox> {
+        match &self.tp {
+            Some(tp) => tp.splits[i].boxes(
+                &tp.global_shapes[i],
+                tp.group.size(),
+                tp.group.rank(),
+                range,
+            ),
+            None => TpSplit::Replicated.boxes(&self.parameters()[i].shape, 1, 0, range),
+        }
+    }
+
+    /// Whether another rank of the model-parallel group holds the stored copy of parameter
+    /// `i`: a replicated parameter on tensor-parallel rank > 0, or the last pipeline stage's
+    /// shared copy of a tied embedding (stage 0 stores it). Checkpoints write each parameter
+    /// once (Megatron's `replica_id`).
+    pub fn is_param_replica(&self, i: usize) -> bool {
+        let tp_replica = self
+            .tp
+            .as_ref()
+            .is_some_and(|tp| tp.group.rank() > 0 && tp.splits[i] == TpSplit::Replicated);
+        tp_replica || (i == 0 && self.holds_shared_embedding_copy())
+    }
+
     /// The tensor-parallel shard info, `None` for a full model.
     pub fn tensor_parallel(&self) -> Option<&TpInfo> {
         self.tp.as_ref()

@@ -2,12 +2,15 @@
 //! ([`ferrotron_checkpoint::dist`], `docs/checkpoint-format.md`): Megatron's `save_checkpoint`
 //! / `load_checkpoint` (`megatron/training/checkpointing.py`) at one rank.
 //!
-//! Tensors (keys):
+//! Tensors (keys), all in the full model's shapes and stored as the boxes each rank holds
+//! (see `sharded.rs`):
 //! - `model.<param name>` in the parameter dtype, shaped as the parameter
 //!   (`model.decoder.layers.0.self_attention.linear_qkv.weight: [qkv, h]`);
 //! - `optimizer.exp_avg.<param name>`, `optimizer.exp_avg_sq.<param name>` and, with bf16/fp16
-//!   params, `optimizer.master.<param name>`: f32, flattened to `[numel]` so a distributed
-//!   optimizer's owned ranges are plain 1-D shards.
+//!   params, `optimizer.master.<param name>`: f32, shaped as the parameter.
+//!
+//! A checkpoint without `content.trainer` (one made by `ferrotron convert hf-to-ckpt`)
+//! holds weights only and always loads as [`LoadMode::Finetune`].
 //!
 //! `metadata.json` `content` holds a [`TrainerState`]: iteration, consumed train and
 //! validation samples, the scheduler and optimizer scalars, the seed, and whatever the caller
@@ -15,7 +18,7 @@
 
 use super::{Result, TrainError, Trainer};
 use ferrotron_checkpoint::dist::{
-    CheckpointReader, CheckpointWriter, ParallelLayout, ShardedTensor, StoredDtype, iteration_dir,
+    CheckpointReader, CheckpointWriter, ParallelLayout, StoredDtype, iteration_dir,
     prune_checkpoints, write_tracker,
 };
 use ferrotron_optim::{
@@ -66,14 +69,16 @@ pub enum LoadMode {
     Finetune,
 }
 
-const MODEL: &str = "model.";
-const OPTIM: &str = "optimizer.";
+/// Key prefix of model weights.
+pub(super) const MODEL: &str = "model.";
+/// Key prefix of optimizer state.
+pub(super) const OPTIM: &str = "optimizer.";
 
-fn ckpt_err(e: impl std::fmt::Display) -> TrainError {
+pub(super) fn ckpt_err(e: impl std::fmt::Display) -> TrainError {
     TrainError::Checkpoint(e.to_string())
 }
 
-fn stored(dtype: DType) -> Result<StoredDtype> {
+pub(super) fn stored(dtype: DType) -> Result<StoredDtype> {
     match dtype {
         DType::F32 => Ok(StoredDtype::F32),
         DType::BF16 => Ok(StoredDtype::BF16),
@@ -109,8 +114,11 @@ impl Trainer {
 
     /// Saves the full training state as `save/iter_NNNNNNN` (staged and renamed), points
     /// `latest_checkpointed_iteration.txt` at it, then keeps only the newest `keep_last`
-    /// checkpoints (0 = all). `extra` is stored beside the trainer state in the metadata
-    /// `content` (e.g. `{"run_config": ..., "hf_config": ...}`). Returns the directory.
+    /// checkpoints (0 = all). Every rank writes its own shards in parallel (see
+    /// `sharded.rs`); the committing rank (data-, tensor- and pipeline-parallel rank 0)
+    /// writes `metadata.json` with `extra` stored beside the trainer state in `content`
+    /// (e.g. `{"run_config": ..., "hf_config": ...}`) and `files` (relative name, source
+    /// path) copied in. Collective. Returns the directory.
     ///
     /// # Errors
     /// [`TrainError::Checkpoint`] on any write failure; the previous checkpoints and the
@@ -121,53 +129,56 @@ impl Trainer {
         keep_last: usize,
         extra: serde_json::Value,
     ) -> Result<PathBuf> {
+        self.save_checkpoint_with_files(save, keep_last, extra, &[])
+    }
+
+    /// [`save_checkpoint`](Self::save_checkpoint) that also copies `files` (name inside the
+    /// checkpoint, source path), e.g. the tokenizer, into the iteration directory.
+    ///
+    /// # Errors
+    /// As [`save_checkpoint`](Self::save_checkpoint).
+    pub fn save_checkpoint_with_files(
+        &self,
+        save: &Path,
+        keep_last: usize,
+        extra: serde_json::Value,
+        files: &[(String, PathBuf)],
+    ) -> Result<PathBuf> {
         let dir = iteration_dir(save, self.iteration);
-        let full = self.gather_full_state()?;
-        if !self.is_writer() {
-            // The writer stores the whole (gathered) model and optimizer state.
+        let committing = self.is_writer();
+        let created = if committing {
+            Some(CheckpointWriter::create_shared(&dir, true).map_err(ckpt_err)?)
+        } else {
+            None
+        };
+        self.barrier_all()?;
+        let mut writer = match created {
+            Some(w) => w,
+            None => CheckpointWriter::join_shared(&dir).map_err(ckpt_err)?,
+        };
+        self.write_rank_shards(&mut writer)?;
+        if !committing {
+            self.gather_records(Some(writer.into_records()))?;
             self.barrier_all()?;
             return Ok(dir);
         }
-        let (names, shapes) = (&full.names, &full.shapes);
-        let mut writer = CheckpointWriter::create(&dir, true).map_err(ckpt_err)?;
-        let model: Vec<ShardedTensor> = names
-            .iter()
-            .zip(shapes)
-            .zip(&full.params)
-            .map(|((name, shape), values)| {
-                ShardedTensor::full(format!("{MODEL}{name}"), shape, values)
-            })
-            .collect();
-        let dtype = stored(self.buffer.param_dtype())?;
-        writer
-            .write_file("model_rank00000.safetensors", dtype, &model)
-            .map_err(ckpt_err)?;
-        let mut shards = Vec::new();
-        for (array, per_param) in &full.optim {
-            for (name, values) in names.iter().zip(per_param) {
-                let key = format!("{OPTIM}{array}.{name}");
-                shards.push(ShardedTensor::full(key, &[values.len()], values));
-            }
+        for records in self.gather_records(None)? {
+            writer.merge_records(records).map_err(ckpt_err)?;
         }
-        writer
-            .write_file("optim_rank00000.safetensors", StoredDtype::F32, &shards)
-            .map_err(ckpt_err)?;
+        for (name, src) in files {
+            writer.copy_file(src, name).map_err(ckpt_err)?;
+        }
         let state = TrainerState {
             iteration: self.iteration,
             consumed_samples: self.consumed_samples,
             consumed_valid_samples: self.consumed_valid_samples,
             seed: self.options.seed,
             scheduler: self.scheduler.export_state().meta,
-            optimizer: full.meta,
+            optimizer: self.optimizer.export_state().meta,
         };
         let content = serde_json::json!({ "trainer": state, "extra": extra });
-        let layout = ParallelLayout {
-            data_parallel_size: self.dp.size(),
-            tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),
-            pipeline_model_parallel_size: self.pp.as_ref().map_or(1, |p| p.stages()),
-        };
         writer
-            .commit(self.iteration, layout, content)
+            .commit(self.iteration, self.parallel_layout(), content)
             .map_err(ckpt_err)?;
         write_tracker(save, self.iteration).map_err(ckpt_err)?;
         prune_checkpoints(save, keep_last).map_err(ckpt_err)?;
@@ -175,10 +186,22 @@ impl Trainer {
         Ok(dir)
     }
 
-    /// Restores from the iteration directory `dir` (see [`LoadMode`]). The model must have
-    /// the checkpoint's parameters (names and shapes; every mismatch is listed). With
-    /// [`LoadMode::Resume`] the schedule settings must match the checkpoint's (Megatron's
-    /// default check). Returns the stored [`TrainerState`].
+    /// The layout this trainer runs under.
+    fn parallel_layout(&self) -> ParallelLayout {
+        ParallelLayout {
+            data_parallel_size: self.dp.size(),
+            tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),
+            pipeline_model_parallel_size: self.pp.as_ref().map_or(1, |p| p.stages()),
+        }
+    }
+
+    /// Restores from the iteration directory `dir` (see [`LoadMode`]), whatever layout it was
+    /// saved under: each rank reads the boxes of the full tensors its own shard covers. The
+    /// model must have the checkpoint's parameters (names and full shapes; every mismatch is
+    /// listed). With [`LoadMode::Resume`] the schedule settings must match the checkpoint's
+    /// (Megatron's default check). A checkpoint without trainer state (converted from HF)
+    /// loads its weights only. Returns the stored [`TrainerState`] (for a weights-only
+    /// checkpoint: the trainer's fresh state).
     ///
     /// # Errors
     /// [`TrainError::Checkpoint`] for an unreadable or mismatching checkpoint; on error the
@@ -186,14 +209,23 @@ impl Trainer {
     pub fn load_checkpoint(&mut self, dir: &Path, mode: LoadMode) -> Result<TrainerState> {
         let reader = CheckpointReader::open(dir).map_err(ckpt_err)?;
         let content = &reader.metadata().content;
-        let state: TrainerState = serde_json::from_value(content["trainer"].clone())
-            .map_err(|e| ckpt_err(format!("{}: content.trainer: {e}", dir.display())))?;
+        let stored_state: Option<TrainerState> = match content.get("trainer") {
+            None => None,
+            Some(v) => Some(
+                serde_json::from_value(v.clone())
+                    .map_err(|e| ckpt_err(format!("{}: content.trainer: {e}", dir.display())))?,
+            ),
+        };
         let params = self.buffer.params().to_vec();
-        let shapes = self.global_shapes();
         let expected: Vec<(String, Vec<usize>)> = params
             .iter()
-            .zip(&shapes)
-            .map(|(p, shape)| (format!("{MODEL}{}", p.name), shape.clone()))
+            .enumerate()
+            .map(|(i, p)| {
+                (
+                    format!("{MODEL}{}", p.name),
+                    self.model.global_param_shape(i),
+                )
+            })
             .collect();
         // A pipeline stage reads its own parameters; the others' are the other stages'.
         if self.pp.is_some() {
@@ -201,38 +233,50 @@ impl Trainer {
         } else {
             reader.check_tensors(MODEL, &expected).map_err(ckpt_err)?;
         }
-        let full = params
-            .iter()
-            .map(|p| reader.read(&format!("{MODEL}{}", p.name)).map_err(ckpt_err))
-            .collect::<Result<Vec<_>>>()?;
-        let local = self.model.shard_tensor_parallel(full);
         let mut buffer_state = self.buffer.export_state();
         let mut flat = vec![0f32; self.buffer.numel()];
-        for (p, values) in params.iter().zip(&local) {
-            flat[p.range()].copy_from_slice(values);
+        for (i, p) in params.iter().enumerate() {
+            let values = self.read_local(&reader, &format!("{MODEL}{}", p.name), i, 0..p.numel)?;
+            flat[p.range()].copy_from_slice(&values);
         }
         buffer_state
             .arrays
             .insert("params".into(), StateArray::F32(flat));
         self.buffer.import_state(buffer_state)?;
-        if mode == LoadMode::Resume {
-            self.load_optimizer(&reader, &params, &state)?;
-            self.scheduler
-                .import_with(state.scheduler.clone(), SchedulerLoadPolicy::RequireMatch)?;
-            self.iteration = state.iteration;
-            self.consumed_samples = state.consumed_samples;
-            self.consumed_valid_samples = state.consumed_valid_samples;
-        } else {
-            // Fresh optimizer state over the loaded weights (the master copy included).
-            self.optimizer = super::step::new_optimizer(&self.options, &self.buffer, &self.dp)?;
-        }
+        let state = match (mode, stored_state) {
+            (LoadMode::Resume, Some(state)) => {
+                self.load_optimizer(&reader, &params, &state)?;
+                self.scheduler
+                    .import_with(state.scheduler.clone(), SchedulerLoadPolicy::RequireMatch)?;
+                self.iteration = state.iteration;
+                self.consumed_samples = state.consumed_samples;
+                self.consumed_valid_samples = state.consumed_valid_samples;
+                state
+            }
+            (_, stored) => {
+                // Fresh optimizer state over the loaded weights (the master copy included).
+                self.optimizer = super::step::new_optimizer(&self.options, &self.buffer, &self.dp)?;
+                stored.unwrap_or_else(|| self.fresh_state())
+            }
+        };
         self.sync_model_from_buffer()?;
         Ok(state)
     }
 
-    /// Imports the Adam moments (and master weights) of every parameter, read whole and cut
-    /// to this rank's tensor-parallel shard and owned ranges, with the checkpoint's step,
-    /// loss scaler and skip counter.
+    /// The state of a trainer that has not stepped yet (what a weights-only load reports).
+    fn fresh_state(&self) -> TrainerState {
+        TrainerState {
+            iteration: self.iteration,
+            consumed_samples: self.consumed_samples,
+            consumed_valid_samples: self.consumed_valid_samples,
+            seed: self.options.seed,
+            scheduler: self.scheduler.export_state().meta,
+            optimizer: self.optimizer.export_state().meta,
+        }
+    }
+
+    /// Imports the Adam moments (and master weights) of this rank's owned ranges of its
+    /// shard, with the checkpoint's step, loss scaler and skip counter.
     fn load_optimizer(
         &mut self,
         reader: &CheckpointReader,
@@ -241,25 +285,25 @@ impl Trainer {
     ) -> Result<()> {
         let current = self.optimizer.export_state();
         let owned = current.meta.adam.owned.clone();
-        let mut arrays = BTreeMap::new();
-        for name in current.arrays.keys() {
-            let full = params
-                .iter()
-                .map(|p| {
-                    reader
-                        .read(&format!("{OPTIM}{name}.{}", p.name))
-                        .map_err(ckpt_err)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let local = self.model.shard_tensor_parallel(full);
-            let mut values = vec![0f32; owned.local_len()];
-            for (p, param_values) in params.iter().zip(&local) {
-                for (off, len, start) in owned_parts(p, &owned) {
-                    values[start..start + len].copy_from_slice(&param_values[off..off + len]);
-                }
-            }
-            arrays.insert(name.clone(), StateArray::F32(values));
+        let names: Vec<String> = current.arrays.keys().cloned().collect();
+        let missing: Vec<String> = names
+            .iter()
+            .flat_map(|n| params.iter().map(move |p| format!("{OPTIM}{n}.{}", p.name)))
+            .filter(|k| !reader.metadata().tensors.contains_key(k))
+            .collect();
+        if !missing.is_empty() {
+            return Err(ckpt_err(format!(
+                "{}: missing optimizer tensors {} (load it with checkpoint.finetune for the weights only)",
+                reader.dir().display(),
+                missing.join(", ")
+            )));
         }
+        let values = self.read_optimizer_arrays(reader, &names, &owned)?;
+        let arrays: BTreeMap<String, StateArray> = names
+            .into_iter()
+            .zip(values)
+            .map(|(n, v)| (n, StateArray::F32(v)))
+            .collect();
         let mut meta = state.optimizer.clone();
         meta.adam.owned = owned;
         self.optimizer.import_state(StateDict { meta, arrays })?;

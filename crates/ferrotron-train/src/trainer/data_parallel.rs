@@ -130,11 +130,6 @@ impl DataParallel {
         self.comm.barrier().map_err(comm_err)
     }
 
-    /// In place all-gather of equal f32 chunks (chunk `rank()` is this rank's).
-    pub(super) fn all_gather_in_place(&self, values: &mut [f32]) -> Result<()> {
-        self.comm.all_gather_in_place(values).map_err(comm_err)
-    }
-
     /// Makes every rank's parameters those of rank 0 (Megatron's `broadcast_params` at DDP
     /// construction), so replicas start identical however their weights were made.
     pub(super) fn broadcast_params(&self, buffer: &mut ParamAndGradBuffer) -> Result<()> {

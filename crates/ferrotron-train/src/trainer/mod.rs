@@ -28,6 +28,7 @@ mod options;
 mod overlap;
 mod pipeline_exec;
 mod run;
+mod sharded;
 mod step;
 
 pub use checkpoint::{LoadMode, SavePlan, TrainerState};

@@ -2,6 +2,8 @@
 //! vocab 112), an in-memory dataset of a repeated token pattern, and run options.
 #![allow(dead_code)] // each test binary uses a subset
 
+pub mod layouts;
+
 use ferrotron_data::{Dataset, DatasetError, GptSample, MicroBatch};
 use ferrotron_model::GptModel;
 use ferrotron_model::families::load_hf_model;

@@ -1,0 +1,157 @@
+//! Parallel layouts of the tiny models for the layout tests: the Megatron sampler's share of
+//! each rank, a [`Layout`] builder (tp x pp x dp ranks in-process), and run comparison.
+
+use super::*;
+use ferrotron_comm::{LocalComm, ParallelConfig, ParallelState, ProcessGroups, run_local};
+use ferrotron_data::MicroBatch;
+use ferrotron_nn::TensorParallel;
+use ferrotron_train::trainer::{
+    DataParallel, PipelineParallel, TrainError, Trainer, TrainerOptions,
+};
+use std::sync::Arc;
+
+pub const MBS: usize = 2;
+pub const GBS: usize = 8;
+pub const ITERS: usize = 4;
+
+/// Rank `r`'s micro-batches of global batch `it` (Megatron's sampler: micro-step `k` of the
+/// step covers `mbs · dp` consecutive samples, rank `r` takes the `r`-th `mbs` of them).
+pub fn rank_batches(it: usize, rank: usize, dp: usize) -> Vec<MicroBatch> {
+    (0..GBS / (MBS * dp))
+        .map(|k| {
+            let first = it * GBS + k * MBS * dp + rank * MBS;
+            micro_batches(first, MBS, MBS).remove(0)
+        })
+        .collect()
+}
+
+pub fn dp_options(dp: usize, iters: usize) -> TrainerOptions {
+    TrainerOptions {
+        data_parallel_size: dp,
+        // small buckets: several reductions per step, padded shards
+        ddp_bucket_size: Some(3000),
+        ..options(MBS, GBS, iters as u64)
+    }
+}
+
+/// The full model's parameters (gathered over tensor parallelism).
+/// The (named) parameters this rank's model holds, gathered over tensor parallelism: the
+/// whole model, or one pipeline stage's part under their global names.
+pub fn params(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+    let infos = t.model().parameters();
+    let local = (0..infos.len()).map(|i| t.param(i)).collect();
+    let full = t.model().gather_tensor_parallel(local).unwrap();
+    infos.into_iter().map(|p| p.name).zip(full).collect()
+}
+
+/// Per-iteration losses and the final named parameters of a run.
+pub type Run = (Vec<f64>, Vec<(String, Vec<f32>)>);
+
+/// (losses, final params) of `iters` steps from iteration `from`.
+pub fn train(t: &mut Trainer, from: usize, iters: usize) -> Run {
+    let dp = t.data_parallel();
+    let (rank, size) = (dp.rank(), dp.size());
+    let losses = (from..from + iters)
+        .map(|it| t.train_step(&rank_batches(it, rank, size)).unwrap().loss)
+        .collect();
+    (losses, params(t))
+}
+
+pub fn single_rank(iters: usize) -> Run {
+    let mut t = Trainer::new(tiny_model(), dp_options(1, iters)).unwrap();
+    train(&mut t, 0, iters)
+}
+
+pub fn data_parallel(dp: usize, distributed: bool) -> Vec<Run> {
+    run_local(dp, |comm| {
+        let group = DataParallel::new(Arc::new(comm), distributed);
+        let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(dp, ITERS), group)?;
+        Ok::<_, ferrotron_train::trainer::TrainError>(train(&mut t, 0, ITERS))
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+pub fn assert_close(what: &str, a: f64, b: f64, tol: f64) {
+    let rel = (a - b).abs() / b.abs().max(1e-6);
+    assert!(rel <= tol, "{what}: {a} vs {b} (rel {rel:.2e})");
+}
+
+pub fn assert_same_run(label: &str, got: &Run, want: &Run) {
+    for (i, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
+        assert_close(
+            &format!("{label} loss of iteration {}", i + 1),
+            *a,
+            *b,
+            1e-5,
+        );
+    }
+    assert!(!got.1.is_empty(), "{label}: no parameters");
+    for (name, a) in &got.1 {
+        let b = &want
+            .1
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("{label}: {name}"))
+            .1;
+        assert_eq!(a.len(), b.len(), "{label} {name}");
+        let max_diff = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            max_diff <= 1e-5,
+            "{label} {name}: max |diff| {max_diff:.2e}"
+        );
+    }
+}
+
+/// A parallel layout of the tests: the data-parallel size is what the world leaves.
+#[derive(Clone, Copy, Default)]
+pub struct Layout {
+    pub tp: usize,
+    pub pp: usize,
+    pub sp: bool,
+    pub distributed: bool,
+    pub overlap: bool,
+}
+
+impl Layout {
+    /// The trainer of rank `comm` over `full`: its pipeline stage, sharded over tensor
+    /// parallelism (Megatron order: tp ranks adjacent), in its data-parallel group.
+    pub fn trainer(
+        self,
+        comm: LocalComm,
+        iters: usize,
+        full: ferrotron_model::GptModel,
+    ) -> Result<Trainer, TrainError> {
+        let (tp, pp) = (self.tp.max(1), self.pp.max(1));
+        let world = comm.world_ranks().len();
+        let config = ParallelConfig {
+            tensor_model_parallel_size: tp,
+            pipeline_model_parallel_size: pp,
+            ..ParallelConfig::default()
+        };
+        let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
+        let (dp, stage) = (state.data_parallel_size(), state.coords().pp);
+        let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
+        let layers = ferrotron_model::stage_layers(full.config.num_layers, pp, stage, None)?;
+        let model = if pp > 1 {
+            full.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
+        } else {
+            full
+        };
+        let tp_group = TensorParallel::new(groups.tensor.clone(), self.sp);
+        let shard = model.tensor_parallel_shard(tp_group, 128)?;
+        let mut group = DataParallel::new(groups.data.clone(), self.distributed);
+        if self.overlap {
+            group = group.with_overlap_grad_reduce()?;
+        }
+        let mut t = Trainer::new_data_parallel(shard, dp_options(dp, iters), group)?;
+        if pp > 1 {
+            let pipeline = PipelineParallel::new(groups.pipeline.clone(), groups.embedding.clone());
+            t.set_pipeline(pipeline)?;
+        }
+        Ok(t)
+    }
+}

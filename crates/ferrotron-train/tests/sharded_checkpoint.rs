@@ -1,0 +1,99 @@
+//! Sharded checkpoints: every rank of a tp 2 x pp 2 x dp 2 run with the distributed optimizer
+//! writes its own shards (model boxes once per tensor, each data-parallel rank its optimizer
+//! shard), and the checkpoint resumes bit-for-bit as the uninterrupted run under other
+//! layouts: one rank, tp 4, pp 4, and pp 2 x dp 2.
+
+mod common;
+
+use common::layouts::*;
+use ferrotron_checkpoint::dist::{CheckpointReader, iteration_dir};
+use ferrotron_comm::run_local;
+use ferrotron_model::{GptModel, InitConfig, TransformerConfig};
+use ferrotron_train::trainer::{LoadMode, TrainError, Trainer};
+
+/// 4 layers, 8 heads in 4 query groups (so tp 4 works), vocabulary 112 (padded per tp).
+fn model(tied: bool) -> GptModel {
+    let mut config = TransformerConfig::llama(4, 64, 128, 8, 4, 112, 64).unwrap();
+    config.untie_embeddings_and_output_weights = !tied;
+    GptModel::init_random(config, InitConfig::default()).unwrap()
+}
+
+fn layout(tp: usize, pp: usize, distributed: bool) -> Layout {
+    Layout {
+        tp,
+        pp,
+        distributed,
+        ..Layout::default()
+    }
+}
+
+#[test]
+fn tp2_pp2_dp2_checkpoint_resumes_under_other_layouts() {
+    for tied in [false, true] {
+        let label = if tied { "tied" } else { "untied" };
+        let mut one = Trainer::new(model(tied), dp_options(1, ITERS)).unwrap();
+        let reference = train(&mut one, 0, ITERS);
+        let tail = (reference.0[2..].to_vec(), reference.1.clone());
+        let dir = tempfile::tempdir().unwrap();
+        let save = dir.path().to_path_buf();
+        run_local(8, |comm| {
+            let mut t = layout(2, 2, true).trainer(comm, ITERS, model(tied))?;
+            train(&mut t, 0, 2);
+            t.save_checkpoint(&save, 0, serde_json::Value::Null)
+                .map(|_| ())
+        })
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+
+        let ckpt = iteration_dir(&save, 2);
+        let reader = CheckpointReader::open(&ckpt).unwrap();
+        let meta = reader.metadata();
+        assert_eq!(
+            (
+                meta.parallel.tensor_model_parallel_size,
+                meta.parallel.pipeline_model_parallel_size,
+                meta.parallel.data_parallel_size
+            ),
+            (2, 2, 2)
+        );
+        let mut files: Vec<&str> = meta
+            .tensors
+            .values()
+            .flat_map(|t| t.shards.iter().map(|s| s.file.as_str()))
+            .collect();
+        files.sort_unstable();
+        files.dedup();
+        let count = |prefix: &str| files.iter().filter(|f| f.starts_with(prefix)).count();
+        assert_eq!(
+            (count("model_"), count("optim_")),
+            (4, 8),
+            "{label}: {files:?}"
+        );
+        // linear_fc1 of a tp-2 shard is two boxes (gate and up), and a distributed-optimizer
+        // shard adds row cuts: more shards than ranks.
+        let fc1 = &meta.tensors["model.decoder.layers.0.mlp.linear_fc1.weight"];
+        assert_eq!(fc1.shards.len(), 4, "{label}: {fc1:?}");
+        let exp_avg = &meta.tensors["optimizer.exp_avg.decoder.layers.0.mlp.linear_fc1.weight"];
+        assert_eq!(exp_avg.global_shape, vec![256, 64]);
+        assert!(exp_avg.shards.len() >= 4, "{label}");
+        drop(reader);
+
+        let mut t = Trainer::new(model(tied), dp_options(1, ITERS)).unwrap();
+        t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
+        assert_same_run(&format!("{label} -> 1 rank"), &train(&mut t, 2, 2), &tail);
+        for (world, target, name) in [
+            (4, layout(4, 1, false), "tp4"),
+            (4, layout(1, 4, false), "pp4"),
+            (4, layout(1, 2, true), "pp2 x dp2 + distributed optimizer"),
+        ] {
+            let runs = run_local(world, |comm| {
+                let mut t = target.trainer(comm, ITERS, model(tied))?;
+                t.load_checkpoint(&ckpt, LoadMode::Resume)?;
+                Ok::<_, TrainError>(train(&mut t, 2, 2))
+            })
+            .unwrap_or_else(|e| panic!("{label} -> {name}: {e}"));
+            for (r, run) in runs.iter().enumerate() {
+                assert_same_run(&format!("{label} -> {name} rank {r}"), run, &tail);
+            }
+        }
+    }
+}
