@@ -259,9 +259,7 @@ impl Trainer {
             }
         }
         held.iter()
-            .map(|p| {
-                serde_json::from_slice(&p).map_err(|e| ckpt_err(format!("shard records: {e}")))
-            })
+            .map(|p| serde_json::from_slice(p).map_err(|e| ckpt_err(format!("shard records: {e}"))))
             .collect()
     }
 }
