@@ -5,10 +5,11 @@
 
 use super::{HfModelInfo, parse_hf_config};
 use crate::config::field_error;
+use crate::train::params::View;
 use crate::{GptModel, ModelError, ModelFamily, Result, TransformerConfig};
-use ferrotron_nn::{Linear, NnError};
+use ferrotron_nn::NnError;
 use ferrotron_tensor::ops::RopeScaling;
-use ferrotron_tensor::{DType, Storage, Tensor};
+use ferrotron_tensor::{DType, Storage};
 use serde_json::{Map, Value, json};
 use std::ops::Range;
 
@@ -260,13 +261,6 @@ fn legacy_rope_scaling(rope: &Value) -> Value {
     r
 }
 
-/// Where an HF tensor's values live in the model.
-#[derive(Clone, Copy, Debug)]
-enum Src<'a> {
-    Tensor(&'a Tensor),
-    F32(&'a [f32]),
-}
-
 /// One HF tensor of a model, computed on demand by [`HfTensor::values`]: its rows are row
 /// ranges of a Megatron parameter (the whole parameter, or one of q/k/v, gate/up).
 #[derive(Clone, Debug)]
@@ -276,7 +270,7 @@ pub struct HfTensor<'a> {
     /// HF shape: `[out, in]` for linear weights, `[v, h]` for embeddings, `[n]` for norms and
     /// biases.
     pub shape: Vec<usize>,
-    src: Src<'a>,
+    src: View<'a>,
     /// Ranges of the source's rows (`shape[1..]` elements each), concatenated in order.
     rows: Vec<Range<usize>>,
 }
@@ -295,8 +289,8 @@ impl HfTensor<'_> {
         for r in &self.rows {
             let span = r.start * cols..r.end * cols;
             match self.src {
-                Src::F32(s) => out.extend_from_slice(&s[span]),
-                Src::Tensor(t) => match t.storage() {
+                View::F32(s) => out.extend_from_slice(&s[span]),
+                View::Tensor(t) => match t.storage() {
                     Storage::F32(v) => out.extend_from_slice(&v[span]),
                     Storage::BF16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
                     Storage::F16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
@@ -307,20 +301,25 @@ impl HfTensor<'_> {
     }
 }
 
-/// Every HF tensor of `model` in `save_pretrained`'s naming: `model.embed_tokens.weight`, per
-/// layer `input_layernorm`, `self_attn.{q,k,v}_proj` (weight, bias when the model has q/k/v
-/// biases), `self_attn.o_proj`, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`, then
-/// `model.norm.weight` and, when untied, `lm_head.weight`. Nothing is copied until
-/// [`HfTensor::values`] is called, so writing the tensors one at a time needs memory for one
-/// tensor. This is the exact inverse of [`super::gpt_model_from_hf`].
+/// Every HF tensor of `model` in `save_pretrained`'s naming and order ([`super::param_mapping`]):
+/// `model.embed_tokens.weight`, per layer `input_layernorm`, `self_attn.{q,k,v}_proj` (weight,
+/// bias when the model has q/k/v biases), `self_attn.o_proj`, `post_attention_layernorm`,
+/// `mlp.{gate,up,down}_proj`, then `model.norm.weight` and, when untied, `lm_head.weight`.
+/// Nothing is copied until [`HfTensor::values`] is called, so writing the tensors one at a
+/// time needs memory for one tensor. This is the exact inverse of
+/// [`super::gpt_model_from_hf`].
 ///
 /// # Errors
-/// A parameter whose shape, or bias presence, disagrees with `model.config` (the model's
-/// fields are public), naming the Megatron parameter.
+/// A model that is a shard or stage, or whose parameters (names, shapes, bias presence)
+/// disagree with `model.config` (the model's fields are public), naming the parameter.
 pub fn hf_tensors(model: &GptModel) -> Result<Vec<HfTensor<'_>>> {
     let c = &model.config;
-    c.validate()?;
-    let (h, v) = (c.hidden_size, c.vocab_size);
+    if model.tensor_parallel().is_some() || !model.is_pre_process() || !model.is_post_process() {
+        return Err(ModelError::Input(
+            "HF export needs the whole model (gather tensor-parallel shards and pipeline stages first)"
+                .into(),
+        ));
+    }
     if model.layers.len() != c.num_layers {
         return Err(ModelError::Input(format!(
             "the model has {} layers, config num_layers is {}",
@@ -328,181 +327,45 @@ pub fn hf_tensors(model: &GptModel) -> Result<Vec<HfTensor<'_>>> {
             c.num_layers
         )));
     }
+    let mapping = super::param_mapping(c, c.vocab_size)?;
+    let expected = mapping.len();
+    let views = model.param_views();
     let mut out = Vec::new();
-    let emb = model.embedding.weight();
-    check_shape("embedding.word_embeddings.weight", emb.shape(), &[v, h])?;
-    out.push(whole(
-        "model.embed_tokens.weight",
-        Src::Tensor(emb),
-        &[v, h],
-    ));
-    for (i, layer) in model.layers.iter().enumerate() {
-        push_layer(&mut out, c, i, layer)?;
-    }
-    let norm = model.final_layernorm.weight();
-    check_shape("decoder.final_layernorm.weight", &[norm.len()], &[h])?;
-    out.push(whole("model.norm.weight", Src::F32(norm), &[h]));
-    match (&model.output_layer, c.untie_embeddings_and_output_weights) {
-        (Some(o), true) => {
-            check_shape("output_layer.weight", o.weight().shape(), &[v, h])?;
-            out.push(whole("lm_head.weight", Src::Tensor(o.weight()), &[v, h]));
-        }
-        (None, false) => {}
-        _ => {
-            return Err(ModelError::Input(
-                "output layer presence disagrees with untie_embeddings_and_output_weights".into(),
-            ));
-        }
-    }
-    Ok(out)
-}
-
-fn push_layer<'a>(
-    out: &mut Vec<HfTensor<'a>>,
-    c: &TransformerConfig,
-    i: usize,
-    layer: &'a crate::TransformerLayer,
-) -> Result<()> {
-    let (h, d, a, g, f) = (
-        c.hidden_size,
-        c.kv_channels,
-        c.num_attention_heads,
-        c.num_query_groups,
-        c.ffn_hidden_size,
-    );
-    let hf = format!("model.layers.{i}");
-    let mg = format!("decoder.layers.{i}");
-    let norm = |name: &str, hf_name: &str, w: &'a [f32]| -> Result<HfTensor<'a>> {
-        check_shape(&format!("{mg}.{name}.weight"), &[w.len()], &[h])?;
-        Ok(whole(&format!("{hf}.{hf_name}.weight"), Src::F32(w), &[h]))
-    };
-    out.push(norm(
-        "input_layernorm",
-        "input_layernorm",
-        layer.input_layernorm.weight(),
-    )?);
-
-    // linear_qkv rows: per group, a/g query heads, then one key head, then one value head.
-    let qkv = linear_parts(
-        &layer.linear_qkv,
-        &format!("{mg}.self_attention.linear_qkv"),
-        [c.qkv_size(), h],
-        c.add_qkv_bias,
-    )?;
-    let q_rows = (a / g) * d;
-    let stride = q_rows + 2 * d;
-    let groups = |offset: usize, len: usize| -> Vec<Range<usize>> {
-        (0..g)
-            .map(|gi| gi * stride + offset..gi * stride + offset + len)
-            .collect()
-    };
-    for (proj, rows) in [
-        ("q_proj", groups(0, q_rows)),
-        ("k_proj", groups(q_rows, d)),
-        ("v_proj", groups(q_rows + d, d)),
-    ] {
-        push_rows(out, &format!("{hf}.self_attn.{proj}"), qkv, h, rows);
-    }
-    let proj_name = format!("{mg}.self_attention.linear_proj");
-    let proj = linear_parts(&layer.linear_proj, &proj_name, [h, a * d], c.add_proj_bias)?;
-    push_rows(
-        out,
-        &format!("{hf}.self_attn.o_proj"),
-        proj,
-        a * d,
-        block(0, h),
-    );
-    out.push(norm(
-        "pre_mlp_layernorm",
-        "post_attention_layernorm",
-        layer.pre_mlp_layernorm.weight(),
-    )?);
-
-    // linear_fc1 rows: gate then up.
-    let fc1_name = format!("{mg}.mlp.linear_fc1");
-    let fc1 = linear_parts(&layer.mlp.linear_fc1, &fc1_name, [2 * f, h], c.add_mlp_bias)?;
-    push_rows(out, &format!("{hf}.mlp.gate_proj"), fc1, h, block(0, f));
-    push_rows(out, &format!("{hf}.mlp.up_proj"), fc1, h, block(f, f));
-    let fc2_name = format!("{mg}.mlp.linear_fc2");
-    let fc2 = linear_parts(&layer.mlp.linear_fc2, &fc2_name, [h, f], c.add_mlp_bias)?;
-    push_rows(out, &format!("{hf}.mlp.down_proj"), fc2, f, block(0, h));
-    Ok(())
-}
-
-/// A linear layer's weight and bias after checking the weight is `[out, in]` and the bias is
-/// present exactly when `bias` says.
-fn linear_parts<'a>(
-    l: &'a Linear,
-    name: &str,
-    [rows, cols]: [usize; 2],
-    bias: bool,
-) -> Result<(Src<'a>, Option<Src<'a>>)> {
-    check_shape(&format!("{name}.weight"), l.weight().shape(), &[rows, cols])?;
-    let b = match (l.bias(), bias) {
-        (Some(b), true) => {
-            check_shape(&format!("{name}.bias"), &[b.len()], &[rows])?;
-            Some(Src::F32(b))
-        }
-        (None, false) => None,
-        (b, _) => {
+    for (i, m) in mapping.into_iter().enumerate() {
+        let Some((info, view)) = views.get(i) else {
             return Err(ModelError::Input(format!(
-                "{name}: the layer {} a bias but the config says {}",
-                if b.is_some() { "has" } else { "lacks" },
-                bias
+                "the model lacks {} (the config implies it)",
+                m.name
+            )));
+        };
+        if info.name != m.name {
+            return Err(ModelError::Input(format!(
+                "the config implies {} but the model has {} there (a bias or the output layer disagrees with the config)",
+                m.name, info.name
             )));
         }
-    };
-    Ok((Src::Tensor(l.weight()), b))
-}
-
-/// Pushes `{prefix}.weight` (`rows` of the `[_, cols]` weight, stacked) and, when the layer has
-/// one, `{prefix}.bias` (the same rows of the bias).
-fn push_rows<'a>(
-    out: &mut Vec<HfTensor<'a>>,
-    prefix: &str,
-    (w, b): (Src<'a>, Option<Src<'a>>),
-    cols: usize,
-    rows: Vec<Range<usize>>,
-) {
-    let n = rows.iter().map(|r| r.len()).sum();
-    out.push(HfTensor {
-        name: format!("{prefix}.weight"),
-        shape: vec![n, cols],
-        src: w,
-        rows: rows.clone(),
-    });
-    if let Some(b) = b {
-        out.push(HfTensor {
-            name: format!("{prefix}.bias"),
-            shape: vec![n],
-            src: b,
-            rows,
-        });
-    }
-}
-
-/// The `len` rows from `start`.
-fn block(start: usize, len: usize) -> Vec<Range<usize>> {
-    std::iter::once(start..start + len).collect()
-}
-
-fn whole<'a>(name: &str, src: Src<'a>, shape: &[usize]) -> HfTensor<'a> {
-    HfTensor {
-        name: name.to_string(),
-        shape: shape.to_vec(),
-        src,
-        rows: block(0, shape[0]),
-    }
-}
-
-fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
-    if actual != expected {
-        return Err(NnError::ParamShape {
-            name: name.to_string(),
-            expected: expected.to_vec(),
-            actual: actual.to_vec(),
+        if info.shape != m.shape {
+            return Err(NnError::ParamShape {
+                name: m.name,
+                expected: m.shape,
+                actual: info.shape.clone(),
+            }
+            .into());
         }
-        .into());
+        for part in m.hf {
+            out.push(HfTensor {
+                name: part.name,
+                shape: part.shape,
+                src: *view,
+                rows: part.rows,
+            });
+        }
     }
-    Ok(())
+    if let Some((info, _)) = views.get(expected) {
+        return Err(ModelError::Input(format!(
+            "the model has {} which its config does not imply",
+            info.name
+        )));
+    }
+    Ok(out)
 }

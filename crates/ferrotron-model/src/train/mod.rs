@@ -31,7 +31,7 @@ mod backward;
 mod forward;
 mod loss;
 pub mod memory;
-mod params;
+pub(crate) mod params;
 pub mod recompute;
 mod tp_ops;
 

@@ -77,7 +77,8 @@ pub(crate) struct Slots {
 }
 
 /// A borrowed parameter: a tensor in its storage dtype or an f32 slice.
-enum View<'a> {
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum View<'a> {
     Tensor(&'a Tensor),
     F32(&'a [f32]),
 }
@@ -210,7 +211,7 @@ impl GptModel {
         }
     }
 
-    fn param_views(&self) -> Vec<(ParamInfo, View<'_>)> {
+    pub(crate) fn param_views(&self) -> Vec<(ParamInfo, View<'_>)> {
         let mut out = Vec::new();
         let emb = self.embedding.weight();
         if self.has_embedding_param() {
