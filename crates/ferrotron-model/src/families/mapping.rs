@@ -113,7 +113,7 @@ fn whole(
         hf: vec![HfPart {
             name: hf.into(),
             shape: shape.to_vec(),
-            rows: vec![0..shape[0]],
+            rows: block(0..shape[0]),
         }],
     }
 }
@@ -204,7 +204,7 @@ fn push_layer(out: &mut Vec<ParamMapping>, c: &TransformerConfig, i: usize) {
         TpSplit::Columns,
         c.add_proj_bias.then_some(TpSplit::Replicated),
         i,
-        &[(format!("{attn}.o_proj"), vec![0..h])],
+        &[(format!("{attn}.o_proj"), block(0..h))],
     );
     out.push(norm("pre_mlp_layernorm", "post_attention_layernorm"));
     let fc1 = TpSplit::Rows { parts: 2 };
@@ -216,8 +216,8 @@ fn push_layer(out: &mut Vec<ParamMapping>, c: &TransformerConfig, i: usize) {
         c.add_mlp_bias.then_some(fc1),
         i,
         &[
-            (format!("{hf}.mlp.gate_proj"), vec![0..f]),
-            (format!("{hf}.mlp.up_proj"), vec![f..2 * f]),
+            (format!("{hf}.mlp.gate_proj"), block(0..f)),
+            (format!("{hf}.mlp.up_proj"), block(f..2 * f)),
         ],
     );
     push_linear(
@@ -227,6 +227,11 @@ fn push_layer(out: &mut Vec<ParamMapping>, c: &TransformerConfig, i: usize) {
         TpSplit::Columns,
         c.add_mlp_bias.then_some(TpSplit::Replicated),
         i,
-        &[(format!("{hf}.mlp.down_proj"), vec![0..h])],
+        &[(format!("{hf}.mlp.down_proj"), block(0..h))],
     );
+}
+
+/// One row range as a list.
+fn block(rows: Range<usize>) -> Vec<Range<usize>> {
+    std::iter::once(rows).collect()
 }
