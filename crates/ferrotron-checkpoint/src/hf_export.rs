@@ -7,7 +7,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use ferrotron_model::families::{HfConfigInputs, HfTensor, hf_config_json, hf_tensors};
+use ferrotron_model::families::{HfConfigInputs, hf_config_json, hf_tensors};
 use ferrotron_model::{GptModel, ModelError};
 use ferrotron_tensor::DType;
 use serde_json::{Map, Value, json};
@@ -139,6 +139,24 @@ pub fn export_hf(
     output: &Path,
     opts: &HfExportOptions,
 ) -> Result<HfExportReport, CheckpointError> {
+    check_shard_size(opts)?;
+    let config = hf_config_json(&model.config, &source.config, torch_dtype(opts.dtype))
+        .map_err(|e| model_err(&e))?;
+    let tensors = hf_tensors(model).map_err(|e| model_err(&e))?;
+    let specs: Vec<(String, Vec<usize>)> = tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    let out = HfDirContents {
+        config: &config,
+        generation_config: source.generation_config.as_ref(),
+        tensors: &specs,
+    };
+    write_hf_dir(&out, |j| Ok(tensors[j].values()), output, opts)
+}
+
+/// Rejects a zero `max_shard_size`.
+pub(crate) fn check_shard_size(opts: &HfExportOptions) -> Result<(), CheckpointError> {
     if opts.max_shard_size == 0 {
         return Err(CheckpointError::Metadata {
             file: "export options".into(),
@@ -146,9 +164,30 @@ pub fn export_hf(
             detail: "must be > 0 bytes".into(),
         });
     }
-    let config = hf_config_json(&model.config, &source.config, torch_dtype(opts.dtype))
-        .map_err(|e| model_err(&e))?;
-    let tensors = hf_tensors(model).map_err(|e| model_err(&e))?;
+    Ok(())
+}
+
+/// What an HF directory holds besides the tensor values.
+pub(crate) struct HfDirContents<'a> {
+    /// `config.json`.
+    pub config: &'a Value,
+    /// `generation_config.json`, written when `Some`.
+    pub generation_config: Option<&'a Value>,
+    /// Every tensor's HF name and shape, in file order.
+    pub tensors: &'a [(String, Vec<usize>)],
+}
+
+/// Writes an HF model directory at `output` (staged, renamed at the end): `config.json`,
+/// `generation_config.json`, the tensors (`produce(j)` gives tensor `j`'s f32 values, called
+/// once each in order, so memory is one tensor) in `model.safetensors` or shards with an
+/// index, and the tokenizer files of `opts.tokenizer_dir`.
+pub(crate) fn write_hf_dir(
+    contents: &HfDirContents<'_>,
+    mut produce: impl FnMut(usize) -> Result<Vec<f32>, CheckpointError>,
+    output: &Path,
+    opts: &HfExportOptions,
+) -> Result<HfExportReport, CheckpointError> {
+    let tensors = contents.tensors;
     let tokenizer_files = match &opts.tokenizer_dir {
         Some(dir) => tokenizer_files_in(dir)?,
         None => vec![],
@@ -157,15 +196,16 @@ pub fn export_hf(
     let stage = StagingDir::create(output, opts.force)?;
     let dir = stage.path().to_path_buf();
     let mut files = vec!["config.json".to_string()];
-    let mut bytes_written = write_json(&dir, "config.json", &config)?;
-    if let Some(gen_config) = &source.generation_config {
+    let mut bytes_written = write_json(&dir, "config.json", contents.config)?;
+    if let Some(gen_config) = contents.generation_config {
         bytes_written += write_json(&dir, "generation_config.json", gen_config)?;
         files.push("generation_config.json".into());
     }
 
     let elem = opts.dtype.size();
-    let bytes_of = |t: &HfTensor| t.numel() as u64 * elem;
-    let shards = shard_ranges(&tensors, opts.max_shard_size, bytes_of);
+    let numel = |t: &(String, Vec<usize>)| t.1.iter().product::<usize>();
+    let bytes_of = |t: &(String, Vec<usize>)| numel(t) as u64 * elem;
+    let shards = shard_ranges(tensors, opts.max_shard_size, bytes_of);
     let n = shards.len();
     let mut weight_map = Map::new();
     for (i, range) in shards.iter().enumerate() {
@@ -177,26 +217,27 @@ pub fn export_hf(
         let part = &tensors[range.clone()];
         let specs: Vec<TensorSpec> = part
             .iter()
-            .map(|t| TensorSpec {
-                name: t.name.clone(),
-                shape: t.shape.iter().map(|&d| d as u64).collect(),
+            .map(|(name, shape)| TensorSpec {
+                name: name.clone(),
+                shape: shape.iter().map(|&d| d as u64).collect(),
             })
             .collect();
+        let first = range.start;
         bytes_written += write_safetensors(
             &dir.join(&name),
             &specs,
             opts.dtype,
             &[("format", "pt")],
-            |j| Ok(part[j].values()),
+            |j| produce(first + j),
         )?;
-        for t in part {
-            weight_map.insert(t.name.clone(), json!(name));
+        for (tensor, _) in part {
+            weight_map.insert(tensor.clone(), json!(name));
         }
         files.push(name);
     }
     let tensor_bytes: u64 = tensors.iter().map(bytes_of).sum();
     if n > 1 {
-        let total_parameters: usize = tensors.iter().map(HfTensor::numel).sum();
+        let total_parameters: usize = tensors.iter().map(numel).sum();
         let index = json!({
             "metadata": {"total_parameters": total_parameters, "total_size": tensor_bytes},
             "weight_map": weight_map,
@@ -214,7 +255,7 @@ pub fn export_hf(
     stage.commit()?;
     Ok(HfExportReport {
         output: output.to_path_buf(),
-        config,
+        config: contents.config.clone(),
         tensors_written: tensors.len(),
         shards: n,
         tensor_bytes,
@@ -243,7 +284,7 @@ fn shard_ranges<T>(items: &[T], max: u64, size: impl Fn(&T) -> u64) -> Vec<std::
 }
 
 /// The tokenizer files present in `dir`; an error when there are none.
-fn tokenizer_files_in(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+pub(crate) fn tokenizer_files_in(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     let found: Vec<PathBuf> = TOKENIZER_FILES
         .iter()
         .map(|f| dir.join(f))
@@ -264,7 +305,7 @@ fn tokenizer_files_in(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     Ok(found)
 }
 
-fn torch_dtype(d: OutputDtype) -> DType {
+pub(crate) fn torch_dtype(d: OutputDtype) -> DType {
     match d {
         OutputDtype::F32 => DType::F32,
         OutputDtype::BF16 => DType::BF16,
@@ -275,7 +316,7 @@ fn torch_dtype(d: OutputDtype) -> DType {
 /// Maps a model-side error onto this crate's error kinds: config fields to
 /// [`CheckpointError::Metadata`] of `config.json`; anything else (a config file that does not
 /// parse, a parameter of the wrong shape, named in the message) to [`CheckpointError::Format`].
-fn model_err(e: &ModelError) -> CheckpointError {
+pub(crate) fn model_err(e: &ModelError) -> CheckpointError {
     match e {
         ModelError::ConfigField { field, message } => CheckpointError::Metadata {
             file: "config.json".into(),
@@ -293,7 +334,7 @@ fn model_err(e: &ModelError) -> CheckpointError {
     }
 }
 
-fn read_json(path: &Path) -> Result<Value, CheckpointError> {
+pub(crate) fn read_json(path: &Path) -> Result<Value, CheckpointError> {
     let text = fs::read_to_string(path).map_err(|e| CheckpointError::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| CheckpointError::Format {
         file: display_name(path),

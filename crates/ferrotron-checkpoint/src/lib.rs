@@ -9,6 +9,7 @@
 
 #![warn(missing_docs)]
 
+pub mod convert;
 pub mod dist;
 mod error;
 pub mod gguf;

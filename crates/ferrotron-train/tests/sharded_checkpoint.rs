@@ -97,3 +97,53 @@ fn tp2_pp2_dp2_checkpoint_resumes_under_other_layouts() {
         }
     }
 }
+
+/// An HF model converted to a tp 2 x pp 2 checkpoint (`convert hf-to-ckpt`) trains under
+/// other layouts exactly as the model loaded from HF: weights only, iteration 0.
+#[test]
+fn converted_checkpoints_train_like_the_hf_model() {
+    use ferrotron_checkpoint::convert::{HfToCkptOptions, hf_to_ckpt};
+    for name in ["tiny-llama", "tiny-llama3"] {
+        let hf = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures")
+            .join(name);
+        let from_hf = || {
+            ferrotron_model::families::load_hf_model(&hf, ferrotron_tensor::DType::F32)
+                .unwrap()
+                .0
+        };
+        let mut one = Trainer::new(from_hf(), dp_options(1, ITERS)).unwrap();
+        let reference = train(&mut one, 0, ITERS);
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("ckpt");
+        let opts = HfToCkptOptions {
+            tensor_model_parallel_size: 2,
+            pipeline_model_parallel_size: 2,
+            ..HfToCkptOptions::default()
+        };
+        hf_to_ckpt(&hf, &ckpt, &opts).unwrap();
+        let ckpt = iteration_dir(&ckpt, 0);
+        // The model's own weights are overwritten: start from a random model of the same shape.
+        let random = || {
+            let c = from_hf().config;
+            GptModel::init_random(c, InitConfig::default()).unwrap()
+        };
+        let mut t = Trainer::new(random(), dp_options(1, ITERS)).unwrap();
+        let state = t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
+        assert_eq!(state.iteration, 0);
+        assert_same_run(
+            &format!("{name} -> 1 rank"),
+            &train(&mut t, 0, ITERS),
+            &reference,
+        );
+        let runs = run_local(2, |comm| {
+            let mut t = layout(2, 1, false).trainer(comm, ITERS, random())?;
+            t.load_checkpoint(&ckpt, LoadMode::Resume)?;
+            Ok::<_, TrainError>(train(&mut t, 0, ITERS))
+        })
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for (r, run) in runs.iter().enumerate() {
+            assert_same_run(&format!("{name} -> tp2 rank {r}"), run, &reference);
+        }
+    }
+}

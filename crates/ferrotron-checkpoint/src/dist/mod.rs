@@ -87,6 +87,33 @@ pub fn write_tracker(save: &Path, iteration: u64) -> Result<(), CheckpointError>
     Ok(())
 }
 
+/// The iteration directory `path` names: `path` itself when it holds a `metadata.json`, or
+/// the one its tracker file points at (a `save` directory). `None` when `path` holds neither.
+///
+/// # Errors
+/// An unreadable tracker, or a tracker naming an iteration that is not a complete checkpoint.
+pub fn locate_checkpoint(path: &Path) -> Result<Option<PathBuf>, CheckpointError> {
+    if path.join(METADATA_FILE).is_file() {
+        return Ok(Some(path.to_path_buf()));
+    }
+    match read_tracker(path)? {
+        Some(it) => {
+            let dir = iteration_dir(path, it);
+            if !dir.join(METADATA_FILE).is_file() {
+                return Err(CheckpointError::Format {
+                    file: path.join(TRACKER_FILE).display().to_string(),
+                    detail: format!(
+                        "names iteration {it} but {} is not a complete checkpoint",
+                        dir.display()
+                    ),
+                });
+            }
+            Ok(Some(dir))
+        }
+        None => Ok(None),
+    }
+}
+
 /// The iterations of the `iter_NNNNNNN` directories under `save` that hold a
 /// `metadata.json` (complete checkpoints), ascending.
 ///

@@ -219,6 +219,26 @@ impl CheckpointReader {
         Ok(out)
     }
 
+    /// Lets the kernel drop the resident pages of every shard of `key` (best effort): call
+    /// after the last read of a tensor when streaming, so the peak RSS stays at the tensors
+    /// in use rather than the checkpoint size.
+    pub fn release(&self, key: &str) {
+        let Some(t) = self.metadata.tensors.get(key) else {
+            return;
+        };
+        for s in &t.shards {
+            let file = &self.files[&s.file];
+            if let Some(info) = file.header.info(&s.name) {
+                let (start, end) = info.data_offsets;
+                ferrotron_model::families::release_pages(
+                    &file.mmap,
+                    file.data_start + start,
+                    end - start,
+                );
+            }
+        }
+    }
+
     fn record(&self, key: &str) -> Result<&TensorRecord, CheckpointError> {
         self.metadata.tensors.get(key).ok_or_else(|| {
             format_err(

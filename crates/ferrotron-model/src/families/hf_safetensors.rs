@@ -123,6 +123,7 @@ impl WeightSource for HfSafetensors {
                 ),
             )
         })?;
+        release_pages(&f.mmap, base + start, end - start);
         Tensor::new(&info.shape, storage)
             .map_err(|e| file_err(&f.path, format!("tensor `{name}`: {e}")))
             .map(Some)
@@ -130,6 +131,42 @@ impl WeightSource for HfSafetensors {
 
     fn remaining(&self) -> Vec<String> {
         self.index.keys().cloned().collect()
+    }
+}
+
+/// Tells the kernel the mapped bytes `offset .. offset + len` (a tensor already copied out,
+/// never read again) may be dropped from this process's resident set, so streaming a
+/// checkpoint through memory maps keeps the peak RSS at one tensor, not the file size.
+/// Best effort: whole 4 KiB pages inside the range only; errors are ignored.
+pub fn release_pages(mmap: &Mmap, offset: usize, len: usize) {
+    const PAGE: usize = 4096;
+    let start = offset.div_ceil(PAGE) * PAGE;
+    let end = (offset + len) / PAGE * PAGE;
+    if end > start {
+        // SAFETY: MADV_DONTNEED on a read-only file mapping only drops cached pages; a later
+        // read of the range faults the file's unchanged contents back in. No reference into
+        // the range is alive here (the caller copied the tensor out).
+        #[cfg(unix)]
+        let _ = unsafe {
+            mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
+    }
+}
+
+impl HfSafetensors {
+    /// The shape of tensor `name` from the file headers (nothing is read), `None` when
+    /// absent or already taken.
+    pub fn tensor_shape(&self, name: &str) -> Option<Vec<usize>> {
+        let f = &self.files[*self.index.get(name)?];
+        f.metadata.info(name).map(|i| i.shape.clone())
+    }
+
+    /// The names not taken yet with their shapes.
+    pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.index
+            .keys()
+            .filter_map(|n| Some((n.clone(), self.tensor_shape(n)?)))
+            .collect()
     }
 }
 

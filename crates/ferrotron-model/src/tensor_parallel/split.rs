@@ -193,7 +193,12 @@ impl TpSplit {
                 while lr < row + n {
                     let (p, within) = (lr / piece, lr % piece);
                     let take = (piece - within).min(row + n - lr);
-                    runs.push((lr, p * block + r * piece + within, take));
+                    let global = p * block + r * piece + within;
+                    match runs.last_mut() {
+                        // With one rank the blocks are adjacent: one run.
+                        Some((_, g, len)) if *g + *len == global => *len += take,
+                        _ => runs.push((lr, global, take)),
+                    }
                     lr += take;
                 }
                 runs

@@ -16,6 +16,7 @@
 //! The records of every rank's shards are gathered (data-parallel, then tensor-parallel, then
 //! pipeline groups) to the committing rank, which writes `metadata.json`.
 
+use ferrotron_checkpoint::convert::{model_file, optim_file};
 use ferrotron_checkpoint::dist::{
     CheckpointReader, CheckpointWriter, ShardSpec, StoredDtype, TensorRecords,
 };
@@ -60,7 +61,7 @@ impl Trainer {
             }
             let specs: Vec<ShardSpec> = planned.iter().map(|p| p.spec.clone()).collect();
             let dtype = stored(self.buffer.param_dtype())?;
-            let file = format!("model_tp{tp:02}_pp{pp:03}.safetensors");
+            let file = model_file(tp, pp);
             let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
             let mut cached: Option<(usize, Vec<f32>)> = None;
             for p in &planned {
@@ -97,10 +98,7 @@ impl Trainer {
             }
         }
         let specs: Vec<ShardSpec> = planned.iter().map(|p| p.spec.clone()).collect();
-        let file = format!(
-            "optim_tp{tp:02}_pp{pp:03}_dp{:03}.safetensors",
-            self.dp.rank()
-        );
+        let file = optim_file(tp, pp, self.dp.rank());
         let mut out = writer
             .open_file(&file, StoredDtype::F32, &specs)
             .map_err(ckpt_err)?;

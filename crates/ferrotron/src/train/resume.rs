@@ -2,30 +2,13 @@
 //! restore the trainer from it.
 
 use anyhow::{Context, Result, bail};
-use ferrotron_checkpoint::dist::{METADATA_FILE, iteration_dir, read_tracker};
+use ferrotron_checkpoint::dist::{METADATA_FILE, locate_checkpoint};
 use ferrotron_train::trainer::{LoadMode, Trainer};
 use std::path::{Path, PathBuf};
 
-/// The iteration directory `load` names: the one its tracker file points at, or `load`
-/// itself when it is an iteration directory. `None` when `load` holds no checkpoint.
+/// The iteration directory `load` names, `None` when `load` holds no checkpoint.
 fn locate(load: &Path) -> Result<Option<PathBuf>> {
-    if load.join(METADATA_FILE).is_file() {
-        return Ok(Some(load.to_path_buf()));
-    }
-    match read_tracker(load).with_context(|| format!("checkpoint.load {}", load.display()))? {
-        Some(it) => {
-            let dir = iteration_dir(load, it);
-            if !dir.join(METADATA_FILE).is_file() {
-                bail!(
-                    "checkpoint.load {}: the tracker names iteration {it} but {} is not a complete checkpoint",
-                    load.display(),
-                    dir.display()
-                );
-            }
-            Ok(Some(dir))
-        }
-        None => Ok(None),
-    }
+    locate_checkpoint(load).with_context(|| format!("checkpoint.load {}", load.display()))
 }
 
 /// Restores `trainer` from `load`: everything (resume) or, with `finetune`, the weights only.

@@ -1,0 +1,402 @@
+//! HF model directory -> a distributed checkpoint laid out for `t x p` ranks (Pai-Megatron-Patch
+//! `hf2mcore`): q/k/v packed per query group into `linear_qkv`, gate/up into `linear_fc1`, each
+//! tensor cut into the boxes tensor-parallel rank `r` of pipeline stage `s` holds and written
+//! to `model_tp{r}_pp{s}.safetensors`, exactly as a training run under that layout saves them.
+//! Streams one parameter at a time from the memory-mapped HF files.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+
+use ferrotron_model::families::{
+    HfSafetensors, ParamMapping, WeightSource, param_mapping, read_hf_config,
+};
+use ferrotron_model::{TpSplit, TransformerConfig, padded_vocab_size, stage_layers};
+use ferrotron_tensor::{DType, Storage};
+use serde_json::{Value, json};
+
+use super::{ConvertReport, MODEL_PREFIX, TOKENIZER_SUBDIR, model_file};
+use crate::dist::{
+    CheckpointWriter, ParallelLayout, ShardSpec, StoredDtype, iteration_dir, write_tracker,
+};
+use crate::hf_export::{HfExportSource, read_json};
+use crate::staging::StagingDir;
+use crate::{CheckpointError, TOKENIZER_FILES};
+
+/// Options of [`hf_to_ckpt`] (Megatron's names).
+#[derive(Clone, Debug)]
+pub struct HfToCkptOptions {
+    /// `tensor_model_parallel_size` of the layout written.
+    pub tensor_model_parallel_size: usize,
+    /// `pipeline_model_parallel_size` of the layout written.
+    pub pipeline_model_parallel_size: usize,
+    /// Layers of the first pipeline stage (Megatron `decoder_first_pipeline_num_layers`);
+    /// `None` splits evenly.
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    /// The vocabulary is padded (on load, by the training layout) to a multiple of this times
+    /// `t`; recorded in the metadata. Megatron's default is 128.
+    pub make_vocab_size_divisible_by: usize,
+    /// Element type of the stored weights.
+    pub dtype: StoredDtype,
+    /// Replace a non-empty output directory.
+    pub force: bool,
+}
+
+impl Default for HfToCkptOptions {
+    fn default() -> Self {
+        HfToCkptOptions {
+            tensor_model_parallel_size: 1,
+            pipeline_model_parallel_size: 1,
+            decoder_first_pipeline_num_layers: None,
+            make_vocab_size_divisible_by: 128,
+            dtype: StoredDtype::F32,
+            force: false,
+        }
+    }
+}
+
+/// One box of a parameter in the plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedShard {
+    /// File it is written to (`model_tp00_pp000.safetensors`).
+    pub file: String,
+    /// Offset in the full tensor.
+    pub global_offset: Vec<usize>,
+    /// Shape of the box.
+    pub shape: Vec<usize>,
+}
+
+/// One Megatron parameter of the plan: its HF sources and its shards.
+#[derive(Clone, Debug)]
+pub struct PlannedParam {
+    /// Name, full shape, split and HF tensors.
+    pub mapping: ParamMapping,
+    /// The pipeline stage that stores it.
+    pub stage: usize,
+    /// Its boxes, one or more per tensor-parallel rank (replicated tensors: rank 0 only).
+    pub shards: Vec<PlannedShard>,
+}
+
+/// What [`hf_to_ckpt`] would do: every parameter with its HF sources and shard boxes, and
+/// every problem with the HF checkpoint (the `--dry-run` report).
+#[derive(Clone, Debug)]
+pub struct HfToCkptPlan {
+    /// The model's config.
+    pub config: TransformerConfig,
+    /// The source `config.json`.
+    pub hf_config: Value,
+    /// Every parameter, in [`ferrotron_model::GptModel::parameters`] order.
+    pub params: Vec<PlannedParam>,
+    /// HF tensors the mapping needs that the checkpoint lacks.
+    pub missing: Vec<String>,
+    /// HF tensors of the checkpoint nothing maps (buffers such as `rotary_emb.inv_freq`
+    /// excepted, listed in `ignored`).
+    pub unused: Vec<String>,
+    /// HF tensors present with another shape (`name: got [..], expected [..]`).
+    pub shape_mismatches: Vec<String>,
+    /// HF tensors that carry no parameters and are skipped.
+    pub ignored: Vec<String>,
+    /// The files each rank's shards go to.
+    pub files: Vec<String>,
+}
+
+impl HfToCkptPlan {
+    /// Every problem, one line each (empty when the conversion can run).
+    pub fn problems(&self) -> Vec<String> {
+        let missing = self
+            .missing
+            .iter()
+            .map(|n| format!("missing HF tensor {n}"));
+        let unused = self.unused.iter().map(|n| format!("unused HF tensor {n}"));
+        let shapes = self
+            .shape_mismatches
+            .iter()
+            .map(|m| format!("HF tensor {m}"));
+        missing.chain(unused).chain(shapes).collect()
+    }
+}
+
+fn err(dir: &Path, detail: impl Into<String>) -> CheckpointError {
+    CheckpointError::Format {
+        file: dir.display().to_string(),
+        detail: detail.into(),
+    }
+}
+
+/// Plans the conversion of the HF directory `hf` under `opts` (reads `config.json` and the
+/// safetensors headers only).
+///
+/// # Errors
+/// An unreadable `config.json` or safetensors header, or a layout the model cannot take
+/// (heads, query groups or FFN size not divisible by `t`, layers not splitting over `p`),
+/// every problem named.
+pub fn plan_hf_to_ckpt(hf: &Path, opts: &HfToCkptOptions) -> Result<HfToCkptPlan, CheckpointError> {
+    let info = read_hf_config(hf).map_err(|e| err(hf, e.to_string()))?;
+    let config = info.config;
+    let hf_config = read_json(&hf.join("config.json"))?;
+    let (t, p) = (
+        opts.tensor_model_parallel_size,
+        opts.pipeline_model_parallel_size,
+    );
+    let mut problems = Vec::new();
+    if t == 0 || p == 0 {
+        problems.push(
+            "tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1".into(),
+        );
+    }
+    for (name, n) in [
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_query_groups", config.num_query_groups),
+        ("ffn_hidden_size", config.ffn_hidden_size),
+    ] {
+        if t > 0 && !n.is_multiple_of(t) {
+            problems.push(format!(
+                "{name} ({n}) is not divisible by tensor_model_parallel_size ({t})"
+            ));
+        }
+    }
+    let stages: Vec<std::ops::Range<usize>> = (0..p)
+        .map(|s| {
+            stage_layers(
+                config.num_layers,
+                p,
+                s,
+                opts.decoder_first_pipeline_num_layers,
+            )
+        })
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| {
+            problems.push(e.to_string());
+            Vec::new()
+        });
+    if !problems.is_empty() {
+        return Err(err(hf, problems.join("; ")));
+    }
+    let padded = padded_vocab_size(
+        config.vocab_size,
+        opts.make_vocab_size_divisible_by.max(1),
+        t,
+    );
+    let mapping = param_mapping(&config, padded).map_err(|e| err(hf, e.to_string()))?;
+    let src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
+    let mut available: std::collections::BTreeMap<String, Vec<usize>> =
+        src.tensor_shapes().into_iter().collect();
+    let (mut missing, mut shape_mismatches) = (Vec::new(), Vec::new());
+    let mut params = Vec::with_capacity(mapping.len());
+    let mut files = Vec::new();
+    for m in mapping {
+        for part in &m.hf {
+            match available.remove(&part.name) {
+                None => missing.push(part.name.clone()),
+                Some(shape) if shape != part.shape => shape_mismatches.push(format!(
+                    "{}: got {shape:?}, expected {:?}",
+                    part.name, part.shape
+                )),
+                Some(_) => {}
+            }
+        }
+        let stage = (0..p)
+            .find(|&s| m.on_stage(s, p, &stages[s]))
+            .expect("every parameter has a stage");
+        let ranks = if m.split == TpSplit::Replicated { 1 } else { t };
+        let local = m.split.local_shape(&m.shape, t).iter().product::<usize>();
+        let mut shards = Vec::new();
+        for r in 0..ranks {
+            let file = model_file(r, stage);
+            if !files.contains(&file) {
+                files.push(file.clone());
+            }
+            for b in m.split.boxes(&m.shape, t, r, 0..local) {
+                shards.push(PlannedShard {
+                    file: file.clone(),
+                    global_offset: b.global_offset,
+                    shape: b.shape,
+                });
+            }
+        }
+        params.push(PlannedParam {
+            mapping: m,
+            stage,
+            shards,
+        });
+    }
+    let (ignored, unused): (Vec<String>, Vec<String>) = available
+        .into_keys()
+        .partition(|n| n.ends_with("rotary_emb.inv_freq"));
+    files.sort();
+    Ok(HfToCkptPlan {
+        config,
+        hf_config,
+        params,
+        missing,
+        unused,
+        shape_mismatches,
+        ignored,
+        files,
+    })
+}
+
+/// Converts the HF directory `hf` into the checkpoint directory `output`
+/// (`output/iter_0000000/` + `latest_checkpointed_iteration.txt`, loadable by `ferrotron
+/// train` as `checkpoint.load` or `model.load`), laid out for `opts`' tensor- and
+/// pipeline-parallel sizes; the tokenizer files are copied into `iter_0000000/tokenizer/`.
+/// Everything is staged and renamed at the end. Memory: one parameter (f32) plus one box.
+///
+/// # Errors
+/// Every problem of [`plan_hf_to_ckpt`] (missing, unused or misshapen HF tensors, listed);
+/// an existing non-empty `output` without `opts.force`; I/O failures (nothing then appears
+/// under `output`).
+pub fn hf_to_ckpt(
+    hf: &Path,
+    output: &Path,
+    opts: &HfToCkptOptions,
+) -> Result<ConvertReport, CheckpointError> {
+    let start = std::time::Instant::now();
+    let plan = plan_hf_to_ckpt(hf, opts)?;
+    let problems = plan.problems();
+    if !problems.is_empty() {
+        return Err(err(hf, problems.join("; ")));
+    }
+    let source = HfExportSource::from_dir(hf)?;
+    let root = StagingDir::create(output, opts.force)?;
+    let iter_dir = iteration_dir(root.path(), 0);
+    let mut writer = CheckpointWriter::create(&iter_dir, false)?;
+    let mut src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
+    let mut bytes = 0u64;
+    for stage in 0..opts.pipeline_model_parallel_size {
+        let on_stage: Vec<&PlannedParam> =
+            plan.params.iter().filter(|p| p.stage == stage).collect();
+        let mut files = Vec::new();
+        for r in 0..opts.tensor_model_parallel_size {
+            let name = model_file(r, stage);
+            let specs: Vec<ShardSpec> = on_stage
+                .iter()
+                .flat_map(|p| {
+                    p.shards
+                        .iter()
+                        .filter(|s| s.file == name)
+                        .map(|s| ShardSpec {
+                            key: format!("{MODEL_PREFIX}{}", p.mapping.name),
+                            global_shape: p.mapping.shape.clone(),
+                            global_offset: s.global_offset.clone(),
+                            local_shape: s.shape.clone(),
+                        })
+                })
+                .collect();
+            if !specs.is_empty() {
+                files.push((name.clone(), writer.open_file(&name, opts.dtype, &specs)?));
+            }
+        }
+        for p in &on_stage {
+            let full = assemble(&mut src, &p.mapping, hf)?;
+            for s in &p.shards {
+                let (_, file) = files
+                    .iter_mut()
+                    .find(|(n, _)| *n == s.file)
+                    .expect("a file per rank holding shards");
+                file.push(&extract_box(
+                    &full,
+                    &p.mapping.shape,
+                    &s.global_offset,
+                    &s.shape,
+                ))?;
+            }
+        }
+        for (_, file) in files {
+            bytes += file.finish()?;
+        }
+    }
+    for name in TOKENIZER_FILES {
+        let path = hf.join(name);
+        if path.is_file() {
+            bytes += writer.copy_file(&path, &format!("{TOKENIZER_SUBDIR}/{name}"))?;
+        }
+    }
+    let content = json!({
+        "hf_config": plan.hf_config,
+        "generation_config": source.generation_config,
+        "converted_from": absolute(hf).display().to_string(),
+        "make_vocab_size_divisible_by": opts.make_vocab_size_divisible_by,
+    });
+    let layout = ParallelLayout {
+        tensor_model_parallel_size: opts.tensor_model_parallel_size,
+        pipeline_model_parallel_size: opts.pipeline_model_parallel_size,
+        data_parallel_size: 1,
+    };
+    writer.commit(0, layout, content)?;
+    write_tracker(root.path(), 0)?;
+    root.commit()?;
+    Ok(ConvertReport {
+        output: output.to_path_buf(),
+        tensors: plan.params.len(),
+        files: plan.files,
+        bytes_written: bytes,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// `path` made absolute (as given when that fails).
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// The full Megatron parameter `m` (f32, row-major) from its HF tensors: a parameter that is
+/// one HF tensor is taken as is; packed ones get each HF tensor's rows placed.
+fn assemble(
+    src: &mut HfSafetensors,
+    m: &ParamMapping,
+    hf: &Path,
+) -> Result<Vec<f32>, CheckpointError> {
+    let mut take = |name: &str| -> Result<Vec<f32>, CheckpointError> {
+        let t = src
+            .take(name)
+            .map_err(|e| err(hf, e.to_string()))?
+            .ok_or_else(|| err(hf, format!("missing HF tensor {name}")))?;
+        match t.into_storage() {
+            Storage::F32(v) => Ok(v),
+            other => Ok(ferrotron_tensor::Tensor::new(&[other.len()], other)
+                .map_err(|e| err(hf, e.to_string()))?
+                .to_f32_vec()),
+        }
+    };
+    if let [part] = m.hf.as_slice()
+        && part.rows == [0..m.shape[0]]
+    {
+        return take(&part.name);
+    }
+    let cols: usize = m.shape[1..].iter().product();
+    let mut full = vec![0f32; m.numel()];
+    for part in &m.hf {
+        let values = take(&part.name)?;
+        let mut cursor = 0;
+        for r in &part.rows {
+            let n = r.len() * cols;
+            full[r.start * cols..r.start * cols + n].copy_from_slice(&values[cursor..cursor + n]);
+            cursor += n;
+        }
+    }
+    Ok(full)
+}
+
+/// The box (`offset`, `shape`) of the row-major 1-D or 2-D tensor `full` of `full_shape`:
+/// borrowed when its rows are whole, gathered otherwise.
+pub(crate) fn extract_box<'a>(
+    full: &'a [f32],
+    full_shape: &[usize],
+    offset: &[usize],
+    shape: &[usize],
+) -> Cow<'a, [f32]> {
+    let cols: usize = full_shape[1..].iter().product();
+    let n: usize = shape.iter().product();
+    if full_shape.len() == 1 {
+        return Cow::Borrowed(&full[offset[0]..offset[0] + n]);
+    }
+    let (row0, col0, width) = (offset[0], offset[1], shape[1]);
+    if width == cols {
+        return Cow::Borrowed(&full[row0 * cols..row0 * cols + n]);
+    }
+    let mut out = Vec::with_capacity(n);
+    for r in row0..row0 + shape[0] {
+        out.extend_from_slice(&full[r * cols + col0..r * cols + col0 + width]);
+    }
+    Cow::Owned(out)
+}
