@@ -359,7 +359,8 @@ fn assemble(
         }
     };
     if let [part] = m.hf.as_slice()
-        && part.rows == [0..m.shape[0]]
+        && let [rows] = part.rows.as_slice()
+        && *rows == (0..m.shape[0])
     {
         return take(&part.name);
     }
