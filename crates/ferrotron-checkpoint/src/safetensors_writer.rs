@@ -125,24 +125,31 @@ impl SafetensorsStream {
             });
         }
         self.next += 1;
-        let buf = &mut self.buf;
-        buf.clear();
-        match self.dtype {
-            OutputDtype::F32 => buf.extend_from_slice(bytemuck::cast_slice(values)),
-            OutputDtype::BF16 => buf.extend(
-                values
-                    .iter()
-                    .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()),
-            ),
-            OutputDtype::F16 => buf.extend(
-                values
-                    .iter()
-                    .flat_map(|&v| half::f16::from_f32(v).to_le_bytes()),
-            ),
+        let io = |e| CheckpointError::io(&self.path, e);
+        if let OutputDtype::F32 = self.dtype {
+            return self
+                .writer
+                .write_all(bytemuck::cast_slice(values))
+                .map_err(io);
         }
-        self.writer
-            .write_all(buf)
-            .map_err(|e| CheckpointError::io(&self.path, e))
+        // Rounded in chunks, so no second copy of the tensor is ever held.
+        for chunk in values.chunks(1 << 16) {
+            self.buf.clear();
+            match self.dtype {
+                OutputDtype::BF16 => self.buf.extend(
+                    chunk
+                        .iter()
+                        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()),
+                ),
+                _ => self.buf.extend(
+                    chunk
+                        .iter()
+                        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes()),
+                ),
+            }
+            self.writer.write_all(&self.buf).map_err(io)?;
+        }
+        Ok(())
     }
 
     /// Flushes and fsyncs the file; returns its size in bytes.

@@ -21,7 +21,8 @@ pub use kv_cache::KvCache;
 pub use pipeline_stage::{StageInfo, stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
-    ActivationMemory, GradReady, LossStats, NoGradHook, ParamInfo, StageForward, TrainBatch,
+    ActivationMemory, ForwardTrace, GradReady, LossStats, NoGradHook, ParamInfo, StageForward,
+    TrainBatch,
 };
 pub use transformer_layer::TransformerLayer;
 

@@ -82,25 +82,27 @@ pub fn ckpt_to_hf(
     let mut tensors = Vec::new();
     let mut sources = Vec::new();
     for m in &mapping {
-        for (k, part) in m.hf.iter().enumerate() {
+        for part in &m.hf {
             tensors.push((part.name.clone(), part.shape.clone()));
-            let last_part = k + 1 == m.hf.len();
-            sources.push((m, part.rows.clone(), last_part));
+            sources.push((m, part.rows.clone()));
         }
     }
     let produce = |j: usize| -> Result<Vec<f32>, CheckpointError> {
-        let (m, rows, last_part) = &sources[j];
+        let (m, rows) = &sources[j];
         let key = format!("{MODEL_PREFIX}{}", m.name);
-        let mut values = Vec::with_capacity(tensors[j].1.iter().product());
-        for r in rows {
+        let read_rows = |r: &std::ops::Range<usize>| {
             let mut offset = vec![0; m.shape.len()];
             let mut shape = m.shape.clone();
             offset[0] = r.start;
             shape[0] = r.len();
-            values.extend(reader.read_box(&key, &offset, &shape)?);
+            reader.read_box(&key, &offset, &shape)
+        };
+        if let [r] = rows.as_slice() {
+            return read_rows(r);
         }
-        if *last_part {
-            reader.release(&key);
+        let mut values = Vec::with_capacity(tensors[j].1.iter().product());
+        for r in rows {
+            values.extend(read_rows(r)?);
         }
         Ok(values)
     };

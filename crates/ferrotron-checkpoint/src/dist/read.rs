@@ -219,24 +219,50 @@ impl CheckpointReader {
         Ok(out)
     }
 
-    /// Lets the kernel drop the resident pages of every shard of `key` (best effort): call
-    /// after the last read of a tensor when streaming, so the peak RSS stays at the tensors
-    /// in use rather than the checkpoint size.
-    pub fn release(&self, key: &str) {
-        let Some(t) = self.metadata.tensors.get(key) else {
-            return;
-        };
-        for s in &t.shards {
-            let file = &self.files[&s.file];
-            if let Some(info) = file.header.info(&s.name) {
-                let (start, end) = info.data_offsets;
-                ferrotron_model::families::release_pages(
-                    &file.mmap,
-                    file.data_start + start,
-                    end - start,
-                );
-            }
+    /// Lets the kernel drop the resident pages of shard `s` once copied out: a later read
+    /// faults them back in from the page cache, and streaming a large checkpoint keeps its
+    /// resident set at the tensors in use, not the files' size.
+    fn release_shard(&self, s: &ShardRecord) {
+        let file = &self.files[&s.file];
+        if let Some(info) = file.header.info(&s.name) {
+            let (start, end) = info.data_offsets;
+            ferrotron_model::families::release_pages(
+                &file.mmap,
+                file.data_start + start,
+                end - start,
+            );
         }
+    }
+
+    /// A rank's local array of `len` elements of tensor `key` whose runs lie in the full
+    /// tensor at `boxes` (see [`ferrotron_model::TpSplit::boxes`]; `local_start` relative to
+    /// the array); elements in no box (vocabulary padding) are zero.
+    ///
+    /// # Errors
+    /// As [`read_box`](Self::read_box), or a box that does not fit in `len`.
+    pub fn read_local(
+        &self,
+        key: &str,
+        boxes: &[ferrotron_model::ParamBox],
+        len: usize,
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let mut out = vec![0f32; len];
+        for b in boxes {
+            let values = self.read_box(key, &b.global_offset, &b.shape)?;
+            let dst = out
+                .get_mut(b.local_start..b.local_start + values.len())
+                .ok_or_else(|| {
+                    format_err(
+                        &self.dir.join(METADATA_FILE),
+                        format!(
+                            "tensor {key}: a box at {} exceeds the local {len}",
+                            b.local_start
+                        ),
+                    )
+                })?;
+            dst.copy_from_slice(&values);
+        }
+        Ok(out)
     }
 
     fn record(&self, key: &str) -> Result<&TensorRecord, CheckpointError> {
@@ -273,27 +299,9 @@ impl CheckpointReader {
             decode_run(dtype, bytes, 0, &mut out[..1]);
             return Ok(());
         }
-        // Walk every index of the overlap except the last dimension; copy one run per index.
-        let run = hi[rank - 1] - lo[rank - 1];
-        let mut idx = lo.clone();
-        loop {
-            let src = flat(&idx, &s.global_offset, &s.local_shape);
-            let dst = flat(&idx, offset, shape);
-            decode_run(dtype, bytes, src, &mut out[dst..dst + run]);
-            // Next index in row-major order over dims 0..rank-1.
-            let mut d = rank - 1;
-            loop {
-                if d == 0 {
-                    return Ok(());
-                }
-                d -= 1;
-                idx[d] += 1;
-                if idx[d] < hi[d] {
-                    break;
-                }
-                idx[d] = lo[d];
-            }
-        }
+        copy_runs((bytes, dtype), s, (offset, shape), (&lo, &hi), out);
+        self.release_shard(s);
+        Ok(())
     }
 
     /// The raw little-endian bytes of one shard, checked against its dtype and shape.
@@ -337,6 +345,39 @@ impl CheckpointReader {
                     format!("tensor {}: data lies past the end of the file", s.name),
                 )
             })
+    }
+}
+
+/// Copies the overlap `lo .. hi` of shard `s` (its bytes `bytes`) into the box (`offset`,
+/// `shape`) held in `out`, one run along the last dimension per index of the others.
+fn copy_runs(
+    (bytes, dtype): (&[u8], StoredDtype),
+    s: &ShardRecord,
+    (offset, shape): (&[usize], &[usize]),
+    (lo, hi): (&[usize], &[usize]),
+    out: &mut [f32],
+) {
+    let rank = shape.len();
+    // Walk every index of the overlap except the last dimension; copy one run per index.
+    let run = hi[rank - 1] - lo[rank - 1];
+    let mut idx = lo.to_vec();
+    loop {
+        let src = flat(&idx, &s.global_offset, &s.local_shape);
+        let dst = flat(&idx, offset, shape);
+        decode_run(dtype, bytes, src, &mut out[dst..dst + run]);
+        // Next index in row-major order over dims 0..rank-1.
+        let mut d = rank - 1;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < hi[d] {
+                break;
+            }
+            idx[d] = lo[d];
+        }
     }
 }
 

@@ -114,16 +114,16 @@ impl WeightSource for HfSafetensors {
                 format!("tensor `{name}`: data lies past end of file"),
             )
         })?;
-        let storage = decode(bytes, info.dtype, self.dtype).ok_or_else(|| {
-            file_err(
-                &f.path,
-                format!(
-                    "tensor `{name}`: dtype {:?} not supported (F32, BF16, F16)",
-                    info.dtype
-                ),
-            )
-        })?;
-        release_pages(&f.mmap, base + start, end - start);
+        let storage = decode_streaming(&f.mmap, base + start, bytes, info.dtype, self.dtype)
+            .ok_or_else(|| {
+                file_err(
+                    &f.path,
+                    format!(
+                        "tensor `{name}`: dtype {:?} not supported (F32, BF16, F16)",
+                        info.dtype
+                    ),
+                )
+            })?;
         Tensor::new(&info.shape, storage)
             .map_err(|e| file_err(&f.path, format!("tensor `{name}`: {e}")))
             .map(Some)
@@ -168,6 +168,34 @@ impl HfSafetensors {
             .filter_map(|n| Some((n.clone(), self.tensor_shape(n)?)))
             .collect()
     }
+}
+
+/// [`decode`] of the mapped `bytes` (at `offset` in `mmap`) in 8 MiB pieces, each piece's
+/// pages released once decoded, so a tensor costs its decoded size, not twice that.
+fn decode_streaming(
+    mmap: &Mmap,
+    offset: usize,
+    bytes: &[u8],
+    src: Dtype,
+    dst: DType,
+) -> Option<Storage> {
+    const PIECE: usize = 8 << 20;
+    let n = bytes.len() / (src.bitsize() / 8).max(1);
+    let mut out = match dst {
+        DType::F32 => Storage::F32(Vec::with_capacity(n)),
+        DType::BF16 => Storage::BF16(Vec::with_capacity(n)),
+        DType::F16 => Storage::F16(Vec::with_capacity(n)),
+    };
+    for (i, piece) in bytes.chunks(PIECE).enumerate() {
+        match (&mut out, decode(piece, src, dst)?) {
+            (Storage::F32(a), Storage::F32(b)) => a.extend_from_slice(&b),
+            (Storage::BF16(a), Storage::BF16(b)) => a.extend_from_slice(&b),
+            (Storage::F16(a), Storage::F16(b)) => a.extend_from_slice(&b),
+            _ => return None,
+        }
+        release_pages(mmap, offset + i * PIECE, piece.len());
+    }
+    Some(out)
 }
 
 /// Little-endian bytes of `src` dtype -> storage of `dst` dtype.

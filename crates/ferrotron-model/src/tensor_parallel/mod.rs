@@ -129,14 +129,16 @@ impl GptModel {
         local.ffn_hidden_size /= t;
         local.vocab_size = padded / t;
         let splits = self.tp_splits(padded);
-        let infos = self.parameters();
-        let full = self.parameters_f32();
-        let values: Vec<Vec<f32>> = full
-            .iter()
-            .zip(&infos)
+        // One full parameter widened at a time: every in-process rank shards the same model.
+        let (infos, values): (Vec<_>, Vec<Vec<f32>>) = self
+            .param_views()
+            .into_iter()
             .zip(&splits)
-            .map(|((v, info), split)| split.shard(v, &info.shape, t, r))
-            .collect();
+            .map(|((info, view), split)| {
+                let shard = split.shard(&view.to_f32(), &info.shape, t, r);
+                (info, shard)
+            })
+            .unzip();
         let mut shard = self.zeroed_like(local)?;
         let views: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
         shard.load_parameters_from(&views)?;

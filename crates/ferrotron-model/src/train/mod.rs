@@ -34,6 +34,9 @@ pub mod memory;
 pub(crate) mod params;
 pub mod recompute;
 mod tp_ops;
+mod trace;
+
+pub use trace::ForwardTrace;
 
 pub use memory::ActivationMemory;
 pub use params::ParamInfo;

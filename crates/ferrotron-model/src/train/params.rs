@@ -83,6 +83,19 @@ pub(crate) enum View<'a> {
     F32(&'a [f32]),
 }
 
+impl<'a> View<'a> {
+    /// The values as f32: borrowed when stored in f32, widened (exactly) otherwise.
+    pub(crate) fn to_f32(self) -> std::borrow::Cow<'a, [f32]> {
+        match self {
+            View::F32(s) => std::borrow::Cow::Borrowed(s),
+            View::Tensor(t) => match t.storage() {
+                Storage::F32(v) => std::borrow::Cow::Borrowed(v),
+                _ => std::borrow::Cow::Owned(t.to_f32_vec()),
+            },
+        }
+    }
+}
+
 /// A mutably borrowed parameter.
 enum ViewMut<'a> {
     Tensor(&'a mut Tensor),

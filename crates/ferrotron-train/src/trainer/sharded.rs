@@ -176,14 +176,16 @@ impl Trainer {
             }
             return Ok(out);
         }
-        for b in &boxes {
-            let values = reader
-                .read_box(key, &b.global_offset, &b.shape)
-                .map_err(ckpt_err)?;
-            let dst = b.local_start - first;
-            out[dst..dst + values.len()].copy_from_slice(&values);
-        }
-        Ok(out)
+        let relative: Vec<ParamBox> = boxes
+            .into_iter()
+            .map(|b| ParamBox {
+                local_start: b.local_start - first,
+                ..b
+            })
+            .collect();
+        reader
+            .read_local(key, &relative, out.len())
+            .map_err(ckpt_err)
     }
 
     /// This rank's optimizer arrays (`names`, each `owned.local_len()` long) read from the

@@ -1,3 +1,9 @@
+//! `ferrotron convert`: GGUF -> HF, HF <-> distributed checkpoint (any tp x pp), with dry
+//! runs and forward checks.
+
+mod check;
+mod checkpoint;
+
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use ferrotron_checkpoint::{GgufToHfOptions, OutputDtype, gguf_to_hf};
@@ -12,6 +18,15 @@ pub enum ConvertCommand {
     /// tokenizer.json, tokenizer_config.json. Dequantizes F32/F16/BF16/Q8_0/Q4_0/Q4_1 and undoes
     /// llama.cpp's q/k row permutation.
     GgufToHf(GgufToHfArgs),
+    /// HuggingFace directory -> Ferrotron distributed checkpoint laid out for tensor x pipeline
+    /// parallel ranks (Pai-Megatron-Patch hf2mcore): q/k/v packed per query group into
+    /// linear_qkv, gate/up into linear_fc1, each rank's boxes in model_tp{t}_pp{p}.safetensors.
+    /// Writes CKPT/iter_0000000 + latest_checkpointed_iteration.txt; train from it with
+    /// checkpoint.load = CKPT (or model.load = CKPT).
+    HfToCkpt(checkpoint::HfToCkptArgs),
+    /// Ferrotron checkpoint (converted or saved by `train`, any layout) -> HuggingFace directory
+    /// that transformers loads (Pai-Megatron-Patch mcore2hf).
+    CkptToHf(checkpoint::CkptToHfArgs),
 }
 
 #[derive(Args)]
@@ -37,27 +52,38 @@ pub enum DtypeArg {
     F16,
 }
 
+impl DtypeArg {
+    fn output(self) -> OutputDtype {
+        match self {
+            DtypeArg::F32 => OutputDtype::F32,
+            DtypeArg::Bf16 => OutputDtype::BF16,
+            DtypeArg::F16 => OutputDtype::F16,
+        }
+    }
+}
+
+/// A spinner showing `message` and the elapsed time until dropped.
+pub(crate) fn spinner(message: String) -> ProgressBar {
+    let bar = ProgressBar::new_spinner().with_style(
+        ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").expect("valid template"),
+    );
+    bar.set_message(message);
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}
+
 pub fn run(cmd: ConvertCommand) -> Result<ExitCode> {
     match cmd {
         ConvertCommand::GgufToHf(a) => {
             let opts = GgufToHfOptions {
-                dtype: match a.dtype {
-                    DtypeArg::F32 => OutputDtype::F32,
-                    DtypeArg::Bf16 => OutputDtype::BF16,
-                    DtypeArg::F16 => OutputDtype::F16,
-                },
+                dtype: a.dtype.output(),
                 force: a.force,
                 ..Default::default()
             };
-            let spinner = ProgressBar::new_spinner().with_style(
-                ProgressStyle::with_template("{spinner} {msg} [{elapsed}]")
-                    .expect("valid template"),
-            );
-            spinner.set_message(format!("converting {}", a.input.display()));
-            spinner.enable_steady_tick(Duration::from_millis(120));
+            let bar = spinner(format!("converting {}", a.input.display()));
             let start = Instant::now();
             let result = gguf_to_hf(&a.input, &a.output, &opts);
-            spinner.finish_and_clear();
+            bar.finish_and_clear();
             let report =
                 result.with_context(|| format!("convert gguf-to-hf {}", a.input.display()))?;
             let secs = start.elapsed().as_secs_f64();
@@ -72,5 +98,7 @@ pub fn run(cmd: ConvertCommand) -> Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        ConvertCommand::HfToCkpt(a) => checkpoint::hf_to_ckpt(a),
+        ConvertCommand::CkptToHf(a) => checkpoint::ckpt_to_hf(a),
     }
 }

@@ -1,0 +1,62 @@
+//! [`GptModel::forward_trace`]: the hidden state after every decoder layer and the logits of
+//! one forward pass, on a whole model, a tensor-parallel shard or a pipeline stage — what
+//! Pai-Megatron-Patch's `check_hf_mg_forward` compares between an HF model and its sharded
+//! Megatron checkpoint.
+
+use super::TrainBatch;
+use super::forward::Saved;
+use super::memory::Ledger;
+use crate::{GptModel, ModelError, Result};
+
+/// One forward pass, layer by layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ForwardTrace {
+    /// Global index of the first layer traced (the stage's first layer).
+    pub first_layer: usize,
+    /// The residual stream after each of this model's layers, `[local rows, h]` each (`[s,
+    /// b]` row order; all rows unless sequence parallel).
+    pub layer_outputs: Vec<Vec<f32>>,
+    /// The logits `[rows, v_local]` (this rank's vocabulary shard, padding columns
+    /// included) on the last stage; `None` before it.
+    pub logits: Option<Vec<f32>>,
+}
+
+impl GptModel {
+    /// Runs the training forward over `batch` (from token ids on the first stage, from
+    /// `input` `[local rows, h]` on later ones) and keeps every layer's output and the
+    /// logits. Collective on a tensor-parallel shard. The loss is not computed.
+    ///
+    /// # Errors
+    /// As [`GptModel::stage_forward`], or activation recompute switched on (the layer
+    /// outputs are then not kept).
+    pub fn forward_trace(
+        &self,
+        batch: &TrainBatch,
+        input: Option<Vec<f32>>,
+    ) -> Result<ForwardTrace> {
+        if self.config.recompute_granularity.is_some() {
+            return Err(ModelError::Input(
+                "forward_trace needs recompute_granularity = none".into(),
+            ));
+        }
+        batch.validate(self)?;
+        let acts = rayon::scope(|_| self.train_forward(batch, input, &mut Ledger::default()))?;
+        let mut layer_outputs: Vec<Vec<f32>> = acts
+            .saved
+            .into_iter()
+            .skip(1)
+            .map(|s| match s {
+                Saved::Layer { acts, .. } => acts.x,
+                Saved::Input { x, .. } => x,
+            })
+            .collect();
+        if !self.layers.is_empty() {
+            layer_outputs.push(acts.x_final);
+        }
+        Ok(ForwardTrace {
+            first_layer: self.first_layer(),
+            layer_outputs,
+            logits: self.is_post_process().then_some(acts.dlogits),
+        })
+    }
+}

@@ -1,0 +1,264 @@
+//! `convert ... --check`: runs one prompt through the HF directory's model (one rank) and
+//! through the checkpoint's model at the layout it was written for (its tensor x pipeline
+//! ranks in-process, each loading only its own boxes), and reports per decoder layer the
+//! max |diff| of the hidden states and how many elements differ by more than 1e-5, then the
+//! same for the logits (Pai-Megatron-Patch's `check_hf_mg_forward`).
+
+use anyhow::{Context, Result, bail};
+use ferrotron_checkpoint::convert::{MODEL_PREFIX, stored_hf_config};
+use ferrotron_checkpoint::dist::CheckpointReader;
+use ferrotron_comm::{
+    Collectives, ParallelConfig, ParallelState, ProcessGroups, run_local, threads_per_rank,
+};
+use ferrotron_data::Tokenizer;
+use ferrotron_model::families::{load_hf_model, parse_hf_config};
+use ferrotron_model::{ForwardTrace, GptModel, InitConfig, TrainBatch, stage_layers};
+use ferrotron_nn::TensorParallel;
+use ferrotron_tensor::DType;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The check's prompt when none is given.
+pub const DEFAULT_PROMPT: &str = "In the beginning God created the heaven and the earth.";
+
+/// Elements differing by more than this are counted (Pai's report).
+const COUNT_ABOVE: f32 = 1e-5;
+
+/// One compared tensor.
+struct Diff {
+    name: String,
+    max_abs: f32,
+    /// Largest |value| of the reference (the scale the difference is judged against).
+    scale: f32,
+    above: usize,
+    numel: usize,
+}
+
+impl Diff {
+    /// `max |diff| / max |reference|`: hidden states of real models carry outliers of 1e4
+    /// and more, where one f32 rounding step is already above 1e-3.
+    fn relative(&self) -> f32 {
+        if self.scale > 0.0 {
+            self.max_abs / self.scale
+        } else {
+            self.max_abs
+        }
+    }
+}
+
+fn diff(name: String, reference: &[f32], b: &[f32]) -> Diff {
+    let (mut max_abs, mut scale, mut above) = (0f32, 0f32, 0);
+    for (x, y) in reference.iter().zip(b) {
+        let d = (x - y).abs();
+        // NaN on either side counts as the worst difference.
+        let d = if d.is_nan() { f32::INFINITY } else { d };
+        max_abs = max_abs.max(d);
+        scale = scale.max(x.abs());
+        above += usize::from(d > COUNT_ABOVE);
+    }
+    Diff {
+        name,
+        max_abs,
+        scale,
+        above,
+        numel: reference.len(),
+    }
+}
+
+/// Token ids of `prompt` with the tokenizer of `tokenizer_dir`, or, without one, a fixed
+/// sequence of ids below `vocab`.
+fn prompt_tokens(prompt: &str, tokenizer_dir: Option<&Path>, vocab: usize) -> Result<Vec<u32>> {
+    if let Some(dir) = tokenizer_dir.filter(|d| d.join("tokenizer.json").is_file()) {
+        let tok =
+            Tokenizer::from_dir(dir).with_context(|| format!("tokenizer {}", dir.display()))?;
+        let ids = tok.encode(prompt, true)?;
+        if ids.is_empty() {
+            bail!("--prompt encodes to no tokens");
+        }
+        return Ok(ids);
+    }
+    eprintln!("note: no tokenizer.json: checking with 16 fixed token ids instead of --prompt");
+    Ok((0..16u32).map(|i| (i * 7 + 3) % vocab as u32).collect())
+}
+
+/// Runs the check and prints the report; returns whether every tensor's max |diff|, relative
+/// to its largest reference value, is within `tolerance` and every position's argmax agrees.
+///
+/// # Errors
+/// Unreadable inputs, a checkpoint whose layout the model cannot take, a failed rank.
+pub fn check_forward(hf_dir: &Path, ckpt_dir: &Path, prompt: &str, tolerance: f32) -> Result<bool> {
+    let (reference, _) = load_hf_model(hf_dir, DType::F32)
+        .with_context(|| format!("--check: loading {}", hf_dir.display()))?;
+    let tokens = prompt_tokens(prompt, Some(hf_dir), reference.config.vocab_size)?;
+    let seq = tokens.len();
+    let labels = vec![0i64; seq];
+    let batch = TrainBatch::from_batch_major(&tokens, &labels, None, 1, seq);
+    let want = reference.forward_trace(&batch, None)?;
+    drop(reference);
+    let (layers, logits) = sharded_forward(ckpt_dir, &batch)?;
+
+    let h = want.layer_outputs.first().map_or(0, |x| x.len() / seq);
+    println!(
+        "check: {seq} prompt tokens through {} (1 rank) and {} (its layout); hidden {h}",
+        hf_dir.display(),
+        ckpt_dir.display()
+    );
+    let mut diffs: Vec<Diff> = want
+        .layer_outputs
+        .iter()
+        .zip(&layers)
+        .enumerate()
+        .map(|(i, (a, b))| diff(format!("layer {i:>3} output"), a, b))
+        .collect();
+    let v = logits.len() / seq;
+    let reference_logits = want.logits.as_deref().unwrap_or_default();
+    diffs.push(diff("logits".into(), &reference_logits[..seq * v], &logits));
+    println!(
+        "{:<18} {:>11} {:>11} {:>10} {:>20}",
+        "tensor",
+        "max |diff|",
+        "max |ref|",
+        "relative",
+        format!("|diff| > {COUNT_ABOVE:e}")
+    );
+    let mut ok = layers.len() == want.layer_outputs.len();
+    for d in &diffs {
+        let pass = d.relative() <= tolerance;
+        println!(
+            "{:<18} {:>11.3e} {:>11.3e} {:>10.2e} {:>9} of {:<9}{}",
+            d.name,
+            d.max_abs,
+            d.scale,
+            d.relative(),
+            d.above,
+            d.numel,
+            if pass { "" } else { "  <-- above tolerance" }
+        );
+        ok &= pass;
+    }
+    let argmax = |x: &[f32]| {
+        x.chunks(v)
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .fold((0, f32::MIN), |b, (i, &y)| if y > b.1 { (i, y) } else { b })
+                    .0
+            })
+            .collect::<Vec<_>>()
+    };
+    let same_argmax = argmax(&reference_logits[..seq * v]) == argmax(&logits);
+    println!(
+        "argmax of every position {}; tolerance {tolerance:e}: {}",
+        if same_argmax { "agrees" } else { "DIFFERS" },
+        if ok && same_argmax { "PASS" } else { "FAIL" }
+    );
+    Ok(ok && same_argmax)
+}
+
+/// The layer outputs (`[s, h]` each) and logits (`[s, v]`, padding stripped) of the
+/// checkpoint's model run at its saved layout.
+fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
+    let reader = CheckpointReader::open(ckpt_dir)?;
+    let meta = reader.metadata();
+    let hf_config = stored_hf_config(&meta.content)
+        .context("--check: the checkpoint's metadata holds no hf_config")?;
+    let config = parse_hf_config(hf_config)?.config;
+    let (t, p) = (
+        meta.parallel.tensor_model_parallel_size,
+        meta.parallel.pipeline_model_parallel_size,
+    );
+    let divisible_by = meta
+        .content
+        .get("make_vocab_size_divisible_by")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(128) as usize;
+    let vocab = config.vocab_size;
+    // The structure of the full model (its values are replaced by the checkpoint's).
+    let skeleton = GptModel::init_random(config, InitConfig::default())?;
+    eprintln!(
+        "check: running the checkpoint at tp {t} x pp {p} ({} in-process ranks, {} threads each)",
+        t * p,
+        threads_per_rank(t * p)
+    );
+    let traces = run_local(t * p, |comm| -> Result<Option<ForwardTrace>> {
+        let parallel = ParallelConfig {
+            tensor_model_parallel_size: t,
+            pipeline_model_parallel_size: p,
+            ..ParallelConfig::default()
+        };
+        let state = ParallelState::new(t * p, comm.world_rank(), parallel)?;
+        let stage = state.coords().pp;
+        let groups = ProcessGroups::new(state, Arc::new(comm))?;
+        let layers = stage_layers(skeleton.config.num_layers, p, stage, None)?;
+        let stage_model;
+        let staged = if p > 1 {
+            stage_model = skeleton.pipeline_stage(layers, stage == 0, stage + 1 == p)?;
+            &stage_model
+        } else {
+            &skeleton
+        };
+        let mut shard = staged.tensor_parallel_shard(
+            TensorParallel::new(groups.tensor.clone(), false),
+            divisible_by,
+        )?;
+        let infos = shard.parameters();
+        let values = infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| {
+                let boxes = shard.param_boxes(i, 0..info.numel());
+                reader.read_local(
+                    &format!("{MODEL_PREFIX}{}", info.name),
+                    &boxes,
+                    info.numel(),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let views: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
+        shard.load_parameters_from(&views)?;
+        let pipe = &groups.pipeline;
+        let input = if stage > 0 {
+            let mut x = vec![0f32; shard.activation_len(batch)?];
+            pipe.recv(&mut x, stage - 1)?;
+            Some(x)
+        } else {
+            None
+        };
+        let mut trace = shard.forward_trace(batch, input)?;
+        if stage + 1 < p {
+            let out = trace.layer_outputs.last().cloned().unwrap_or_default();
+            pipe.send(&out, stage + 1)?;
+        }
+        if let Some(local) = trace.logits.take() {
+            let mut all = vec![0f32; local.len() * t];
+            groups.tensor.all_gather(&local, &mut all)?;
+            trace.logits = Some(gather_vocab(&all, t, batch.tokens.len(), vocab));
+        }
+        Ok((groups.tensor.rank() == 0).then_some(trace))
+    })
+    .map_err(|e| anyhow::anyhow!("--check: {e}"))?;
+    let mut layers = Vec::new();
+    let mut logits = Vec::new();
+    for trace in traces.into_iter().flatten() {
+        layers.extend(trace.layer_outputs);
+        if let Some(l) = trace.logits {
+            logits = l;
+        }
+    }
+    Ok((layers, logits))
+}
+
+/// Full `[rows, v]` logits from the tensor-parallel ranks' `[rows, v'/t]` shards laid end
+/// to end (rank order), padding columns dropped.
+fn gather_vocab(all: &[f32], t: usize, rows: usize, v: usize) -> Vec<f32> {
+    let local = all.len() / t / rows;
+    let mut out = Vec::with_capacity(rows * v);
+    for r in 0..rows {
+        for rank in 0..t {
+            let start = rank * rows * local + r * local;
+            let keep = local.min(v.saturating_sub(rank * local));
+            out.extend_from_slice(&all[start..start + keep]);
+        }
+    }
+    out
+}
