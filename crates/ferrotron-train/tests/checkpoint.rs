@@ -91,6 +91,7 @@ fn plan(dir: &Path, interval: Option<u64>, keep_last: usize) -> Option<SavePlan>
         interval,
         keep_last,
         extra: serde_json::json!({"run": "test"}),
+        files: Vec::new(),
     })
 }
 

@@ -6,11 +6,10 @@
 
 use std::path::Path;
 
-use ferrotron_model::families::{HfConfigInputs, hf_config_json, param_mapping, parse_hf_config};
+use ferrotron_model::families::{HfConfigInputs, hf_config_json};
 
-use super::{MODEL_PREFIX, TOKENIZER_SUBDIR, stored_hf_config};
+use super::CheckpointWeights;
 use crate::CheckpointError;
-use crate::dist::{CheckpointReader, METADATA_FILE, locate_checkpoint};
 use crate::hf_export::{
     HfDirContents, HfExportOptions, HfExportReport, check_shard_size, model_err, torch_dtype,
     write_hf_dir,
@@ -41,78 +40,25 @@ pub fn ckpt_to_hf(
     opts: &HfExportOptions,
 ) -> Result<HfExportReport, CheckpointError> {
     check_shard_size(opts)?;
-    let dir = locate_checkpoint(ckpt)?.ok_or_else(|| {
-        err(
-            ckpt,
-            format!(
-                "no {METADATA_FILE} and no latest_checkpointed_iteration.txt: not a checkpoint"
-            ),
-        )
-    })?;
-    let reader = CheckpointReader::open(&dir)?;
-    let content = &reader.metadata().content;
-    let meta_path = dir.join(METADATA_FILE);
-    let hf_config = stored_hf_config(content).ok_or_else(|| {
-        err(
-            &meta_path,
-            "content holds no hf_config (the model's config.json), so the HF config cannot be written",
-        )
-    })?;
-    let config = parse_hf_config(hf_config)
-        .map_err(|e| err(&meta_path, format!("hf_config: {e}")))?
-        .config;
-    let mapping = param_mapping(&config, config.vocab_size).map_err(|e| model_err(&e))?;
-    let expected: Vec<(String, Vec<usize>)> = mapping
-        .iter()
-        .map(|m| (format!("{MODEL_PREFIX}{}", m.name), m.shape.clone()))
-        .collect();
-    reader.check_tensors(MODEL_PREFIX, &expected)?;
-    let inputs = HfConfigInputs::from_original(hf_config.clone()).map_err(|e| model_err(&e))?;
-    let config_json =
-        hf_config_json(&config, &inputs, torch_dtype(opts.dtype)).map_err(|e| model_err(&e))?;
-    let generation_config = content
-        .get("generation_config")
-        .or_else(|| {
-            content
-                .get("extra")
-                .and_then(|e| e.get("generation_config"))
-        })
-        .filter(|v| !v.is_null());
-    // (HF name, shape) in order, and for each the Megatron key, its shape and row ranges.
-    let mut tensors = Vec::new();
-    let mut sources = Vec::new();
-    for m in &mapping {
-        for part in &m.hf {
-            tensors.push((part.name.clone(), part.shape.clone()));
-            sources.push((m, part.rows.clone()));
-        }
-    }
+    let weights = CheckpointWeights::open(ckpt, ferrotron_tensor::DType::F32)?;
+    let inputs =
+        HfConfigInputs::from_original(weights.hf_config().clone()).map_err(|e| model_err(&e))?;
+    let config_json = hf_config_json(&weights.info().config, &inputs, torch_dtype(opts.dtype))
+        .map_err(|e| model_err(&e))?;
+    let tensors = weights.hf_tensors();
     let produce = |j: usize| -> Result<Vec<f32>, CheckpointError> {
-        let (m, rows) = &sources[j];
-        let key = format!("{MODEL_PREFIX}{}", m.name);
-        let read_rows = |r: &std::ops::Range<usize>| {
-            let mut offset = vec![0; m.shape.len()];
-            let mut shape = m.shape.clone();
-            offset[0] = r.start;
-            shape[0] = r.len();
-            reader.read_box(&key, &offset, &shape)
-        };
-        if let [r] = rows.as_slice() {
-            return read_rows(r);
-        }
-        let mut values = Vec::with_capacity(tensors[j].1.iter().product());
-        for r in rows {
-            values.extend(read_rows(r)?);
-        }
-        Ok(values)
+        let name = &tensors[j].0;
+        weights
+            .read_hf(name)?
+            .ok_or_else(|| err(weights.dir(), format!("no tensor {name}")))
     };
     let mut opts = opts.clone();
-    if opts.tokenizer_dir.is_none() && dir.join(TOKENIZER_SUBDIR).is_dir() {
-        opts.tokenizer_dir = Some(dir.join(TOKENIZER_SUBDIR));
+    if opts.tokenizer_dir.is_none() {
+        opts.tokenizer_dir = weights.tokenizer_dir();
     }
     let contents = HfDirContents {
         config: &config_json,
-        generation_config,
+        generation_config: weights.generation_config(),
         tensors: &tensors,
     };
     write_hf_dir(&contents, produce, output, &opts)

@@ -11,11 +11,13 @@
 
 mod ckpt_to_hf;
 mod hf_to_ckpt;
+mod weights;
 
 pub use ckpt_to_hf::ckpt_to_hf;
 pub use hf_to_ckpt::{
     HfToCkptOptions, HfToCkptPlan, PlannedParam, PlannedShard, hf_to_ckpt, plan_hf_to_ckpt,
 };
+pub use weights::CheckpointWeights;
 
 use serde_json::Value;
 use std::path::PathBuf;

@@ -57,6 +57,8 @@ pub struct SavePlan {
     pub keep_last: usize,
     /// Stored as `content.extra` of every checkpoint (run config, model config).
     pub extra: serde_json::Value,
+    /// Files copied into every checkpoint: (relative name, source), e.g. the tokenizer.
+    pub files: Vec<(String, PathBuf)>,
 }
 
 /// What to restore from a checkpoint.

@@ -217,7 +217,12 @@ impl Trainer {
     fn save_planned(&self) -> Result<SavedLine> {
         let plan = self.save_plan.as_ref().expect("called with a save plan");
         let start = std::time::Instant::now();
-        let dir = self.save_checkpoint(&plan.dir, plan.keep_last, plan.extra.clone())?;
+        let dir = self.save_checkpoint_with_files(
+            &plan.dir,
+            plan.keep_last,
+            plan.extra.clone(),
+            &plan.files,
+        )?;
         Ok(SavedLine {
             iteration: self.iteration,
             dir: dir.display().to_string(),

@@ -4,6 +4,8 @@
 
 use anyhow::{Context, Result, bail};
 use ferrotron_checkpoint::HfExportSource;
+use ferrotron_checkpoint::convert::CheckpointWeights;
+use ferrotron_checkpoint::dist::locate_checkpoint;
 use ferrotron_data::Tokenizer;
 use ferrotron_data::preprocess::megatron_eod_id;
 use ferrotron_model::families::{HfConfigInputs, load_hf_model};
@@ -16,7 +18,7 @@ use ferrotron_tensor::DType;
 use ferrotron_train::config::{
     ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The model of a run and what the rest of the run needs to know about where it came from.
 pub struct RunModel {
@@ -63,6 +65,13 @@ pub fn build(rc: &RunConfig) -> Result<RunModel> {
     let (_, dtype) = precision(rc);
     let tokenizer_model = rc.resolved.data.tokenizer_model.clone();
     let mut run = match &rc.model {
+        ModelSource::Load(dir)
+            if locate_checkpoint(dir)
+                .with_context(|| format!("model.load {}", dir.display()))?
+                .is_some() =>
+        {
+            from_checkpoint(dir, dtype, tokenizer_model)?
+        }
         ModelSource::Load(dir) => {
             let (model, info) = load_hf_model(dir, dtype)
                 .with_context(|| format!("loading model.load {}", dir.display()))?;
@@ -83,6 +92,26 @@ pub fn build(rc: &RunConfig) -> Result<RunModel> {
         .validate()
         .context("training.recompute_num_layers")?;
     Ok(run)
+}
+
+/// The model of a Ferrotron checkpoint (converted from HF or saved by a run, any layout):
+/// the whole model assembled from its shards, its HF config and tokenizer from the
+/// checkpoint (the tokenizer of `data.tokenizer_model` when given).
+fn from_checkpoint(dir: &Path, dtype: DType, tokenizer_model: Option<PathBuf>) -> Result<RunModel> {
+    let context = || format!("loading model.load {}", dir.display());
+    let weights = CheckpointWeights::open(dir, dtype).with_context(context)?;
+    let export_source = HfExportSource {
+        config: HfConfigInputs::from_original(weights.hf_config().clone()).with_context(context)?,
+        generation_config: weights.generation_config().cloned(),
+    };
+    let tokenizer_dir = tokenizer_model.or_else(|| weights.tokenizer_dir());
+    let (model, info) = weights.load_model().with_context(context)?;
+    Ok(RunModel {
+        model,
+        eod: info.eos_token_ids.first().copied(),
+        tokenizer_dir,
+        export_source,
+    })
 }
 
 /// A LLaMA-style model of `dims` with Megatron's init (seed `training.seed`); the EOD id from

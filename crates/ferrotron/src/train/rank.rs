@@ -5,11 +5,13 @@
 use super::launch::RankContext;
 use super::{data, decay_style, model, observer::RunObserver, resume};
 use anyhow::{Context, Result, bail};
+use ferrotron_checkpoint::convert::TOKENIZER_SUBDIR;
 use ferrotron_checkpoint::{
     HfExportOptions, HfExportSource, OutputDtype, TOKENIZER_FILES, export_hf,
 };
 use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
 use ferrotron_model::GptModel;
+use ferrotron_model::families::hf_config_json;
 use ferrotron_nn::TensorParallel;
 use ferrotron_optim::DynamicGradScalerConfig;
 use ferrotron_train::config::{Precision, RunConfig};
@@ -116,6 +118,19 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
         export_source,
         ..
     } = run_model;
+    // Every checkpoint carries the model's HF config and tokenizer, so `convert ckpt-to-hf`
+    // and `model.load` work on it alone.
+    let hf_config = hf_config_json(&model.config, &export_source.config, model::precision(rc).1)
+        .context("the model's HF config.json")?;
+    let checkpoint_extra = serde_json::json!({
+        "run_config": rc.to_toml(),
+        "hf_config": hf_config,
+        "generation_config": export_source.generation_config,
+    });
+    let checkpoint_files = tokenizer_dir
+        .as_deref()
+        .map(tokenizer_files)
+        .unwrap_or_default();
     // The logging rank keeps the full model's structure to export the gathered weights into
     // when the trained model is split over ranks.
     let split = par.tensor_model_parallel_size > 1 || par.pipeline_model_parallel_size > 1;
@@ -165,7 +180,8 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
             dir: save.clone(),
             interval: r.checkpoint.save_interval,
             keep_last: r.checkpoint.keep_last.unwrap_or(0),
-            extra: serde_json::json!({ "run_config": rc.to_toml() }),
+            extra: checkpoint_extra,
+            files: checkpoint_files,
         }));
     }
     let loader_cfg = |prefetch, consumed: u64| {
@@ -330,4 +346,22 @@ fn export(
         report.bytes_written as f64 / 1e6
     );
     Ok(())
+}
+
+/// The tokenizer files of `tokenizer` (a directory, or a `tokenizer.json` file) as
+/// (name inside a checkpoint, source) pairs.
+fn tokenizer_files(tokenizer: &Path) -> Vec<(String, PathBuf)> {
+    let named = |p: PathBuf| {
+        let name = p.file_name()?.to_string_lossy().into_owned();
+        Some((format!("{TOKENIZER_SUBDIR}/{name}"), p))
+    };
+    if tokenizer.is_file() {
+        return named(tokenizer.to_path_buf()).into_iter().collect();
+    }
+    TOKENIZER_FILES
+        .iter()
+        .map(|f| tokenizer.join(f))
+        .filter(|p| p.is_file())
+        .filter_map(named)
+        .collect()
 }
