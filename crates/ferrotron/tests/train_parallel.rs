@@ -2,7 +2,9 @@
 //! a generated corpus: dp 2 in-process (with and without the distributed optimizer), tp 2 x
 //! dp 2 with sequence parallelism, and two `mpirun` processes give the single-rank run's
 //! training and validation losses; a distributed-optimizer checkpoint resumes on one rank;
-//! the tensor-parallel run's HF export holds the gathered model.
+//! the tensor-parallel run's HF export holds the gathered model; an HF model converted to a
+//! tp 2 x pp 2 checkpoint trains like the HF directory, and a training checkpoint converts
+//! back to HF.
 
 use std::path::{Path, PathBuf};
 
@@ -306,5 +308,95 @@ fn a_bad_mpi_layout_fails_the_job() {
     assert!(
         err.contains("not a multiple of micro_batch_size (1) x data_parallel_size (3)"),
         "{err}"
+    );
+}
+
+fn convert(args: &[&str]) -> String {
+    let mut all = vec!["convert"];
+    all.extend_from_slice(args);
+    let o = ferrotron(&all);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "convert {args:?} failed: {out}\n{err}");
+    out
+}
+
+/// `convert hf-to-ckpt` for tp 2 x pp 2 (dry run, then for real with `--check`); training
+/// tp 2 from that checkpoint (`model.load`) gives the single rank's losses from the HF
+/// directory; the single run's own training checkpoint converts back to HF (`--check`
+/// passing) and validates as its `export_hf`.
+#[test]
+fn converted_checkpoints_train_and_convert_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    let hf = hf.to_str().unwrap();
+    let ckpt = tmp.path().join("converted");
+    let ckpt_s = ckpt.to_str().unwrap();
+    let layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+    ];
+    let dry = convert(
+        &[
+            &["hf-to-ckpt", "--hf", hf, "--output", ckpt_s, "--dry-run"],
+            &layout[..],
+        ]
+        .concat(),
+    );
+    assert!(dry.contains("model_tp01_pp001.safetensors at"), "{dry}");
+    assert!(dry.contains("0 problems; nothing written"), "{dry}");
+    assert!(!ckpt.exists());
+    let out = convert(
+        &[
+            &["hf-to-ckpt", "--hf", hf, "--output", ckpt_s, "--check"],
+            &layout[..],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.contains("layer   1 output") && out.contains("PASS"),
+        "{out}"
+    );
+
+    let (set_single, single_export) = export_to(tmp.path(), "single-export");
+    train(
+        &config(tmp.path(), &prefix, "single"),
+        &["--set", &set_single],
+    );
+    let want = metrics_losses(&tmp.path().join("single"));
+    let load = format!("model.load={ckpt_s:?}");
+    train(
+        &config_saving(tmp.path(), &prefix, "from-ckpt", false),
+        &[
+            "--set",
+            &load,
+            "--set",
+            "parallel.tensor_model_parallel_size=2",
+        ],
+    );
+    assert_same_losses(
+        "tp2 from the converted checkpoint",
+        &metrics_losses(&tmp.path().join("from-ckpt")),
+        &want,
+    );
+
+    let trained = tmp.path().join("single-ckpt");
+    let back = tmp.path().join("back");
+    let out = convert(&[
+        "ckpt-to-hf",
+        "--ckpt",
+        trained.to_str().unwrap(),
+        "--output",
+        back.to_str().unwrap(),
+        "--check",
+    ]);
+    assert!(out.contains("PASS"), "{out}");
+    assert_same_losses(
+        "ckpt-to-hf of the training checkpoint",
+        &validate_export(tmp.path(), &prefix, &back, "check-back"),
+        &validate_export(tmp.path(), &prefix, &single_export, "check-export"),
     );
 }
