@@ -292,6 +292,16 @@ fn mpirun_layouts_match_one_rank() {
         assert!(o.status.success(), "{name}: mpirun failed: {err}");
         assert_same_losses(name, &metrics_losses(&tmp.path().join(name)), &want);
     }
+    // Each process wrote its own shards: four optimizer shards under ZeRO-1 over dp 4.
+    let last = tmp.path().join("mpi-dp4-zero1-ckpt/iter_0000006");
+    let optim = std::fs::read_dir(&last)
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().starts_with("optim_")
+        })
+        .count();
+    assert_eq!(optim, 4, "{}", last.display());
 }
 
 /// A layout that does not fit the mpirun world fails every process with the error, no hang.
