@@ -1,45 +1,161 @@
 #!/usr/bin/env bash
-# The main job (README), today: fetch the real SmolLM2-135M-Instruct GGUF, convert it to a
-# HuggingFace directory, then generate (plain and chat) and score with it.
-# Safe to re-run: reuses the download, the build and the converted model.
+# The main job, end to end on real input: fetch the SmolLM2-135M-Instruct GGUF, convert it to a
+# HuggingFace directory and then to a tensor-parallel checkpoint (checked layer by layer), turn
+# the KJV Bible into a Megatron .bin/.idx corpus, continue-pretraining it with tensor x data
+# parallel ranks in this process (with validation and a checkpoint), convert the result back to
+# HF, and print continuations of the original and the trained model side by side with their
+# validation losses. Safe to re-run: downloads, the build, the converted model and checkpoint and
+# the corpus are reused; the training run is redone.
 #
-#   bash scripts/quickstart.sh [--prompt TEXT] [--max-new-tokens N] [--dtype f32|bf16]
+#   bash scripts/quickstart.sh [--iters N] [--seq N] [--tp N] [--dp N] [--prompt TEXT]
+#                              [--max-new-tokens N] [--out DIR]
+#
+#   --iters N           training iterations (default 30; 10 is a quick look, 200 a real run)
+#   --seq N             sequence length (default 256)
+#   --tp N, --dp N      tensor x data parallel ranks (default 3 x 2: SmolLM2 has 9 heads in 3
+#                       query groups, so its tensor-parallel size is 1, 3 or 9)
+#   --prompt TEXT       the continuation prompt (default "And God said unto Moses,")
+#   --max-new-tokens N  tokens per continuation (default 40)
+#   --out DIR           where the run goes (default runs/quickstart)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-prompt="The capital of France is"
-max_new=48
-dtype=bf16
+iters=30 seq=256 tp=3 dp=2 max_new=40 out="$root/runs/quickstart"
+prompt="And God said unto Moses,"
 while [ $# -gt 0 ]; do
   case "$1" in
+    --iters) iters="$2"; shift 2 ;;
+    --seq) seq="$2"; shift 2 ;;
+    --tp) tp="$2"; shift 2 ;;
+    --dp) dp="$2"; shift 2 ;;
     --prompt) prompt="$2"; shift 2 ;;
     --max-new-tokens) max_new="$2"; shift 2 ;;
-    --dtype) dtype="$2"; shift 2 ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
-    *) echo "unknown flag $1 (see --help)" >&2; exit 2 ;;
+    --out) out="$2"; shift 2 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "quickstart.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-echo "Ferrotron quickstart: expect ~3-5 minutes on 2 cores the first time (mostly the release build), seconds after."
-echo "== [1/4] release build"
+start=$(date +%s)
+step() { echo; echo "== [$1/8] $2  (+$(( $(date +%s) - start )) s)"; }
+minutes=$(( 6 + iters * seq * 8 / 2048 * 12 / 60 ))
+echo "Ferrotron quickstart: continue-pretraining SmolLM2-135M on the KJV Bible, tp $tp x dp $dp, $iters iterations."
+echo "Expect ~$minutes minutes on 2 cores (plus ~6 for the first release build); --iters 10 is quicker."
+
+step 1 "system packages (bible-kjv for the corpus, time)"
+missing=""
+command -v bible >/dev/null || missing="$missing bible-kjv"
+[ -x /usr/bin/time ] || missing="$missing time"
+if [ -n "$missing" ]; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && $sudo apt-get install -y -qq $missing >/dev/null
+fi
+echo "ok"
+
+step 2 "release build"
 cargo build --release -p ferrotron
 bin="$root/target/release/ferrotron"
-echo "== [2/4] SmolLM2-135M-Instruct GGUF"
+
+step 3 "SmolLM2-135M-Instruct: GGUF -> HF"
 gguf="$(bash scripts/fetch-smollm2.sh)"
 model="$root/.cache/smollm2-hf"
-if [ ! -f "$model/model.safetensors" ]; then
-  echo "== [3/4] convert gguf-to-hf -> $model"
-  "$bin" convert gguf-to-hf --input "$gguf" --output "$model"
+if [ -f "$model/tokenizer_config.json" ]; then
+  echo "reusing $model"
 else
-  echo "== [3/4] reusing $model"
+  "$bin" convert gguf-to-hf --input "$gguf" --output "$model" --force
 fi
-echo "== [4/4] generate and score"
-echo "-- greedy:"
-"$bin" generate --model "$model" --prompt "$prompt" --max-new-tokens "$max_new" --dtype "$dtype"
-echo "-- chat:"
-"$bin" generate --model "$model" --chat --prompt "What is the capital of France? Answer in one sentence." \
-  --max-new-tokens "$max_new" --dtype "$dtype"
-echo "-- sampled (temperature 0.8, top-p 0.9, seed 1):"
-"$bin" generate --model "$model" --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 1 \
-  --max-new-tokens "$max_new" --dtype "$dtype"
-echo "-- score:"
-"$bin" score --model "$model" --text "In the beginning God created the heaven and the earth." | tail -n 1
+
+step 4 "HF -> tensor-parallel $tp checkpoint, checked layer by layer against the HF model"
+ckpt="$root/.cache/smollm2-ckpt-tp$tp"
+if [ -f "$ckpt/latest_checkpointed_iteration.txt" ]; then
+  echo "reusing $ckpt"
+else
+  "$bin" convert hf-to-ckpt --hf "$model" --output "$ckpt" --tensor-model-parallel-size "$tp" \
+    --force --check | grep -E "^(wrote|check|tensor|layer +(0|1|2|27|28|29) |logits|argmax)"
+fi
+
+step 5 "KJV Bible -> Megatron .bin/.idx (one document per chapter)"
+corpus="$root/.cache/kjv"
+if [ -f "$corpus/kjv_text_document.idx" ]; then
+  echo "reusing $corpus/kjv_text_document"
+else
+  mkdir -p "$corpus"
+  bible -l0 "Gen1:1-Rev22:21" | python3 -c '
+import json, re, sys
+chapter = []
+def flush():
+    if chapter:
+        print(json.dumps({"text": " ".join(chapter)}))
+        chapter.clear()
+for line in sys.stdin:
+    m = re.match(r"\s+\d+ (.*)", line)
+    if m:
+        chapter.append(m.group(1).strip())
+    elif line.strip():
+        flush()
+flush()' > "$corpus/kjv.jsonl"
+  "$bin" preprocess-data --input "$corpus/kjv.jsonl" --json-keys text --tokenizer "$model" \
+    --output-prefix "$corpus/kjv" --append-eod --workers 2
+fi
+
+step 6 "continue-pretraining: tp $tp x dp $dp ranks in this process, $iters iterations of 8 x $seq tokens"
+rm -rf "$out"
+mkdir -p "$out"
+# run.toml for model $1 into output dir $2, with extra sections $3.
+config() {
+  cat <<EOF
+# Continue-pretraining SmolLM2-135M on the KJV Bible (scripts/quickstart.sh).
+[model]
+load = "$1"
+seq_length = $seq
+[data]
+data_path = "$corpus/kjv_text_document"
+split = "969,30,1"
+[training]
+micro_batch_size = 2
+global_batch_size = 8
+train_iters = $iters
+eval_interval = $(( iters > 10 ? iters / 2 : iters ))
+eval_iters = 4
+log_interval = 5
+[optimizer]
+lr = 1e-4
+min_lr = 1e-5
+lr_decay_style = "cosine"
+lr_warmup_iters = $(( iters / 10 + 1 ))
+[logging]
+output_dir = "$2"
+$3
+EOF
+}
+config "$ckpt" "$out/train" "[parallel]
+tensor_model_parallel_size = $tp
+data_parallel_size = $dp
+use_distributed_optimizer = true
+[checkpoint]
+save = \"$out/ckpt\"" > "$out/run.toml"
+"$bin" train --config "$out/run.toml"
+
+step 7 "trained checkpoint -> HF; validation loss before and after"
+"$bin" convert ckpt-to-hf --ckpt "$out/ckpt" --output "$out/trained-hf" --force
+# The validation loss of a model on the same held-out batches (training.skip_train).
+valid() {
+  config "$1" "$out/$2" "" > "$out/$2.toml"
+  "$bin" train --config "$out/$2.toml" --set training.skip_train=true > "$out/$2.log" 2>&1 \
+    || { cat "$out/$2.log" >&2; exit 1; }
+  python3 -c '
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("%.4f" % [r for r in rows if r["kind"] == "valid"][-1]["lm_loss"])' "$out/$2/metrics.jsonl"
+}
+before=$(valid "$model" original-eval)
+after=$(valid "$out/trained-hf" trained-eval)
+echo "validation loss (same $(( 4 * 8 )) held-out sequences): original $before, trained $after"
+
+step 8 "continuations of \"$prompt\" (greedy, $max_new tokens)"
+echo "-- original SmolLM2-135M-Instruct (validation loss $before):"
+"$bin" generate --model "$model" --prompt "$prompt" --max-new-tokens "$max_new"
+echo
+echo "-- after $iters iterations on the KJV Bible (validation loss $after):"
+"$bin" generate --model "$out/trained-hf" --prompt "$prompt" --max-new-tokens "$max_new"
+echo
+echo "done in $(( $(date +%s) - start )) s. Run: $out/train (metrics.jsonl, loss.png), checkpoint: $out/ckpt, HF: $out/trained-hf"
