@@ -30,7 +30,8 @@ done
 start=$(date +%s)
 step() { echo; echo "== [$1/5] $2  (+$(( $(date +%s) - start )) s)"; }
 echo "Ferrotron SFT example: SmolLM2-135M-Instruct on chitchat chats, $iters iterations of 4 x $seq tokens."
-echo "Expect ~$(( 2 + iters * seq / 512 * 9 / 60 )) minutes on 2 cores (plus ~6 for the first release build)."
+# ~290 tokens/s for SmolLM2 training on one rank of 2 cores, plus ~1 minute for the rest.
+echo "Expect ~$(( (iters * seq * 4 / 290 + 60 + 59) / 60 )) minutes on 2 cores, plus ~8 the first time (release build, downloads)."
 
 step 1 "release build"
 cargo build --release -p ferrotron
