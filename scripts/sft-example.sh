@@ -60,10 +60,12 @@ fi
 step 4 "SFT: $iters iterations, data parallel $dp"
 rm -rf "$out"
 mkdir -p "$out"
-cat > "$out/run.toml" <<EOF
+# run.toml for model $1 into output dir $2, with extra sections $3.
+config() {
+  cat <<EOF
 # SFT of SmolLM2-135M-Instruct on the chitchat chats (scripts/sft-example.sh).
 [model]
-load = "$model"
+load = "$1"
 seq_length = $seq
 [data]
 data_path = "$data/chitchat_text_document"
@@ -74,7 +76,7 @@ micro_batch_size = 2
 global_batch_size = 4
 train_iters = $iters
 eval_interval = $(( iters > 10 ? iters / 2 : iters ))
-eval_iters = 4
+eval_iters = 8
 log_interval = 5
 [optimizer]
 lr = 5e-5
@@ -83,20 +85,26 @@ lr_decay_style = "cosine"
 lr_warmup_iters = $(( iters / 10 + 1 ))
 [parallel]
 data_parallel_size = $dp
-[checkpoint]
-save = "$out/ckpt"
-export_hf = "$out/trained-hf"
 [logging]
-output_dir = "$out/train"
+output_dir = "$2"
+$3
 EOF
+}
+config "$model" "$out/train" "[checkpoint]
+save = \"$out/ckpt\"
+export_hf = \"$out/trained-hf\"" > "$out/run.toml"
 "$bin" train --config "$out/run.toml"
-python3 -c '
+# The answer-only validation loss of a model on the same held-out chats (training.skip_train).
+valid() {
+  config "$1" "$out/$2" "" > "$out/$2.toml"
+  "$bin" train --config "$out/$2.toml" --set training.skip_train=true > "$out/$2.log" 2>&1 \
+    || { cat "$out/$2.log" >&2; exit 1; }
+  python3 -c '
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-train = [r["lm_loss"] for r in rows if r["kind"] == "train"]
-valid = [r["lm_loss"] for r in rows if r["kind"] == "valid"]
-print("answer-only training loss %.3f -> %.3f; validation %s" % (train[0], train[-1], " -> ".join("%.3f" % v for v in valid)))
-' "$out/train/metrics.jsonl"
+print("%.4f" % [r for r in rows if r["kind"] == "valid"][-1]["lm_loss"])' "$out/$2/metrics.jsonl"
+}
+echo "answer-only validation loss (same $(( 8 * 4 )) held-out rows): original $(valid "$model" original-eval), after SFT $(valid "$out/trained-hf" trained-eval)"
 
 step 5 "chat: \"$prompt\""
 echo "-- original SmolLM2-135M-Instruct:"
