@@ -323,3 +323,36 @@ fn smollm2_converts_to_tp3_pp2_and_back_bit_exactly() {
     }
     assert!(back.join("tokenizer.json").is_file());
 }
+
+/// `kill -9` during `convert hf-to-ckpt` leaves nothing under the output name, and the next
+/// conversion into it needs no `--force`.
+#[test]
+fn killed_conversion_leaves_no_output() {
+    let Some(dir) = model_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ckpt");
+    let args = [
+        "convert",
+        "hf-to-ckpt",
+        "--hf",
+        dir.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ];
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The conversion writes 540 MB; 50 ms in, it is mid-way.
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let finished = child.try_wait().unwrap().is_some();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    if !finished {
+        assert!(!out.exists(), "a killed conversion left {}", out.display());
+    }
+    let o = ferrotron(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.join("latest_checkpointed_iteration.txt").is_file());
+}
