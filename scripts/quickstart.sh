@@ -35,8 +35,8 @@ while [ $# -gt 0 ]; do
     *) echo "quickstart.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-start=$(date +%s)
-step() { echo; echo "== [$1/8] $2  (+$(( $(date +%s) - start )) s)"; }
+start=$(date +%s) steps=8
+. "$root/scripts/lib/example.sh"
 # ~350 tokens/s for SmolLM2 training on 2 cores, plus ~1 minute of conversion, evaluation and generation.
 minutes=$(( (iters * seq * 8 / 350 + 60 + 59) / 60 ))
 echo "Ferrotron quickstart: continue-pretraining SmolLM2-135M on the KJV Bible, tp $tp x dp $dp, $iters iterations."
@@ -53,17 +53,10 @@ fi
 echo "ok"
 
 step 2 "release build"
-cargo build --release -p ferrotron
-bin="$root/target/release/ferrotron"
+release_build
 
 step 3 "SmolLM2-135M-Instruct: GGUF -> HF"
-gguf="$(bash scripts/fetch-smollm2.sh)"
-model="$root/.cache/smollm2-hf"
-if [ -f "$model/tokenizer_config.json" ]; then
-  echo "reusing $model"
-else
-  "$bin" convert gguf-to-hf --input "$gguf" --output "$model" --force
-fi
+smollm2_hf
 
 step 4 "HF -> tensor-parallel $tp checkpoint, checked layer by layer against the HF model"
 ckpt="$root/.cache/smollm2-ckpt-tp$tp"
@@ -102,34 +95,10 @@ fi
 step 6 "continue-pretraining: tp $tp x dp $dp ranks in this process, $iters iterations of 8 x $seq tokens"
 rm -rf "$out"
 mkdir -p "$out"
-# run.toml for model $1 into output dir $2, with extra sections $3.
-config() {
-  cat <<EOF
-# Continue-pretraining SmolLM2-135M on the KJV Bible (scripts/quickstart.sh).
-[model]
-load = "$1"
-seq_length = $seq
-[data]
-data_path = "$corpus/kjv_text_document"
-split = "969,30,1"
-[training]
-micro_batch_size = 2
-global_batch_size = 8
-train_iters = $iters
-eval_interval = $(( iters > 10 ? iters / 2 : iters ))
-eval_iters = 4
-log_interval = 5
-[optimizer]
-lr = 1e-4
-min_lr = 1e-5
-lr_decay_style = "cosine"
-lr_warmup_iters = $(( iters / 10 + 1 ))
-[logging]
-output_dir = "$2"
-$3
-EOF
-}
-config "$ckpt" "$out/train" "[parallel]
+title="Continue-pretraining SmolLM2-135M on the KJV Bible (scripts/quickstart.sh)."
+data_toml="data_path = \"$corpus/kjv_text_document\""
+gbs=8 eval_iters=4 lr=1e-4 min_lr=1e-5
+run_config "$ckpt" "$out/train" "[parallel]
 tensor_model_parallel_size = $tp
 data_parallel_size = $dp
 use_distributed_optimizer = true
@@ -139,18 +108,8 @@ save = \"$out/ckpt\"" > "$out/run.toml"
 
 step 7 "trained checkpoint -> HF; validation loss before and after"
 "$bin" convert ckpt-to-hf --ckpt "$out/ckpt" --output "$out/trained-hf" --force
-# The validation loss of a model on the same held-out batches (training.skip_train).
-valid() {
-  config "$1" "$out/$2" "" > "$out/$2.toml"
-  "$bin" train --config "$out/$2.toml" --set training.skip_train=true > "$out/$2.log" 2>&1 \
-    || { cat "$out/$2.log" >&2; exit 1; }
-  python3 -c '
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-print("%.4f" % [r for r in rows if r["kind"] == "valid"][-1]["lm_loss"])' "$out/$2/metrics.jsonl"
-}
-before=$(valid "$model" original-eval)
-after=$(valid "$out/trained-hf" trained-eval)
+before=$(valid_loss "$model" original-eval)
+after=$(valid_loss "$out/trained-hf" trained-eval)
 echo "validation loss (same $(( 4 * 8 )) held-out sequences): original $before, trained $after"
 
 step 8 "continuations of \"$prompt\" (greedy, $max_new tokens)"

@@ -27,24 +27,17 @@ while [ $# -gt 0 ]; do
     *) echo "sft-example.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-start=$(date +%s)
-step() { echo; echo "== [$1/5] $2  (+$(( $(date +%s) - start )) s)"; }
+start=$(date +%s) steps=5
+. "$root/scripts/lib/example.sh"
 echo "Ferrotron SFT example: SmolLM2-135M-Instruct on chitchat chats, $iters iterations of 4 x $seq tokens."
 # ~290 tokens/s for SmolLM2 training on one rank of 2 cores, plus ~1 minute for the rest.
 echo "Expect ~$(( (iters * seq * 4 / 290 + 60 + 59) / 60 )) minutes on 2 cores, plus ~8 the first time (release build, downloads)."
 
 step 1 "release build"
-cargo build --release -p ferrotron
-bin="$root/target/release/ferrotron"
+release_build
 
 step 2 "SmolLM2-135M-Instruct: GGUF -> HF"
-model="$root/.cache/smollm2-hf"
-if [ -f "$model/tokenizer_config.json" ]; then
-  echo "reusing $model"
-else
-  gguf="$(bash scripts/fetch-smollm2.sh)"
-  "$bin" convert gguf-to-hf --input "$gguf" --output "$model" --force
-fi
+smollm2_hf
 
 step 3 "chitchat chats -> answer-only packed SFT dataset"
 data="$root/.cache/chitchat"
@@ -60,51 +53,17 @@ fi
 step 4 "SFT: $iters iterations, data parallel $dp"
 rm -rf "$out"
 mkdir -p "$out"
-# run.toml for model $1 into output dir $2, with extra sections $3.
-config() {
-  cat <<EOF
-# SFT of SmolLM2-135M-Instruct on the chitchat chats (scripts/sft-example.sh).
-[model]
-load = "$1"
-seq_length = $seq
-[data]
-data_path = "$data/chitchat_text_document"
-dataset_type = "sft_mmap"
-split = "969,30,1"
-[training]
-micro_batch_size = 2
-global_batch_size = 4
-train_iters = $iters
-eval_interval = $(( iters > 10 ? iters / 2 : iters ))
-eval_iters = 8
-log_interval = 5
-[optimizer]
-lr = 5e-5
-min_lr = 5e-6
-lr_decay_style = "cosine"
-lr_warmup_iters = $(( iters / 10 + 1 ))
-[parallel]
+title="SFT of SmolLM2-135M-Instruct on the chitchat chats (scripts/sft-example.sh)."
+data_toml="data_path = \"$data/chitchat_text_document\"
+dataset_type = \"sft_mmap\""
+gbs=4 eval_iters=8 lr=5e-5 min_lr=5e-6
+run_config "$model" "$out/train" "[parallel]
 data_parallel_size = $dp
-[logging]
-output_dir = "$2"
-$3
-EOF
-}
-config "$model" "$out/train" "[checkpoint]
+[checkpoint]
 save = \"$out/ckpt\"
 export_hf = \"$out/trained-hf\"" > "$out/run.toml"
 "$bin" train --config "$out/run.toml"
-# The answer-only validation loss of a model on the same held-out chats (training.skip_train).
-valid() {
-  config "$1" "$out/$2" "" > "$out/$2.toml"
-  "$bin" train --config "$out/$2.toml" --set training.skip_train=true > "$out/$2.log" 2>&1 \
-    || { cat "$out/$2.log" >&2; exit 1; }
-  python3 -c '
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-print("%.4f" % [r for r in rows if r["kind"] == "valid"][-1]["lm_loss"])' "$out/$2/metrics.jsonl"
-}
-echo "answer-only validation loss (same $(( 8 * 4 )) held-out rows): original $(valid "$model" original-eval), after SFT $(valid "$out/trained-hf" trained-eval)"
+echo "answer-only validation loss (same $(( 8 * 4 )) held-out rows): original $(valid_loss "$model" original-eval), after SFT $(valid_loss "$out/trained-hf" trained-eval)"
 
 step 5 "chat: \"$prompt\""
 echo "-- original SmolLM2-135M-Instruct:"

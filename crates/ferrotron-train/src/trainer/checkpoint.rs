@@ -170,15 +170,7 @@ impl Trainer {
         for (name, src) in files {
             writer.copy_file(src, name).map_err(ckpt_err)?;
         }
-        let state = TrainerState {
-            iteration: self.iteration,
-            consumed_samples: self.consumed_samples,
-            consumed_valid_samples: self.consumed_valid_samples,
-            seed: self.options.seed,
-            scheduler: self.scheduler.export_state().meta,
-            optimizer: self.optimizer.export_state().meta,
-        };
-        let content = serde_json::json!({ "trainer": state, "extra": extra });
+        let content = serde_json::json!({ "trainer": self.current_state(), "extra": extra });
         writer
             .commit(self.iteration, self.parallel_layout(), content)
             .map_err(ckpt_err)?;
@@ -258,15 +250,16 @@ impl Trainer {
             (_, stored) => {
                 // Fresh optimizer state over the loaded weights (the master copy included).
                 self.optimizer = super::step::new_optimizer(&self.options, &self.buffer, &self.dp)?;
-                stored.unwrap_or_else(|| self.fresh_state())
+                stored.unwrap_or_else(|| self.current_state())
             }
         };
         self.sync_model_from_buffer()?;
         Ok(state)
     }
 
-    /// The state of a trainer that has not stepped yet (what a weights-only load reports).
-    fn fresh_state(&self) -> TrainerState {
+    /// The trainer's counters and schedule/optimizer scalars now (what a checkpoint stores;
+    /// after a weights-only load: the fresh state it reports).
+    fn current_state(&self) -> TrainerState {
         TrainerState {
             iteration: self.iteration,
             consumed_samples: self.consumed_samples,
