@@ -165,7 +165,7 @@ pub fn hf_to_ckpt(a: HfToCkptArgs) -> Result<ExitCode> {
         dtype: stored_dtype(a.dtype),
         force: a.force,
     };
-    let context = || format!("convert hf-to-ckpt --hf {}", a.hf.display());
+    let context = || "convert hf-to-ckpt".to_string();
     if a.dry_run {
         let plan = plan_hf_to_ckpt(&a.hf, &opts).with_context(context)?;
         for p in &plan.params {
@@ -228,7 +228,7 @@ pub fn hf_to_ckpt(a: HfToCkptArgs) -> Result<ExitCode> {
 }
 
 pub fn ckpt_to_hf(a: CkptToHfArgs) -> Result<ExitCode> {
-    let context = || format!("convert ckpt-to-hf --ckpt {}", a.ckpt.display());
+    let context = || "convert ckpt-to-hf".to_string();
     if a.dry_run {
         dry_run_ckpt_to_hf(&a.ckpt).with_context(context)?;
         return Ok(ExitCode::SUCCESS);
