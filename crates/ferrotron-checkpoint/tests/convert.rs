@@ -227,3 +227,46 @@ fn bad_checkpoints_and_layouts_are_errors_naming_every_problem() {
     .to_string();
     assert!(e.contains("not a checkpoint"), "{e}");
 }
+
+/// A tp 2 x pp 2 checkpoint resharded to tp 1 x pp 1 and to tp 2 x pp 1 (and that to tp 1 x
+/// pp 2) converts back to the original HF tensors bit for bit.
+#[test]
+fn resharding_keeps_every_tensor() {
+    use ferrotron_checkpoint::convert::{plan_reshard, reshard_ckpt};
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["tiny-qwen2", "tiny-llama3"] {
+        let original = hf_tensors(&fixture(name));
+        let bf16 = original.values().all(|(d, _, _)| d == "BF16");
+        let src = tmp.path().join(format!("{name}-src"));
+        hf_to_ckpt(&fixture(name), &src, &layout(2, 2)).unwrap();
+        let mut from = src;
+        for (k, (t, p)) in [(1, 1), (2, 1), (1, 2)].into_iter().enumerate() {
+            let plan = plan_reshard(&from, &layout(t, p)).unwrap();
+            assert!(plan.problems().is_empty(), "{:?}", plan.problems());
+            assert_eq!(plan.files.len(), t * p);
+            let to = tmp.path().join(format!("{name}-{k}"));
+            reshard_ckpt(&from, &to, &layout(t, p)).unwrap();
+            let meta = CheckpointReader::open(&iteration_dir(&to, 0)).unwrap();
+            assert_eq!(meta.metadata().parallel.tensor_model_parallel_size, t);
+            let back = tmp.path().join(format!("{name}-{k}-hf"));
+            let opts = HfExportOptions {
+                dtype: if bf16 {
+                    OutputDtype::BF16
+                } else {
+                    OutputDtype::F32
+                },
+                ..HfExportOptions::default()
+            };
+            ckpt_to_hf(&to, &back, &opts).unwrap();
+            let got = hf_tensors(&back);
+            assert_eq!(got.len(), original.len(), "{name} -> tp{t} pp{p}");
+            for (tensor, want) in &original {
+                assert!(
+                    got[tensor] == *want,
+                    "{name} -> tp{t} pp{p}: {tensor} differs"
+                );
+            }
+            from = to;
+        }
+    }
+}

@@ -332,9 +332,10 @@ fn convert(args: &[&str]) -> String {
 }
 
 /// `convert hf-to-ckpt` for tp 2 x pp 2 (dry run, then for real with `--check`); training
-/// tp 2 from that checkpoint (`model.load`) gives the single rank's losses from the HF
-/// directory; the single run's own training checkpoint converts back to HF (`--check`
-/// passing) and validates as its `export_hf`.
+/// tp 2 from that checkpoint (`model.load`), and one rank from it resharded with
+/// `ckpt-to-ckpt`, give the single rank's losses from the HF directory; the single run's own
+/// training checkpoint converts back to HF (`--check` passing) and validates as its
+/// `export_hf`.
 #[test]
 fn converted_checkpoints_train_and_convert_back() {
     let tmp = tempfile::tempdir().unwrap();
@@ -390,6 +391,27 @@ fn converted_checkpoints_train_and_convert_back() {
     assert_same_losses(
         "tp2 from the converted checkpoint",
         &metrics_losses(&tmp.path().join("from-ckpt")),
+        &want,
+    );
+
+    // Resharded offline to one rank, it trains like the HF directory too.
+    let resharded = tmp.path().join("resharded");
+    let out = convert(&[
+        "ckpt-to-ckpt",
+        "--ckpt",
+        ckpt_s,
+        "--output",
+        resharded.to_str().unwrap(),
+    ]);
+    assert!(out.contains("in 1 files"), "{out}");
+    let load = format!("model.load={:?}", resharded.to_str().unwrap());
+    train(
+        &config_saving(tmp.path(), &prefix, "from-resharded", false),
+        &["--set", &load],
+    );
+    assert_same_losses(
+        "1 rank from the resharded checkpoint",
+        &metrics_losses(&tmp.path().join("from-resharded")),
         &want,
     );
 

@@ -5,6 +5,7 @@
 //! Streams one parameter at a time from the memory-mapped HF files.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ferrotron_model::families::{
@@ -130,9 +131,25 @@ fn err(dir: &Path, detail: impl Into<String>) -> CheckpointError {
 /// (heads, query groups or FFN size not divisible by `t`, layers not splitting over `p`),
 /// every problem named.
 pub fn plan_hf_to_ckpt(hf: &Path, opts: &HfToCkptOptions) -> Result<HfToCkptPlan, CheckpointError> {
-    let info = read_hf_config(hf).map_err(|e| err(hf, e.to_string()))?;
-    let config = info.config;
+    let config = read_hf_config(hf)
+        .map_err(|e| err(hf, e.to_string()))?
+        .config;
     let hf_config = read_json(&hf.join("config.json"))?;
+    let src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
+    let available = src.tensor_shapes().into_iter().collect();
+    plan_layout(hf, config, hf_config, available, opts)
+}
+
+/// The plan for a model of `config` whose HF tensors (name -> shape) are `available`, read
+/// from `origin` (named in errors).
+pub(super) fn plan_layout(
+    origin: &Path,
+    config: TransformerConfig,
+    hf_config: Value,
+    mut available: BTreeMap<String, Vec<usize>>,
+    opts: &HfToCkptOptions,
+) -> Result<HfToCkptPlan, CheckpointError> {
+    let hf = origin;
     let (t, p) = (
         opts.tensor_model_parallel_size,
         opts.pipeline_model_parallel_size,
@@ -177,9 +194,6 @@ pub fn plan_hf_to_ckpt(hf: &Path, opts: &HfToCkptOptions) -> Result<HfToCkptPlan
         t,
     );
     let mapping = param_mapping(&config, padded).map_err(|e| err(hf, e.to_string()))?;
-    let src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
-    let mut available: std::collections::BTreeMap<String, Vec<usize>> =
-        src.tensor_shapes().into_iter().collect();
     let (mut missing, mut shape_mismatches) = (Vec::new(), Vec::new());
     let mut params = Vec::with_capacity(mapping.len());
     let mut files = Vec::new();
@@ -252,15 +266,44 @@ pub fn hf_to_ckpt(
 ) -> Result<ConvertReport, CheckpointError> {
     let start = std::time::Instant::now();
     let plan = plan_hf_to_ckpt(hf, opts)?;
+    let source = HfExportSource::from_dir(hf)?;
+    let mut src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
+    let extras = LayoutExtras {
+        origin: hf,
+        generation_config: source.generation_config,
+        tokenizer_dir: Some(hf.to_path_buf()),
+    };
+    write_layout(&plan, &mut src, &extras, output, opts, start)
+}
+
+/// What a written checkpoint carries besides the weights.
+pub(super) struct LayoutExtras<'a> {
+    /// Where the weights come from (named in errors, recorded as `converted_from`).
+    pub origin: &'a Path,
+    /// Stored as `content.generation_config`.
+    pub generation_config: Option<Value>,
+    /// The tokenizer files found here are copied into `tokenizer/`.
+    pub tokenizer_dir: Option<PathBuf>,
+}
+
+/// Writes the checkpoint of `plan` at `output` (staged; `iter_0000000` + tracker) from the
+/// HF-named tensors of `src`, one parameter at a time.
+pub(super) fn write_layout(
+    plan: &HfToCkptPlan,
+    src: &mut dyn WeightSource,
+    extras: &LayoutExtras<'_>,
+    output: &Path,
+    opts: &HfToCkptOptions,
+    start: std::time::Instant,
+) -> Result<ConvertReport, CheckpointError> {
+    let hf = extras.origin;
     let problems = plan.problems();
     if !problems.is_empty() {
         return Err(err(hf, problems.join("; ")));
     }
-    let source = HfExportSource::from_dir(hf)?;
     let root = StagingDir::create(output, opts.force)?;
     let iter_dir = iteration_dir(root.path(), 0);
     let mut writer = CheckpointWriter::create(&iter_dir, false)?;
-    let mut src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
     let mut bytes = 0u64;
     for stage in 0..opts.pipeline_model_parallel_size {
         let on_stage: Vec<&PlannedParam> =
@@ -287,7 +330,7 @@ pub fn hf_to_ckpt(
             }
         }
         for p in &on_stage {
-            let full = assemble(&mut src, &p.mapping, hf)?;
+            let full = assemble(src, &p.mapping, hf)?;
             for s in &p.shards {
                 let (_, file) = files
                     .iter_mut()
@@ -306,14 +349,16 @@ pub fn hf_to_ckpt(
         }
     }
     for name in TOKENIZER_FILES {
-        let path = hf.join(name);
+        let Some(path) = extras.tokenizer_dir.as_ref().map(|d| d.join(name)) else {
+            break;
+        };
         if path.is_file() {
             bytes += writer.copy_file(&path, &format!("{TOKENIZER_SUBDIR}/{name}"))?;
         }
     }
     let content = json!({
         "hf_config": plan.hf_config,
-        "generation_config": source.generation_config,
+        "generation_config": extras.generation_config,
         "converted_from": absolute(hf).display().to_string(),
         "make_vocab_size_divisible_by": opts.make_vocab_size_divisible_by,
     });
@@ -328,7 +373,7 @@ pub fn hf_to_ckpt(
     Ok(ConvertReport {
         output: output.to_path_buf(),
         tensors: plan.params.len(),
-        files: plan.files,
+        files: plan.files.clone(),
         bytes_written: bytes,
         seconds: start.elapsed().as_secs_f64(),
     })
@@ -342,7 +387,7 @@ fn absolute(path: &Path) -> PathBuf {
 /// The full Megatron parameter `m` (f32, row-major) from its HF tensors: a parameter that is
 /// one HF tensor is taken as is; packed ones get each HF tensor's rows placed.
 fn assemble(
-    src: &mut HfSafetensors,
+    src: &mut dyn WeightSource,
     m: &ParamMapping,
     hf: &Path,
 ) -> Result<Vec<f32>, CheckpointError> {

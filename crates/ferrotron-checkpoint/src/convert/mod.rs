@@ -5,18 +5,22 @@
 //!   checkpoint laid out for any tensor x pipeline-parallel size, exactly as a training run
 //!   under that layout saves it;
 //! - [`ckpt_to_hf`]: any checkpoint (converted or saved by training, any layout) -> an HF
-//!   directory transformers loads.
+//!   directory transformers loads;
+//! - [`reshard_ckpt`] (with [`plan_reshard`]): any checkpoint -> its weights laid out for
+//!   another tensor x pipeline-parallel size.
 //!
 //! HF -> checkpoint -> HF is bit-exact at any layout (f32 storage, or bf16 from bf16).
 
 mod ckpt_to_hf;
 mod hf_to_ckpt;
+mod reshard;
 mod weights;
 
 pub use ckpt_to_hf::ckpt_to_hf;
 pub use hf_to_ckpt::{
     HfToCkptOptions, HfToCkptPlan, PlannedParam, PlannedShard, hf_to_ckpt, plan_hf_to_ckpt,
 };
+pub use reshard::{plan_reshard, reshard_ckpt};
 pub use weights::CheckpointWeights;
 
 use serde_json::Value;

@@ -1,14 +1,15 @@
-//! `convert hf-to-ckpt` and `convert ckpt-to-hf`: arguments, `--dry-run` listings and the
-//! `--check` forward comparison around `ferrotron_checkpoint::convert`.
+//! `convert hf-to-ckpt`, `ckpt-to-hf` and `ckpt-to-ckpt`: arguments, `--dry-run` listings and
+//! the `--check` forward comparison around `ferrotron_checkpoint::convert`.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use ferrotron_checkpoint::HfExportOptions;
 use ferrotron_checkpoint::convert::{
-    HfToCkptOptions, MODEL_PREFIX, ckpt_to_hf as convert_ckpt_to_hf,
-    hf_to_ckpt as convert_hf_to_ckpt, plan_hf_to_ckpt, stored_hf_config,
+    ConvertReport, HfToCkptOptions, HfToCkptPlan, MODEL_PREFIX, ckpt_to_hf as convert_ckpt_to_hf,
+    hf_to_ckpt as convert_hf_to_ckpt, plan_hf_to_ckpt, plan_reshard, reshard_ckpt,
+    stored_hf_config,
 };
 use ferrotron_checkpoint::dist::{CheckpointReader, StoredDtype, locate_checkpoint};
+use ferrotron_checkpoint::{CheckpointError, HfExportOptions};
 use ferrotron_model::families::{param_mapping, parse_hf_config};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -24,6 +25,25 @@ pub struct HfToCkptArgs {
     /// The HuggingFace model directory (config.json, safetensors, tokenizer files).
     #[arg(long)]
     hf: PathBuf,
+    #[command(flatten)]
+    layout: LayoutArgs,
+    #[command(flatten)]
+    check: CheckArgs,
+}
+
+#[derive(Args)]
+pub struct CkptToCkptArgs {
+    /// The checkpoint to reshard: an iteration directory, or a save directory whose
+    /// latest_checkpointed_iteration.txt names one.
+    #[arg(long)]
+    ckpt: PathBuf,
+    #[command(flatten)]
+    layout: LayoutArgs,
+}
+
+/// The checkpoint to write and its layout (hf-to-ckpt, ckpt-to-ckpt).
+#[derive(Args)]
+pub struct LayoutArgs {
     /// The checkpoint directory to create (written to a temporary name, renamed when
     /// complete).
     #[arg(long)]
@@ -48,12 +68,23 @@ pub struct HfToCkptArgs {
     /// Replace an existing non-empty output directory.
     #[arg(long)]
     force: bool,
-    /// List every Megatron tensor with its HF sources and shard boxes, and every problem
-    /// with the HF checkpoint; write nothing (exit 1 when there are problems).
+    /// List every Megatron tensor with its sources and shard boxes, and every problem with
+    /// the source; write nothing (exit 1 when there are problems).
     #[arg(long)]
     dry_run: bool,
-    #[command(flatten)]
-    check: CheckArgs,
+}
+
+impl LayoutArgs {
+    fn options(&self) -> HfToCkptOptions {
+        HfToCkptOptions {
+            tensor_model_parallel_size: self.tensor_model_parallel_size,
+            pipeline_model_parallel_size: self.pipeline_model_parallel_size,
+            decoder_first_pipeline_num_layers: self.decoder_first_pipeline_num_layers,
+            make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
+            dtype: stored_dtype(self.dtype),
+            force: self.force,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -157,64 +188,102 @@ fn maybe_check(check: &CheckArgs, hf: &Path, ckpt: &Path) -> Result<ExitCode> {
 }
 
 pub fn hf_to_ckpt(a: HfToCkptArgs) -> Result<ExitCode> {
-    let opts = HfToCkptOptions {
-        tensor_model_parallel_size: a.tensor_model_parallel_size,
-        pipeline_model_parallel_size: a.pipeline_model_parallel_size,
-        decoder_first_pipeline_num_layers: a.decoder_first_pipeline_num_layers,
-        make_vocab_size_divisible_by: a.make_vocab_size_divisible_by,
-        dtype: stored_dtype(a.dtype),
-        force: a.force,
-    };
-    let context = || "convert hf-to-ckpt".to_string();
-    if a.dry_run {
-        let plan = plan_hf_to_ckpt(&a.hf, &opts).with_context(context)?;
-        for p in &plan.params {
-            let m = &p.mapping;
-            let sources: Vec<String> =
-                m.hf.iter()
-                    .map(|h| format!("{} {:?}", h.name, h.shape))
-                    .collect();
-            println!(
-                "{MODEL_PREFIX}{} {:?} {:?} stage {} <- {}",
-                m.name,
-                m.shape,
-                m.split,
-                p.stage,
-                sources.join(" + ")
-            );
-            for s in &p.shards {
-                println!("    {} at {:?} {:?}", s.file, s.global_offset, s.shape);
-            }
-        }
-        for n in &plan.ignored {
-            println!("ignored (not a parameter): {n}");
-        }
-        let problems = plan.problems();
-        for problem in &problems {
-            println!("problem: {problem}");
-        }
-        println!(
-            "dry run: {} tensors into {} files ({}); {} problems; nothing written",
-            plan.params.len(),
-            plan.files.len(),
-            plan.files.join(", "),
-            problems.len()
-        );
-        return Ok(if problems.is_empty() {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        });
+    let done = write_checkpoint(
+        "hf-to-ckpt",
+        &a.hf,
+        &a.layout,
+        plan_hf_to_ckpt,
+        convert_hf_to_ckpt,
+    )?;
+    match done {
+        Some(code) => Ok(code),
+        None => maybe_check(&a.check, &a.hf, &a.layout.output),
+    }
+}
+
+pub fn ckpt_to_ckpt(a: CkptToCkptArgs) -> Result<ExitCode> {
+    let done = write_checkpoint(
+        "ckpt-to-ckpt",
+        &a.ckpt,
+        &a.layout,
+        plan_reshard,
+        reshard_ckpt,
+    )?;
+    Ok(done.unwrap_or(ExitCode::SUCCESS))
+}
+
+type PlanFn = fn(&Path, &HfToCkptOptions) -> Result<HfToCkptPlan, CheckpointError>;
+type WriteFn = fn(&Path, &Path, &HfToCkptOptions) -> Result<ConvertReport, CheckpointError>;
+
+/// `convert <what>`: the `--dry-run` listing of `plan` (returns its exit code), or `write`
+/// from `source` into the layout's output with a spinner and a report (returns `None`).
+fn write_checkpoint(
+    what: &str,
+    source: &Path,
+    layout: &LayoutArgs,
+    plan: PlanFn,
+    write: WriteFn,
+) -> Result<Option<ExitCode>> {
+    let opts = layout.options();
+    let context = || format!("convert {what}");
+    if layout.dry_run {
+        let plan = plan(source, &opts).with_context(context)?;
+        return Ok(Some(print_plan(&plan)));
     }
     let bar = spinner(format!(
-        "converting {} for tp {} x pp {}",
-        a.hf.display(),
-        a.tensor_model_parallel_size,
-        a.pipeline_model_parallel_size
+        "writing {} for tp {} x pp {}",
+        source.display(),
+        opts.tensor_model_parallel_size,
+        opts.pipeline_model_parallel_size
     ));
-    let result = convert_hf_to_ckpt(&a.hf, &a.output, &opts);
+    let result = write(source, &layout.output, &opts);
     bar.finish_and_clear();
-    let report = result.with_context(context)?;
+    print_report(&result.with_context(context)?);
+    Ok(None)
+}
+
+/// The `--dry-run` listing of a plan; exit 1 when it has problems.
+fn print_plan(plan: &HfToCkptPlan) -> ExitCode {
+    for p in &plan.params {
+        let m = &p.mapping;
+        let sources: Vec<String> =
+            m.hf.iter()
+                .map(|h| format!("{} {:?}", h.name, h.shape))
+                .collect();
+        println!(
+            "{MODEL_PREFIX}{} {:?} {:?} stage {} <- {}",
+            m.name,
+            m.shape,
+            m.split,
+            p.stage,
+            sources.join(" + ")
+        );
+        for s in &p.shards {
+            println!("    {} at {:?} {:?}", s.file, s.global_offset, s.shape);
+        }
+    }
+    for n in &plan.ignored {
+        println!("ignored (not a parameter): {n}");
+    }
+    let problems = plan.problems();
+    for problem in &problems {
+        println!("problem: {problem}");
+    }
+    println!(
+        "dry run: {} tensors into {} files ({}); {} problems; nothing written",
+        plan.params.len(),
+        plan.files.len(),
+        plan.files.join(", "),
+        problems.len()
+    );
+    if problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn print_report(report: &ConvertReport) {
     println!(
         "wrote {} ({} tensors in {} files, {:.1} MB in {:.2} s, {:.0} MB/s)",
         report.output.display(),
@@ -224,7 +293,6 @@ pub fn hf_to_ckpt(a: HfToCkptArgs) -> Result<ExitCode> {
         report.seconds,
         report.bytes_written as f64 / 1e6 / report.seconds.max(1e-9)
     );
-    maybe_check(&a.check, &a.hf, &a.output)
 }
 
 pub fn ckpt_to_hf(a: CkptToHfArgs) -> Result<ExitCode> {

@@ -27,6 +27,10 @@ pub enum ConvertCommand {
     /// Ferrotron checkpoint (converted or saved by `train`, any layout) -> HuggingFace directory
     /// that transformers loads (Pai-Megatron-Patch mcore2hf).
     CkptToHf(checkpoint::CkptToHfArgs),
+    /// Ferrotron checkpoint (any layout) -> its weights as a checkpoint laid out for another
+    /// tensor x pipeline-parallel size (resharding; training also reshards on load, optimizer
+    /// state included, so this is for handing weights on).
+    CkptToCkpt(checkpoint::CkptToCkptArgs),
 }
 
 #[derive(Args)]
@@ -100,5 +104,6 @@ pub fn run(cmd: ConvertCommand) -> Result<ExitCode> {
         }
         ConvertCommand::HfToCkpt(a) => checkpoint::hf_to_ckpt(a),
         ConvertCommand::CkptToHf(a) => checkpoint::ckpt_to_hf(a),
+        ConvertCommand::CkptToCkpt(a) => checkpoint::ckpt_to_ckpt(a),
     }
 }
