@@ -1,7 +1,9 @@
 //! Sharded checkpoints: every rank of a tp 2 x pp 2 x dp 2 run with the distributed optimizer
 //! writes its own shards (model boxes once per tensor, each data-parallel rank its optimizer
 //! shard), and the checkpoint resumes bit-for-bit as the uninterrupted run under other
-//! layouts: one rank, tp 4, pp 4, and pp 2 x dp 2.
+//! layouts: one rank, tp 4, pp 4, and pp 2 x dp 2; bf16 runs' master weights and moments
+//! survive loading under another layout and saving again unchanged; converted (HF)
+//! checkpoints train like the HF model.
 
 mod common;
 
@@ -146,4 +148,65 @@ fn converted_checkpoints_train_like_the_hf_model() {
             assert_same_run(&format!("{name} -> tp2 rank {r}"), run, &reference);
         }
     }
+}
+
+/// Every tensor of the checkpoint in `dir`, read whole.
+fn all_tensors(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let reader = CheckpointReader::open(dir).unwrap();
+    reader
+        .metadata()
+        .tensors
+        .keys()
+        .map(|k| (k.clone(), reader.read(k).unwrap()))
+        .collect()
+}
+
+/// bf16 weights with fp32 master weights under tp 2 x dp 2 + ZeRO-1: the sharded state
+/// (weights, Adam moments, master weights) loads under one rank and under pp 2 x dp 2 and
+/// saves back identical, bit for bit.
+#[test]
+fn bf16_optimizer_state_reshards_losslessly() {
+    let bf16_model = || {
+        let mut config = TransformerConfig::llama(4, 64, 128, 8, 4, 112, 64).unwrap();
+        config.untie_embeddings_and_output_weights = true;
+        let init = InitConfig {
+            params_dtype: ferrotron_tensor::DType::BF16,
+            ..InitConfig::default()
+        };
+        GptModel::init_random(config, init).unwrap()
+    };
+    let bf16 = |tp, pp, distributed| Layout {
+        bf16: true,
+        ..layout(tp, pp, distributed)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("first");
+    run_local(4, |comm| {
+        let mut t = bf16(2, 1, true).trainer(comm, ITERS, bf16_model())?;
+        train(&mut t, 0, 2);
+        t.save_checkpoint(&first, 0, serde_json::Value::Null)
+            .map(|_| ())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let want = all_tensors(&iteration_dir(&first, 2));
+    assert!(want.keys().any(|k| k.starts_with("optimizer.master.")));
+
+    let one = dir.path().join("one");
+    let mut options = dp_options(1, ITERS);
+    options.precision = ferrotron_optim::Precision::Bf16;
+    let mut t = Trainer::new(bf16_model(), options).unwrap();
+    t.load_checkpoint(&iteration_dir(&first, 2), LoadMode::Resume)
+        .unwrap();
+    t.save_checkpoint(&one, 0, serde_json::Value::Null).unwrap();
+    assert!(all_tensors(&iteration_dir(&one, 2)) == want, "1 rank");
+
+    let pp = dir.path().join("pp");
+    run_local(4, |comm| {
+        let mut t = bf16(1, 2, true).trainer(comm, ITERS, bf16_model())?;
+        t.load_checkpoint(&iteration_dir(&first, 2), LoadMode::Resume)?;
+        t.save_checkpoint(&pp, 0, serde_json::Value::Null)
+            .map(|_| ())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(all_tensors(&iteration_dir(&pp, 2)) == want, "pp2 x dp2");
 }

@@ -114,6 +114,8 @@ pub struct Layout {
     pub sp: bool,
     pub distributed: bool,
     pub overlap: bool,
+    /// Train with bf16 weights and fp32 master weights (the model must be bf16).
+    pub bf16: bool,
 }
 
 impl Layout {
@@ -147,7 +149,11 @@ impl Layout {
         if self.overlap {
             group = group.with_overlap_grad_reduce()?;
         }
-        let mut t = Trainer::new_data_parallel(shard, dp_options(dp, iters), group)?;
+        let mut options = dp_options(dp, iters);
+        if self.bf16 {
+            options.precision = ferrotron_optim::Precision::Bf16;
+        }
+        let mut t = Trainer::new_data_parallel(shard, options, group)?;
         if pp > 1 {
             let pipeline = PipelineParallel::new(groups.pipeline.clone(), groups.embedding.clone());
             t.set_pipeline(pipeline)?;
