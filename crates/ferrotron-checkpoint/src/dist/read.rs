@@ -118,32 +118,15 @@ impl CheckpointReader {
         prefix: &str,
         expected: &[(String, Vec<usize>)],
     ) -> Result<(), CheckpointError> {
-        let mut problems = Vec::new();
         let want: BTreeMap<&str, &Vec<usize>> =
             expected.iter().map(|(k, s)| (k.as_str(), s)).collect();
-        for (key, shape) in &want {
-            match self.metadata.tensors.get(*key) {
-                None => problems.push(format!("missing tensor {key}")),
-                Some(t) if &&t.global_shape != shape => problems.push(format!(
-                    "tensor {key} has shape {:?}, expected {shape:?}",
-                    t.global_shape
-                )),
-                Some(_) => {}
-            }
-        }
+        let mut problems = self.shape_problems(want.iter().map(|(k, s)| (*k, s.as_slice())));
         for key in self.metadata.tensors.keys() {
             if key.starts_with(prefix) && !want.contains_key(key.as_str()) {
                 problems.push(format!("unexpected tensor {key}"));
             }
         }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(format_err(
-                &self.dir.join(METADATA_FILE),
-                problems.join("; "),
-            ))
-        }
+        self.problems_to_result(problems)
     }
 
     /// Checks that the checkpoint holds the tensors `expected` (key, global shape), extra
@@ -156,17 +139,31 @@ impl CheckpointReader {
         &self,
         expected: &[(String, Vec<usize>)],
     ) -> Result<(), CheckpointError> {
-        let problems: Vec<String> = expected
-            .iter()
+        let problems =
+            self.shape_problems(expected.iter().map(|(k, s)| (k.as_str(), s.as_slice())));
+        self.problems_to_result(problems)
+    }
+
+    /// "missing tensor K" / "tensor K has shape .., expected .." for each expected tensor
+    /// that is absent or of another global shape.
+    fn shape_problems<'a>(
+        &self,
+        expected: impl Iterator<Item = (&'a str, &'a [usize])>,
+    ) -> Vec<String> {
+        expected
             .filter_map(|(key, shape)| match self.metadata.tensors.get(key) {
                 None => Some(format!("missing tensor {key}")),
-                Some(t) if &t.global_shape != shape => Some(format!(
+                Some(t) if t.global_shape != shape => Some(format!(
                     "tensor {key} has shape {:?}, expected {shape:?}",
                     t.global_shape
                 )),
                 Some(_) => None,
             })
-            .collect();
+            .collect()
+    }
+
+    /// One error naming `metadata.json` and every problem, or `Ok` when there are none.
+    fn problems_to_result(&self, problems: Vec<String>) -> Result<(), CheckpointError> {
         if problems.is_empty() {
             return Ok(());
         }
@@ -219,50 +216,15 @@ impl CheckpointReader {
         Ok(out)
     }
 
-    /// Lets the kernel drop the resident pages of shard `s` once copied out: a later read
-    /// faults them back in from the page cache, and streaming a large checkpoint keeps its
-    /// resident set at the tensors in use, not the files' size.
-    fn release_shard(&self, s: &ShardRecord) {
+    /// Lets the kernel drop the resident pages of the elements `span` of shard `s` once
+    /// copied out: a later read faults them back in from the page cache, and streaming a
+    /// large checkpoint keeps its resident set at the tensors in use, not the files' size.
+    fn release_read(&self, s: &ShardRecord, dtype: StoredDtype, span: std::ops::Range<usize>) {
         let file = &self.files[&s.file];
         if let Some(info) = file.header.info(&s.name) {
-            let (start, end) = info.data_offsets;
-            ferrotron_model::families::release_pages(
-                &file.mmap,
-                file.data_start + start,
-                end - start,
-            );
+            let start = file.data_start + info.data_offsets.0 + span.start * dtype.size();
+            ferrotron_model::families::release_pages(&file.mmap, start, span.len() * dtype.size());
         }
-    }
-
-    /// A rank's local array of `len` elements of tensor `key` whose runs lie in the full
-    /// tensor at `boxes` (see [`ferrotron_model::TpSplit::boxes`]; `local_start` relative to
-    /// the array); elements in no box (vocabulary padding) are zero.
-    ///
-    /// # Errors
-    /// As [`read_box`](Self::read_box), or a box that does not fit in `len`.
-    pub fn read_local(
-        &self,
-        key: &str,
-        boxes: &[ferrotron_model::ParamBox],
-        len: usize,
-    ) -> Result<Vec<f32>, CheckpointError> {
-        let mut out = vec![0f32; len];
-        for b in boxes {
-            let values = self.read_box(key, &b.global_offset, &b.shape)?;
-            let dst = out
-                .get_mut(b.local_start..b.local_start + values.len())
-                .ok_or_else(|| {
-                    format_err(
-                        &self.dir.join(METADATA_FILE),
-                        format!(
-                            "tensor {key}: a box at {} exceeds the local {len}",
-                            b.local_start
-                        ),
-                    )
-                })?;
-            dst.copy_from_slice(&values);
-        }
-        Ok(out)
     }
 
     fn record(&self, key: &str) -> Result<&TensorRecord, CheckpointError> {
@@ -300,7 +262,11 @@ impl CheckpointReader {
             return Ok(());
         }
         copy_runs((bytes, dtype), s, (offset, shape), (&lo, &hi), out);
-        self.release_shard(s);
+        // The elements read lie between the overlap's first and last index (row-major).
+        let last: Vec<usize> = hi.iter().map(|&h| h - 1).collect();
+        let span = flat(&lo, &s.global_offset, &s.local_shape)
+            ..flat(&last, &s.global_offset, &s.local_shape) + 1;
+        self.release_read(s, dtype, span);
         Ok(())
     }
 
