@@ -216,6 +216,37 @@ impl CheckpointReader {
         Ok(out)
     }
 
+    /// A rank's local array of `len` elements of tensor `key` whose runs lie in the full
+    /// tensor at `boxes` (see [`ferrotron_model::TpSplit::boxes`]; `local_start` relative to
+    /// the array); elements in no box (vocabulary padding) are zero.
+    ///
+    /// # Errors
+    /// As [`read_box`](Self::read_box), or a box that does not fit in `len`.
+    pub fn read_local(
+        &self,
+        key: &str,
+        boxes: &[ferrotron_model::ParamBox],
+        len: usize,
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let mut out = vec![0f32; len];
+        for b in boxes {
+            let values = self.read_box(key, &b.global_offset, &b.shape)?;
+            let dst = out
+                .get_mut(b.local_start..b.local_start + values.len())
+                .ok_or_else(|| {
+                    format_err(
+                        &self.dir.join(METADATA_FILE),
+                        format!(
+                            "tensor {key}: a box at {} exceeds the local {len}",
+                            b.local_start
+                        ),
+                    )
+                })?;
+            dst.copy_from_slice(&values);
+        }
+        Ok(out)
+    }
+
     /// Lets the kernel drop the resident pages of the elements `span` of shard `s` once
     /// copied out: a later read faults them back in from the page cache, and streaming a
     /// large checkpoint keeps its resident set at the tensors in use, not the files' size.
