@@ -283,13 +283,18 @@ fn shard_ranges<T>(items: &[T], max: u64, size: impl Fn(&T) -> u64) -> Vec<std::
     shards
 }
 
-/// The tokenizer files present in `dir`; an error when there are none.
-pub(crate) fn tokenizer_files_in(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
-    let found: Vec<PathBuf> = TOKENIZER_FILES
+/// The [`TOKENIZER_FILES`] present in `dir` (none when `dir` is not a directory).
+pub fn tokenizer_files(dir: &Path) -> Vec<PathBuf> {
+    TOKENIZER_FILES
         .iter()
         .map(|f| dir.join(f))
         .filter(|p| p.is_file())
-        .collect();
+        .collect()
+}
+
+/// The tokenizer files present in `dir`; an error when there are none.
+fn tokenizer_files_in(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let found = tokenizer_files(dir);
     if found.is_empty() {
         return Err(CheckpointError::io(
             dir,

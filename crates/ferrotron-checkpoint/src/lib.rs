@@ -21,5 +21,5 @@ pub use error::CheckpointError;
 pub use gguf::{GgufFile, GgufToHfOptions, GgufToHfReport, OutputDtype, gguf_to_hf};
 pub use hf_export::{
     DEFAULT_MAX_SHARD_SIZE, HfExportOptions, HfExportReport, HfExportSource, TOKENIZER_FILES,
-    export_hf,
+    export_hf, tokenizer_files,
 };

@@ -21,7 +21,7 @@ use crate::dist::{
 };
 use crate::hf_export::{HfExportSource, read_json};
 use crate::staging::StagingDir;
-use crate::{CheckpointError, TOKENIZER_FILES};
+use crate::{CheckpointError, tokenizer_files};
 
 /// Options of [`hf_to_ckpt`] (Megatron's names).
 #[derive(Clone, Debug)]
@@ -348,13 +348,9 @@ pub(super) fn write_layout(
             bytes += file.finish()?;
         }
     }
-    for name in TOKENIZER_FILES {
-        let Some(path) = extras.tokenizer_dir.as_ref().map(|d| d.join(name)) else {
-            break;
-        };
-        if path.is_file() {
-            bytes += writer.copy_file(&path, &format!("{TOKENIZER_SUBDIR}/{name}"))?;
-        }
+    for path in extras.tokenizer_dir.iter().flat_map(|d| tokenizer_files(d)) {
+        let name = crate::error::display_name(&path);
+        bytes += writer.copy_file(&path, &format!("{TOKENIZER_SUBDIR}/{name}"))?;
     }
     let content = json!({
         "hf_config": plan.hf_config,

@@ -7,7 +7,7 @@ use super::{data, decay_style, model, observer::RunObserver, resume};
 use anyhow::{Context, Result, bail};
 use ferrotron_checkpoint::convert::TOKENIZER_SUBDIR;
 use ferrotron_checkpoint::{
-    HfExportOptions, HfExportSource, OutputDtype, TOKENIZER_FILES, export_hf,
+    HfExportOptions, HfExportSource, OutputDtype, export_hf, tokenizer_files,
 };
 use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
 use ferrotron_model::GptModel;
@@ -129,7 +129,7 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     });
     let checkpoint_files = tokenizer_dir
         .as_deref()
-        .map(tokenizer_files)
+        .map(checkpoint_tokenizer_files)
         .unwrap_or_default();
     // The logging rank keeps the full model's structure to export the gathered weights into
     // when the trained model is split over ranks.
@@ -333,8 +333,7 @@ fn export(
     let opts = HfExportOptions {
         dtype,
         force: true,
-        tokenizer_dir: tokenizer_dir
-            .filter(|d| TOKENIZER_FILES.iter().any(|f| d.join(f).is_file())),
+        tokenizer_dir: tokenizer_dir.filter(|d| !tokenizer_files(d).is_empty()),
         ..HfExportOptions::default()
     };
     let report = export_hf(model, source, dir, &opts)
@@ -350,7 +349,7 @@ fn export(
 
 /// The tokenizer files of `tokenizer` (a directory, or a `tokenizer.json` file) as
 /// (name inside a checkpoint, source) pairs.
-fn tokenizer_files(tokenizer: &Path) -> Vec<(String, PathBuf)> {
+fn checkpoint_tokenizer_files(tokenizer: &Path) -> Vec<(String, PathBuf)> {
     let named = |p: PathBuf| {
         let name = p.file_name()?.to_string_lossy().into_owned();
         Some((format!("{TOKENIZER_SUBDIR}/{name}"), p))
@@ -358,10 +357,8 @@ fn tokenizer_files(tokenizer: &Path) -> Vec<(String, PathBuf)> {
     if tokenizer.is_file() {
         return named(tokenizer.to_path_buf()).into_iter().collect();
     }
-    TOKENIZER_FILES
-        .iter()
-        .map(|f| tokenizer.join(f))
-        .filter(|p| p.is_file())
+    tokenizer_files(tokenizer)
+        .into_iter()
         .filter_map(named)
         .collect()
 }
