@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ferrotron_model::families::{
-    HfSafetensors, ParamMapping, WeightSource, param_mapping, read_hf_config,
+    HfSafetensors, ParamMapping, WeightSource, param_mapping, parse_hf_config,
 };
 use ferrotron_model::{TpSplit, TransformerConfig, padded_vocab_size, stage_layers};
 use ferrotron_tensor::{DType, Storage};
@@ -19,7 +19,7 @@ use super::{ConvertReport, MODEL_PREFIX, TOKENIZER_SUBDIR, model_file};
 use crate::dist::{
     CheckpointWriter, ParallelLayout, ShardSpec, StoredDtype, iteration_dir, write_tracker,
 };
-use crate::hf_export::{HfExportSource, read_json};
+use crate::hf_export::read_json;
 use crate::staging::StagingDir;
 use crate::{CheckpointError, tokenizer_files};
 
@@ -131,13 +131,22 @@ fn err(dir: &Path, detail: impl Into<String>) -> CheckpointError {
 /// (heads, query groups or FFN size not divisible by `t`, layers not splitting over `p`),
 /// every problem named.
 pub fn plan_hf_to_ckpt(hf: &Path, opts: &HfToCkptOptions) -> Result<HfToCkptPlan, CheckpointError> {
-    let config = read_hf_config(hf)
-        .map_err(|e| err(hf, e.to_string()))?
+    open_and_plan(hf, opts).map(|(plan, _)| plan)
+}
+
+/// The plan for the HF directory `hf` and its opened (memory-mapped) weights.
+fn open_and_plan(
+    hf: &Path,
+    opts: &HfToCkptOptions,
+) -> Result<(HfToCkptPlan, HfSafetensors), CheckpointError> {
+    let config_path = hf.join("config.json");
+    let hf_config = read_json(&config_path)?;
+    let config = parse_hf_config(&hf_config)
+        .map_err(|e| err(&config_path, e.to_string()))?
         .config;
-    let hf_config = read_json(&hf.join("config.json"))?;
     let src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
     let available = src.tensor_shapes().into_iter().collect();
-    plan_layout(hf, config, hf_config, available, opts)
+    Ok((plan_layout(hf, config, hf_config, available, opts)?, src))
 }
 
 /// The plan for a model of `config` whose HF tensors (name -> shape) are `available`, read
@@ -149,7 +158,6 @@ pub(super) fn plan_layout(
     mut available: BTreeMap<String, Vec<usize>>,
     opts: &HfToCkptOptions,
 ) -> Result<HfToCkptPlan, CheckpointError> {
-    let hf = origin;
     let (t, p) = (
         opts.tensor_model_parallel_size,
         opts.pipeline_model_parallel_size,
@@ -186,14 +194,14 @@ pub(super) fn plan_layout(
             Vec::new()
         });
     if !problems.is_empty() {
-        return Err(err(hf, problems.join("; ")));
+        return Err(err(origin, problems.join("; ")));
     }
     let padded = padded_vocab_size(
         config.vocab_size,
         opts.make_vocab_size_divisible_by.max(1),
         t,
     );
-    let mapping = param_mapping(&config, padded).map_err(|e| err(hf, e.to_string()))?;
+    let mapping = param_mapping(&config, padded).map_err(|e| err(origin, e.to_string()))?;
     let (mut missing, mut shape_mismatches) = (Vec::new(), Vec::new());
     let mut params = Vec::with_capacity(mapping.len());
     let mut files = Vec::new();
@@ -265,12 +273,14 @@ pub fn hf_to_ckpt(
     opts: &HfToCkptOptions,
 ) -> Result<ConvertReport, CheckpointError> {
     let start = std::time::Instant::now();
-    let plan = plan_hf_to_ckpt(hf, opts)?;
-    let source = HfExportSource::from_dir(hf)?;
-    let mut src = HfSafetensors::open(hf, DType::F32).map_err(|e| err(hf, e.to_string()))?;
+    let (plan, mut src) = open_and_plan(hf, opts)?;
+    let generation_path = hf.join("generation_config.json");
     let extras = LayoutExtras {
         origin: hf,
-        generation_config: source.generation_config,
+        generation_config: generation_path
+            .is_file()
+            .then(|| read_json(&generation_path))
+            .transpose()?,
         tokenizer_dir: Some(hf.to_path_buf()),
     };
     write_layout(&plan, &mut src, &extras, output, opts, start)
@@ -296,10 +306,9 @@ pub(super) fn write_layout(
     opts: &HfToCkptOptions,
     start: std::time::Instant,
 ) -> Result<ConvertReport, CheckpointError> {
-    let hf = extras.origin;
     let problems = plan.problems();
     if !problems.is_empty() {
-        return Err(err(hf, problems.join("; ")));
+        return Err(err(extras.origin, problems.join("; ")));
     }
     let root = StagingDir::create(output, opts.force)?;
     let iter_dir = iteration_dir(root.path(), 0);
@@ -330,7 +339,7 @@ pub(super) fn write_layout(
             }
         }
         for p in &on_stage {
-            let full = assemble(src, &p.mapping, hf)?;
+            let full = assemble(src, &p.mapping, extras.origin)?;
             for s in &p.shards {
                 let (_, file) = files
                     .iter_mut()
@@ -355,7 +364,7 @@ pub(super) fn write_layout(
     let content = json!({
         "hf_config": plan.hf_config,
         "generation_config": extras.generation_config,
-        "converted_from": absolute(hf).display().to_string(),
+        "converted_from": absolute(extras.origin).display().to_string(),
         "make_vocab_size_divisible_by": opts.make_vocab_size_divisible_by,
     });
     let layout = ParallelLayout {

@@ -17,7 +17,13 @@ use crate::CheckpointError;
 /// # Errors
 /// No checkpoint at `ckpt`, one without an HF config, or a layout the model cannot take.
 pub fn plan_reshard(ckpt: &Path, opts: &HfToCkptOptions) -> Result<HfToCkptPlan, CheckpointError> {
-    let weights = CheckpointWeights::open(ckpt, DType::F32)?;
+    plan_for(&CheckpointWeights::open(ckpt, DType::F32)?, opts)
+}
+
+fn plan_for(
+    weights: &CheckpointWeights,
+    opts: &HfToCkptOptions,
+) -> Result<HfToCkptPlan, CheckpointError> {
     plan_layout(
         weights.dir(),
         weights.info().config.clone(),
@@ -40,8 +46,8 @@ pub fn reshard_ckpt(
     opts: &HfToCkptOptions,
 ) -> Result<ConvertReport, CheckpointError> {
     let start = std::time::Instant::now();
-    let plan = plan_reshard(ckpt, opts)?;
     let mut weights = CheckpointWeights::open(ckpt, DType::F32)?;
+    let plan = plan_for(&weights, opts)?;
     let dir = weights.dir().to_path_buf();
     let extras = LayoutExtras {
         origin: &dir,
