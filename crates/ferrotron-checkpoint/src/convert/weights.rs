@@ -148,6 +148,19 @@ impl CheckpointWeights {
             .collect()
     }
 
+    /// The checkpoint's metadata.
+    pub fn metadata(&self) -> &crate::dist::CheckpointMetadata {
+        self.reader.metadata()
+    }
+
+    /// Where HF tensor `name` lives: the checkpoint key and the rows of that tensor it is
+    /// made of (`None` when unknown or taken).
+    pub fn source(&self, name: &str) -> Option<(&str, &[Range<usize>])> {
+        self.sources
+            .get(name)
+            .map(|s| (s.key.as_str(), s.rows.as_slice()))
+    }
+
     /// The values (f32, row-major) of HF tensor `name`, or `None` when unknown or taken.
     ///
     /// # Errors

@@ -12,7 +12,7 @@ use ferrotron_comm::{
 };
 use ferrotron_data::Tokenizer;
 use ferrotron_model::families::{load_hf_model, parse_hf_config};
-use ferrotron_model::{ForwardTrace, GptModel, InitConfig, TrainBatch, stage_layers};
+use ferrotron_model::{ForwardTrace, GptModel, InitConfig, TpSplit, TrainBatch, stage_layers};
 use ferrotron_nn::TensorParallel;
 use ferrotron_tensor::DType;
 use std::path::Path;
@@ -249,16 +249,13 @@ fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>
 }
 
 /// Full `[rows, v]` logits from the tensor-parallel ranks' `[rows, v'/t]` shards laid end
-/// to end (rank order), padding columns dropped.
+/// to end (rank order): the column-parallel inverse, then the padding columns dropped.
 fn gather_vocab(all: &[f32], t: usize, rows: usize, v: usize) -> Vec<f32> {
-    let local = all.len() / t / rows;
-    let mut out = Vec::with_capacity(rows * v);
-    for r in 0..rows {
-        for rank in 0..t {
-            let start = rank * rows * local + r * local;
-            let keep = local.min(v.saturating_sub(rank * local));
-            out.extend_from_slice(&all[start..start + keep]);
-        }
-    }
-    out
+    let padded = all.len() / rows;
+    let parts: Vec<&[f32]> = all.chunks_exact(all.len() / t).collect();
+    TpSplit::Columns
+        .unshard(&parts, &[rows, padded])
+        .chunks_exact(padded)
+        .flat_map(|row| row[..v].iter().copied())
+        .collect()
 }

@@ -1,16 +1,15 @@
 //! `convert hf-to-ckpt`, `ckpt-to-hf` and `ckpt-to-ckpt`: arguments, `--dry-run` listings and
 //! the `--check` forward comparison around `ferrotron_checkpoint::convert`.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use ferrotron_checkpoint::convert::{
-    ConvertReport, HfToCkptOptions, HfToCkptPlan, MODEL_PREFIX, ckpt_to_hf as convert_ckpt_to_hf,
-    hf_to_ckpt as convert_hf_to_ckpt, plan_hf_to_ckpt, plan_reshard, reshard_ckpt,
-    stored_hf_config,
+    CheckpointWeights, ConvertReport, HfToCkptOptions, HfToCkptPlan, MODEL_PREFIX,
+    ckpt_to_hf as convert_ckpt_to_hf, hf_to_ckpt as convert_hf_to_ckpt, plan_hf_to_ckpt,
+    plan_reshard, reshard_ckpt,
 };
-use ferrotron_checkpoint::dist::{CheckpointReader, StoredDtype, locate_checkpoint};
+use ferrotron_checkpoint::dist::{StoredDtype, locate_checkpoint};
 use ferrotron_checkpoint::{CheckpointError, HfExportOptions};
-use ferrotron_model::families::{param_mapping, parse_hf_config};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -329,37 +328,22 @@ pub fn ckpt_to_hf(a: CkptToHfArgs) -> Result<ExitCode> {
 /// Lists every HF tensor of the checkpoint's model with the rows of the checkpoint tensor it
 /// comes from and the shards holding that tensor.
 fn dry_run_ckpt_to_hf(ckpt: &Path) -> Result<()> {
-    let Some(dir) = locate_checkpoint(ckpt)? else {
-        bail!("no checkpoint (no metadata.json and no latest_checkpointed_iteration.txt)");
-    };
-    let reader = CheckpointReader::open(&dir)?;
-    let meta = reader.metadata();
-    let hf_config = stored_hf_config(&meta.content).context("the metadata holds no hf_config")?;
-    let config = parse_hf_config(hf_config)?.config;
-    let mapping = param_mapping(&config, config.vocab_size)?;
-    let expected: Vec<(String, Vec<usize>)> = mapping
-        .iter()
-        .map(|m| (format!("{MODEL_PREFIX}{}", m.name), m.shape.clone()))
-        .collect();
-    reader.check_tensors(MODEL_PREFIX, &expected)?;
-    let mut count = 0;
-    for m in &mapping {
-        let key = format!("{MODEL_PREFIX}{}", m.name);
-        let shards = meta.tensors[&key].shards.len();
-        for part in &m.hf {
-            let rows: Vec<String> = part.rows.iter().map(|r| format!("{r:?}")).collect();
-            println!(
-                "{} {:?} <- {key} rows {} ({shards} shards)",
-                part.name,
-                part.shape,
-                rows.join(",")
-            );
-            count += 1;
-        }
+    let weights = CheckpointWeights::open(ckpt, ferrotron_tensor::DType::F32)?;
+    let meta = weights.metadata();
+    let tensors = weights.hf_tensors();
+    for (name, shape) in &tensors {
+        let (key, rows) = weights.source(name).context("listed by hf_tensors")?;
+        let rows: Vec<String> = rows.iter().map(|r| format!("{r:?}")).collect();
+        println!(
+            "{name} {shape:?} <- {key} rows {} ({} shards)",
+            rows.join(","),
+            meta.tensors[key].shards.len()
+        );
     }
     println!(
-        "dry run: {count} HF tensors from {} (saved at tp {} x pp {} x dp {}, iteration {}); nothing written",
-        dir.display(),
+        "dry run: {} HF tensors from {} (saved at tp {} x pp {} x dp {}, iteration {}); nothing written",
+        tensors.len(),
+        weights.dir().display(),
         meta.parallel.tensor_model_parallel_size,
         meta.parallel.pipeline_model_parallel_size,
         meta.parallel.data_parallel_size,
