@@ -24,9 +24,7 @@ impl Trainer {
     /// The rank that commits checkpoints and holds gathered state: data-, tensor- and
     /// pipeline-parallel rank 0.
     pub(super) fn is_writer(&self) -> bool {
-        let tp_rank = self.model.tensor_parallel().map_or(0, |t| t.group.rank());
-        let stage = self.pp.as_ref().map_or(0, |p| p.stage());
-        self.dp.rank() == 0 && tp_rank == 0 && stage == 0
+        self.dp.rank() == 0 && self.tp_pp_rank() == (0, 0)
     }
 
     /// Waits for every rank of the data-, tensor- and pipeline-parallel groups.
@@ -61,10 +59,9 @@ impl Trainer {
         };
         // Only the writer's pipeline (data- and tensor-parallel rank 0 on every stage) puts
         // the stages together; every rank of a pipeline shares those coordinates.
-        let tp_rank = self.model.tensor_parallel().map_or(0, |t| t.group.rank());
         if let Some(pp) = &self.pp
             && self.dp.rank() == 0
-            && tp_rank == 0
+            && self.tp_pp_rank().0 == 0
         {
             state = gather_stages(pp, state)?;
         }

@@ -18,7 +18,7 @@
 
 use ferrotron_checkpoint::convert::{model_file, optim_file};
 use ferrotron_checkpoint::dist::{
-    CheckpointReader, CheckpointWriter, ShardSpec, StoredDtype, TensorRecords,
+    CheckpointReader, CheckpointWriter, ShardFile, ShardSpec, StoredDtype, TensorRecords,
 };
 use ferrotron_comm::{Collectives, Communicator};
 use ferrotron_model::ParamBox;
@@ -41,7 +41,7 @@ struct Planned {
 
 impl Trainer {
     /// Tensor- and pipeline-parallel coordinates of this rank.
-    fn tp_pp_rank(&self) -> (usize, usize) {
+    pub(super) fn tp_pp_rank(&self) -> (usize, usize) {
         let tp = self.model.tensor_parallel().map_or(0, |t| t.group.rank());
         let pp = self.pp.as_ref().map_or(0, |p| p.stage());
         (tp, pp)
@@ -63,14 +63,10 @@ impl Trainer {
             let dtype = stored(self.buffer.param_dtype())?;
             let file = model_file(tp, pp);
             let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
-            let mut cached: Option<(usize, Vec<f32>)> = None;
-            for p in &planned {
-                if cached.as_ref().is_none_or(|(i, _)| *i != p.param) {
-                    cached = Some((p.param, self.buffer.param_to_f32(ParamId(p.param))));
-                }
-                let values = &cached.as_ref().expect("cached above").1;
-                let n: usize = p.spec.local_shape.iter().product();
-                out.push(&values[p.start..p.start + n]).map_err(ckpt_err)?;
+            // A parameter's boxes are consecutive: widen it to f32 once for all of them.
+            for boxes in planned.chunk_by(|a, b| a.param == b.param) {
+                let values = self.buffer.param_to_f32(ParamId(boxes[0].param));
+                push_boxes(&mut out, boxes, &values)?;
             }
             out.finish().map_err(ckpt_err)?;
         }
@@ -79,32 +75,34 @@ impl Trainer {
         }
         let optim = self.optimizer.export_state();
         let owned = &optim.meta.adam.owned;
-        let mut planned = Vec::new();
-        let mut arrays = Vec::new();
+        // Per optimizer array: its values and the boxes of its owned parts.
+        let mut per_array = Vec::new();
         for (name, array) in &optim.arrays {
             let StateArray::F32(values) = array else {
                 return Err(ckpt_err(format!("optimizer array {name} is not f32")));
             };
             let prefix = format!("{OPTIM}{name}.");
+            let mut planned = Vec::new();
             for (i, p) in infos.iter().enumerate() {
                 if self.model.is_param_replica(i) {
                     continue;
                 }
                 for (off, len, start) in owned_parts(p, owned) {
-                    let before = planned.len();
                     self.plan(&mut planned, &prefix, &p.name, i, off..off + len, start);
-                    arrays.extend(std::iter::repeat_n(values, planned.len() - before));
                 }
             }
+            per_array.push((values, planned));
         }
-        let specs: Vec<ShardSpec> = planned.iter().map(|p| p.spec.clone()).collect();
+        let specs: Vec<ShardSpec> = per_array
+            .iter()
+            .flat_map(|(_, planned)| planned.iter().map(|p| p.spec.clone()))
+            .collect();
         let file = optim_file(tp, pp, self.dp.rank());
         let mut out = writer
             .open_file(&file, StoredDtype::F32, &specs)
             .map_err(ckpt_err)?;
-        for (p, values) in planned.iter().zip(arrays) {
-            let n: usize = p.spec.local_shape.iter().product();
-            out.push(&values[p.start..p.start + n]).map_err(ckpt_err)?;
+        for (values, planned) in &per_array {
+            push_boxes(&mut out, planned, values)?;
         }
         out.finish().map_err(ckpt_err)?;
         Ok(())
@@ -262,4 +260,13 @@ impl Trainer {
             .map(|p| serde_json::from_slice(p).map_err(|e| ckpt_err(format!("shard records: {e}"))))
             .collect()
     }
+}
+
+/// Appends each planned box's values, taken from `values` (the array they start in).
+fn push_boxes(out: &mut ShardFile, planned: &[Planned], values: &[f32]) -> Result<()> {
+    for p in planned {
+        let n: usize = p.spec.local_shape.iter().product();
+        out.push(&values[p.start..p.start + n]).map_err(ckpt_err)?;
+    }
+    Ok(())
 }
