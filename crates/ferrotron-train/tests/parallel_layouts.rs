@@ -8,8 +8,8 @@ mod common;
 
 use common::layouts::*;
 use common::*;
-use ferrotron_comm::{LocalComm, run_local};
-use ferrotron_train::trainer::{DataParallel, LoadMode, TrainError, Trainer, TrainerOptions};
+use ferrotron_comm::run_local;
+use ferrotron_train::trainer::{DataParallel, TrainError, Trainer, TrainerOptions};
 use std::sync::Arc;
 
 /// Runs `layout` on `world` in-process ranks over `full()` for `ITERS` steps and checks every
@@ -29,32 +29,6 @@ fn assert_layout(
     for (r, run) in runs.iter().enumerate() {
         assert_same_run(&format!("{label} rank {r}"), run, reference);
     }
-}
-
-/// A trainer for rank `comm` of a `tp x dp` grid over the tiny fixture.
-fn grid_trainer(
-    comm: LocalComm,
-    tp: usize,
-    sp: bool,
-    distributed: bool,
-    iters: usize,
-) -> Result<Trainer, TrainError> {
-    let layout = Layout {
-        tp,
-        sp,
-        distributed,
-        ..Layout::default()
-    };
-    layout.trainer(comm, iters, tiny_model())
-}
-
-fn fixture(name: &str) -> ferrotron_model::GptModel {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name);
-    ferrotron_model::families::load_hf_model(&dir, ferrotron_tensor::DType::F32)
-        .unwrap()
-        .0
 }
 
 /// Pipeline parallelism (1F1B over 2 stages of the 2-layer fixtures), alone and with data
@@ -103,22 +77,21 @@ fn tensor_parallel_layouts_match_one_rank() {
 fn tensor_parallel_checkpoint_resumes_on_one_rank() {
     let reference = single_rank(ITERS);
     let dir = tempfile::tempdir().unwrap();
-    let save = dir.path().to_path_buf();
-    run_local(4, |comm| {
-        let mut t = grid_trainer(comm, 2, true, true, ITERS)?;
-        train(&mut t, 0, 2);
-        t.save_checkpoint(&save, 0, serde_json::Value::Null)
-            .map(|_| ())
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    let mut t = Trainer::new(tiny_model(), dp_options(1, ITERS)).unwrap();
-    let ckpt = ferrotron_checkpoint::dist::iteration_dir(&save, 2);
-    t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
-    let resumed = train(&mut t, 2, 2);
-    assert_same_run(
+    let layout = Layout {
+        tp: 2,
+        sp: true,
+        distributed: true,
+        ..Layout::default()
+    };
+    let ckpt = save_after_two(4, layout, tiny_model, dir.path());
+    let one = Layout::default();
+    assert_resumes(
         "tp2 x dp2 -> 1 rank",
-        &resumed,
-        &(reference.0[2..].to_vec(), reference.1.clone()),
+        1,
+        one,
+        tiny_model,
+        &ckpt,
+        &tail_of(&reference),
     );
 }
 
@@ -183,23 +156,18 @@ fn dp2_and_dp4_match_one_rank() {
 fn distributed_optimizer_checkpoint_resumes_on_one_rank() {
     let reference = single_rank(ITERS);
     let dir = tempfile::tempdir().unwrap();
-    let save = dir.path().to_path_buf();
-    run_local(2, |comm| {
-        let group = DataParallel::new(Arc::new(comm), true);
-        let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(2, ITERS), group)?;
-        train(&mut t, 0, 2);
-        t.save_checkpoint(&save, 0, serde_json::Value::Null)
-            .map(|_| ())
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
-    let mut t = Trainer::new(tiny_model(), dp_options(1, ITERS)).unwrap();
-    let ckpt = ferrotron_checkpoint::dist::iteration_dir(&save, 2);
-    t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
-    let (losses, params) = train(&mut t, 2, 2);
-    assert_same_run(
+    let layout = Layout {
+        distributed: true,
+        ..Layout::default()
+    };
+    let ckpt = save_after_two(2, layout, tiny_model, dir.path());
+    assert_resumes(
         "resumed",
-        &(losses, params),
-        &(reference.0[2..].to_vec(), reference.1.clone()),
+        1,
+        Layout::default(),
+        tiny_model,
+        &ckpt,
+        &tail_of(&reference),
     );
 }
 
@@ -286,48 +254,27 @@ fn model_state_memory_follows_megatrons_formula() {
     }
 }
 
-/// A checkpoint saved by tp 2 x pp 2 (each stage's part gathered to the writer, the tied
-/// embedding stored once) resumes on one rank and under pp 2 again as the uninterrupted run.
+/// A checkpoint saved by tp 2 x pp 2 (each rank writing its own boxes, the tied embedding
+/// stored once) resumes on one rank and under pp 2 again as the uninterrupted run.
 #[test]
 fn pipeline_checkpoint_resumes_under_any_layout() {
     for name in ["tiny-llama", "tiny-llama3"] {
         let mut one = Trainer::new(fixture(name), dp_options(1, ITERS)).unwrap();
-        let reference = train(&mut one, 0, ITERS);
-        let tail = (reference.0[2..].to_vec(), reference.1.clone());
+        let tail = tail_of(&train(&mut one, 0, ITERS));
         let dir = tempfile::tempdir().unwrap();
-        let save = dir.path().to_path_buf();
-        run_local(4, |comm| {
-            let layout = Layout {
-                tp: 2,
-                pp: 2,
-                ..Layout::default()
-            };
-            let mut t = layout.trainer(comm, ITERS, fixture(name))?;
-            train(&mut t, 0, 2);
-            t.save_checkpoint(&save, 0, serde_json::Value::Null)
-                .map(|_| ())
-        })
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let ckpt = ferrotron_checkpoint::dist::iteration_dir(&save, 2);
-        let mut t = Trainer::new(fixture(name), dp_options(1, ITERS)).unwrap();
-        t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
-        assert_same_run(
-            &format!("{name} tp2 x pp2 -> 1 rank"),
-            &train(&mut t, 2, 2),
-            &tail,
-        );
-        let runs = run_local(2, |comm| {
-            let layout = Layout {
-                pp: 2,
-                ..Layout::default()
-            };
-            let mut t = layout.trainer(comm, ITERS, fixture(name))?;
-            t.load_checkpoint(&ckpt, LoadMode::Resume)?;
-            Ok::<_, TrainError>(train(&mut t, 2, 2))
-        })
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-        for (r, run) in runs.iter().enumerate() {
-            assert_same_run(&format!("{name} tp2 x pp2 -> pp2 rank {r}"), run, &tail);
-        }
+        let tp2_pp2 = Layout {
+            tp: 2,
+            pp: 2,
+            ..Layout::default()
+        };
+        let ckpt = save_after_two(4, tp2_pp2, || fixture(name), dir.path());
+        let label = format!("{name} tp2 x pp2 -> 1 rank");
+        assert_resumes(&label, 1, Layout::default(), || fixture(name), &ckpt, &tail);
+        let pp2 = Layout {
+            pp: 2,
+            ..Layout::default()
+        };
+        let label = format!("{name} tp2 x pp2 -> pp2");
+        assert_resumes(&label, 2, pp2, || fixture(name), &ckpt, &tail);
     }
 }

@@ -34,19 +34,9 @@ fn tp2_pp2_dp2_checkpoint_resumes_under_other_layouts() {
     for tied in [false, true] {
         let label = if tied { "tied" } else { "untied" };
         let mut one = Trainer::new(model(tied), dp_options(1, ITERS)).unwrap();
-        let reference = train(&mut one, 0, ITERS);
-        let tail = (reference.0[2..].to_vec(), reference.1.clone());
+        let tail = tail_of(&train(&mut one, 0, ITERS));
         let dir = tempfile::tempdir().unwrap();
-        let save = dir.path().to_path_buf();
-        run_local(8, |comm| {
-            let mut t = layout(2, 2, true).trainer(comm, ITERS, model(tied))?;
-            train(&mut t, 0, 2);
-            t.save_checkpoint(&save, 0, serde_json::Value::Null)
-                .map(|_| ())
-        })
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
-
-        let ckpt = iteration_dir(&save, 2);
+        let ckpt = save_after_two(8, layout(2, 2, true), || model(tied), dir.path());
         let reader = CheckpointReader::open(&ckpt).unwrap();
         let meta = reader.metadata();
         assert_eq!(
@@ -79,23 +69,14 @@ fn tp2_pp2_dp2_checkpoint_resumes_under_other_layouts() {
         assert!(exp_avg.shards.len() >= 4, "{label}");
         drop(reader);
 
-        let mut t = Trainer::new(model(tied), dp_options(1, ITERS)).unwrap();
-        t.load_checkpoint(&ckpt, LoadMode::Resume).unwrap();
-        assert_same_run(&format!("{label} -> 1 rank"), &train(&mut t, 2, 2), &tail);
         for (world, target, name) in [
+            (1, Layout::default(), "1 rank"),
             (4, layout(4, 1, false), "tp4"),
             (4, layout(1, 4, false), "pp4"),
             (4, layout(1, 2, true), "pp2 x dp2 + distributed optimizer"),
         ] {
-            let runs = run_local(world, |comm| {
-                let mut t = target.trainer(comm, ITERS, model(tied))?;
-                t.load_checkpoint(&ckpt, LoadMode::Resume)?;
-                Ok::<_, TrainError>(train(&mut t, 2, 2))
-            })
-            .unwrap_or_else(|e| panic!("{label} -> {name}: {e}"));
-            for (r, run) in runs.iter().enumerate() {
-                assert_same_run(&format!("{label} -> {name} rank {r}"), run, &tail);
-            }
+            let label = format!("{label} -> {name}");
+            assert_resumes(&label, world, target, || model(tied), &ckpt, &tail);
         }
     }
 }
@@ -109,11 +90,7 @@ fn converted_checkpoints_train_like_the_hf_model() {
         let hf = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../fixtures")
             .join(name);
-        let from_hf = || {
-            ferrotron_model::families::load_hf_model(&hf, ferrotron_tensor::DType::F32)
-                .unwrap()
-                .0
-        };
+        let from_hf = || common::fixture(name);
         let mut one = Trainer::new(from_hf(), dp_options(1, ITERS)).unwrap();
         let reference = train(&mut one, 0, ITERS);
         let dir = tempfile::tempdir().unwrap();

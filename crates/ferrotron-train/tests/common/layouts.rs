@@ -161,3 +161,47 @@ impl Layout {
         Ok(t)
     }
 }
+
+/// Trains `layout` on `world` in-process ranks over `model()` for two iterations and saves a
+/// checkpoint into `save`; returns its iteration directory.
+pub fn save_after_two(
+    world: usize,
+    layout: Layout,
+    model: impl Fn() -> ferrotron_model::GptModel + Sync,
+    save: &std::path::Path,
+) -> std::path::PathBuf {
+    run_local(world, |comm| {
+        let mut t = layout.trainer(comm, ITERS, model())?;
+        train(&mut t, 0, 2);
+        t.save_checkpoint(save, 0, serde_json::Value::Null)
+            .map(|_| ())
+    })
+    .unwrap_or_else(|e| panic!("saving under {world} ranks: {e}"));
+    ferrotron_checkpoint::dist::iteration_dir(save, 2)
+}
+
+/// Loads `ckpt` under `layout` on `world` in-process ranks, trains iterations 2 and 3 and
+/// checks every rank against `tail` (the uninterrupted run's last two iterations).
+pub fn assert_resumes(
+    label: &str,
+    world: usize,
+    layout: Layout,
+    model: impl Fn() -> ferrotron_model::GptModel + Sync,
+    ckpt: &std::path::Path,
+    tail: &Run,
+) {
+    let runs = run_local(world, |comm| {
+        let mut t = layout.trainer(comm, ITERS, model())?;
+        t.load_checkpoint(ckpt, ferrotron_train::trainer::LoadMode::Resume)?;
+        Ok::<_, TrainError>(train(&mut t, 2, 2))
+    })
+    .unwrap_or_else(|e| panic!("{label}: {e}"));
+    for (r, run) in runs.iter().enumerate() {
+        assert_same_run(&format!("{label} rank {r}"), run, tail);
+    }
+}
+
+/// The last two iterations of a four-iteration run: what a run resumed at iteration 2 gives.
+pub fn tail_of(run: &Run) -> Run {
+    (run.0[2..].to_vec(), run.1.clone())
+}

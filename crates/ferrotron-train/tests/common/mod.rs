@@ -16,9 +16,16 @@ pub const SEQ: usize = 16;
 const PATTERN: [u32; 10] = [5, 17, 42, 8, 99, 23, 61, 17, 3, 70];
 
 pub fn tiny_model() -> GptModel {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    fixture("tiny-llama")
+}
+
+/// The committed fixture `name` (f32 weights).
+pub fn fixture(name: &str) -> GptModel {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name);
     load_hf_model(&dir, DType::F32)
-        .expect("tiny-llama fixture")
+        .unwrap_or_else(|e| panic!("fixture {name}: {e}"))
         .0
 }
 
