@@ -18,7 +18,7 @@ pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
-pub use pipeline_stage::{StageInfo, stage_layers};
+pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
     ActivationMemory, ForwardTrace, GradReady, LossStats, NoGradHook, ParamInfo, StageForward,

@@ -5,6 +5,12 @@
 //! copy of the word embedding as the output weight (Megatron's `shared_embedding`); the
 //! trainer all-reduces its gradient with the first stage's so the copies stay equal.
 //!
+//! With the interleaved schedule (`virtual_pipeline_model_parallel_size = vp`) a rank holds
+//! `vp` model chunks, chunk `c` being virtual stage `c·pp + rank` of `pp·vp`
+//! ([`virtual_stage_layers`], Megatron's `get_transformer_layer_offset` with a virtual rank):
+//! one model with the chunks' layers one after the other, run a chunk at a time
+//! ([`GptModel::stage_forward`]).
+//!
 //! A stage's parameters keep their global names (`decoder.layers.<global index>...`), so
 //! checkpoints written by any split read back under any other.
 
@@ -16,16 +22,30 @@ use ferrotron_tensor::Tensor;
 use crate::{GptModel, ModelError, Result};
 
 /// Where a stage sits in the pipeline.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StageInfo {
-    /// Holds the embedding and takes token ids (Megatron's `pre_process`).
+    /// Holds the embedding and takes token ids in its first chunk (Megatron's `pre_process`).
     pub pre_process: bool,
-    /// Holds the final norm, the output layer and the loss (`post_process`).
+    /// Holds the final norm, the output layer and the loss after its last chunk
+    /// (`post_process`).
     pub post_process: bool,
-    /// Global index of the stage's first decoder layer.
-    pub first_layer: usize,
+    /// Global index of each decoder layer held, in the order of `GptModel::layers`.
+    pub layer_ids: Vec<usize>,
+    /// The model chunks: ranges of `GptModel::layers`, in chunk order (one range without
+    /// interleaving).
+    pub chunks: Vec<Range<usize>>,
     /// Decoder layers of the whole model.
     pub total_layers: usize,
+}
+
+/// The part of a model one [`GptModel::stage_forward`] runs: a model chunk's layers, with
+/// the embedding before them (`pre_process`) and the head after them (`post_process`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ChunkPart {
+    /// Range of `GptModel::layers`.
+    pub layers: Range<usize>,
+    pub pre_process: bool,
+    pub post_process: bool,
 }
 
 /// The layers of stage `stage` of `pp` over `num_layers`: even split, or
@@ -70,6 +90,34 @@ pub fn stage_layers(
     }
 }
 
+/// The layers of each model chunk of stage `stage` of `pp` with `vp` chunks per stage:
+/// chunk `c` is virtual stage `v = c·pp + stage` and holds layers `v·n..(v + 1)·n`,
+/// `n = num_layers / (pp·vp)` (Megatron-Core `get_transformer_layer_offset`).
+///
+/// # Errors
+/// `num_layers` not divisible by `pp·vp` (named with the sizes).
+pub fn virtual_stage_layers(
+    num_layers: usize,
+    pp: usize,
+    vp: usize,
+    stage: usize,
+) -> Result<Vec<Range<usize>>> {
+    let stages = pp * vp;
+    if stages == 0 || !num_layers.is_multiple_of(stages) {
+        return Err(ModelError::Input(format!(
+            "num_layers ({num_layers}) is not divisible by pipeline_model_parallel_size ({pp}) x \
+             virtual_pipeline_model_parallel_size ({vp})"
+        )));
+    }
+    let n = num_layers / stages;
+    Ok((0..vp)
+        .map(|c| {
+            let v = c * pp + stage;
+            v * n..(v + 1) * n
+        })
+        .collect())
+}
+
 impl GptModel {
     /// The stage holding `layers` of the full model `self` (see the module docs).
     ///
@@ -82,15 +130,48 @@ impl GptModel {
         pre_process: bool,
         post_process: bool,
     ) -> Result<GptModel> {
+        self.pipeline_chunks(&[layers], pre_process, post_process)
+    }
+
+    /// The stage of an interleaved pipeline holding the model chunks `chunks` (global layer
+    /// ranges, in chunk order; see [`virtual_stage_layers`]): `pre_process` when its first
+    /// chunk is the first virtual stage, `post_process` when its last chunk is the last.
+    ///
+    /// # Errors
+    /// No chunks, a chunk empty or outside the model, chunks that overlap, or `self` already
+    /// a stage or a tensor-parallel shard.
+    pub fn pipeline_chunks(
+        &self,
+        chunks: &[Range<usize>],
+        pre_process: bool,
+        post_process: bool,
+    ) -> Result<GptModel> {
         if self.stage.is_some() || self.tp.is_some() {
             return Err(ModelError::Input(
                 "split pipeline stages from the full model, before tensor parallelism".into(),
             ));
         }
-        if layers.is_empty() || layers.end > self.layers.len() {
+        if chunks.is_empty() {
+            return Err(ModelError::Input(
+                "a pipeline stage needs a model chunk".into(),
+            ));
+        }
+        for layers in chunks {
+            if layers.is_empty() || layers.end > self.layers.len() {
+                return Err(ModelError::Input(format!(
+                    "stage layers {layers:?} are not inside the model's {} layers",
+                    self.layers.len()
+                )));
+            }
+        }
+        let layer_ids: Vec<usize> = chunks.iter().flat_map(Clone::clone).collect();
+        let mut seen = vec![false; self.layers.len()];
+        if let Some(&twice) = layer_ids
+            .iter()
+            .find(|&&i| std::mem::replace(&mut seen[i], true))
+        {
             return Err(ModelError::Input(format!(
-                "stage layers {layers:?} are not inside the model's {} layers",
-                self.layers.len()
+                "model chunks {chunks:?} hold layer {twice} twice"
             )));
         }
         let c = &self.config;
@@ -109,18 +190,27 @@ impl GptModel {
             None => None,
         };
         let mut config = c.clone();
-        config.num_layers = layers.len();
+        config.num_layers = layer_ids.len();
         let mut stage = GptModel::new(
             config,
             embedding,
-            self.layers[layers.clone()].to_vec(),
+            layer_ids.iter().map(|&i| self.layers[i].clone()).collect(),
             self.final_layernorm.clone(),
             output_layer,
         )?;
+        let mut start = 0;
+        let local_chunks = chunks
+            .iter()
+            .map(|l| {
+                start += l.len();
+                start - l.len()..start
+            })
+            .collect();
         stage.stage = Some(StageInfo {
             pre_process,
             post_process,
-            first_layer: layers.start,
+            layer_ids,
+            chunks: local_chunks,
             total_layers: self.layers.len(),
         });
         Ok(stage)
@@ -133,17 +223,45 @@ impl GptModel {
 
     /// Takes token ids and holds the embedding (true for a whole model).
     pub fn is_pre_process(&self) -> bool {
-        self.stage.is_none_or(|s| s.pre_process)
+        self.stage.as_ref().is_none_or(|s| s.pre_process)
     }
 
     /// Holds the final norm, output layer and loss (true for a whole model).
     pub fn is_post_process(&self) -> bool {
-        self.stage.is_none_or(|s| s.post_process)
+        self.stage.as_ref().is_none_or(|s| s.post_process)
     }
 
-    /// Global index of the first decoder layer held.
-    pub fn first_layer(&self) -> usize {
-        self.stage.map_or(0, |s| s.first_layer)
+    /// Global index of `self.layers[i]`.
+    pub fn global_layer(&self, i: usize) -> usize {
+        self.stage.as_ref().map_or(i, |s| s.layer_ids[i])
+    }
+
+    /// Model chunks held (`virtual_pipeline_model_parallel_size` on an interleaved stage, 1
+    /// otherwise).
+    pub fn num_chunks(&self) -> usize {
+        self.stage.as_ref().map_or(1, |s| s.chunks.len())
+    }
+
+    /// What [`GptModel::stage_forward`] of model chunk `chunk` runs.
+    ///
+    /// # Errors
+    /// `chunk >= num_chunks()`.
+    pub(crate) fn chunk_part(&self, chunk: usize) -> Result<ChunkPart> {
+        let n = self.num_chunks();
+        if chunk >= n {
+            return Err(ModelError::Input(format!(
+                "model chunk {chunk} of a stage holding {n}"
+            )));
+        }
+        let layers = self
+            .stage
+            .as_ref()
+            .map_or(0..self.layers.len(), |s| s.chunks[chunk].clone());
+        Ok(ChunkPart {
+            layers,
+            pre_process: self.is_pre_process() && chunk == 0,
+            post_process: self.is_post_process() && chunk + 1 == n,
+        })
     }
 
     /// Whether the word embedding is one of this model's parameters: on the first stage,

@@ -69,10 +69,10 @@ fn two_stages_back_to_back_equal_the_whole_model() {
             "{name}: the whole model's config"
         );
 
-        let mut f0 = first.stage_forward(&batch, None, 1.0).unwrap();
+        let mut f0 = first.stage_forward(&batch, 0, None, 1.0).unwrap();
         assert!(f0.loss().is_none());
         let hidden = f0.take_output();
-        let f1 = last.stage_forward(&batch, Some(hidden), 1.0).unwrap();
+        let f1 = last.stage_forward(&batch, 0, Some(hidden), 1.0).unwrap();
         let loss = f1.loss().unwrap();
         assert!(
             (loss.loss_sum - want_loss.loss_sum).abs() < 1e-9 * want_loss.loss_sum,
@@ -133,7 +133,7 @@ fn stages_refuse_inputs_that_do_not_fit() {
     let batch = batch(full.config.vocab_size);
     let last = full.pipeline_stage(1..2, false, true).unwrap();
     let err = last
-        .stage_forward(&batch, None, 1.0)
+        .stage_forward(&batch, 0, None, 1.0)
         .err()
         .unwrap()
         .to_string();
@@ -142,7 +142,7 @@ fn stages_refuse_inputs_that_do_not_fit() {
         "{err}"
     );
     let err = last
-        .stage_forward(&batch, Some(vec![0.0; 3]), 1.0)
+        .stage_forward(&batch, 0, Some(vec![0.0; 3]), 1.0)
         .err()
         .unwrap()
         .to_string();

@@ -51,6 +51,57 @@ fn pipeline_layouts_match_one_rank() {
     }
 }
 
+/// A 4-layer model of `fixture`'s shape (random weights, large enough that every layer
+/// changes the loss clearly, so running layers in the wrong order shows).
+fn four_layers(fixture_name: &str) -> ferrotron_model::GptModel {
+    let mut config = fixture(fixture_name).config;
+    config.num_layers = 4;
+    let init = ferrotron_model::InitConfig {
+        init_method_std: 0.2,
+        ..Default::default()
+    };
+    ferrotron_model::GptModel::init_random(config, init).unwrap()
+}
+
+/// The interleaved 1F1B schedule (pp 2 with 2 model chunks per stage: rank 0 holds layers
+/// 0 and 2, rank 1 layers 1 and 3), alone, with data parallelism and the distributed
+/// optimizer, with tensor parallelism, and with full recompute, untied and tied
+/// embeddings: the single rank's run.
+#[test]
+fn interleaved_pipeline_layouts_match_one_rank() {
+    for name in ["tiny-llama", "tiny-llama3"] {
+        let mut one = Trainer::new(four_layers(name), dp_options(1, ITERS)).unwrap();
+        let reference = train(&mut one, 0, ITERS);
+        for (tp, dp, distributed, recompute) in [
+            (1, 1, false, false),
+            (1, 2, true, false),
+            (2, 1, false, false),
+            (1, 1, false, true),
+        ] {
+            let layout = Layout {
+                tp,
+                pp: 2,
+                vp: 2,
+                distributed,
+                ..Layout::default()
+            };
+            let label = format!("{name} tp{tp} pp2 vp2 dp{dp} recompute {recompute}");
+            let model = || {
+                let mut m = four_layers(name);
+                if recompute {
+                    m.config.recompute_granularity =
+                        Some(ferrotron_model::RecomputeGranularity::Full {
+                            method: ferrotron_model::RecomputeMethod::Uniform,
+                            num_layers: 1,
+                        });
+                }
+                m
+            };
+            assert_layout(&label, tp * 2 * dp, layout, model, &reference);
+        }
+    }
+}
+
 #[test]
 fn tensor_parallel_layouts_match_one_rank() {
     let reference = single_rank(ITERS);

@@ -125,11 +125,19 @@ fn interleaved_needs_whole_groups_of_microbatches() {
 
 #[test]
 fn the_simulator_finds_broken_programs() {
-    // stage 1 waits for a backward stage 0 never sends... and stage 0 waits first: deadlock
+    // stage 1 never sends its gradients: stage 0 waits for them forever
+    let mut programs: Vec<_> = (0..2).map(|r| one_f_one_b(2, r, 2)).collect();
+    programs[1].retain(|a| !matches!(a, Action::SendBackward { .. }));
+    let err = simulate(&programs, 1, 2).unwrap_err();
+    assert!(err.contains("deadlock") && err.contains("rank 0"), "{err}");
+    // stage 1 skips micro-batch 0's gradient: the link delivers micro-batch 1's in its place
     let mut programs: Vec<_> = (0..2).map(|r| one_f_one_b(2, r, 2)).collect();
     programs[1].retain(|a| !matches!(a, Action::SendBackward { mb: 0, .. }));
     let err = simulate(&programs, 1, 2).unwrap_err();
-    assert!(err.contains("deadlock") && err.contains("rank 0"), "{err}");
+    assert!(
+        err.contains("RecvBackward { mb: 0, chunk: 0 } finds (kind, mb, chunk) (1, 1, 0) first"),
+        "{err}"
+    );
     let mut programs: Vec<_> = (0..2).map(|r| one_f_one_b(2, r, 2)).collect();
     programs[0].retain(|a| !matches!(a, Action::Backward { mb: 1, .. }));
     let err = simulate(&programs, 1, 2).unwrap_err();

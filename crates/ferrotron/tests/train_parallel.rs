@@ -214,6 +214,46 @@ fn pipeline_parallel_in_process_matches_one_rank() {
     );
 }
 
+/// Interleaved 1F1B: pp 2 with 2 model chunks per stage (a 4-layer model from scratch,
+/// rank 0 holding layers 0 and 2, rank 1 layers 1 and 3) gives the single rank's losses,
+/// validation included.
+#[test]
+fn interleaved_pipeline_in_process_matches_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let from_scratch = |out: &str| {
+        let cfg = config_saving(tmp.path(), &prefix, out, false);
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        let load = text.lines().find(|l| l.starts_with("load = ")).unwrap();
+        let model = "num_layers = 4\nhidden_size = 64\nnum_attention_heads = 4\n\
+                     num_query_groups = 2\nvocab_size = 128\ninit_method_std = 0.2";
+        std::fs::write(&cfg, text.replace(load, model)).unwrap();
+        cfg
+    };
+    train(&from_scratch("single"), &[]);
+    let want = metrics_losses(&tmp.path().join("single"));
+    let vp2 = [
+        "--set",
+        "parallel.pipeline_model_parallel_size=2",
+        "--set",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+    ];
+    train(&from_scratch("vp2"), &vp2);
+    assert_same_losses("pp2 vp2", &metrics_losses(&tmp.path().join("vp2")), &want);
+    // 3 micro-batches per step cannot be interleaved over 2 stages
+    let o = ferrotron(
+        &[
+            &["train", "--config", from_scratch("bad").to_str().unwrap()][..],
+            &vp2,
+            &["--set", "training.global_batch_size=3"],
+        ]
+        .concat(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("gives 3 micro-batches per data-parallel rank; the interleaved schedule (parallel.virtual_pipeline_model_parallel_size = 2) needs a multiple of pipeline_model_parallel_size (2)"), "{err}");
+}
+
 #[test]
 fn bad_parallel_settings_are_named() {
     let tmp = tempfile::tempdir().unwrap();

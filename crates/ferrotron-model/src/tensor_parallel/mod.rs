@@ -217,7 +217,7 @@ impl GptModel {
         };
         let final_norm = norm("final_layernorm", self.final_layernorm.eps())?;
         let mut model = GptModel::new(config, embedding, layers, final_norm, output_layer)?;
-        model.stage = self.stage;
+        model.stage = self.stage.clone();
         Ok(model)
     }
 

@@ -37,8 +37,8 @@ pub(crate) struct Backprop<'g, 'p> {
 }
 
 impl GptModel {
-    /// Backpropagates `acts.dlogits` (already `∂(loss_scale·loss)/∂logits`) through the whole
-    /// model, accumulating into `grads` (order of [`GptModel::parameters`]). Consumes the
+    /// Backpropagates `acts.dlogits` (already `∂(loss_scale·loss)/∂logits`; on a stage
+    /// before the last virtual one, `dout`) through `acts.part`, accumulating into `grads` (order of [`GptModel::parameters`]). Consumes the
     /// activations, freeing each as soon as its backward is done (recorded in `ledger`);
     /// groups saved as their input alone are re-run first ([`super::recompute`]).
     ///
@@ -54,6 +54,7 @@ impl GptModel {
         dout: Option<Vec<f32>>,
     ) -> Result<Option<Vec<f32>>> {
         let Activations {
+            part,
             saved,
             positions,
             x_final,
@@ -63,7 +64,7 @@ impl GptModel {
         } = acts;
         let c = &self.config;
         let slots = self.param_slots();
-        let dres = if self.is_post_process() {
+        let dres = if part.post_process {
             let head = Head {
                 x_final,
                 rstd_final,
@@ -111,7 +112,7 @@ impl GptModel {
             }
         }
         st.ledger.release(usize_bytes(&positions));
-        if !self.is_pre_process() {
+        if !part.pre_process {
             return Ok(Some(st.dres));
         }
         let emb = slots

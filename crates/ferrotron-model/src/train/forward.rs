@@ -8,6 +8,7 @@ use super::TrainBatch;
 use super::memory::Ledger;
 use super::recompute::Keep;
 use super::tp_ops::{column_input, row_parallel_forward};
+use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig, TransformerLayer};
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, DocumentStarts, core_attention_forward_train,
@@ -171,6 +172,8 @@ pub(crate) enum Saved {
 
 /// Everything the backward of one micro-batch reads.
 pub(crate) struct Activations {
+    /// The model chunk the forward ran.
+    pub part: ChunkPart,
     /// Per layer or recomputed group, in layer order.
     pub saved: Vec<Saved>,
     /// Rotary position of each row `[rows]`.
@@ -186,10 +189,11 @@ pub(crate) struct Activations {
 }
 
 impl GptModel {
-    /// Embedding (or, on a later pipeline stage, the previous stage's output `input`:
-    /// `[local rows, h]`), every layer and, on the last stage, the final norm and the
-    /// logits (in `dlogits`), saving activations as the config's recompute setting says
-    /// (recorded in `ledger`). Before the last stage `x_final` is the stage's output.
+    /// Embedding (or, after the first virtual pipeline stage, the previous stage's output
+    /// `input`: `[local rows, h]`), the layers of `part` and, on the last virtual stage, the
+    /// final norm and the logits (in `dlogits`), saving activations as the config's
+    /// recompute setting says (recorded in `ledger`). Before the last stage `x_final` is the
+    /// stage's output.
     ///
     /// # Errors
     /// Bad token ids, an input of the wrong length or given to the first stage, a failed
@@ -197,6 +201,7 @@ impl GptModel {
     pub(crate) fn train_forward(
         &self,
         batch: &TrainBatch,
+        part: ChunkPart,
         input: Option<Vec<f32>>,
         ledger: &mut Ledger,
     ) -> Result<Activations> {
@@ -212,7 +217,7 @@ impl GptModel {
                 )));
             }
         }
-        let mut x = match (input, self.is_pre_process()) {
+        let mut x = match (input, part.pre_process) {
             (None, true) => self.embed_train(&batch.tokens)?,
             (Some(x), false) => {
                 let want = self.local_rows(batch)? * h;
@@ -238,8 +243,8 @@ impl GptModel {
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
         let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
-        let mut saved = Vec::with_capacity(self.layers.len());
-        for run in c.recompute_runs() {
+        let mut saved = Vec::with_capacity(part.layers.len());
+        for run in c.recompute_runs(part.layers.clone()) {
             match run.keep {
                 Keep::Each { core_attention } => {
                     for index in run.layers {
@@ -269,9 +274,10 @@ impl GptModel {
                 }
             }
         }
-        if !self.is_post_process() {
+        if !part.post_process {
             ledger.hold(f32_bytes(&x));
             return Ok(Activations {
+                part,
                 saved,
                 positions,
                 x_final: x,
@@ -310,6 +316,7 @@ impl GptModel {
             ledger.hold(f32_bytes(t));
         }
         Ok(Activations {
+            part,
             saved,
             positions,
             x_final: x,

@@ -89,7 +89,7 @@ impl TransformerConfig {
         let logits = f32_rows(self.vocab_size as u128);
         let positions = rows * size_of::<usize>() as u128;
         let kept = |core_attention: bool| layer + if core_attention { core } else { 0 };
-        let runs = self.recompute_runs();
+        let runs = self.recompute_runs(0..self.num_layers);
         let mut m = Ledger::default();
         // Forward (`train_forward`).
         m.hold(positions);
@@ -183,7 +183,9 @@ mod tests {
             let mut grads: Vec<Vec<f32>> = model.zero_grads();
             let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
             let mut ledger = Ledger::default();
-            let mut acts = model.train_forward(&batch, None, &mut ledger).unwrap();
+            let mut acts = model
+                .train_forward(&batch, model.chunk_part(0).unwrap(), None, &mut ledger)
+                .unwrap();
             assert_eq!(ledger.held(), want.forward_end_bytes as u128, "{mode:?}");
             model.loss_and_logit_grad(&batch, &mut acts, 1.0).unwrap();
             model

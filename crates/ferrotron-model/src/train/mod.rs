@@ -253,7 +253,7 @@ impl GptModel {
                 "forward_loss needs the whole model (a pipeline stage: stage_forward)".into(),
             ));
         }
-        let forward = self.stage_forward(batch, None, 0.0)?;
+        let forward = self.stage_forward(batch, 0, None, 0.0)?;
         Ok(forward.loss().expect("a whole model computes its loss"))
     }
 
@@ -307,9 +307,10 @@ impl GptModel {
             ));
         }
         self.check_grads(batch, grads)?;
+        let part = self.chunk_part(0)?;
         rayon::scope(|_| {
             let mut ledger = memory::Ledger::default();
-            let mut acts = self.train_forward(batch, None, &mut ledger)?;
+            let mut acts = self.train_forward(batch, part, None, &mut ledger)?;
             let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
             self.train_backward(batch, acts, grads, &mut ledger, ready, None)?;
             Ok(stats)
@@ -341,26 +342,31 @@ impl GptModel {
         Ok(())
     }
 
-    /// A pipeline stage's forward of one micro-batch: from token ids on the first stage
-    /// (`input = None`) or from the previous stage's output `[local rows, h]`; on the last
-    /// stage also the loss and the gradient of `loss_scale · loss` with respect to the
-    /// logits (as [`GptModel::forward_backward`]). The result waits for
+    /// A pipeline stage's forward of one micro-batch through model chunk `chunk` (0 without
+    /// interleaving; see [`GptModel::pipeline_chunks`]): from token ids on the first virtual
+    /// stage (`input = None`) or from the previous virtual stage's output `[local rows, h]`;
+    /// on the last virtual stage also the loss and the gradient of `loss_scale · loss` with
+    /// respect to the logits (as [`GptModel::forward_backward`]). The result waits for
     /// [`GptModel::stage_backward`]; take the output for the next stage from it first.
     ///
     /// # Errors
-    /// As [`GptModel::forward_backward`], or an input that does not fit the stage.
+    /// As [`GptModel::forward_backward`], a chunk the stage does not hold, or an input that
+    /// does not fit the stage.
     pub fn stage_forward(
         &self,
         batch: &TrainBatch,
+        chunk: usize,
         input: Option<Vec<f32>>,
         loss_scale: f32,
     ) -> Result<StageForward> {
         batch.validate(self)?;
         self.config.validate_recompute()?;
+        let part = self.chunk_part(chunk)?;
         rayon::scope(|_| {
             let mut ledger = memory::Ledger::default();
-            let mut acts = self.train_forward(batch, input, &mut ledger)?;
-            let loss = if self.is_post_process() {
+            let post_process = part.post_process;
+            let mut acts = self.train_forward(batch, part, input, &mut ledger)?;
+            let loss = if post_process {
                 Some(self.loss_and_logit_grad(batch, &mut acts, loss_scale)?)
             } else {
                 None
@@ -369,10 +375,11 @@ impl GptModel {
         })
     }
 
-    /// The backward of a [`StageForward`]: accumulates into `grads` (order of
-    /// [`GptModel::parameters`]) from `dout`, the gradient of the stage's output (`None` on
-    /// the last stage, whose loss gradient is already in the forward's logits); returns the
-    /// gradient of the stage's input for the previous stage (`None` on the first).
+    /// The backward of a [`StageForward`] (through the chunk it ran): accumulates into
+    /// `grads` (order of [`GptModel::parameters`]) from `dout`, the gradient of the chunk's
+    /// output (`None` on the last virtual stage, whose loss gradient is already in the
+    /// forward's logits); returns the gradient of the chunk's input for the previous virtual
+    /// stage (`None` on the first).
     ///
     /// # Errors
     /// Gradient slices or `dout` that do not fit, or a failed collective.

@@ -233,9 +233,8 @@ impl GptModel {
                 View::Tensor(emb),
             ));
         }
-        let first = self.first_layer();
         for (i, l) in self.layers.iter().enumerate() {
-            let p = format!("decoder.layers.{}", first + i);
+            let p = format!("decoder.layers.{}", self.global_layer(i));
             out.push(norm_view(&p, "input_layernorm", l.input_layernorm.weight()));
             push_linear(
                 &mut out,

@@ -39,16 +39,19 @@ pub(crate) struct Run {
 }
 
 impl TransformerConfig {
-    /// The runs covering layers `0..num_layers` in order, per
-    /// [`TransformerConfig::recompute_granularity`] (assumed valid: `recompute_num_layers >= 1`).
-    pub(crate) fn recompute_runs(&self) -> Vec<Run> {
-        let l = self.num_layers;
+    /// The runs covering `layers` (a model chunk: every layer of a model without
+    /// interleaving) in order, per [`TransformerConfig::recompute_granularity`] applied to
+    /// the chunk alone, as each Megatron model chunk is its own `TransformerBlock` (assumed
+    /// valid: `recompute_num_layers >= 1`).
+    pub(crate) fn recompute_runs(&self, layers: Range<usize>) -> Vec<Run> {
+        let (l, offset) = (layers.len(), layers.start);
+        let shift = |r: Range<usize>| r.start + offset..r.end + offset;
         let each = |layers, core_attention| Run {
-            layers,
+            layers: shift(layers),
             keep: Keep::Each { core_attention },
         };
         let input = |layers| Run {
-            layers,
+            layers: shift(layers),
             keep: Keep::Input,
         };
         match self.recompute_granularity {
@@ -128,7 +131,7 @@ mod tests {
     }
 
     fn runs(c: &TransformerConfig) -> Vec<(Range<usize>, Keep)> {
-        c.recompute_runs()
+        c.recompute_runs(0..c.num_layers)
             .into_iter()
             .map(|r| (r.layers, r.keep))
             .collect()

@@ -11,8 +11,8 @@ use crate::{GptModel, ModelError, Result};
 /// One forward pass, layer by layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ForwardTrace {
-    /// Global index of the first layer traced (the stage's first layer).
-    pub first_layer: usize,
+    /// Global index of each layer traced (the stage's layers).
+    pub layer_ids: Vec<usize>,
     /// The residual stream after each of this model's layers, `[local rows, h]` each (`[s,
     /// b]` row order; all rows unless sequence parallel).
     pub layer_outputs: Vec<Vec<f32>>,
@@ -27,8 +27,8 @@ impl GptModel {
     /// logits. Collective on a tensor-parallel shard. The loss is not computed.
     ///
     /// # Errors
-    /// As [`GptModel::stage_forward`], or activation recompute switched on (the layer
-    /// outputs are then not kept).
+    /// As [`GptModel::stage_forward`], activation recompute switched on (the layer outputs
+    /// are then not kept), or a stage of several model chunks.
     pub fn forward_trace(
         &self,
         batch: &TrainBatch,
@@ -39,8 +39,15 @@ impl GptModel {
                 "forward_trace needs recompute_granularity = none".into(),
             ));
         }
+        if self.num_chunks() > 1 {
+            return Err(ModelError::Input(
+                "forward_trace runs one model chunk per stage (no interleaving)".into(),
+            ));
+        }
         batch.validate(self)?;
-        let acts = rayon::scope(|_| self.train_forward(batch, input, &mut Ledger::default()))?;
+        let part = self.chunk_part(0)?;
+        let acts =
+            rayon::scope(|_| self.train_forward(batch, part, input, &mut Ledger::default()))?;
         let mut layer_outputs: Vec<Vec<f32>> = acts
             .saved
             .into_iter()
@@ -54,7 +61,9 @@ impl GptModel {
             layer_outputs.push(acts.x_final);
         }
         Ok(ForwardTrace {
-            first_layer: self.first_layer(),
+            layer_ids: (0..self.layers.len())
+                .map(|i| self.global_layer(i))
+                .collect(),
             layer_outputs,
             logits: self.is_post_process().then_some(acts.dlogits),
         })

@@ -84,6 +84,10 @@ section! {
         rotary_base: f64 = 10000.0,
         /// RMSNorm epsilon. Default: 1e-5. Megatron: `--norm-epsilon`.
         norm_epsilon: f64 = 1e-5,
+        /// Std of the normal init of a model built from the keys above (output projections:
+        /// std / sqrt(2 x num_layers)); unused with `load`. Default: 0.02. Megatron:
+        /// `--init-method-std`.
+        init_method_std: f64 = 0.02,
         /// Use a separate output projection instead of the tied embedding. Default: false.
         /// Megatron: `--untie-embeddings-and-output-weights`.
         untie_embeddings_and_output_weights: bool = false,

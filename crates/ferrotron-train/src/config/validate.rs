@@ -100,6 +100,12 @@ impl RunConfig {
                 m.rotary_base
             ));
         }
+        if !positive(m.init_method_std) {
+            p.push(format!(
+                "model.init_method_std ({}) must be positive",
+                m.init_method_std
+            ));
+        }
         if !positive(m.norm_epsilon) {
             p.push(format!(
                 "model.norm_epsilon ({}) must be positive",
@@ -160,6 +166,18 @@ impl RunConfig {
         let gbs = *t.global_batch_size.get_or_insert(mbs * dp_size);
         if gbs == 0 || gbs % (mbs * dp_size) != 0 {
             p.push(format!("training.global_batch_size ({gbs}) is not a multiple of micro_batch_size ({mbs}) x data_parallel_size ({dp_size})"));
+        } else if let Some(vp) = r
+            .parallel
+            .virtual_pipeline_model_parallel_size
+            .filter(|&v| v > 1)
+        {
+            let (microbatches, pp) = (
+                gbs / (mbs * dp_size),
+                r.parallel.pipeline_model_parallel_size,
+            );
+            if !microbatches.is_multiple_of(pp) {
+                p.push(format!("training.global_batch_size ({gbs}) gives {microbatches} micro-batches per data-parallel rank; the interleaved schedule (parallel.virtual_pipeline_model_parallel_size = {vp}) needs a multiple of pipeline_model_parallel_size ({pp})"));
+            }
         }
         let tokens_per_iter = (gbs.max(1) * seq_length) as u64;
         let train_iters = match (t.train_iters, t.train_tokens) {
@@ -415,6 +433,17 @@ fn validate_parallel(par: &super::ParallelSection, p: &mut Vec<String>) -> usize
     if par.decoder_first_pipeline_num_layers.is_some() && par.pipeline_model_parallel_size < 2 {
         p.push(
             "parallel.decoder_first_pipeline_num_layers needs pipeline_model_parallel_size > 1"
+                .to_string(),
+        );
+    }
+    if par.decoder_first_pipeline_num_layers.is_some()
+        && par
+            .virtual_pipeline_model_parallel_size
+            .is_some_and(|v| v > 1)
+    {
+        p.push(
+            "parallel.decoder_first_pipeline_num_layers cannot be combined with \
+             virtual_pipeline_model_parallel_size > 1 (the interleaved split is even)"
                 .to_string(),
         );
     }

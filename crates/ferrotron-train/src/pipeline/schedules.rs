@@ -175,6 +175,10 @@ pub fn interleaved_one_f_one_b(
     Ok(out)
 }
 
+/// A message on a simulated link: (0 activation | 1 gradient, micro-batch, the receiver's
+/// chunk).
+type Message = (u8, usize, usize);
+
 /// What [`simulate`] measured.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Simulation {
@@ -186,10 +190,13 @@ pub struct Simulation {
 }
 
 /// Runs every rank's program (`programs[r]` for stage `r` of `pp`, `vp` chunks) against the
-/// others: sends enqueue on the (sender, receiver, kind, mb, chunk) channel, receives wait
-/// for theirs. Checks that no program deadlocks, every message sent is received, each
-/// forward comes before its backward on its rank, every (micro-batch, chunk) runs exactly one
-/// forward and one backward on every rank, and the message shapes line up across the ring.
+/// others over untagged first-in-first-out links, one per (sender, receiver) pair — what the
+/// communicators' `send`/`recv` provide: a receive waits for the next message on its link
+/// and fails when that message is another one (with `pp = 2` the ring's two directions
+/// share a link, so activations and gradients must arrive in the order they are expected).
+/// Checks that no program deadlocks, every message sent is received, each forward comes
+/// before its backward on its rank, and every (micro-batch, chunk) runs exactly one forward
+/// and one backward on every rank.
 ///
 /// # Errors
 /// The first violation, naming the rank and action.
@@ -199,8 +206,8 @@ pub fn simulate(
     num_microbatches: usize,
 ) -> Result<Simulation, String> {
     let pp = programs.len();
-    // channel key: (to, kind, mb, chunk of the receiver)
-    let mut channels: HashMap<(usize, u8, usize, usize), VecDeque<usize>> = HashMap::new();
+    // link (from, to) -> messages in sending order
+    let mut links: HashMap<(usize, usize), VecDeque<Message>> = HashMap::new();
     let mut pc = vec![0usize; pp];
     let mut alive: Vec<HashMap<(usize, usize), ()>> = vec![HashMap::new(); pp];
     let mut peak = vec![0usize; pp];
@@ -214,12 +221,22 @@ pub fn simulate(
             while let Some(&a) = programs[r].get(pc[r]) {
                 match a {
                     Action::RecvForward { mb, chunk } | Action::RecvBackward { mb, chunk } => {
-                        let kind = u8::from(matches!(a, Action::RecvBackward { .. }));
-                        let key = (r, kind, mb, chunk);
-                        match channels.get_mut(&key).and_then(VecDeque::pop_front) {
-                            Some(_) => {}
-                            None => break,
+                        let backward = matches!(a, Action::RecvBackward { .. });
+                        let from = if backward {
+                            (r + 1) % pp
+                        } else {
+                            (r + pp - 1) % pp
+                        };
+                        let Some(&got) = links.get(&(from, r)).and_then(VecDeque::front) else {
+                            break;
+                        };
+                        if got != (u8::from(backward), mb, chunk) {
+                            return Err(format!(
+                                "rank {r}: {a:?} finds (kind, mb, chunk) {got:?} first on the \
+                                 link from rank {from}"
+                            ));
                         }
+                        links.get_mut(&(from, r)).map(VecDeque::pop_front);
                     }
                     Action::SendForward { mb, chunk } => {
                         // next virtual stage: rank + 1 same chunk, or rank 0 next chunk
@@ -228,7 +245,7 @@ pub fn simulate(
                         } else {
                             (0, chunk + 1)
                         };
-                        channels.entry((to, 0, mb, c)).or_default().push_back(r);
+                        links.entry((r, to)).or_default().push_back((0, mb, c));
                     }
                     Action::SendBackward { mb, chunk } => {
                         let (to, c) = if r > 0 {
@@ -236,7 +253,7 @@ pub fn simulate(
                         } else {
                             (pp - 1, chunk.wrapping_sub(1))
                         };
-                        channels.entry((to, 1, mb, c)).or_default().push_back(r);
+                        links.entry((r, to)).or_default().push_back((1, mb, c));
                     }
                     Action::Forward { mb, chunk } => {
                         if alive[r].insert((mb, chunk), ()).is_some() {
@@ -264,9 +281,9 @@ pub fn simulate(
             return Err(format!("deadlock: {}", stuck.join(", ")));
         }
     }
-    if let Some((k, q)) = channels.iter().find(|(_, q)| !q.is_empty()) {
+    if let Some(((from, to), q)) = links.iter().find(|(_, q)| !q.is_empty()) {
         return Err(format!(
-            "message never received: {k:?} from rank {:?}",
+            "message (kind, mb, chunk) {:?} from rank {from} to rank {to} never received",
             q.front()
         ));
     }

@@ -2,9 +2,13 @@
 //! model ([`GptModel::pipeline_stage`](ferrotron_model::GptModel::pipeline_stage)) and runs
 //! its 1F1B program ([`one_f_one_b`]) over the step's micro-batches, exchanging activations
 //! and their gradients `[local rows, h]` with the neighbouring stages (Megatron-Core
-//! `forward_backward_pipelining_without_interleaving`). After the schedule, the tied
-//! embedding's two copies (first and last stage) have their gradients all-reduced over the
-//! embedding group (`finalize_model_grads`), so they stay equal.
+//! `forward_backward_pipelining_without_interleaving`). A stage of several model chunks
+//! ([`GptModel::pipeline_chunks`](ferrotron_model::GptModel::pipeline_chunks)) runs the
+//! interleaved program ([`interleaved_one_f_one_b`], `..._with_interleaving`) instead: the
+//! virtual stages form a ring, the last rank's chunk `c` feeding rank 0's chunk `c + 1`.
+//! After the schedule, the tied embedding's two copies (first and last stage) have their
+//! gradients all-reduced over the embedding group (`finalize_model_grads`), so they stay
+//! equal.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +18,7 @@ use ferrotron_model::{StageForward, TrainBatch};
 
 use super::data_parallel::comm_err;
 use super::{Result, TrainError, Trainer};
-use crate::pipeline::{Action, one_f_one_b};
+use crate::pipeline::{Action, PipelineRank, interleaved_one_f_one_b, one_f_one_b};
 
 /// A rank's pipeline group and, on the first and last stage, the embedding group.
 #[derive(Clone)]
@@ -54,20 +58,33 @@ impl PipelineParallel {
         &self.comm
     }
 
-    fn prev(&self) -> usize {
-        self.stage() - 1
-    }
-
-    fn next(&self) -> usize {
-        self.stage() + 1
+    /// This rank in the (virtual) pipeline of `chunks` model chunks per stage.
+    fn rank(&self, chunks: usize) -> PipelineRank {
+        PipelineRank {
+            pp: self.stages(),
+            rank: self.stage(),
+            vp: chunks,
+        }
     }
 }
 
+/// Values in flight per (micro-batch, model chunk).
+type Pending<T> = HashMap<(usize, usize), T>;
+
+fn take<T>(m: &mut Pending<T>, key: (usize, usize), what: &str) -> Result<T> {
+    m.remove(&key).ok_or_else(|| {
+        TrainError::Config(format!(
+            "pipeline schedule: no {what} for micro-batch {} chunk {}",
+            key.0, key.1
+        ))
+    })
+}
+
 impl Trainer {
-    /// Runs this stage's 1F1B program over `batches` (every stage gets the same
-    /// micro-batches; only the first reads tokens and the last labels), accumulating the
-    /// stage's gradients. Returns the loss sum (`Σ mask·CE`, summed over the pipeline group
-    /// so every stage reports it).
+    /// Runs this stage's 1F1B program (interleaved when the stage holds several model
+    /// chunks) over `batches` (every stage gets the same micro-batches; only the first reads
+    /// tokens and the last labels), accumulating the stage's gradients. Returns the loss sum
+    /// (`Σ mask·CE`, summed over the pipeline group so every stage reports it).
     pub(super) fn run_pipeline(
         &mut self,
         pp: &PipelineParallel,
@@ -75,71 +92,67 @@ impl Trainer {
         total: f64,
         loss_scale: f32,
     ) -> Result<f64> {
-        let program = one_f_one_b(pp.stages(), pp.stage(), batches.len());
-        let comm = pp.comm.clone();
-        let mut inputs: HashMap<usize, Vec<f32>> = HashMap::new();
-        let mut outputs: HashMap<usize, Vec<f32>> = HashMap::new();
-        let mut douts: HashMap<usize, Vec<f32>> = HashMap::new();
-        let mut dins: HashMap<usize, Vec<f32>> = HashMap::new();
-        let mut states: HashMap<usize, StageForward> = HashMap::new();
-        let mut loss_sum = 0.0;
-        let take = |m: &mut HashMap<usize, Vec<f32>>, mb: usize, what: &str| {
-            m.remove(&mb).ok_or_else(|| {
-                TrainError::Config(format!("pipeline schedule: no {what} for micro-batch {mb}"))
-            })
+        let place = pp.rank(self.model.num_chunks());
+        let program = if place.vp > 1 {
+            interleaved_one_f_one_b(place.pp, place.rank, batches.len(), place.vp)
+                .map_err(TrainError::Config)?
+        } else {
+            one_f_one_b(place.pp, place.rank, batches.len())
         };
+        let comm = pp.comm.clone();
+        let mut inputs: Pending<Vec<f32>> = HashMap::new();
+        let mut outputs: Pending<Vec<f32>> = HashMap::new();
+        let mut douts: Pending<Vec<f32>> = HashMap::new();
+        let mut dins: Pending<Vec<f32>> = HashMap::new();
+        let mut states: Pending<StageForward> = HashMap::new();
+        let mut loss_sum = 0.0;
         for action in program {
             match action {
-                Action::RecvForward { mb, .. } => {
+                Action::RecvForward { mb, chunk } => {
                     let mut x = vec![0f32; self.model.activation_len(&batches[mb])?];
-                    comm.recv(&mut x, pp.prev()).map_err(comm_err)?;
-                    inputs.insert(mb, x);
+                    comm.recv(&mut x, place.prev_rank()).map_err(comm_err)?;
+                    inputs.insert((mb, chunk), x);
                 }
-                Action::Forward { mb, .. } => {
+                Action::Forward { mb, chunk } => {
                     let batch = &batches[mb];
                     let scale = if total > 0.0 {
                         (batch.loss_token_count() / total) as f32 * loss_scale
                     } else {
                         0.0
                     };
-                    let mut state = self.model.stage_forward(batch, inputs.remove(&mb), scale)?;
+                    let input = inputs.remove(&(mb, chunk));
+                    let mut state = self.model.stage_forward(batch, chunk, input, scale)?;
                     match state.loss() {
                         Some(loss) => loss_sum += loss.loss_sum,
                         None => {
-                            outputs.insert(mb, state.take_output());
+                            outputs.insert((mb, chunk), state.take_output());
                         }
                     }
-                    states.insert(mb, state);
+                    states.insert((mb, chunk), state);
                 }
-                Action::SendForward { mb, .. } => {
-                    let y = take(&mut outputs, mb, "output")?;
-                    comm.send(&y, pp.next()).map_err(comm_err)?;
+                Action::SendForward { mb, chunk } => {
+                    let y = take(&mut outputs, (mb, chunk), "output")?;
+                    comm.send(&y, place.next_rank()).map_err(comm_err)?;
                 }
-                Action::RecvBackward { mb, .. } => {
+                Action::RecvBackward { mb, chunk } => {
                     let mut d = vec![0f32; self.model.activation_len(&batches[mb])?];
-                    comm.recv(&mut d, pp.next()).map_err(comm_err)?;
-                    douts.insert(mb, d);
+                    comm.recv(&mut d, place.next_rank()).map_err(comm_err)?;
+                    douts.insert((mb, chunk), d);
                 }
-                Action::Backward { mb, .. } => {
-                    let state = states.remove(&mb).ok_or_else(|| {
-                        TrainError::Config(format!(
-                            "pipeline schedule: backward of {mb} before its forward"
-                        ))
-                    })?;
+                Action::Backward { mb, chunk } => {
+                    let state = take(&mut states, (mb, chunk), "forward before the backward")?;
                     let mut grads = self.buffer.grad_slices_mut();
-                    let din = self.model.stage_backward(
-                        &batches[mb],
-                        state,
-                        &mut grads,
-                        douts.remove(&mb),
-                    )?;
+                    let dout = douts.remove(&(mb, chunk));
+                    let din = self
+                        .model
+                        .stage_backward(&batches[mb], state, &mut grads, dout)?;
                     if let Some(d) = din {
-                        dins.insert(mb, d);
+                        dins.insert((mb, chunk), d);
                     }
                 }
-                Action::SendBackward { mb, .. } => {
-                    let d = take(&mut dins, mb, "input gradient")?;
-                    comm.send(&d, pp.prev()).map_err(comm_err)?;
+                Action::SendBackward { mb, chunk } => {
+                    let d = take(&mut dins, (mb, chunk), "input gradient")?;
+                    comm.send(&d, place.prev_rank()).map_err(comm_err)?;
                 }
             }
         }
@@ -148,29 +161,32 @@ impl Trainer {
     }
 
     /// Forward-only loss sum of `batches` through the pipeline (validation): each stage
-    /// receives, runs and passes on every micro-batch in turn; the last sums the losses,
-    /// which the pipeline group then shares.
+    /// receives, runs and passes on every micro-batch in turn, chunk by chunk; the last
+    /// sums the losses, which the pipeline group then shares.
     pub(super) fn evaluate_pipeline(
         &self,
         pp: &PipelineParallel,
         batches: &[TrainBatch],
     ) -> Result<f64> {
         let comm = &pp.comm;
+        let place = pp.rank(self.model.num_chunks());
         let mut sum = 0.0;
         for batch in batches {
-            let input = if self.model.is_pre_process() {
-                None
-            } else {
-                let mut x = vec![0f32; self.model.activation_len(batch)?];
-                comm.recv(&mut x, pp.prev()).map_err(comm_err)?;
-                Some(x)
-            };
-            let mut state = self.model.stage_forward(batch, input, 0.0)?;
-            match state.loss() {
-                Some(loss) => sum += loss.loss_sum,
-                None => comm
-                    .send(&state.take_output(), pp.next())
-                    .map_err(comm_err)?,
+            for chunk in 0..place.vp {
+                let input = if place.is_first(chunk) {
+                    None
+                } else {
+                    let mut x = vec![0f32; self.model.activation_len(batch)?];
+                    comm.recv(&mut x, place.prev_rank()).map_err(comm_err)?;
+                    Some(x)
+                };
+                let mut state = self.model.stage_forward(batch, chunk, input, 0.0)?;
+                match state.loss() {
+                    Some(loss) => sum += loss.loss_sum,
+                    None => comm
+                        .send(&state.take_output(), place.next_rank())
+                        .map_err(comm_err)?,
+                }
             }
         }
         comm.all_reduce_scalar(sum, ReduceOp::Sum).map_err(comm_err)

@@ -111,6 +111,9 @@ pub fn assert_same_run(label: &str, got: &Run, want: &Run) {
 pub struct Layout {
     pub tp: usize,
     pub pp: usize,
+    /// Model chunks per pipeline stage (`virtual_pipeline_model_parallel_size`; 0 or 1:
+    /// no interleaving).
+    pub vp: usize,
     pub sp: bool,
     pub distributed: bool,
     pub overlap: bool,
@@ -137,9 +140,14 @@ impl Layout {
         let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
         let (dp, stage) = (state.data_parallel_size(), state.coords().pp);
         let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
-        let layers = ferrotron_model::stage_layers(full.config.num_layers, pp, stage, None)?;
+        let (layers, vp) = (full.config.num_layers, self.vp.max(1));
+        let chunks = if vp > 1 {
+            ferrotron_model::virtual_stage_layers(layers, pp, vp, stage)?
+        } else {
+            vec![ferrotron_model::stage_layers(layers, pp, stage, None)?]
+        };
         let model = if pp > 1 {
-            full.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
+            full.pipeline_chunks(&chunks, stage == 0, stage + 1 == pp)?
         } else {
             full
         };

@@ -76,12 +76,6 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
             no(key, "data and tensor parallelism run so far");
         }
     }
-    if let Some(v) = p.virtual_pipeline_model_parallel_size.filter(|&v| v > 1) {
-        no(
-            &format!("parallel.virtual_pipeline_model_parallel_size = {v}"),
-            "the interleaved schedule has no executor yet",
-        );
-    }
     if p.overlap_grad_reduce && p.pipeline_model_parallel_size > 1 {
         no(
             "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1",

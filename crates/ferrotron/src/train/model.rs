@@ -140,8 +140,8 @@ fn from_scratch(
     config.validate().context("[model]")?;
     let init = InitConfig {
         seed: rc.resolved.training.seed,
+        init_method_std: m.init_method_std as f32,
         params_dtype: dtype,
-        ..InitConfig::default()
     };
     let model = GptModel::init_random(config, init).context("initializing the model")?;
     let eod = match &tokenizer_dir {

@@ -136,14 +136,24 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     let split = par.tensor_model_parallel_size > 1 || par.pipeline_model_parallel_size > 1;
     let full_model = (lead && split && r.checkpoint.export_hf.is_some()).then(|| model.clone());
     // Pipeline parallelism: this rank holds its stage's layers (an even split, or
-    // decoder_first_pipeline_num_layers on the first stage).
+    // decoder_first_pipeline_num_layers on the first stage), or with the interleaved
+    // schedule one model chunk per virtual stage.
     let pp = par.pipeline_model_parallel_size;
     let model = if pp > 1 {
         let stage = rank.groups.state.coords().pp;
-        let first = par.decoder_first_pipeline_num_layers;
-        let layers = ferrotron_model::stage_layers(model.config.num_layers, pp, stage, first)
-            .context("[parallel] pipeline_model_parallel_size")?;
-        model.pipeline_stage(layers, stage == 0, stage + 1 == pp)?
+        let num_layers = model.config.num_layers;
+        let chunks = match par.virtual_pipeline_model_parallel_size.filter(|&v| v > 1) {
+            Some(vp) => ferrotron_model::virtual_stage_layers(num_layers, pp, vp, stage)
+                .context("[parallel] virtual_pipeline_model_parallel_size")?,
+            None => {
+                let first = par.decoder_first_pipeline_num_layers;
+                vec![
+                    ferrotron_model::stage_layers(num_layers, pp, stage, first)
+                        .context("[parallel] pipeline_model_parallel_size")?,
+                ]
+            }
+        };
+        model.pipeline_chunks(&chunks, stage == 0, stage + 1 == pp)?
     } else {
         model
     };
