@@ -42,8 +42,10 @@ pub struct StageInfo {
 /// the embedding before them (`pre_process`) and the head after them (`post_process`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ChunkPart {
-    /// Range of `GptModel::layers`.
+    /// Range of `GptModel::layers` to run.
     pub layers: Range<usize>,
+    /// The model chunk holding `layers` (its recompute groups apply).
+    pub chunk: Range<usize>,
     pub pre_process: bool,
     pub post_process: bool,
 }
@@ -258,6 +260,7 @@ impl GptModel {
             .as_ref()
             .map_or(0..self.layers.len(), |s| s.chunks[chunk].clone());
         Ok(ChunkPart {
+            chunk: layers.clone(),
             layers,
             pre_process: self.is_pre_process() && chunk == 0,
             post_process: self.is_post_process() && chunk + 1 == n,

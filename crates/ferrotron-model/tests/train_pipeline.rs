@@ -154,3 +154,72 @@ fn stages_refuse_inputs_that_do_not_fit() {
     assert!(err.contains("needs the whole model"), "{err}");
     assert!(full.pipeline_stage(0..3, true, false).is_err());
 }
+
+/// Running the model one layer group at a time (`part_forward` over `layer_groups`, then
+/// the backwards in reverse) is `forward_backward` bit for bit, with and without recompute
+/// (whose groups stay whole), and reads exactly the parameters `part_params` names.
+#[test]
+fn layer_groups_run_in_parts_equal_the_whole_model() {
+    use ferrotron_model::{RecomputeGranularity, RecomputeMethod};
+    for name in ["tiny-llama", "tiny-llama3", "tiny-qwen2"] {
+        for recompute in [
+            None,
+            Some(RecomputeGranularity::Selective),
+            Some(RecomputeGranularity::Full {
+                method: RecomputeMethod::Uniform,
+                num_layers: 2,
+            }),
+            Some(RecomputeGranularity::Full {
+                method: RecomputeMethod::Block,
+                num_layers: 1,
+            }),
+        ] {
+            let mut model = fixture(name);
+            model.config.recompute_granularity = recompute;
+            let batch = batch(model.config.vocab_size);
+            let mut want = model.zero_grads();
+            let mut views: Vec<&mut [f32]> = want.iter_mut().map(|g| g.as_mut_slice()).collect();
+            let want_loss = model.forward_backward(&batch, &mut views, 0.5).unwrap();
+
+            let groups = model.layer_groups();
+            let expect_groups = if matches!(
+                recompute,
+                Some(RecomputeGranularity::Full {
+                    method: RecomputeMethod::Uniform,
+                    ..
+                })
+            ) {
+                1
+            } else {
+                2
+            };
+            assert_eq!(groups.len(), expect_groups, "{name} {recompute:?}");
+            let mut got = model.zero_grads();
+            let mut views: Vec<&mut [f32]> = got.iter_mut().map(|g| g.as_mut_slice()).collect();
+            let (mut states, mut x, mut loss) = (Vec::new(), None, None);
+            let mut covered = 0;
+            for layers in groups {
+                let params = model.part_params(layers.clone());
+                assert!(
+                    params.start <= covered && params.end > covered,
+                    "{params:?}"
+                );
+                covered = params.end;
+                let mut s = model.part_forward(&batch, layers, x.take(), 0.5).unwrap();
+                match s.loss() {
+                    Some(l) => loss = Some(l),
+                    None => x = Some(s.take_output()),
+                }
+                states.push(s);
+            }
+            assert_eq!(covered, model.parameters().len());
+            let mut dout = None;
+            for s in states.into_iter().rev() {
+                dout = model.stage_backward(&batch, s, &mut views, dout).unwrap();
+            }
+            assert!(dout.is_none());
+            assert_eq!(loss.unwrap(), want_loss, "{name} {recompute:?}");
+            assert_eq!(got, want, "{name} {recompute:?}");
+        }
+    }
+}

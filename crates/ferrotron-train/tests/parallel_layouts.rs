@@ -164,6 +164,70 @@ fn overlapped_grad_reduce_matches_one_rank() {
     }
 }
 
+/// overlap_param_gather: the distributed optimizer's parameter all-gathers run on their own
+/// progress thread and the next step's first forward waits per layer group (small buckets:
+/// several per step), alone, with overlap_grad_reduce, under tensor parallelism, with
+/// gradient accumulation over 1 or 2 micro-batches, and with full recompute (whose groups
+/// the forward keeps whole): the same run as one rank.
+#[test]
+fn overlapped_param_gather_matches_one_rank() {
+    let reference = single_rank(ITERS);
+    for (tp, dp, grads, recompute) in [
+        (1, 2, false, false),
+        (1, 4, true, false),
+        (2, 2, true, false),
+        (1, 2, true, true),
+    ] {
+        let layout = Layout {
+            tp,
+            distributed: true,
+            overlap: grads,
+            overlap_params: true,
+            ..Layout::default()
+        };
+        let label = format!("overlap_param_gather tp{tp} dp{dp} overlap_grad_reduce={grads}");
+        let model = || {
+            let mut m = tiny_model();
+            if recompute {
+                m.config.recompute_granularity =
+                    Some(ferrotron_model::RecomputeGranularity::Full {
+                        method: ferrotron_model::RecomputeMethod::Uniform,
+                        num_layers: 2,
+                    });
+            }
+            m
+        };
+        assert_layout(&label, tp * dp, layout, model, &reference);
+    }
+    // the weights are stale until the gathers finish: readers refuse to run
+    let runs = run_local(2, |comm| {
+        let group = DataParallel::new(Arc::new(comm), true).with_overlap_param_gather()?;
+        let mut t = Trainer::new_data_parallel(tiny_model(), dp_options(2, ITERS), group)?;
+        let rank = t.data_parallel().rank();
+        t.train_step(&rank_batches(0, rank, 2))?;
+        let err = t
+            .evaluate(&rank_batches(1, rank, 2))
+            .unwrap_err()
+            .to_string();
+        t.finish_param_gather()?;
+        t.evaluate(&rank_batches(1, rank, 2))?;
+        Ok::<_, TrainError>(err)
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        runs[0].contains("call finish_param_gather first"),
+        "{}",
+        runs[0]
+    );
+    let err = DataParallel::single()
+        .with_overlap_param_gather()
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("needs use_distributed_optimizer"),
+        "{err}"
+    );
+}
+
 /// bf16 gradient reduction (`grad_reduce_in_fp32 = false`) rounds each rank's gradient to
 /// bf16 once: the run tracks the f32 one closely, not bit for bit.
 #[test]

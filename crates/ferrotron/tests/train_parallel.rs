@@ -102,8 +102,9 @@ fn dp2_in_process_matches_one_rank() {
     assert!(err.contains("running 2 ranks in this process"), "{err}");
     assert_same_losses("dp2", &metrics_losses(&tmp.path().join("dp2")), &want);
 
-    // ZeRO-1 with overlapped gradient reduction, stopped at iteration 4, then resumed on ONE
-    // rank from its sharded optimizer
+    // ZeRO-1 with overlapped gradient reduction and parameter gather (validation and a save
+    // every 2 iterations in between), stopped at iteration 4, then resumed on ONE rank from
+    // its sharded optimizer
     let zero = config(tmp.path(), &prefix, "zero1");
     let dp2_zero = [
         "--set",
@@ -112,6 +113,10 @@ fn dp2_in_process_matches_one_rank() {
         "parallel.use_distributed_optimizer=true",
         "--set",
         "parallel.overlap_grad_reduce=true",
+        "--set",
+        "parallel.overlap_param_gather=true",
+        "--set",
+        "checkpoint.save_interval=2",
     ];
     train(
         &zero,
@@ -317,7 +322,12 @@ fn mpirun_layouts_match_one_rank() {
         (
             "mpi-dp4-zero1",
             4,
-            &["--set", "parallel.use_distributed_optimizer=true"],
+            &[
+                "--set",
+                "parallel.use_distributed_optimizer=true",
+                "--set",
+                "parallel.overlap_param_gather=true",
+            ],
         ),
         (
             "mpi-tp2dp2",

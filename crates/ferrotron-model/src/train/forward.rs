@@ -244,7 +244,7 @@ impl GptModel {
         ledger.hold(usize_bytes(&positions));
         let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
         let mut saved = Vec::with_capacity(part.layers.len());
-        for run in c.recompute_runs(part.layers.clone()) {
+        for run in c.recompute_runs_within(part.chunk.clone(), &part.layers) {
             match run.keep {
                 Keep::Each { core_attention } => {
                     for index in run.layers {

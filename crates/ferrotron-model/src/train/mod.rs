@@ -359,9 +359,20 @@ impl GptModel {
         input: Option<Vec<f32>>,
         loss_scale: f32,
     ) -> Result<StageForward> {
+        let part = self.chunk_part(chunk)?;
+        self.run_forward(batch, part, input, loss_scale)
+    }
+
+    /// [`GptModel::stage_forward`] of `part`.
+    fn run_forward(
+        &self,
+        batch: &TrainBatch,
+        part: crate::pipeline_stage::ChunkPart,
+        input: Option<Vec<f32>>,
+        loss_scale: f32,
+    ) -> Result<StageForward> {
         batch.validate(self)?;
         self.config.validate_recompute()?;
-        let part = self.chunk_part(chunk)?;
         rayon::scope(|_| {
             let mut ledger = memory::Ledger::default();
             let post_process = part.post_process;
@@ -373,6 +384,60 @@ impl GptModel {
             };
             Ok(StageForward { acts, ledger, loss })
         })
+    }
+
+    /// The forward of the decoder layers `layers` of a model without interleaving (a whole
+    /// model or a pipeline stage): the embedding first when `layers` starts at 0 on the
+    /// first stage, the head and loss after when it ends at the last layer of the last stage.
+    /// `layers` must be made of whole [`GptModel::layer_groups`]. Running the groups in turn,
+    /// each from the previous one's output, then their backwards in reverse
+    /// ([`GptModel::stage_backward_with`]) gives [`GptModel::stage_forward`]'s results bit
+    /// for bit; between them the caller may change the parameters of layers not yet run
+    /// (`overlap_param_gather`).
+    ///
+    /// # Errors
+    /// As [`GptModel::stage_forward`], `layers` empty or outside the model, or a stage of
+    /// several model chunks.
+    pub fn part_forward(
+        &self,
+        batch: &TrainBatch,
+        layers: std::ops::Range<usize>,
+        input: Option<Vec<f32>>,
+        loss_scale: f32,
+    ) -> Result<StageForward> {
+        let n = self.layers.len();
+        if self.num_chunks() > 1 || layers.is_empty() || layers.end > n {
+            return Err(ModelError::Input(format!(
+                "part_forward of layers {layers:?}: needs a range inside the {n} layers of a \
+                 model of one chunk"
+            )));
+        }
+        let mut part = self.chunk_part(0)?;
+        part.pre_process &= layers.start == 0;
+        part.post_process &= layers.end == n;
+        part.layers = layers;
+        self.run_forward(batch, part, input, loss_scale)
+    }
+
+    /// Index range (order of [`GptModel::parameters`]) of the parameters that
+    /// [`GptModel::part_forward`] of `layers` reads: the embedding with the first layers of
+    /// the first stage, the layers' own, and the final norm and output layer with the last
+    /// layers of the last stage (a tied output weight is the embedding, index 0).
+    pub fn part_params(&self, layers: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        let slots = self.param_slots();
+        let total = self.parameters().len();
+        let first = |i: usize| slots.layers.get(i).map_or(total, |l| l.norm1);
+        let start = if layers.start == 0 {
+            0
+        } else {
+            first(layers.start)
+        };
+        let end = if layers.end == self.layers.len() {
+            total
+        } else {
+            first(layers.end)
+        };
+        start..end
     }
 
     /// The backward of a [`StageForward`] (through the chunk it ran): accumulates into
@@ -390,13 +455,26 @@ impl GptModel {
         grads: &mut [&mut [f32]],
         dout: Option<Vec<f32>>,
     ) -> Result<Option<Vec<f32>>> {
+        self.stage_backward_with(batch, forward, grads, dout, &mut NoGradHook)
+    }
+
+    /// [`GptModel::stage_backward`], telling `ready` as parameter gradients become final.
+    ///
+    /// # Errors
+    /// As [`GptModel::stage_backward`].
+    pub fn stage_backward_with(
+        &self,
+        batch: &TrainBatch,
+        forward: StageForward,
+        grads: &mut [&mut [f32]],
+        dout: Option<Vec<f32>>,
+        ready: &mut (dyn GradReady + Send),
+    ) -> Result<Option<Vec<f32>>> {
         self.check_grads(batch, grads)?;
         let StageForward {
             acts, mut ledger, ..
         } = forward;
-        rayon::scope(|_| {
-            self.train_backward(batch, acts, grads, &mut ledger, &mut NoGradHook, dout)
-        })
+        rayon::scope(|_| self.train_backward(batch, acts, grads, &mut ledger, ready, dout))
     }
 }
 

@@ -177,6 +177,27 @@ impl GptModel {
         Ok(())
     }
 
+    /// Writes parameter `index` (order of [`GptModel::parameters`]) from `src` (f32, rounded
+    /// to the storage dtype as [`GptModel::load_parameters_from`]).
+    ///
+    /// # Errors
+    /// No such parameter, or `src` of the wrong length (nothing is written then).
+    pub fn load_parameter(&mut self, index: usize, src: &[f32]) -> Result<()> {
+        let infos = self.parameters();
+        let info = infos.get(index).ok_or_else(|| {
+            ModelError::Input(format!(
+                "parameter {index} of a model with {} parameters",
+                infos.len()
+            ))
+        })?;
+        check_len(info, src.len())?;
+        match self.param_views_mut().swap_remove(index) {
+            ViewMut::F32(d) => d.copy_from_slice(src),
+            ViewMut::Tensor(t) => write_tensor(t, src)?,
+        }
+        Ok(())
+    }
+
     /// Indices of each parameter in the [`GptModel::parameters`] order.
     pub(crate) fn param_slots(&self) -> Slots {
         let mut next = 0;

@@ -79,9 +79,44 @@ impl TransformerConfig {
             }
         }
     }
+
+    /// The runs of `chunk` ([`TransformerConfig::recompute_runs`]) inside `layers`, a
+    /// range of the chunk made of whole recompute groups (see [`GptModel::layer_groups`]).
+    pub(crate) fn recompute_runs_within(
+        &self,
+        chunk: Range<usize>,
+        layers: &Range<usize>,
+    ) -> Vec<Run> {
+        self.recompute_runs(chunk)
+            .into_iter()
+            .filter_map(|run| {
+                let start = run.layers.start.max(layers.start);
+                let end = run.layers.end.min(layers.end);
+                (start < end).then_some(Run {
+                    layers: start..end,
+                    keep: run.keep,
+                })
+            })
+            .collect()
+    }
 }
 
 impl GptModel {
+    /// The finest split of the (single-chunk) model's layers into consecutive groups that
+    /// keeps each full-recompute group whole: one group per layer, except that layers
+    /// recomputed together from one saved input stay together. Running the groups one after
+    /// the other ([`GptModel::part_forward`]) is the same computation as running the model.
+    pub fn layer_groups(&self) -> Vec<Range<usize>> {
+        self.config
+            .recompute_runs(0..self.layers.len())
+            .into_iter()
+            .flat_map(|run| match run.keep {
+                Keep::Input => vec![run.layers],
+                Keep::Each { .. } => run.layers.map(|i| i..i + 1).collect(),
+            })
+            .collect()
+    }
+
     /// Backward of the group `layers` saved as its input `x: [local rows, h]`: re-runs their forward
     /// from `x` keeping every activation, then backpropagates through them in reverse, freeing
     /// each layer's activations after its backward.

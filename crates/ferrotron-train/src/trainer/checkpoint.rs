@@ -146,6 +146,7 @@ impl Trainer {
         extra: serde_json::Value,
         files: &[(String, PathBuf)],
     ) -> Result<PathBuf> {
+        self.require_params_current("save_checkpoint")?;
         let dir = iteration_dir(save, self.iteration);
         let committing = self.is_writer();
         let created = if committing {
@@ -201,6 +202,8 @@ impl Trainer {
     /// [`TrainError::Checkpoint`] for an unreadable or mismatching checkpoint; on error the
     /// trainer may hold partly loaded weights and must not be used.
     pub fn load_checkpoint(&mut self, dir: &Path, mode: LoadMode) -> Result<TrainerState> {
+        // Gathers in flight would land on top of the loaded weights.
+        self.finish_param_gather()?;
         let reader = CheckpointReader::open(dir).map_err(ckpt_err)?;
         let content = &reader.metadata().content;
         let stored_state: Option<TrainerState> = match content.get("trainer") {

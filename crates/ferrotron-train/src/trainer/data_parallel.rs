@@ -30,6 +30,9 @@ pub struct DataParallel {
     use_distributed_optimizer: bool,
     /// The group's progress thread, with `overlap_grad_reduce`.
     overlap: Option<Arc<AsyncComm>>,
+    /// The parameter gathers' progress thread (on a duplicate group), with
+    /// `overlap_param_gather`.
+    param_gather: Option<Arc<AsyncComm>>,
     /// Reduce gradients as bf16 (each rank's contribution rounded once, summed in f32)
     /// instead of f32: half the traffic (Megatron's `grad_reduce_in_fp32 = false`).
     grad_reduce_in_bf16: bool,
@@ -42,6 +45,7 @@ impl std::fmt::Debug for DataParallel {
             .field("size", &self.comm.size())
             .field("use_distributed_optimizer", &self.use_distributed_optimizer)
             .field("overlap_grad_reduce", &self.overlap.is_some())
+            .field("overlap_param_gather", &self.param_gather.is_some())
             .finish()
     }
 }
@@ -58,6 +62,7 @@ impl DataParallel {
             comm,
             use_distributed_optimizer,
             overlap: None,
+            param_gather: None,
             grad_reduce_in_bf16: false,
         }
     }
@@ -88,6 +93,37 @@ impl DataParallel {
     /// The progress thread of `overlap_grad_reduce`, if on.
     pub(super) fn overlap_comm(&self) -> Option<&AsyncComm> {
         self.overlap.as_deref()
+    }
+
+    /// Megatron's `overlap_param_gather` (with the distributed optimizer): after each step
+    /// the buckets' parameter all-gathers run on a progress thread of their own (over a
+    /// duplicate of the group, so they never interleave with this thread's collectives)
+    /// while the next step's forward starts (see `param_gather.rs`). A group of one has
+    /// nothing to gather.
+    ///
+    /// # Errors
+    /// Without the distributed optimizer, or the duplicate group or its thread could not be
+    /// made.
+    pub fn with_overlap_param_gather(mut self) -> Result<Self> {
+        if !self.use_distributed_optimizer {
+            return Err(TrainError::Config(
+                "overlap_param_gather needs use_distributed_optimizer".into(),
+            ));
+        }
+        if self.size() > 1 {
+            let dup = self
+                .comm
+                .split(Some(0), self.rank())
+                .map_err(comm_err)?
+                .ok_or_else(|| TrainError::Comm("duplicating the data-parallel group".into()))?;
+            self.param_gather = Some(Arc::new(AsyncComm::new(dup).map_err(comm_err)?));
+        }
+        Ok(self)
+    }
+
+    /// The progress thread of `overlap_param_gather`, if on.
+    pub(super) fn param_gather_comm(&self) -> Option<&AsyncComm> {
+        self.param_gather.as_deref()
     }
 
     /// A group of one: the single-rank trainer.
@@ -236,7 +272,8 @@ impl GradStatsReduce for StatsReduce<'_> {
     }
 }
 
-fn storage_bytes(params: &mut ParamStorage) -> &mut [u8] {
+/// The parameter storage as bytes (what the all-gathers move).
+pub(super) fn storage_bytes(params: &mut ParamStorage) -> &mut [u8] {
     match params {
         ParamStorage::F32(v) => bytemuck::cast_slice_mut(v),
         ParamStorage::BF16(v) => bytemuck::cast_slice_mut(v),

@@ -46,6 +46,7 @@ impl Trainer {
     /// # Errors
     /// A failed collective.
     pub fn gather_model_parameters(&self) -> Result<Option<NamedParams>> {
+        self.require_params_current("gather_model_parameters")?;
         let infos = self.buffer.params();
         let local: Vec<Vec<f32>> = (0..infos.len())
             .map(|i| self.buffer.param_to_f32(ParamId(i)))

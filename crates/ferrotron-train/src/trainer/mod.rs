@@ -26,6 +26,7 @@ mod full_state;
 mod log;
 mod options;
 mod overlap;
+mod param_gather;
 mod pipeline_exec;
 mod run;
 mod sharded;

@@ -159,6 +159,7 @@ impl Trainer {
             if let Some(provider) = valid.as_mut()
                 && eval_now
             {
+                self.finish_param_gather()?;
                 let loss = self.evaluate_counted(&provider()?)?;
                 summary.last_eval_loss = Some(loss);
                 last_eval_at = Some(self.iteration);
@@ -173,6 +174,7 @@ impl Trainer {
                     .is_some_and(|n| n > 0 && self.iteration.is_multiple_of(n))
             });
             if save_now {
+                self.finish_param_gather()?;
                 emit(TrainLog::Saved(self.save_planned()?), metrics, on_log)?;
                 last_save_at = Some(self.iteration);
             }
@@ -184,6 +186,8 @@ impl Trainer {
                 break;
             }
         }
+        // The caller gets current weights.
+        self.finish_param_gather()?;
         if let Some(provider) = valid.as_mut()
             && opts.eval_interval > 0
             && self.iteration > 0

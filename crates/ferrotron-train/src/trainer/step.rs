@@ -5,9 +5,12 @@
 
 use super::data_parallel::DataParallel;
 use super::overlap::BucketOverlap;
+use super::param_gather::ParamGather;
 use super::{Result, TrainError, TrainerOptions};
 use ferrotron_data::MicroBatch;
-use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
+use ferrotron_model::{
+    GptModel, GradReady, KvCache, LogitsMode, LossStats, NoGradHook, TrainBatch,
+};
 use ferrotron_optim::{
     BufferConfig, Optimizer, OptimizerParamScheduler, OwnedRanges, ParamAndGradBuffer,
     ParamAndGradBufferBuilder, ParamFlags, ParamId,
@@ -35,8 +38,10 @@ pub struct StepStats {
     pub tokens: usize,
     /// Wall time of the step (forward, backward, optimizer, weight copy).
     pub elapsed: Duration,
-    /// Time the step waited for the data-parallel gradient reduction: all of it without
-    /// `overlap_grad_reduce`, only what was left after the backward with it.
+    /// Time the step waited for data-parallel communication: the gradient reduction (all
+    /// of it without `overlap_grad_reduce`, only what was left after the backward with it)
+    /// and the distributed optimizer's parameter all-gather (all of it without
+    /// `overlap_param_gather`; with it, what the next step's first forward waited).
     pub comm_wait: Duration,
 }
 
@@ -54,6 +59,8 @@ pub struct Trainer {
     pub(super) save_plan: Option<super::SavePlan>,
     pub(super) dp: DataParallel,
     pub(super) pp: Option<super::PipelineParallel>,
+    /// The last step's parameter all-gathers still in flight (`overlap_param_gather`).
+    pub(super) param_gather: Option<ParamGather>,
 }
 
 impl Trainer {
@@ -143,6 +150,7 @@ impl Trainer {
             save_plan: None,
             dp,
             pp: None,
+            param_gather: None,
         };
         if trainer.dp.size() > 1 {
             trainer.sync_model_from_buffer()?;
@@ -269,6 +277,11 @@ impl Trainer {
         self.buffer.zero_grad();
         let (mut loss_sum, mut tokens) = (0.0, 0);
         let pipelined = self.pp.is_some();
+        // The pipeline's forwards do not wait per layer: the last step's gathers first.
+        let mut gather_wait = Duration::ZERO;
+        if pipelined {
+            gather_wait = self.finish_param_gather()?;
+        }
         if let Some(pp) = self.pp.clone() {
             loss_sum = self.run_pipeline(&pp, &batches, total, loss_scale)?;
             tokens = batches.iter().map(|b| b.tokens.len()).sum();
@@ -292,12 +305,29 @@ impl Trainer {
             } else {
                 0.0
             };
-            let mut grads = self.buffer.grad_slices_mut();
-            let stats = match overlap.as_mut() {
-                Some(hook) if k == last => self
-                    .model
-                    .forward_backward_with(batch, &mut grads, scale, hook)?,
-                _ => self.model.forward_backward(batch, &mut grads, scale)?,
+            let mut no_hook = NoGradHook;
+            let ready: &mut (dyn GradReady + Send) = match overlap.as_mut() {
+                Some(hook) if k == last => hook,
+                _ => &mut no_hook,
+            };
+            let stats = match self.param_gather.take() {
+                Some(gather) => {
+                    let (stats, waited) = gated_forward_backward(
+                        &mut self.model,
+                        &mut self.buffer,
+                        gather,
+                        batch,
+                        scale,
+                        ready,
+                    )?;
+                    gather_wait += waited;
+                    stats
+                }
+                None => {
+                    let mut grads = self.buffer.grad_slices_mut();
+                    self.model
+                        .forward_backward_with(batch, &mut grads, scale, ready)?
+                }
             };
             loss_sum += stats.loss_sum;
             tokens += batch.tokens.len();
@@ -327,8 +357,15 @@ impl Trainer {
             ),
         )?;
         if out.update_successful {
-            self.dp.gather_params(&mut self.buffer)?;
-            self.sync_model_from_buffer()?;
+            match self.dp.param_gather_comm() {
+                Some(comm) => self.param_gather = Some(ParamGather::launch(comm, &mut self.buffer)),
+                None => {
+                    let wait = Instant::now();
+                    self.dp.gather_params(&mut self.buffer)?;
+                    gather_wait += wait.elapsed();
+                    self.sync_model_from_buffer()?;
+                }
+            }
             self.scheduler.step(1);
         }
         self.iteration += 1;
@@ -342,8 +379,37 @@ impl Trainer {
             skipped: !out.update_successful,
             tokens: tokens as usize,
             elapsed: start.elapsed(),
-            comm_wait,
+            comm_wait: comm_wait + gather_wait,
         })
+    }
+
+    /// With `overlap_param_gather`: waits for the last step's parameter all-gathers and
+    /// writes them into the buffer and the model (the next step's forward does this itself,
+    /// layer by layer). Until then [`Trainer::model`] and [`Trainer::param`] hold the
+    /// previous weights outside this rank's shard; [`Trainer::train`] calls this before it
+    /// validates, saves or returns, and [`Trainer::evaluate`], the checkpoint writers and
+    /// [`Trainer::gather_model_parameters`] refuse to run without it. Collective over the
+    /// data-parallel group. Returns the time spent waiting.
+    ///
+    /// # Errors
+    /// A failed all-gather.
+    pub fn finish_param_gather(&mut self) -> Result<Duration> {
+        match self.param_gather.take() {
+            Some(gather) => gather.finish(&mut self.buffer, &mut self.model),
+            None => Ok(Duration::ZERO),
+        }
+    }
+
+    /// Errors while parameter all-gathers are in flight (see
+    /// [`Trainer::finish_param_gather`]).
+    pub(super) fn require_params_current(&self, what: &str) -> Result<()> {
+        if self.param_gather.is_some() {
+            return Err(TrainError::Config(format!(
+                "{what}: the last step's parameter all-gathers are still in flight \
+                 (overlap_param_gather); call finish_param_gather first"
+            )));
+        }
+        Ok(())
     }
 
     /// Copies the buffer's parameters into the model (after a step or a checkpoint load).
@@ -374,6 +440,7 @@ impl Trainer {
     /// # Errors
     /// Malformed batches or a model failure.
     pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<f64> {
+        self.require_params_current("evaluate")?;
         let batches = batches
             .iter()
             .map(|mb| self.to_train_batch(mb))
@@ -477,4 +544,39 @@ pub(super) fn new_optimizer(
         buffer,
         owned.ranges().to_vec(),
     )?)
+}
+
+/// The first micro-batch's forward and backward under `overlap_param_gather`: the forward
+/// runs one layer group at a time ([`GptModel::layer_groups`]), each after the parameters
+/// it reads have arrived; the backward then walks the groups in reverse. Same values as
+/// [`GptModel::forward_backward_with`]. Returns the loss and the time spent waiting.
+fn gated_forward_backward(
+    model: &mut GptModel,
+    buffer: &mut ParamAndGradBuffer,
+    mut gather: ParamGather,
+    batch: &TrainBatch,
+    scale: f32,
+    ready: &mut (dyn GradReady + Send),
+) -> Result<(LossStats, Duration)> {
+    let mut states = Vec::new();
+    let (mut x, mut loss) = (None, None);
+    for layers in model.layer_groups() {
+        gather.install_through(model.part_params(layers.clone()).end, buffer, model)?;
+        let mut state = model.part_forward(batch, layers, x.take(), scale)?;
+        match state.loss() {
+            Some(l) => loss = Some(l),
+            None => x = Some(state.take_output()),
+        }
+        states.push(state);
+    }
+    let waited = gather.finish(buffer, model)?;
+    let mut grads = buffer.grad_slices_mut();
+    let mut dout = None;
+    for state in states.into_iter().rev() {
+        dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
+    }
+    let loss = loss.ok_or_else(|| {
+        TrainError::Config("overlap_param_gather: the model computed no loss".into())
+    })?;
+    Ok((loss, waited))
 }

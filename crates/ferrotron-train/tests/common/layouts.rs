@@ -54,6 +54,7 @@ pub fn train(t: &mut Trainer, from: usize, iters: usize) -> Run {
     let losses = (from..from + iters)
         .map(|it| t.train_step(&rank_batches(it, rank, size)).unwrap().loss)
         .collect();
+    t.finish_param_gather().unwrap();
     (losses, params(t))
 }
 
@@ -117,6 +118,8 @@ pub struct Layout {
     pub sp: bool,
     pub distributed: bool,
     pub overlap: bool,
+    /// `overlap_param_gather` (needs `distributed`).
+    pub overlap_params: bool,
     /// Train with bf16 weights and fp32 master weights (the model must be bf16).
     pub bf16: bool,
 }
@@ -156,6 +159,9 @@ impl Layout {
         let mut group = DataParallel::new(groups.data.clone(), self.distributed);
         if self.overlap {
             group = group.with_overlap_grad_reduce()?;
+        }
+        if self.overlap_params {
+            group = group.with_overlap_param_gather()?;
         }
         let mut options = dp_options(dp, iters);
         if self.bf16 {

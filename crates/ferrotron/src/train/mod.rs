@@ -82,12 +82,6 @@ fn unsupported(rc: &RunConfig) -> Vec<String> {
             "the pipeline schedule reduces after its last backward",
         );
     }
-    if p.overlap_param_gather {
-        no(
-            "parallel.overlap_param_gather",
-            "parameters are all-gathered right after the step",
-        );
-    }
     out
 }
 

@@ -170,6 +170,9 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     if par.overlap_grad_reduce {
         dp = dp.with_overlap_grad_reduce()?;
     }
+    if par.overlap_param_gather {
+        dp = dp.with_overlap_param_gather()?;
+    }
     if !par.grad_reduce_in_fp32 {
         dp = dp.with_bf16_grad_reduce();
     }

@@ -1,0 +1,138 @@
+//! `overlap_param_gather` (Megatron-Core `DistributedOptimizer` with
+//! `overlap_param_gather`, the Megatron-LLaMA `OverlappedDistributedOptimizer` idea): after
+//! the optimizer step each rank has updated only its shard of every bucket; instead of
+//! all-gathering the buckets before the step returns, [`ParamGather::launch`] dispatches
+//! their all-gathers on the data-parallel progress thread in the order the next forward
+//! needs them, and the next step's first micro-batch runs its forward one layer group at a
+//! time ([`GptModel::part_forward`]), first making that group's parameters current
+//! ([`ParamGather::install_through`], Megatron's forward pre-hook). The gathers of later
+//! buckets thus run while earlier layers compute.
+//!
+//! The buffer holds parameters in reverse order, so the embedding sits in the last bucket:
+//! buckets are dispatched and waited for from the last to the first. The values are the
+//! same as with the synchronous gather; only the waiting moves.
+
+use std::time::{Duration, Instant};
+
+use ferrotron_comm::{AsyncComm, CommHandle};
+use ferrotron_model::GptModel;
+use ferrotron_optim::{ParamAndGradBuffer, ParamId};
+use ferrotron_tensor::DType;
+
+use super::data_parallel::{comm_err, storage_bytes};
+use super::{Result, TrainError};
+
+/// The in-flight parameter all-gathers of one optimizer step.
+pub(super) struct ParamGather {
+    /// Per bucket: its gather, until installed.
+    pending: Vec<Option<CommHandle<Vec<u8>>>>,
+    /// Per bucket: the parameters (indices) it holds.
+    bucket_params: Vec<Vec<usize>>,
+    /// Per parameter: its bucket.
+    param_bucket: Vec<usize>,
+    /// Time spent waiting for gathers so far.
+    waited: Duration,
+}
+
+impl ParamGather {
+    /// Dispatches the all-gather of every bucket's parameters (this rank's updated shard in
+    /// place, the others' to be filled in) on `comm`, the last bucket first.
+    pub(super) fn launch(comm: &AsyncComm, buffer: &mut ParamAndGradBuffer) -> ParamGather {
+        let ranges: Vec<_> = buffer.buckets().iter().map(|b| b.start..b.end).collect();
+        let n = buffer.params().len();
+        let param_bucket: Vec<usize> = (0..n).map(|i| buffer.info(ParamId(i)).bucket_id).collect();
+        let mut bucket_params = vec![Vec::new(); ranges.len()];
+        for (i, &b) in param_bucket.iter().enumerate() {
+            bucket_params[b].push(i);
+        }
+        let (params, _) = buffer.data_mut();
+        let elem = params.dtype().size_in_bytes();
+        let bytes = storage_bytes(params);
+        let mut pending: Vec<Option<CommHandle<Vec<u8>>>> = ranges.iter().map(|_| None).collect();
+        for (b, r) in ranges.iter().enumerate().rev() {
+            let mut staged = bytes[r.start * elem..r.end * elem].to_vec();
+            pending[b] =
+                Some(comm.submit(move |c| c.all_gather_bytes(&mut staged).map(|()| staged)));
+        }
+        ParamGather {
+            pending,
+            bucket_params,
+            param_bucket,
+            waited: Duration::ZERO,
+        }
+    }
+
+    /// Makes parameters `0..end` (order of [`GptModel::parameters`]) current in `buffer`
+    /// and `model`: waits for every bucket holding one of them that has not arrived yet,
+    /// then writes its parameters into the buffer and the model.
+    ///
+    /// # Errors
+    /// A failed all-gather, or a gathered bucket of the wrong size.
+    pub(super) fn install_through(
+        &mut self,
+        end: usize,
+        buffer: &mut ParamAndGradBuffer,
+        model: &mut GptModel,
+    ) -> Result<()> {
+        let mut needed: Vec<usize> = self.param_bucket[..end.min(self.param_bucket.len())]
+            .iter()
+            .copied()
+            .filter(|&b| self.pending[b].is_some())
+            .collect();
+        needed.sort_unstable_by(|a, b| b.cmp(a));
+        needed.dedup();
+        for b in needed {
+            let Some(handle) = self.pending[b].take() else {
+                continue;
+            };
+            let start = Instant::now();
+            let gathered = handle.wait().map_err(comm_err)?;
+            self.waited += start.elapsed();
+            install_bucket(buffer, model, b, &gathered, &self.bucket_params[b])?;
+        }
+        Ok(())
+    }
+
+    /// Installs every bucket still in flight; returns the total time spent waiting.
+    ///
+    /// # Errors
+    /// As [`ParamGather::install_through`].
+    pub(super) fn finish(
+        mut self,
+        buffer: &mut ParamAndGradBuffer,
+        model: &mut GptModel,
+    ) -> Result<Duration> {
+        self.install_through(self.param_bucket.len(), buffer, model)?;
+        Ok(self.waited)
+    }
+}
+
+/// Writes gathered bucket `b` into the buffer, then its parameters into the model.
+fn install_bucket(
+    buffer: &mut ParamAndGradBuffer,
+    model: &mut GptModel,
+    b: usize,
+    gathered: &[u8],
+    params: &[usize],
+) -> Result<()> {
+    let range = buffer.buckets()[b].start..buffer.buckets()[b].end;
+    let (storage, _) = buffer.data_mut();
+    let elem = storage.dtype().size_in_bytes();
+    let dst = &mut storage_bytes(storage)[range.start * elem..range.end * elem];
+    if dst.len() != gathered.len() {
+        return Err(TrainError::Comm(format!(
+            "parameter bucket {b}: gathered {} bytes, expected {}",
+            gathered.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(gathered);
+    for &i in params {
+        if buffer.param_dtype() == DType::F32 {
+            model.load_parameter(i, buffer.param::<f32>(ParamId(i))?)?;
+        } else {
+            model.load_parameter(i, &buffer.param_to_f32(ParamId(i)))?;
+        }
+    }
+    Ok(())
+}
