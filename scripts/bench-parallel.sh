@@ -10,7 +10,10 @@
 #   bash scripts/bench-parallel.sh --data PREFIX --layouts single,dp2,tp2 --iters 4
 #
 # Layouts: single, dp2, dp2-overlap (overlap_grad_reduce), dp2-zero1 (distributed optimizer),
-# tp3 (SmolLM2-135M's 9 heads / 3 query groups split over 3, not 2), tp3xdp2, pp2, pp2xdp2,
+# dp2-zero1-overlap-grad (+ overlap_grad_reduce), dp2-zero1-overlap (distributed optimizer +
+# overlap_grad_reduce + overlap_param_gather),
+# tp3 (SmolLM2-135M's 9 heads / 3 query groups split over 3, not 2), tp3xdp2, pp2,
+# pp2vp3 (interleaved 1F1B, 3 model chunks of 5 layers per stage), pp2xdp2,
 # tp2 / tp2-sp / tp2xdp2 (models whose heads and groups divide by 2), mpi-dp2
 # (needs a build with --features mpi and OpenMPI). Options: --model DIR (default
 # .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8), --mbs N (2),
@@ -30,7 +33,7 @@ while [ $# -gt 0 ]; do
     --gbs) gbs="$2"; shift ;;
     --mbs) mbs="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "bench-parallel.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -50,10 +53,13 @@ layout_sets() {
     dp2) echo "--set parallel.data_parallel_size=2" ;;
     dp2-overlap) echo "--set parallel.data_parallel_size=2 --set parallel.overlap_grad_reduce=true" ;;
     dp2-zero1) echo "--set parallel.data_parallel_size=2 --set parallel.use_distributed_optimizer=true" ;;
+    dp2-zero1-overlap-grad) echo "--set parallel.data_parallel_size=2 --set parallel.use_distributed_optimizer=true --set parallel.overlap_grad_reduce=true" ;;
+    dp2-zero1-overlap) echo "--set parallel.data_parallel_size=2 --set parallel.use_distributed_optimizer=true --set parallel.overlap_grad_reduce=true --set parallel.overlap_param_gather=true" ;;
     tp2) echo "--set parallel.tensor_model_parallel_size=2" ;;
     tp3) echo "--set parallel.tensor_model_parallel_size=3" ;;
     tp3xdp2) echo "--set parallel.tensor_model_parallel_size=3 --set parallel.data_parallel_size=2" ;;
     pp2) echo "--set parallel.pipeline_model_parallel_size=2" ;;
+    pp2vp3) echo "--set parallel.pipeline_model_parallel_size=2 --set parallel.virtual_pipeline_model_parallel_size=3" ;;
     pp2xdp2) echo "--set parallel.pipeline_model_parallel_size=2 --set parallel.data_parallel_size=2" ;;
     tp2-sp) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.sequence_parallel=true" ;;
     tp2xdp2) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.data_parallel_size=2" ;;
@@ -62,7 +68,7 @@ layout_sets() {
   esac
 }
 
-printf '%-11s %9s %6s %9s %9s  %s\n' layout "tok/s" ratio "peak GiB" "wait ms" "losses"
+printf '%-18s %9s %6s %9s %9s  %s\n' layout "tok/s" ratio "peak GiB" "wait ms" "losses"
 base=""
 IFS=',' read -r -a list <<< "$layouts"
 for l in "${list[@]}"; do
@@ -105,7 +111,7 @@ med = statistics.median(tps)
 rss = max(int(m) for m in re.findall(r"Maximum resident set size \(kbytes\): (\d+)", open(f"{d}/stderr").read())) / 2**20
 ratio = f"{med / float(base):.2f}" if base else "1.00"
 wait = statistics.median([r.get("comm_wait_ms", 0.0) for r in rows[1:]] or [0.0])
-print(f"{layout:<11} {med:9.1f} {ratio:>6} {rss:9.2f} {wait:9.1f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
+print(f"{layout:<18} {med:9.1f} {ratio:>6} {rss:9.2f} {wait:9.1f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
 PY
   if [ -z "$base" ]; then
     base=$(python3 -c "import json,statistics;r=[json.loads(l) for l in open('$dir/metrics.jsonl') if '\"train\"' in l];t=[x['tokens_per_second'] for x in r[1:]] or [r[0]['tokens_per_second']];print(statistics.median(t))")

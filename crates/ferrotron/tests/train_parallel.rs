@@ -257,6 +257,21 @@ fn interleaved_pipeline_in_process_matches_one_rank() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("gives 3 micro-batches per data-parallel rank; the interleaved schedule (parallel.virtual_pipeline_model_parallel_size = 2) needs a multiple of pipeline_model_parallel_size (2)"), "{err}");
+    // the 2-layer fixture cannot be cut into 2 x 2 virtual stages
+    let o = ferrotron(
+        &[
+            &[
+                "train",
+                "--config",
+                config(tmp.path(), &prefix, "bad2").to_str().unwrap(),
+            ][..],
+            &vp2,
+        ]
+        .concat(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("num_layers (2) is not divisible by pipeline_model_parallel_size (2) x virtual_pipeline_model_parallel_size (2)"), "{err}");
 }
 
 #[test]

@@ -177,6 +177,21 @@ impl GptModel {
         Ok(())
     }
 
+    /// Parameter `index` (order of [`GptModel::parameters`]) widened to f32 (exact).
+    ///
+    /// # Errors
+    /// No such parameter.
+    pub fn parameter_f32(&self, index: usize) -> Result<Vec<f32>> {
+        let mut views = self.param_views();
+        if index >= views.len() {
+            return Err(ModelError::Input(format!(
+                "parameter {index} of a model with {} parameters",
+                views.len()
+            )));
+        }
+        Ok(views.swap_remove(index).1.to_f32().into_owned())
+    }
+
     /// Writes parameter `index` (order of [`GptModel::parameters`]) from `src` (f32, rounded
     /// to the storage dtype as [`GptModel::load_parameters_from`]).
     ///

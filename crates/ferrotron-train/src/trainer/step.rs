@@ -129,10 +129,10 @@ impl Trainer {
         if dtype == DType::F32 {
             model.copy_parameters_to(&mut buffer.param_slices_mut::<f32>()?)?;
         } else {
-            // Exact: the model's bf16/f16 weights widen to f32 and round back unchanged.
-            let values = model.parameters_f32();
-            for (i, v) in values.iter().enumerate() {
-                buffer.set_param_from_f32(ParamId(i), v)?;
+            // Exact: the model's bf16/f16 weights widen to f32 and round back unchanged (one
+            // parameter at a time, as in `sync_model_from_buffer`).
+            for i in 0..buffer.params().len() {
+                buffer.set_param_from_f32(ParamId(i), &model.parameter_f32(i)?)?;
             }
         }
         dp.broadcast_params(&mut buffer)?;
@@ -421,11 +421,12 @@ impl Trainer {
                 .collect::<std::result::Result<_, _>>()?;
             self.model.load_parameters_from(&params)?;
         } else {
-            let owned: Vec<Vec<f32>> = (0..n)
-                .map(|i| self.buffer.param_to_f32(ParamId(i)))
-                .collect();
-            let params: Vec<&[f32]> = owned.iter().map(Vec::as_slice).collect();
-            self.model.load_parameters_from(&params)?;
+            // One parameter at a time: a widened copy of the whole model would be a 4
+            // bytes/parameter spike on top of the training state.
+            for i in 0..n {
+                self.model
+                    .load_parameter(i, &self.buffer.param_to_f32(ParamId(i)))?;
+            }
         }
         Ok(())
     }
