@@ -322,20 +322,12 @@ fn masked_loss_gradients_match_finite_differences() {
     assert_eq!(checked, 18);
 }
 
-/// bf16 storage (llama3 is bf16 on disk, so the weights are exact): the same loss and
-/// gradients as f32 storage, and `load_parameters_from` rounds to bf16.
+/// bf16 storage (llama3 is bf16 on disk, so the weights are exact): `load_parameters_from`
+/// rounds linear weights to bf16 and keeps norms in f32. (bf16 training's loss and
+/// gradients, with bf16 activations, are checked against f32 in `train_bf16.rs`.)
 #[test]
-fn bf16_storage_trains_like_f32() {
-    let batch = batch("tiny-llama3");
-    let (m32, _) = load_hf_model(&fixture("tiny-llama3"), DType::F32).unwrap();
+fn bf16_storage_rounds_loaded_weights() {
     let (mut m16, _) = load_hf_model(&fixture("tiny-llama3"), DType::BF16).unwrap();
-    let (mut g32, mut g16) = (zero_grads(&m32), zero_grads(&m16));
-    let (l32, l16) = (run(&m32, &batch, &mut g32), run(&m16, &batch, &mut g16));
-    assert!((l32 - l16).abs() <= 1e-6 * l32.abs(), "{l32} vs {l16}");
-    for (a, b) in g32.iter().zip(&g16) {
-        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
-        assert!(a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * scale));
-    }
     let params = m16.parameters();
     let src: Vec<Vec<f32>> = params
         .iter()

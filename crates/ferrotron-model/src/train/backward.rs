@@ -10,6 +10,7 @@ use super::forward::{
 };
 use super::memory::Ledger;
 use super::params::{LayerSlots, Slots};
+use super::stored::Stored;
 use super::tp_ops::{column_input_backward, row_parallel_output_grad};
 use super::{GradReady, TrainBatch};
 use crate::{GptModel, Result, TransformerLayer};
@@ -85,7 +86,7 @@ impl GptModel {
                 }
             }
         };
-        let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
+        let pass = Pass::new(self, &positions, batch);
         let mut st = Backprop {
             scratch: vec![0f32; dres.len()],
             dres,
@@ -235,18 +236,18 @@ pub(crate) fn layer_backward(
     let dy = row_parallel_output_grad(pass.tp, dres)?;
     let mut dact = vec![0f32; rows * f];
     let fc2 = &layer.mlp.linear_fc2;
-    linear_backward(fc2, &la.act, &dy, &mut dact, grads, ls.fc2_w, None);
+    linear_backward(fc2, &la.act.f32(), &dy, &mut dact, grads, ls.fc2_w, None);
     if let Some(b) = ls.fc2_b {
         add_bias_backward(dres, grads[b]);
     }
     drop(dy);
     let mut dfc1 = vec![0f32; rows * 2 * f];
-    swiglu_packed_backward(&la.fc1, &dact, &mut dfc1, f);
+    swiglu_packed_backward(&la.fc1.f32(), &dact, &mut dfc1, f);
     drop(dact);
     let mut dnorm2 = vec![0f32; rows * h];
     linear_backward(
         &layer.mlp.linear_fc1,
-        &la.norm2,
+        &la.norm2.f32(),
         &dfc1,
         &mut dnorm2,
         grads,
@@ -274,7 +275,7 @@ pub(crate) fn layer_backward(
     let mut dnorm1 = vec![0f32; rows * h];
     linear_backward(
         &layer.linear_qkv,
-        &la.norm1,
+        &la.norm1.f32(),
         &dqkv,
         &mut dnorm1,
         grads,
@@ -304,19 +305,26 @@ fn core_attention_and_proj_backward(
     let c = pass.c;
     let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
     let rows = pass.positions.len();
+    let (q, k, v) = (la.q.f32(), la.k.f32(), la.v.f32());
     let recomputed;
     let core = match &la.core_attn {
         Some(kept) => kept,
         None => {
-            recomputed = CoreAttnOut::compute(&la.q, &la.k, &la.v, pass);
+            // Rounded as the forward rounded it: the same values as a kept output.
+            let (ctx, lse) = CoreAttnOut::compute(&q, &k, &v, pass);
+            recomputed = CoreAttnOut {
+                ctx: Stored::keep(ctx, pass.narrow),
+                lse,
+            };
             ledger.hold(recomputed.bytes());
             &recomputed
         }
     };
+    let ctx = core.ctx.f32();
     let mut dctx = vec![0f32; rows * a * d];
     linear_backward(
         &layer.linear_proj,
-        &core.ctx,
+        &ctx,
         dres,
         &mut dctx,
         grads,
@@ -328,7 +336,7 @@ fn core_attention_and_proj_backward(
     let mut dv = vec![0f32; rows * g * d];
     let (dims, mask) = attention_dims(pass);
     core_attention_backward(
-        &la.q, &la.k, &la.v, &core.ctx, &dctx, &core.lse, &mut dq, &mut dk, &mut dv, dims, mask,
+        &q, &k, &v, &ctx, &dctx, &core.lse, &mut dq, &mut dk, &mut dv, dims, mask,
     );
     if la.core_attn.is_none() {
         ledger.release(core.bytes());

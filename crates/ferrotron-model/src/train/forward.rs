@@ -7,12 +7,14 @@
 use super::TrainBatch;
 use super::memory::Ledger;
 use super::recompute::Keep;
+use super::stored::{Stored, element_bytes, round_to_bf16};
 use super::tp_ops::{column_input, row_parallel_forward};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig, TransformerLayer};
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, DocumentStarts, core_attention_forward_train,
 };
+use ferrotron_tensor::DType;
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{RopeTable, add_inplace, rms_norm, swiglu_packed};
 use std::ops::Range;
@@ -29,16 +31,18 @@ pub(crate) struct Pass<'a> {
     pub documents: Option<DocumentStarts<'a>>,
     /// The tensor-parallel group of a model shard (`None`: a full model).
     pub tp: Option<&'a TpInfo>,
+    /// Keep activations in bf16 (the model trains in bf16; see [`super::stored`]).
+    pub narrow: bool,
 }
 
 impl<'a> Pass<'a> {
+    /// The pass of `model` over `batch` (rows at `positions`).
     pub(crate) fn new(
-        c: &'a TransformerConfig,
-        rope: &'a RopeTable,
+        model: &'a GptModel,
         positions: &'a [usize],
         batch: &'a TrainBatch,
-        tp: Option<&'a TpInfo>,
     ) -> Pass<'a> {
+        let (c, rope, tp) = (&model.config, model.rope(), model.tp.as_ref());
         // Checked by TrainBatch::validate before any pass.
         let documents = batch
             .document_starts
@@ -51,6 +55,7 @@ impl<'a> Pass<'a> {
             batch,
             documents,
             tp,
+            narrow: model.activation_dtype() == DType::BF16,
         }
     }
 }
@@ -59,32 +64,40 @@ impl<'a> Pass<'a> {
 /// backward recomputes from q/k/v.
 pub(crate) struct CoreAttnOut {
     /// Core attention output `[rows, a·d]` (input of `linear_proj`).
-    pub ctx: Vec<f32>,
+    pub ctx: Stored,
     /// Softmax log-sum-exp per query row and head `[rows, a]`.
     pub lse: Vec<f32>,
 }
 
 impl CoreAttnOut {
-    /// Flash-style causal attention of `q: [rows, a, d]` (after rope) over `k, v: [rows, g, d]`.
-    pub(crate) fn compute(q: &[f32], k: &[f32], v: &[f32], pass: &Pass<'_>) -> CoreAttnOut {
+    /// Flash-style causal attention of `q: [rows, a, d]` (after rope) over `k, v: [rows, g, d]`:
+    /// the output (rounded to bf16 under `pass.narrow`) and the log-sum-exp.
+    pub(crate) fn compute(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        pass: &Pass<'_>,
+    ) -> (Vec<f32>, Vec<f32>) {
         let c = pass.c;
         let rows = pass.positions.len();
         let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
         let mut lse = vec![0f32; rows * c.num_attention_heads];
         let (dims, mask) = attention_dims(pass);
         core_attention_forward_train(q, k, v, &mut ctx, &mut lse, dims, mask);
-        CoreAttnOut { ctx, lse }
+        round_to_bf16(&mut ctx, pass.narrow);
+        (ctx, lse)
     }
 
     /// Bytes held.
     pub(crate) fn bytes(&self) -> u128 {
-        f32_bytes(&self.ctx) + f32_bytes(&self.lse)
+        self.ctx.bytes() + f32_bytes(&self.lse)
     }
 
-    /// Elements [`CoreAttnOut::compute`] allocates per token: `a·d + a` (in u128, so no
-    /// config overflows).
-    pub(crate) fn numel_per_row(c: &TransformerConfig) -> u128 {
-        c.num_attention_heads as u128 * (c.kv_channels as u128 + 1)
+    /// Bytes per token of [`CoreAttnOut`]: `a·d` (bf16 when `narrow`) + `a` f32 (in u128,
+    /// so no config overflows).
+    pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
+        let a = c.num_attention_heads as u128;
+        a * c.kv_channels as u128 * element_bytes(narrow) + a * 4
     }
 }
 
@@ -98,13 +111,13 @@ pub(crate) struct LayerActs {
     pub rstd1: Vec<f32>,
     /// `input_layernorm(x)` `[rows, h]` (input of `linear_qkv`; all rows, gathered under
     /// sequence parallelism).
-    pub norm1: Vec<f32>,
+    pub norm1: Stored,
     /// Queries after rope `[rows, a, d]`.
-    pub q: Vec<f32>,
+    pub q: Stored,
     /// Keys after rope `[rows, g, d]`.
-    pub k: Vec<f32>,
+    pub k: Stored,
     /// Values `[rows, g, d]`.
-    pub v: Vec<f32>,
+    pub v: Stored,
     /// Core attention's output; `None` under selective recompute (recomputed in the backward).
     pub core_attn: Option<CoreAttnOut>,
     /// Residual stream after attention `[local rows, h]`.
@@ -112,37 +125,36 @@ pub(crate) struct LayerActs {
     /// `1/rms` of `x_mid` `[local rows]`.
     pub rstd2: Vec<f32>,
     /// `pre_mlp_layernorm(x_mid)` `[rows, h]` (input of `linear_fc1`, all rows).
-    pub norm2: Vec<f32>,
+    pub norm2: Stored,
     /// `linear_fc1` output `[rows, 2f]` (rows `[gate | up]`).
-    pub fc1: Vec<f32>,
+    pub fc1: Stored,
     /// SwiGLU output `[rows, f]` (input of `linear_fc2`).
-    pub act: Vec<f32>,
+    pub act: Stored,
 }
 
 impl LayerActs {
     /// Bytes held (core attention's output included when kept).
     pub(crate) fn bytes(&self) -> u128 {
-        let own = [
-            &self.x,
-            &self.rstd1,
+        let wide = [&self.x, &self.rstd1, &self.x_mid, &self.rstd2];
+        let stored = [
             &self.norm1,
             &self.q,
             &self.k,
             &self.v,
-            &self.x_mid,
-            &self.rstd2,
             &self.norm2,
             &self.fc1,
             &self.act,
         ];
-        own.iter().map(|t| f32_bytes(t)).sum::<u128>()
+        wide.iter().map(|t| f32_bytes(t)).sum::<u128>()
+            + stored.iter().map(|t| t.bytes()).sum::<u128>()
             + self.core_attn.as_ref().map_or(0, CoreAttnOut::bytes)
     }
 
-    /// Elements [`layer_forward`] saves per token, core attention's output excluded:
-    /// `x, norm1, x_mid, norm2` (`4h`), `rstd1, rstd2` (2), `q, k, v` (`(a + 2g)·d`),
-    /// `fc1, act` (`3f`) (in u128, so no config overflows).
-    pub(crate) fn numel_per_row(c: &TransformerConfig) -> u128 {
+    /// Bytes [`layer_forward`] saves per token, core attention's output excluded: f32
+    /// `x, x_mid` (`2h`) and `rstd1, rstd2` (2); `norm1, norm2` (`2h`), `q, k, v`
+    /// (`(a + 2g)·d`) and `fc1, act` (`3f`) in bf16 when `narrow`, f32 otherwise (in u128, so
+    /// no config overflows).
+    pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
         let [h, a, g, d, f] = [
             c.hidden_size,
             c.num_attention_heads,
@@ -151,7 +163,7 @@ impl LayerActs {
             c.ffn_hidden_size,
         ]
         .map(|n| n as u128);
-        4 * h + 2 + (a + 2 * g) * d + 3 * f
+        4 * (2 * h + 2) + element_bytes(narrow) * (2 * h + (a + 2 * g) * d + 3 * f)
     }
 
     /// The layer input alone (what a recomputed group keeps), the rest freed.
@@ -242,7 +254,7 @@ impl GptModel {
         };
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
-        let pass = Pass::new(c, self.rope(), &positions, batch, self.tp.as_ref());
+        let pass = Pass::new(self, &positions, batch);
         let mut saved = Vec::with_capacity(part.layers.len());
         for run in c.recompute_runs_within(part.chunk.clone(), &part.layers) {
             match run.keep {
@@ -375,7 +387,9 @@ pub(crate) fn layer_forward(
     let mut rstd1 = vec![0f32; local_rows];
     let mut norm1 = vec![0f32; local_rows * h];
     rms_norm(&x, n1.weight(), n1.eps(), &mut norm1, Some(&mut rstd1));
-    let norm1 = column_input(pass.tp, norm1)?;
+    let mut norm1 = column_input(pass.tp, norm1)?;
+    let narrow = pass.narrow;
+    round_to_bf16(&mut norm1, narrow);
     let mut qkv = vec![0f32; rows * c.qkv_size()];
     layer.linear_qkv.forward(&norm1, &mut qkv);
     let mut q = vec![0f32; rows * a * d];
@@ -385,36 +399,46 @@ pub(crate) fn layer_forward(
     drop(qkv);
     pass.rope.apply(&mut q, pass.positions, a);
     pass.rope.apply(&mut k, pass.positions, g);
-    let core = CoreAttnOut::compute(&q, &k, &v, pass);
-    let out = row_parallel_forward(pass, &layer.linear_proj, &core.ctx)?;
-    let core_attn = keep_core_attention.then_some(core);
+    for t in [&mut q, &mut k, &mut v] {
+        round_to_bf16(t, narrow);
+    }
+    let (ctx, lse) = CoreAttnOut::compute(&q, &k, &v, pass);
+    let out = row_parallel_forward(pass, &layer.linear_proj, &ctx)?;
+    let core_attn = keep_core_attention.then(|| CoreAttnOut {
+        ctx: Stored::keep(ctx, narrow),
+        lse,
+    });
     let mut x_mid = x.clone();
     add_inplace(&mut x_mid, &out);
     let n2 = &layer.pre_mlp_layernorm;
     let mut rstd2 = vec![0f32; local_rows];
     let mut norm2 = vec![0f32; local_rows * h];
     rms_norm(&x_mid, n2.weight(), n2.eps(), &mut norm2, Some(&mut rstd2));
-    let norm2 = column_input(pass.tp, norm2)?;
+    let mut norm2 = column_input(pass.tp, norm2)?;
+    round_to_bf16(&mut norm2, narrow);
     let mut fc1 = vec![0f32; rows * 2 * f];
     let mut act = vec![0f32; rows * f];
     layer.mlp.linear_fc1.forward(&norm2, &mut fc1);
+    round_to_bf16(&mut fc1, narrow);
     swiglu_packed(&fc1, &mut act, f);
+    round_to_bf16(&mut act, narrow);
     let out = row_parallel_forward(pass, &layer.mlp.linear_fc2, &act)?;
     let mut y = x_mid.clone();
     add_inplace(&mut y, &out);
+    let keep = |t: Vec<f32>| Stored::keep(t, narrow);
     let acts = LayerActs {
         x,
         rstd1,
-        norm1,
-        q,
-        k,
-        v,
+        norm1: keep(norm1),
+        q: keep(q),
+        k: keep(k),
+        v: keep(v),
         core_attn,
         x_mid,
         rstd2,
-        norm2,
-        fc1,
-        act,
+        norm2: keep(norm2),
+        fc1: keep(fc1),
+        act: keep(act),
     };
     Ok((acts, y))
 }

@@ -62,16 +62,35 @@ impl TransformerConfig {
     /// `seq` tokens under this config's [`recompute_granularity`](Self::recompute_granularity),
     /// replaying what the training forward keeps and the backward frees and recomputes:
     ///
-    /// - a kept layer: `s·b·(4h + 2 + (a + 2g)·d + 3f)` f32, plus `s·b·a·(d + 1)` for core
-    ///   attention's output and log-sum-exp unless selective recompute drops them;
+    /// - a kept layer: `s·b·(2h + 2)` f32 (residual stream, `1/rms`) and `s·b·(2h + (a +
+    ///   2g)·d + 3f)` elements of the saved dtype (norm outputs, q/k/v, fc1 and SwiGLU
+    ///   outputs), plus `s·b·a·d` (saved dtype) and `s·b·a` f32 for core attention's output
+    ///   and log-sum-exp unless selective recompute drops them;
     /// - a recomputed group: its input `s·b·h` until the backward re-runs it, then all of its
     ///   layers' activations, each freed after its backward;
     /// - the positions `s·b` usize, the final norm `s·b·(2h + 1)` and logits `s·b·v` f32.
+    ///
+    /// Activations are saved in f32 here; [`TransformerConfig::activation_memory_in`] gives
+    /// the bf16 training pass's ([`GptModel::activation_dtype`](crate::GptModel::activation_dtype)).
     ///
     /// # Errors
     /// An invalid config ([`TransformerConfig::validate`]), a zero `micro_batch` or `seq`, or
     /// a total beyond `u64::MAX` bytes.
     pub fn activation_memory(&self, micro_batch: usize, seq: usize) -> Result<ActivationMemory> {
+        self.activation_memory_in(micro_batch, seq, ferrotron_tensor::DType::F32)
+    }
+
+    /// [`TransformerConfig::activation_memory`] with activations saved in `saved_dtype`
+    /// (bf16 or f32; any other is counted as f32, as the training pass keeps it).
+    ///
+    /// # Errors
+    /// As [`TransformerConfig::activation_memory`].
+    pub fn activation_memory_in(
+        &self,
+        micro_batch: usize,
+        seq: usize,
+        saved_dtype: ferrotron_tensor::DType,
+    ) -> Result<ActivationMemory> {
         self.validate()?;
         for (what, n) in [("micro_batch", micro_batch), ("seq", seq)] {
             if n == 0 {
@@ -82,8 +101,9 @@ impl TransformerConfig {
         }
         let rows = micro_batch as u128 * seq as u128;
         let f32_rows = |per_row: u128| rows * per_row * size_of::<f32>() as u128;
-        let layer = f32_rows(LayerActs::numel_per_row(self));
-        let core = f32_rows(CoreAttnOut::numel_per_row(self));
+        let narrow = saved_dtype == ferrotron_tensor::DType::BF16;
+        let layer = rows * LayerActs::bytes_per_row(self, narrow);
+        let core = rows * CoreAttnOut::bytes_per_row(self, narrow);
         let input = f32_rows(self.hidden_size as u128);
         let rstd = f32_rows(1);
         let logits = f32_rows(self.vocab_size as u128);
@@ -156,11 +176,18 @@ mod tests {
 
     /// The ledger of a real pass (what the forward kept, measured from the buffers' lengths)
     /// agrees with the replay from shapes alone, for every mode, at the end of the forward, at
-    /// the peak, and back at zero.
+    /// the peak, and back at zero; in f32 and in bf16 training (bf16 activations).
     #[test]
     fn replay_matches_the_real_pass() {
+        for dtype in [DType::F32, DType::BF16] {
+            replay_matches_the_real_pass_in(dtype);
+        }
+    }
+
+    fn replay_matches_the_real_pass_in(dtype: DType) {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-qwen2");
-        let (mut model, _) = load_hf_model(&dir, DType::F32).unwrap();
+        let (mut model, _) = load_hf_model(&dir, dtype).unwrap();
+        assert_eq!(model.activation_dtype(), dtype);
         // Four layers (copies), so uniform 3 leaves a short last group.
         model.layers = (0..4).map(|i| model.layers[i % 2].clone()).collect();
         model.config.num_layers = 4;
@@ -179,7 +206,7 @@ mod tests {
         }
         for mode in modes {
             model.config.recompute_granularity = mode;
-            let want = model.config.activation_memory(b, s).unwrap();
+            let want = model.config.activation_memory_in(b, s, dtype).unwrap();
             let mut grads: Vec<Vec<f32>> = model.zero_grads();
             let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
             let mut ledger = Ledger::default();

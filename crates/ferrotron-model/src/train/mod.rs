@@ -33,6 +33,7 @@ mod loss;
 pub mod memory;
 pub(crate) mod params;
 pub mod recompute;
+mod stored;
 mod tp_ops;
 mod trace;
 
