@@ -7,7 +7,7 @@
 use super::TrainBatch;
 use super::memory::Ledger;
 use super::recompute::Keep;
-use super::stored::{Stored, element_bytes, round_to_bf16};
+use super::stored::{Kept, Stored, element_bytes, round_to_bf16};
 use super::tp_ops::{column_input, row_parallel_forward};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig, TransformerLayer};
@@ -387,11 +387,10 @@ pub(crate) fn layer_forward(
     let mut rstd1 = vec![0f32; local_rows];
     let mut norm1 = vec![0f32; local_rows * h];
     rms_norm(&x, n1.weight(), n1.eps(), &mut norm1, Some(&mut rstd1));
-    let mut norm1 = column_input(pass.tp, norm1)?;
     let narrow = pass.narrow;
-    round_to_bf16(&mut norm1, narrow);
+    let norm1 = Kept::new(column_input(pass.tp, norm1)?, narrow);
     let mut qkv = vec![0f32; rows * c.qkv_size()];
-    layer.linear_qkv.forward(&norm1, &mut qkv);
+    layer.linear_qkv.forward(norm1.values(), &mut qkv);
     let mut q = vec![0f32; rows * a * d];
     let mut k = vec![0f32; rows * g * d];
     let mut v = vec![0f32; rows * g * d];
@@ -399,10 +398,8 @@ pub(crate) fn layer_forward(
     drop(qkv);
     pass.rope.apply(&mut q, pass.positions, a);
     pass.rope.apply(&mut k, pass.positions, g);
-    for t in [&mut q, &mut k, &mut v] {
-        round_to_bf16(t, narrow);
-    }
-    let (ctx, lse) = CoreAttnOut::compute(&q, &k, &v, pass);
+    let [q, k, v] = [q, k, v].map(|t| Kept::new(t, narrow));
+    let (ctx, lse) = CoreAttnOut::compute(q.values(), k.values(), v.values(), pass);
     let out = row_parallel_forward(pass, &layer.linear_proj, &ctx)?;
     let core_attn = keep_core_attention.then(|| CoreAttnOut {
         ctx: Stored::keep(ctx, narrow),
@@ -414,31 +411,29 @@ pub(crate) fn layer_forward(
     let mut rstd2 = vec![0f32; local_rows];
     let mut norm2 = vec![0f32; local_rows * h];
     rms_norm(&x_mid, n2.weight(), n2.eps(), &mut norm2, Some(&mut rstd2));
-    let mut norm2 = column_input(pass.tp, norm2)?;
-    round_to_bf16(&mut norm2, narrow);
+    let norm2 = Kept::new(column_input(pass.tp, norm2)?, narrow);
     let mut fc1 = vec![0f32; rows * 2 * f];
+    layer.mlp.linear_fc1.forward(norm2.values(), &mut fc1);
+    let fc1 = Kept::new(fc1, narrow);
     let mut act = vec![0f32; rows * f];
-    layer.mlp.linear_fc1.forward(&norm2, &mut fc1);
-    round_to_bf16(&mut fc1, narrow);
-    swiglu_packed(&fc1, &mut act, f);
-    round_to_bf16(&mut act, narrow);
-    let out = row_parallel_forward(pass, &layer.mlp.linear_fc2, &act)?;
+    swiglu_packed(fc1.values(), &mut act, f);
+    let act = Kept::new(act, narrow);
+    let out = row_parallel_forward(pass, &layer.mlp.linear_fc2, act.values())?;
     let mut y = x_mid.clone();
     add_inplace(&mut y, &out);
-    let keep = |t: Vec<f32>| Stored::keep(t, narrow);
     let acts = LayerActs {
         x,
         rstd1,
-        norm1: keep(norm1),
-        q: keep(q),
-        k: keep(k),
-        v: keep(v),
+        norm1: norm1.stored,
+        q: q.stored,
+        k: k.stored,
+        v: v.stored,
         core_attn,
         x_mid,
         rstd2,
-        norm2: keep(norm2),
-        fc1: keep(fc1),
-        act: keep(act),
+        norm2: norm2.stored,
+        fc1: fc1.stored,
+        act: act.stored,
     };
     Ok((acts, y))
 }

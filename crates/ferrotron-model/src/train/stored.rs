@@ -29,26 +29,78 @@ impl GptModel {
     }
 }
 
+/// An activation the forward goes on computing with and keeps for the backward: under
+/// `narrow` rounded to bf16 once, the rounded f32 values in hand and the bf16 copy kept; in
+/// f32 the one vector serves both.
+pub(crate) struct Kept {
+    pub stored: Stored,
+    /// The rounded values (empty when `stored` is f32).
+    wide: Vec<f32>,
+}
+
+impl Kept {
+    /// Rounds (under `narrow`) and keeps `x`.
+    pub(crate) fn new(mut x: Vec<f32>, narrow: bool) -> Kept {
+        if !narrow {
+            return Kept {
+                stored: Stored::F32(x),
+                wide: Vec::new(),
+            };
+        }
+        let narrowed = Stored::round_and_narrow(&mut x);
+        Kept {
+            stored: Stored::Bf16(narrowed),
+            wide: x,
+        }
+    }
+
+    /// The values the forward computes with.
+    pub(crate) fn values(&self) -> &[f32] {
+        match &self.stored {
+            Stored::F32(v) => v,
+            Stored::Bf16(_) => &self.wide,
+        }
+    }
+}
+
 /// A saved activation.
 pub(crate) enum Stored {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
 }
 
+/// Elements per parallel task of the conversions.
+const CHUNK: usize = 1 << 14;
+
 impl Stored {
-    /// Keeps `x`: as bf16 when `narrow` (`x` must already be rounded by [`round_to_bf16`],
-    /// so the conversion is exact), as is otherwise.
+    /// Rounds `x` to bf16 in place under `narrow`, keeping the bf16 copy, in one pass.
+    fn round_and_narrow(x: &mut [f32]) -> Vec<bf16> {
+        let mut out = vec![bf16::ZERO; x.len()];
+        out.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks_mut(CHUNK))
+            .for_each(|(o, i)| {
+                for (o, v) in o.iter_mut().zip(i.iter_mut()) {
+                    let b = to_bf16_bits(*v);
+                    *o = bf16::from_bits(b);
+                    *v = f32::from_bits(u32::from(b) << 16);
+                }
+            });
+        out
+    }
+
+    /// Keeps `x` (already rounded by [`round_to_bf16`] under `narrow`, so the conversion is
+    /// exact), moving it when kept in f32.
     pub(crate) fn keep(x: Vec<f32>, narrow: bool) -> Stored {
         if !narrow {
             return Stored::F32(x);
         }
         let mut out = vec![bf16::ZERO; x.len()];
-        out.par_chunks_mut(1 << 14)
-            .zip(x.par_chunks(1 << 14))
+        out.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
             .for_each(|(o, i)| {
-                o.iter_mut()
-                    .zip(i)
-                    .for_each(|(o, &v)| *o = bf16::from_f32(v))
+                for (o, &v) in o.iter_mut().zip(i) {
+                    *o = bf16::from_bits(to_bf16_bits(v));
+                }
             });
         Stored::Bf16(out)
     }
@@ -59,9 +111,13 @@ impl Stored {
             Stored::F32(v) => Cow::Borrowed(v),
             Stored::Bf16(v) => {
                 let mut out = vec![0f32; v.len()];
-                out.par_chunks_mut(1 << 14)
-                    .zip(v.par_chunks(1 << 14))
-                    .for_each(|(o, i)| o.iter_mut().zip(i).for_each(|(o, v)| *o = v.to_f32()));
+                out.par_chunks_mut(CHUNK)
+                    .zip(v.par_chunks(CHUNK))
+                    .for_each(|(o, i)| {
+                        for (o, b) in o.iter_mut().zip(i) {
+                            *o = f32::from_bits(u32::from(b.to_bits()) << 16);
+                        }
+                    });
                 Cow::Owned(out)
             }
         }
@@ -76,15 +132,75 @@ impl Stored {
     }
 }
 
+/// The bits of the bf16 nearest to `v` (ties to even; NaN stays a quiet NaN), branch-free
+/// so the loops above vectorize. Agrees with `half::bf16::from_f32`.
+#[inline(always)]
+fn to_bf16_bits(v: f32) -> u16 {
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1));
+    let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    if nan {
+        ((bits >> 16) | 0x0040) as u16
+    } else {
+        (rounded >> 16) as u16
+    }
+}
+
 /// Rounds every value of `x` to the nearest bf16 (ties to even) in place when `narrow`.
 pub(crate) fn round_to_bf16(x: &mut [f32], narrow: bool) {
     if narrow {
-        x.par_chunks_mut(1 << 14)
-            .for_each(|c| c.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32()));
+        x.par_chunks_mut(CHUNK).for_each(|c| {
+            for v in c {
+                *v = f32::from_bits(u32::from(to_bf16_bits(*v)) << 16);
+            }
+        });
     }
 }
 
 /// Bytes per element of a narrowed activation.
 pub(crate) fn element_bytes(narrow: bool) -> u128 {
     if narrow { 2 } else { 4 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_agrees_with_half() {
+        let specials = [
+            0.0f32,
+            -0.0,
+            1.0,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 512.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let mut x: Vec<f32> = specials
+            .into_iter()
+            .chain((0..100_000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 20 - 10)))
+            .collect();
+        let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let kept = Kept::new(x.clone(), true);
+        let Stored::Bf16(b) = &kept.stored else {
+            panic!("not narrowed")
+        };
+        assert_eq!(b.iter().map(|b| b.to_bits()).collect::<Vec<_>>(), want);
+        let rounded = kept.values();
+        assert!(
+            rounded
+                .iter()
+                .zip(&want)
+                .all(|(v, w)| v.to_bits() == u32::from(*w) << 16)
+        );
+        assert_eq!(kept.stored.f32().as_ref(), rounded);
+        round_to_bf16(&mut x, true);
+        assert_eq!(x.as_slice(), rounded);
+        assert!(matches!(Kept::new(x.clone(), false).stored, Stored::F32(_)));
+        assert!(to_bf16_bits(f32::NAN) & 0x7fc0 == 0x7fc0);
+    }
 }
