@@ -200,6 +200,93 @@ fn blocked_narrow<W: crate::Element>(
     }
 }
 
+/// `dx[m, k] = dy[m, n] · w` (or `+=` when `accumulate`) for a weight `w[n, k]` in any
+/// storage dtype: the input gradient of a linear layer. f32 weights go straight to GEMM;
+/// bf16/f16 weights are widened `CONVERT_ROWS` rows at a time, each block adding its part
+/// (`dy[:, j0..j1] · w[j0..j1, :]`), so no f32 copy of the whole weight is ever made.
+pub fn matmul_weight(
+    dy: &[f32],
+    w: WeightRef<'_>,
+    dx: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    assert!(dy.len() >= m * n && dx.len() >= m * k);
+    match w {
+        WeightRef::F32(w) => sgemm(m, k, n, dy, Op::N, w, Op::N, dx, accumulate),
+        WeightRef::BF16(w) => blocked_narrow_n(dy, w, dx, m, n, k, accumulate),
+        WeightRef::F16(w) => blocked_narrow_n(dy, w, dx, m, n, k, accumulate),
+    }
+}
+
+fn blocked_narrow_n<W: crate::Element>(
+    dy: &[f32],
+    w: &[W],
+    dx: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    assert!(w.len() >= n * k);
+    if m == 0 || k == 0 {
+        return;
+    }
+    if n == 0 {
+        if !accumulate {
+            dx[..m * k].fill(0.0);
+        }
+        return;
+    }
+    let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
+    let threads = rayon::current_num_threads();
+    for j0 in (0..n).step_by(CONVERT_ROWS) {
+        let rows = CONVERT_ROWS.min(n - j0);
+        let block = &mut scratch[..rows * k];
+        block
+            .par_chunks_mut(k)
+            .zip(w[j0 * k..(j0 + rows) * k].par_chunks(k))
+            .for_each(|(dst, src)| {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = s.to_f32();
+                }
+            });
+        let read_dst = accumulate || j0 > 0;
+        let par = if threads > 1 && m * rows * k >= 64 * 64 * 64 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        // SAFETY: dy[:, j0..j0+rows] lies inside dy[m, n] (row stride n), block is
+        // [rows, k], dx is [m, k] and exclusive.
+        unsafe {
+            gemm::gemm(
+                m,
+                k,
+                rows,
+                dx.as_mut_ptr(),
+                1,
+                k as isize,
+                read_dst,
+                dy.as_ptr().add(j0),
+                1,
+                n as isize,
+                block.as_ptr(),
+                1,
+                k as isize,
+                if read_dst { 1.0 } else { 0.0 },
+                1.0,
+                false,
+                false,
+                false,
+                par,
+            )
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,6 +334,27 @@ mod tests {
                 sgemm(m, n, k, &a, op_a, &b, op_b, &mut c, true);
                 for (got, want) in c.iter().zip(&want) {
                     assert!((got - (want + 1.0)).abs() < 1e-4, "{got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn input_gradient_products_agree_across_dtypes() {
+        // n spans several conversion blocks
+        let (m, n, k) = (7, 2 * CONVERT_ROWS + 5, 33);
+        let w = data(n * k, 5);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wb_f32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let dy = data(m * n, 6);
+        for accumulate in [false, true] {
+            let base = if accumulate { 1.0 } else { 0.0 };
+            for (weight, wide) in [(WeightRef::BF16(&wb), &wb_f32), (WeightRef::F32(&w), &w)] {
+                let want = naive(m, k, n, &dy, Op::N, wide, Op::N);
+                let mut dx = vec![1.0; m * k];
+                matmul_weight(&dy, weight, &mut dx, m, n, k, accumulate);
+                for (g, w) in dx.iter().zip(&want) {
+                    assert!((g - (w + base)).abs() < 1e-3, "{g} vs {w} + {base}");
                 }
             }
         }

@@ -149,6 +149,32 @@ impl Tensor {
         }
     }
 
+    /// Overwrites every element from `src` (f32, rounded to nearest-even into a bf16/f16
+    /// storage), in place: no new storage is allocated.
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when `src` is not `numel` long (nothing is written then).
+    pub fn copy_from_f32(&mut self, src: &[f32]) -> Result<()> {
+        if src.len() != self.numel() {
+            return Err(TensorError::ShapeMismatch {
+                shape: self.shape.clone(),
+                expected: self.numel(),
+                actual: src.len(),
+            });
+        }
+        fn narrow<D: Element>(dst: &mut [D], src: &[f32]) {
+            dst.par_chunks_mut(1 << 14)
+                .zip(src.par_chunks(1 << 14))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = D::from_f32(s)));
+        }
+        match &mut self.storage {
+            Storage::F32(v) => v.copy_from_slice(src),
+            Storage::BF16(v) => narrow(v, src),
+            Storage::F16(v) => narrow(v, src),
+        }
+        Ok(())
+    }
+
     /// Borrows the elements as a GEMM operand in their storage dtype.
     pub fn weight_ref(&self) -> WeightRef<'_> {
         match &self.storage {

@@ -16,12 +16,10 @@ use super::{GradReady, TrainBatch};
 use crate::{GptModel, Result, TransformerLayer};
 use ferrotron_nn::attention::core_attention_backward;
 use ferrotron_nn::{Linear, RmsNorm};
-use ferrotron_tensor::gemm::{Op, sgemm};
+use ferrotron_tensor::gemm::{Op, matmul_weight, sgemm};
 use ferrotron_tensor::ops::{
     add_bias_backward, add_inplace, rms_norm_backward, swiglu_packed_backward,
 };
-use ferrotron_tensor::{Storage, Tensor};
-use std::borrow::Cow;
 
 /// The running state of one backward pass, shared by every layer.
 pub(crate) struct Backprop<'g, 'p> {
@@ -151,15 +149,13 @@ impl GptModel {
             _ => unreachable!("the last stage holds an output weight"),
         };
         let mut dnormed_all = vec![0f32; rows * h];
-        sgemm(
-            rows,
-            h,
-            v,
+        matmul_weight(
             &dlogits,
-            Op::N,
-            &f32_weight(w_out),
-            Op::N,
+            w_out.weight_ref(),
             &mut dnormed_all,
+            rows,
+            v,
+            h,
             false,
         );
         let dnormed = column_input_backward(self.tp.as_ref(), dnormed_all)?;
@@ -358,17 +354,7 @@ fn linear_backward(
 ) {
     let (n, k) = (l.out_features(), l.in_features());
     let rows = dy.len() / n;
-    sgemm(
-        rows,
-        k,
-        n,
-        dy,
-        Op::N,
-        &f32_weight(l.weight()),
-        Op::N,
-        dx,
-        false,
-    );
+    matmul_weight(dy, l.weight().weight_ref(), dx, rows, n, k, false);
     sgemm(n, k, rows, dy, Op::T, x, Op::N, grads[w_slot], true);
     if let Some(b) = b_slot {
         add_bias_backward(dy, grads[b]);
@@ -385,12 +371,4 @@ fn norm_backward(
     dweight: &mut [f32],
 ) {
     rms_norm_backward(x, norm.weight(), rstd, dy, dx, dweight);
-}
-
-/// A weight as f32 (borrowed when stored in f32, widened otherwise).
-fn f32_weight(t: &Tensor) -> Cow<'_, [f32]> {
-    match t.storage() {
-        Storage::F32(v) => Cow::Borrowed(v),
-        _ => Cow::Owned(t.to_f32_vec()),
-    }
 }

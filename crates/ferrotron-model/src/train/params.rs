@@ -4,7 +4,7 @@
 
 use crate::{GptModel, ModelError, Result};
 use ferrotron_nn::Linear;
-use ferrotron_tensor::{Storage, Tensor, convert_slice};
+use ferrotron_tensor::{Storage, Tensor};
 
 /// One trainable parameter: its Megatron name, shape and the flags the optimizer needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -375,19 +375,9 @@ fn push_linear_mut<'a>(out: &mut Vec<ViewMut<'a>>, l: &'a mut Linear) {
     }
 }
 
-/// Overwrites `t` with `src`, rounding to its storage dtype.
+/// Overwrites `t` with `src` in place, rounding to its storage dtype.
 fn write_tensor(t: &mut Tensor, src: &[f32]) -> Result<()> {
-    if let Ok(d) = t.as_f32_mut() {
-        d.copy_from_slice(src);
-        return Ok(());
-    }
-    let storage = match t.storage() {
-        Storage::BF16(_) => Storage::BF16(convert_slice(src)),
-        Storage::F16(_) => Storage::F16(convert_slice(src)),
-        Storage::F32(_) => unreachable!("handled above"),
-    };
-    *t = Tensor::new(t.shape(), storage)?;
-    Ok(())
+    Ok(t.copy_from_f32(src)?)
 }
 
 fn check_count(want: usize, got: usize) -> Result<()> {
