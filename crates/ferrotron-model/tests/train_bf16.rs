@@ -3,7 +3,7 @@
 //! saved-activation memory of SmolLM2-135M drops to what the hand count says.
 
 use ferrotron_model::families::load_hf_model;
-use ferrotron_model::{GptModel, TrainBatch};
+use ferrotron_model::{GptModel, TrainBatch, TransformerConfig};
 use ferrotron_tensor::DType;
 use std::path::PathBuf;
 
@@ -54,17 +54,7 @@ fn bf16_activations_track_f32_activations() {
 /// and `a = 9` f32; the final norm, logits and positions stay as in f32.
 #[test]
 fn smollm2_135m_bf16_activation_memory() {
-    let mut c = tiny_llama3(DType::F32).config;
-    (
-        c.num_layers,
-        c.hidden_size,
-        c.num_attention_heads,
-        c.num_query_groups,
-        c.kv_channels,
-        c.ffn_hidden_size,
-        c.vocab_size,
-        c.max_position_embeddings,
-    ) = (30, 576, 9, 3, 64, 1536, 49152, 8192);
+    let c = TransformerConfig::llama(30, 576, 1536, 9, 3, 49152, 8192).unwrap();
     let rows = 512u64;
     let fixed = rows * 8 + rows * 4 * (2 * 576 + 1) + rows * 4 * 49152;
     let layer = rows * (4 * 1154 + 2 * 6720);

@@ -82,12 +82,7 @@ unsafe fn sgemm_raw(
         Op::N => (1, n as isize),
         Op::T => (k as isize, 1),
     };
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 && m * n * k >= 64 * 64 * 64 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let par = parallelism(m * n * k);
     // SAFETY: forwarded from the caller.
     unsafe {
         gemm::gemm(
@@ -112,6 +107,37 @@ unsafe fn sgemm_raw(
             par,
         )
     }
+}
+
+/// All of the current rayon pool for a product of `mnk` multiply-adds, one thread when it is
+/// too small to split.
+fn parallelism(mnk: usize) -> gemm::Parallelism {
+    let threads = rayon::current_num_threads();
+    if threads > 1 && mnk >= 64 * 64 * 64 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+/// Rows `rows` of the narrow weight `w[n, k]` widened to f32 into the front of `scratch`;
+/// returns that `[rows, k]` block.
+fn widen_rows<'s, W: crate::Element>(
+    w: &[W],
+    rows: std::ops::Range<usize>,
+    k: usize,
+    scratch: &'s mut [f32],
+) -> &'s mut [f32] {
+    let block = &mut scratch[..rows.len() * k];
+    block
+        .par_chunks_mut(k)
+        .zip(w[rows.start * k..rows.end * k].par_chunks(k))
+        .for_each(|(dst, src)| {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = s.to_f32();
+            }
+        });
+    block
 }
 
 /// A linear layer's weight `[n, k]` (HF `[out, in]`), borrowed in its storage dtype.
@@ -173,15 +199,7 @@ fn blocked_narrow<W: crate::Element>(
     let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
     for j0 in (0..n).step_by(CONVERT_ROWS) {
         let rows = CONVERT_ROWS.min(n - j0);
-        let block = &mut scratch[..rows * k];
-        block
-            .par_chunks_mut(k)
-            .zip(w[j0 * k..(j0 + rows) * k].par_chunks(k))
-            .for_each(|(dst, src)| {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = s.to_f32();
-                }
-            });
+        let block = widen_rows(w, j0..j0 + rows, k, &mut scratch);
         // SAFETY: block is [rows, k]; y's column block j0..j0+rows lies inside y[m, n].
         unsafe {
             sgemm_raw(
@@ -241,24 +259,10 @@ fn blocked_narrow_n<W: crate::Element>(
         return;
     }
     let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
-    let threads = rayon::current_num_threads();
     for j0 in (0..n).step_by(CONVERT_ROWS) {
         let rows = CONVERT_ROWS.min(n - j0);
-        let block = &mut scratch[..rows * k];
-        block
-            .par_chunks_mut(k)
-            .zip(w[j0 * k..(j0 + rows) * k].par_chunks(k))
-            .for_each(|(dst, src)| {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = s.to_f32();
-                }
-            });
+        let block = widen_rows(w, j0..j0 + rows, k, &mut scratch);
         let read_dst = accumulate || j0 > 0;
-        let par = if threads > 1 && m * rows * k >= 64 * 64 * 64 {
-            gemm::Parallelism::Rayon(threads)
-        } else {
-            gemm::Parallelism::None
-        };
         // SAFETY: dy[:, j0..j0+rows] lies inside dy[m, n] (row stride n), block is
         // [rows, k], dx is [m, k] and exclusive.
         unsafe {
@@ -281,7 +285,7 @@ fn blocked_narrow_n<W: crate::Element>(
                 false,
                 false,
                 false,
-                par,
+                parallelism(m * rows * k),
             )
         }
     }
