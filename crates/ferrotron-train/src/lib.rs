@@ -2,6 +2,7 @@
 //! [`trainer`] (single rank, data and tensor parallel), the [`pipeline`] schedules and the
 //! [`metrics`] writers.
 
+pub mod allocator;
 pub mod config;
 pub mod metrics;
 pub mod pipeline;

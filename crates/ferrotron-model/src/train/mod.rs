@@ -315,13 +315,14 @@ impl GptModel {
         }
         self.check_grads(batch, grads)?;
         let part = self.chunk_part(0)?;
-        rayon::scope(|_| {
-            let mut ledger = memory::Ledger::default();
-            let mut acts = self.train_forward(batch, part, None, &mut ledger)?;
-            let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
-            self.train_backward(batch, acts, grads, &mut ledger, ready, None)?;
-            Ok(stats)
-        })
+        // On the calling thread (its kernels fan out to the current rayon pool): a pass's
+        // buffers then always come from one thread's allocator heap, so memory freed by the
+        // last step is what the next one reuses.
+        let mut ledger = memory::Ledger::default();
+        let mut acts = self.train_forward(batch, part, None, &mut ledger)?;
+        let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
+        self.train_backward(batch, acts, grads, &mut ledger, ready, None)?;
+        Ok(stats)
     }
 
     /// Checks the batch, the recompute setting and that `grads` fit the parameters.

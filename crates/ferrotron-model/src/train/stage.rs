@@ -38,17 +38,15 @@ impl GptModel {
     ) -> Result<StageForward> {
         batch.validate(self)?;
         self.config.validate_recompute()?;
-        rayon::scope(|_| {
-            let mut ledger = memory::Ledger::default();
-            let post_process = part.post_process;
-            let mut acts = self.train_forward(batch, part, input, &mut ledger)?;
-            let loss = if post_process {
-                Some(self.loss_and_logit_grad(batch, &mut acts, loss_scale)?)
-            } else {
-                None
-            };
-            Ok(StageForward { acts, ledger, loss })
-        })
+        let mut ledger = memory::Ledger::default();
+        let post_process = part.post_process;
+        let mut acts = self.train_forward(batch, part, input, &mut ledger)?;
+        let loss = if post_process {
+            Some(self.loss_and_logit_grad(batch, &mut acts, loss_scale)?)
+        } else {
+            None
+        };
+        Ok(StageForward { acts, ledger, loss })
     }
 
     /// The forward of the decoder layers `layers` of a model without interleaving (a whole
@@ -139,7 +137,7 @@ impl GptModel {
         let StageForward {
             acts, mut ledger, ..
         } = forward;
-        rayon::scope(|_| self.train_backward(batch, acts, grads, &mut ledger, ready, dout))
+        self.train_backward(batch, acts, grads, &mut ledger, ready, dout)
     }
 }
 

@@ -46,8 +46,7 @@ impl GptModel {
         }
         batch.validate(self)?;
         let part = self.chunk_part(0)?;
-        let acts =
-            rayon::scope(|_| self.train_forward(batch, part, input, &mut Ledger::default()))?;
+        let acts = self.train_forward(batch, part, input, &mut Ledger::default())?;
         let mut layer_outputs: Vec<Vec<f32>> = acts
             .saved
             .into_iter()

@@ -262,6 +262,9 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     }
     let valid_arg: Option<&mut dyn FnMut() -> std::result::Result<Vec<MicroBatch>, TrainError>> =
         if has_valid { Some(&mut provider) } else { None };
+    // Model, optimizer and data are in place: from here on, steps reuse the memory the last
+    // one freed instead of faulting it in again.
+    ferrotron_train::allocator::retain_freed_memory();
     let summary = if lead {
         let mut observer =
             RunObserver::new(out_dir, r.logging.tensorboard, trainer.iteration(), iters)?;
