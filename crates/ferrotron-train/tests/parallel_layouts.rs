@@ -66,7 +66,7 @@ fn four_layers(fixture_name: &str) -> ferrotron_model::GptModel {
 /// The interleaved 1F1B schedule (pp 2 with 2 model chunks per stage: rank 0 holds layers
 /// 0 and 2, rank 1 layers 1 and 3), alone, with data parallelism and the distributed
 /// optimizer, with tensor parallelism, and with full recompute, untied and tied
-/// embeddings: the single rank's run.
+/// embeddings: the single rank's run; its checkpoint resumes on one rank and under pp 2.
 #[test]
 fn interleaved_pipeline_layouts_match_one_rank() {
     for name in ["tiny-llama", "tiny-llama3"] {
@@ -99,6 +99,37 @@ fn interleaved_pipeline_layouts_match_one_rank() {
             };
             assert_layout(&label, tp * 2 * dp, layout, model, &reference);
         }
+        // A stage of two chunks (layers 0 and 2, or 1 and 3) writes its checkpoint boxes
+        // under global names: it resumes on one rank and under plain pp 2.
+        let dir = tempfile::tempdir().unwrap();
+        let vp2 = Layout {
+            pp: 2,
+            vp: 2,
+            ..Layout::default()
+        };
+        let ckpt = save_after_two(2, vp2, || four_layers(name), dir.path());
+        let tail = tail_of(&reference);
+        let one = Layout::default();
+        assert_resumes(
+            &format!("{name} pp2 vp2 -> 1 rank"),
+            1,
+            one,
+            || four_layers(name),
+            &ckpt,
+            &tail,
+        );
+        let pp2 = Layout {
+            pp: 2,
+            ..Layout::default()
+        };
+        assert_resumes(
+            &format!("{name} pp2 vp2 -> pp2"),
+            2,
+            pp2,
+            || four_layers(name),
+            &ckpt,
+            &tail,
+        );
     }
 }
 
