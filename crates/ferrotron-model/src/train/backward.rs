@@ -10,7 +10,6 @@ use super::forward::{
 };
 use super::memory::Ledger;
 use super::params::{LayerSlots, Slots};
-use super::stored::Stored;
 use super::tp_ops::{column_input_backward, row_parallel_output_grad};
 use super::{GradReady, TrainBatch};
 use crate::{GptModel, Result, TransformerLayer};
@@ -309,7 +308,7 @@ fn core_attention_and_proj_backward(
             // Rounded as the forward rounded it: the same values as a kept output.
             let (ctx, lse) = CoreAttnOut::compute(&q, &k, &v, pass);
             recomputed = CoreAttnOut {
-                ctx: Stored::keep(ctx, pass.narrow),
+                ctx: ctx.stored,
                 lse,
             };
             ledger.hold(recomputed.bytes());

@@ -7,7 +7,7 @@
 use super::TrainBatch;
 use super::memory::Ledger;
 use super::recompute::Keep;
-use super::stored::{Kept, Stored, element_bytes, round_to_bf16};
+use super::stored::{Kept, Stored, element_bytes};
 use super::tp_ops::{column_input, row_parallel_forward};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig, TransformerLayer};
@@ -71,21 +71,16 @@ pub(crate) struct CoreAttnOut {
 
 impl CoreAttnOut {
     /// Flash-style causal attention of `q: [rows, a, d]` (after rope) over `k, v: [rows, g, d]`:
-    /// the output (rounded to bf16 under `pass.narrow`) and the log-sum-exp.
-    pub(crate) fn compute(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        pass: &Pass<'_>,
-    ) -> (Vec<f32>, Vec<f32>) {
+    /// the output (kept through [`Kept`], which rounds it under `pass.narrow`, by the forward
+    /// and by a recompute alike) and the log-sum-exp.
+    pub(crate) fn compute(q: &[f32], k: &[f32], v: &[f32], pass: &Pass<'_>) -> (Kept, Vec<f32>) {
         let c = pass.c;
         let rows = pass.positions.len();
         let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
         let mut lse = vec![0f32; rows * c.num_attention_heads];
         let (dims, mask) = attention_dims(pass);
         core_attention_forward_train(q, k, v, &mut ctx, &mut lse, dims, mask);
-        round_to_bf16(&mut ctx, pass.narrow);
-        (ctx, lse)
+        (Kept::new(ctx, pass.narrow), lse)
     }
 
     /// Bytes held.
@@ -400,9 +395,9 @@ pub(crate) fn layer_forward(
     pass.rope.apply(&mut k, pass.positions, g);
     let [q, k, v] = [q, k, v].map(|t| Kept::new(t, narrow));
     let (ctx, lse) = CoreAttnOut::compute(q.values(), k.values(), v.values(), pass);
-    let out = row_parallel_forward(pass, &layer.linear_proj, &ctx)?;
-    let core_attn = keep_core_attention.then(|| CoreAttnOut {
-        ctx: Stored::keep(ctx, narrow),
+    let out = row_parallel_forward(pass, &layer.linear_proj, ctx.values())?;
+    let core_attn = keep_core_attention.then_some(CoreAttnOut {
+        ctx: ctx.stored,
         lse,
     });
     let mut x_mid = x.clone();

@@ -192,23 +192,35 @@ impl GptModel {
         Ok(views.swap_remove(index).1.to_f32().into_owned())
     }
 
-    /// Writes parameter `index` (order of [`GptModel::parameters`]) from `src` (f32, rounded
-    /// to the storage dtype as [`GptModel::load_parameters_from`]).
+    /// Writes the parameters `indices` (order of [`GptModel::parameters`]) from `src(i)`
+    /// (f32, rounded to the storage dtype as [`GptModel::load_parameters_from`]), building
+    /// the parameter views once, so writing a few or all of them costs the copies alone.
     ///
     /// # Errors
-    /// No such parameter, or `src` of the wrong length (nothing is written then).
-    pub fn load_parameter(&mut self, index: usize, src: &[f32]) -> Result<()> {
+    /// An index beyond the parameters, or a source of the wrong length; the parameters
+    /// before it in `indices` are written by then.
+    pub fn load_parameters_with<'s>(
+        &mut self,
+        indices: &[usize],
+        mut src: impl FnMut(usize) -> std::borrow::Cow<'s, [f32]>,
+    ) -> Result<()> {
         let infos = self.parameters();
-        let info = infos.get(index).ok_or_else(|| {
-            ModelError::Input(format!(
-                "parameter {index} of a model with {} parameters",
-                infos.len()
-            ))
-        })?;
-        check_len(info, src.len())?;
-        match self.param_views_mut().swap_remove(index) {
-            ViewMut::F32(d) => d.copy_from_slice(src),
-            ViewMut::Tensor(t) => write_tensor(t, src)?,
+        let mut views: Vec<Option<ViewMut<'_>>> =
+            self.param_views_mut().into_iter().map(Some).collect();
+        for &i in indices {
+            let (Some(info), Some(view)) = (infos.get(i), views.get_mut(i).and_then(Option::take))
+            else {
+                return Err(ModelError::Input(format!(
+                    "parameter {i} of a model with {} parameters (or given twice)",
+                    infos.len()
+                )));
+            };
+            let values = src(i);
+            check_len(info, values.len())?;
+            match view {
+                ViewMut::F32(d) => d.copy_from_slice(&values),
+                ViewMut::Tensor(t) => write_tensor(t, &values)?,
+            }
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! How a training pass keeps an activation for the backward: f32, or bf16 when the model
 //! trains in bf16 (its weights are bf16), as PyTorch autocast keeps the bf16 inputs of its
 //! matmuls and attention. A narrowed activation is rounded **before** the forward uses it
-//! ([`round_to_bf16`]), so the backward differentiates exactly what the forward computed,
+//! ([`Kept`]), so the backward differentiates exactly what the forward computed,
 //! and a recomputed activation rounds the same way (recompute stays bit-identical).
 //!
 //! What is narrowed (see `forward::layer_forward`): the inputs of the linear layers
@@ -88,23 +88,6 @@ impl Stored {
         out
     }
 
-    /// Keeps `x` (already rounded by [`round_to_bf16`] under `narrow`, so the conversion is
-    /// exact), moving it when kept in f32.
-    pub(crate) fn keep(x: Vec<f32>, narrow: bool) -> Stored {
-        if !narrow {
-            return Stored::F32(x);
-        }
-        let mut out = vec![bf16::ZERO; x.len()];
-        out.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks(CHUNK))
-            .for_each(|(o, i)| {
-                for (o, &v) in o.iter_mut().zip(i) {
-                    *o = bf16::from_bits(to_bf16_bits(v));
-                }
-            });
-        Stored::Bf16(out)
-    }
-
     /// The values as f32 (borrowed when kept in f32, widened otherwise).
     pub(crate) fn f32(&self) -> Cow<'_, [f32]> {
         match self {
@@ -146,17 +129,6 @@ fn to_bf16_bits(v: f32) -> u16 {
     }
 }
 
-/// Rounds every value of `x` to the nearest bf16 (ties to even) in place when `narrow`.
-pub(crate) fn round_to_bf16(x: &mut [f32], narrow: bool) {
-    if narrow {
-        x.par_chunks_mut(CHUNK).for_each(|c| {
-            for v in c {
-                *v = f32::from_bits(u32::from(to_bf16_bits(*v)) << 16);
-            }
-        });
-    }
-}
-
 /// Bytes per element of a narrowed activation.
 pub(crate) fn element_bytes(narrow: bool) -> u128 {
     if narrow { 2 } else { 4 }
@@ -180,7 +152,7 @@ mod tests {
             f32::INFINITY,
             f32::NEG_INFINITY,
         ];
-        let mut x: Vec<f32> = specials
+        let x: Vec<f32> = specials
             .into_iter()
             .chain((0..100_000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 20 - 10)))
             .collect();
@@ -198,8 +170,6 @@ mod tests {
                 .all(|(v, w)| v.to_bits() == u32::from(*w) << 16)
         );
         assert_eq!(kept.stored.f32().as_ref(), rounded);
-        round_to_bf16(&mut x, true);
-        assert_eq!(x.as_slice(), rounded);
         assert!(matches!(Kept::new(x.clone(), false).stored, Stored::F32(_)));
         assert!(to_bf16_bits(f32::NAN) & 0x7fc0 == 0x7fc0);
     }

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use ferrotron_comm::{AsyncComm, CommHandle};
 use ferrotron_model::GptModel;
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
-use ferrotron_tensor::DType;
 
 use super::data_parallel::{comm_err, storage_bytes};
+use super::step::load_model_params;
 use super::{Result, TrainError};
 
 /// The in-flight parameter all-gathers of one optimizer step.
@@ -127,12 +127,5 @@ fn install_bucket(
         )));
     }
     dst.copy_from_slice(gathered);
-    for &i in params {
-        if buffer.param_dtype() == DType::F32 {
-            model.load_parameter(i, buffer.param::<f32>(ParamId(i))?)?;
-        } else {
-            model.load_parameter(i, &buffer.param_to_f32(ParamId(i)))?;
-        }
-    }
-    Ok(())
+    load_model_params(model, buffer, params)
 }

@@ -17,6 +17,7 @@ use ferrotron_optim::{
 };
 use ferrotron_tensor::DType;
 use ferrotron_tensor::ops::cross_entropy_forward;
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 /// What one [`Trainer::train_step`] did.
@@ -414,21 +415,8 @@ impl Trainer {
 
     /// Copies the buffer's parameters into the model (after a step or a checkpoint load).
     pub(super) fn sync_model_from_buffer(&mut self) -> Result<()> {
-        let n = self.buffer.params().len();
-        if self.buffer.param_dtype() == DType::F32 {
-            let params: Vec<&[f32]> = (0..n)
-                .map(|i| self.buffer.param::<f32>(ParamId(i)))
-                .collect::<std::result::Result<_, _>>()?;
-            self.model.load_parameters_from(&params)?;
-        } else {
-            // One parameter at a time: a widened copy of the whole model would be a 4
-            // bytes/parameter spike on top of the training state.
-            for i in 0..n {
-                self.model
-                    .load_parameter(i, &self.buffer.param_to_f32(ParamId(i)))?;
-            }
-        }
-        Ok(())
+        let all: Vec<usize> = (0..self.buffer.params().len()).collect();
+        load_model_params(&mut self.model, &self.buffer, &all)
     }
 
     /// Per-token mean validation loss (nats) over `batches` of every data-parallel rank
@@ -580,4 +568,20 @@ fn gated_forward_backward(
         TrainError::Config("overlap_param_gather: the model computed no loss".into())
     })?;
     Ok((loss, waited))
+}
+
+/// Writes the buffer's parameters `ids` into the model: borrowed when the buffer is f32,
+/// widened one parameter at a time otherwise (a widened copy of the whole model would be a 4
+/// bytes/parameter spike on top of the training state).
+pub(super) fn load_model_params(
+    model: &mut GptModel,
+    buffer: &ParamAndGradBuffer,
+    ids: &[usize],
+) -> Result<()> {
+    model.load_parameters_with(ids, |i| match buffer.param::<f32>(ParamId(i)) {
+        Ok(values) => Cow::Borrowed(values),
+        // a bf16/f16 buffer
+        Err(_) => Cow::Owned(buffer.param_to_f32(ParamId(i))),
+    })?;
+    Ok(())
 }
