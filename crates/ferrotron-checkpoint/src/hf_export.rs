@@ -140,7 +140,7 @@ pub fn export_hf(
     opts: &HfExportOptions,
 ) -> Result<HfExportReport, CheckpointError> {
     check_shard_size(opts)?;
-    let config = hf_config_json(&model.config, &source.config, torch_dtype(opts.dtype))
+    let config = hf_config_json(model.config(), &source.config, torch_dtype(opts.dtype))
         .map_err(|e| model_err(&e))?;
     let tensors = hf_tensors(model).map_err(|e| model_err(&e))?;
     let specs: Vec<(String, Vec<usize>)> = tensors

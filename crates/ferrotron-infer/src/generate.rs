@@ -63,7 +63,7 @@ pub fn generate(
             "the prompt encodes to zero tokens".into(),
         ));
     }
-    let max_pos = model.config.max_position_embeddings;
+    let max_pos = model.config().max_position_embeddings;
     if prompt_ids.len() >= max_pos {
         return Err(GenerateError::Prompt(format!(
             "the prompt has {} tokens; the model allows {max_pos} positions",
@@ -71,7 +71,7 @@ pub fn generate(
         )));
     }
     let capacity = (prompt_ids.len() + options.max_new_tokens).min(max_pos);
-    let mut cache = KvCache::new(&model.config, 1, capacity)?;
+    let mut cache = KvCache::new(model.config(), 1, capacity)?;
     let mut sampler = Sampler::new(options.sampling)?;
     let mut history = prompt_ids.to_vec();
     let mut generated = Vec::with_capacity(options.max_new_tokens);

@@ -21,9 +21,9 @@ pub fn score(model: &GptModel, ids: &[u32]) -> Result<Score, ModelError> {
             ids.len()
         )));
     }
-    let mut cache = KvCache::new(&model.config, 1, ids.len())?;
+    let mut cache = KvCache::new(model.config(), 1, ids.len())?;
     let logits = model.forward(ids, &mut cache, LogitsMode::All)?;
-    let v = model.config.vocab_size;
+    let v = model.config().vocab_size;
     let mut lp = vec![0f32; v];
     let token_logprobs: Vec<f32> = (0..ids.len() - 1)
         .map(|t| {

@@ -26,7 +26,7 @@ fn main() {
     }
     let (model, _) = load_hf_model(&dir, DType::F32).unwrap();
     let (b, s) = (1, 512);
-    let v = model.config.vocab_size as u64;
+    let v = model.config().vocab_size as u64;
     let mut x = 12345u64;
     let tokens: Vec<u32> = (0..b * s)
         .map(|_| {

@@ -172,19 +172,11 @@ impl TransformerConfig {
         self.num_query_groups * (self.heads_per_group() + 2) * self.kv_channels
     }
 
-    /// Parameter count (embedding counted once when tied).
+    /// Parameter count (embedding counted once when tied), from the parameter declarations
+    /// ([`crate::module::ModelLayout::num_parameters`]).
     pub fn num_parameters(&self) -> usize {
-        let (h, f, d) = (self.hidden_size, self.ffn_hidden_size, self.kv_channels);
-        let attn = h * self.qkv_size() + self.num_attention_heads * d * h;
-        let mlp = 3 * h * f;
-        let layer = attn + mlp + 2 * h;
-        let emb = self.vocab_size * h;
-        let out = if self.untie_embeddings_and_output_weights {
-            emb
-        } else {
-            0
-        };
-        self.num_layers * layer + emb + out + h
+        let whole = crate::module::ModelPart::whole(self.num_layers);
+        crate::module::ModelLayout::new(self, self.vocab_size, &whole).num_parameters()
     }
 }
 

@@ -1,8 +1,12 @@
-use crate::transformer_layer::{LayerInputs, LayerScratch};
-use crate::{KvCache, ModelError, Result, TransformerConfig, TransformerLayer};
-use ferrotron_nn::{Embedding, Linear, RmsNorm};
+use crate::module::{LinearParams, ModelLayout, ModelPart, ParamId, TransformerLayer};
+use crate::train::forward::{KeysValues, Pass, layer_forward};
+use crate::{
+    KvCache, ModelError, RecomputeGranularity, Result, StageInfo, TpInfo, TransformerConfig,
+};
+use ferrotron_nn::{Embedding, Linear, NnError, RmsNorm};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::RopeTable;
+use ferrotron_tensor::{DType, Tensor};
 
 /// Which positions get logits from [`GptModel::forward`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -13,62 +17,206 @@ pub enum LogitsMode {
     Last,
 }
 
-/// A decoder-only transformer (Megatron `GPTModel`): embedding, `num_layers` decoder layers,
-/// final RMSNorm and the output layer (the embedding table itself when tied).
+/// A decoder-only transformer (Megatron `GPTModel`): embedding, decoder layers, final RMSNorm
+/// and the output layer (the embedding table itself when tied) — the whole model, or one
+/// rank's part of it: a tensor-parallel shard ([`GptModel::tensor_parallel_shard`]) and/or a
+/// pipeline stage ([`GptModel::pipeline_stage`]).
+///
+/// The module tree ([`ModelLayout`]) says where each parameter sits in the parameter table;
+/// the table holds this rank's values (local shapes) in that order.
 #[derive(Clone, Debug)]
 pub struct GptModel {
-    pub config: TransformerConfig,
-    pub embedding: Embedding,
-    pub layers: Vec<TransformerLayer>,
-    pub final_layernorm: RmsNorm,
-    /// `[v, h]`; `None` when tied to the embedding.
-    pub output_layer: Option<Linear>,
+    /// The whole model's config.
+    config: TransformerConfig,
+    /// The sizes this rank computes with: heads, query groups, FFN size and (padded)
+    /// vocabulary divided by the tensor-parallel size, `num_layers` the layers held.
+    local: TransformerConfig,
+    layout: ModelLayout,
+    /// Parameter values in table order, each of its declaration's local shape.
+    params: Vec<Tensor>,
+    /// Storage dtype of the embedding and matmul weights (norms and biases are f32).
+    dtype: DType,
     rope: RopeTable,
-    /// Set on a tensor-parallel shard ([`GptModel::tensor_parallel_shard`]): `config` then
-    /// holds the local sizes.
-    pub(crate) tp: Option<crate::TpInfo>,
-    /// Set on a pipeline stage ([`GptModel::pipeline_stage`]).
-    pub(crate) stage: Option<crate::StageInfo>,
+    /// Set on a tensor-parallel shard.
+    pub(crate) tp: Option<TpInfo>,
+    /// Set on a pipeline stage.
+    pub(crate) stage: Option<StageInfo>,
 }
 
 impl GptModel {
-    /// Assembles a model from its layers; checks that their count and sizes agree with `config`.
-    pub fn new(
-        config: TransformerConfig,
-        embedding: Embedding,
-        layers: Vec<TransformerLayer>,
-        final_layernorm: RmsNorm,
-        output_layer: Option<Linear>,
-    ) -> Result<GptModel> {
+    /// The whole model of `config` from its parameter values in table order
+    /// ([`ModelLayout::new`] of the whole model: [`GptModel::parameters`]' order). Embedding
+    /// and matmul weights share one storage dtype; norm gains and biases are widened to f32.
+    ///
+    /// # Errors
+    /// An invalid config, a count or shape that disagrees with the declarations (naming the
+    /// parameter), or weights of mixed dtypes.
+    pub fn new(config: TransformerConfig, params: Vec<Tensor>) -> Result<GptModel> {
         config.validate()?;
-        if layers.len() != config.num_layers {
+        let layout = ModelLayout::new(
+            &config,
+            config.vocab_size,
+            &ModelPart::whole(config.num_layers),
+        );
+        GptModel::assemble(config, layout, params, None, None)
+    }
+
+    /// A model part from `layout` (built for `config`, `tp` and `stage`) and its local
+    /// values; checks every value against its declaration.
+    pub(crate) fn assemble(
+        config: TransformerConfig,
+        layout: ModelLayout,
+        params: Vec<Tensor>,
+        tp: Option<TpInfo>,
+        stage: Option<StageInfo>,
+    ) -> Result<GptModel> {
+        let decls = layout.decls();
+        if params.len() != decls.len() {
             return Err(ModelError::Input(format!(
-                "{} layers given, config num_layers is {}",
-                layers.len(),
-                config.num_layers
+                "{} parameter tensors given, the model declares {}",
+                params.len(),
+                decls.len()
             )));
         }
-        if output_layer.is_some() != config.untie_embeddings_and_output_weights {
-            return Err(ModelError::Input(
-                "output layer presence disagrees with untie_embeddings_and_output_weights".into(),
-            ));
+        let t = tp.as_ref().map_or(1, |tp| tp.group.size());
+        let dtype = decls
+            .iter()
+            .zip(&params)
+            .find(|(d, _)| d.role.uses_params_dtype())
+            .map_or(DType::F32, |(_, p)| p.dtype());
+        let mut checked = Vec::with_capacity(params.len());
+        for (decl, p) in decls.iter().zip(params) {
+            let want = decl.local_shape(t);
+            if p.shape() != want.as_slice() {
+                return Err(NnError::ParamShape {
+                    name: decl.name.clone(),
+                    expected: want,
+                    actual: p.shape().to_vec(),
+                }
+                .into());
+            }
+            let p = match (decl.role.uses_params_dtype(), p.dtype()) {
+                (true, dt) if dt != dtype => {
+                    return Err(ModelError::Input(format!(
+                        "{}: stored as {dt:?}, the model's other weights as {dtype:?}",
+                        decl.name
+                    )));
+                }
+                (false, dt) if dt != DType::F32 => p.to_dtype(DType::F32),
+                _ => p,
+            };
+            checked.push(p);
         }
+        let mut local = config.clone();
+        if let Some(tp) = &tp {
+            local.num_attention_heads /= t;
+            local.num_query_groups /= t;
+            local.ffn_hidden_size /= t;
+            local.vocab_size = tp.padded_vocab / t;
+        }
+        local.num_layers = layout.layers.len();
         let rope = RopeTable::new(
-            config.kv_channels,
-            config.rotary_base,
-            &config.rope_scaling,
-            config.max_position_embeddings,
+            local.kv_channels,
+            local.rotary_base,
+            &local.rope_scaling,
+            local.max_position_embeddings,
         );
         Ok(GptModel {
             config,
-            embedding,
-            layers,
-            final_layernorm,
-            output_layer,
+            local,
+            layout,
+            params: checked,
+            dtype,
             rope,
-            tp: None,
-            stage: None,
+            tp,
+            stage,
         })
+    }
+
+    /// The whole model's config (also on a shard or a stage).
+    pub fn config(&self) -> &TransformerConfig {
+        &self.config
+    }
+
+    /// The sizes this rank computes with (see the field docs).
+    pub(crate) fn local(&self) -> &TransformerConfig {
+        &self.local
+    }
+
+    /// Sets Megatron's `recompute_granularity` for the training passes.
+    ///
+    /// # Errors
+    /// A `recompute_num_layers` outside `1..=num_layers` of a model chunk.
+    pub fn set_recompute_granularity(&mut self, r: Option<RecomputeGranularity>) -> Result<()> {
+        let mut local = self.local.clone();
+        local.recompute_granularity = r;
+        local.validate_recompute()?;
+        self.config.recompute_granularity = r;
+        self.local = local;
+        Ok(())
+    }
+
+    /// The module tree and every parameter's declaration.
+    pub fn layout(&self) -> &ModelLayout {
+        &self.layout
+    }
+
+    /// The decoder layers held, in order.
+    pub fn layers(&self) -> &[TransformerLayer] {
+        &self.layout.layers
+    }
+
+    /// Storage dtype of the embedding and matmul weights (norm gains and biases are f32).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// This rank's values of parameter `id`.
+    pub fn param(&self, id: ParamId) -> &Tensor {
+        &self.params[id.index()]
+    }
+
+    /// Every parameter's values, in table order.
+    pub(crate) fn param_tensors(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// Every parameter's values, mutable (shapes and dtypes must stay).
+    pub(crate) fn param_tensors_mut(&mut self) -> &mut [Tensor] {
+        &mut self.params
+    }
+
+    /// An f32 parameter (a norm gain or a bias).
+    pub(crate) fn f32_param(&self, id: ParamId) -> &[f32] {
+        self.params[id.index()]
+            .as_f32()
+            .expect("norm gains and biases are stored in f32")
+    }
+
+    /// The linear layer `p` over this rank's values.
+    pub(crate) fn linear(&self, p: LinearParams) -> Linear<'_> {
+        Linear::new(self.param(p.weight), p.bias.map(|b| self.f32_param(b)))
+    }
+
+    /// The RMSNorm of gain `id`.
+    pub(crate) fn norm(&self, id: ParamId) -> RmsNorm<'_> {
+        RmsNorm::new(self.f32_param(id), self.config.layernorm_epsilon)
+    }
+
+    /// The word embedding table (first stage, and the last stage of a tied model).
+    pub(crate) fn word_embedding(&self) -> Result<Embedding<'_>> {
+        let id = self.layout.embedding.ok_or_else(|| {
+            ModelError::Input("this pipeline stage does not hold the word embedding".into())
+        })?;
+        Ok(Embedding::new(self.param(id)))
+    }
+
+    /// The logits' weight `[v, h]` (the embedding table when tied): last stage only.
+    pub(crate) fn output_weight(&self) -> Result<&Tensor> {
+        let id = self.layout.output_weight().ok_or_else(|| {
+            ModelError::Input("only the last pipeline stage computes logits".into())
+        })?;
+        Ok(self.param(id))
     }
 
     /// The rotary tables (`[max_position_embeddings, d/2]` cos and sin).
@@ -80,14 +228,19 @@ impl GptModel {
     /// `cache.len()` tokens already cached, appending their keys/values to `cache`.
     ///
     /// Returns logits `[s, b, v]` for [`LogitsMode::All`] or `[b, v]` for [`LogitsMode::Last`].
-    /// Errors: token ids `>= v`, a batch size other than the cache's, or more tokens than the
-    /// cache holds.
+    /// Errors: token ids `>= v`, a batch size other than the cache's, more tokens than the
+    /// cache holds, or a model that is a shard or stage.
     pub fn forward(
         &self,
         tokens: &[u32],
         cache: &mut KvCache,
         mode: LogitsMode,
     ) -> Result<Vec<f32>> {
+        if self.tp.is_some() || self.stage.is_some() {
+            return Err(ModelError::Input(
+                "the KV-cached forward runs the whole model (not a shard or a stage)".into(),
+            ));
+        }
         // Run the whole pass on a rayon worker: the many small parallel kernels then start
         // inline instead of each being injected into the pool from outside (a futex handoff).
         rayon::scope(|_| self.forward_on_worker(tokens, cache, mode))
@@ -99,7 +252,7 @@ impl GptModel {
         cache: &mut KvCache,
         mode: LogitsMode,
     ) -> Result<Vec<f32>> {
-        let c = &self.config;
+        let c = &self.local;
         let b = cache.batch();
         if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
             return Err(ModelError::Input(format!(
@@ -117,18 +270,18 @@ impl GptModel {
             )));
         }
         let h = c.hidden_size;
-        let mut x = vec![0f32; tokens.len() * h];
-        self.embedding.forward(tokens, &mut x)?;
-        let positions: Vec<usize> = (start..start + s).collect();
-        let inputs = LayerInputs {
-            config: c,
-            rope: &self.rope,
-            positions: &positions,
-            batch: b,
-        };
-        let mut scratch = LayerScratch::new(c, tokens.len());
-        for (i, layer) in self.layers.iter().enumerate() {
-            layer.forward(i, &mut x, &inputs, cache, &mut scratch);
+        let mut x = self.embed_train(tokens)?;
+        let positions: Vec<usize> = (start..start + s)
+            .flat_map(|p| std::iter::repeat_n(p, b))
+            .collect();
+        let pass = Pass::generation(self, &positions, s, b);
+        for (layer_index, layer) in self.layers().iter().enumerate() {
+            let kv = KeysValues::Cached {
+                cache: &mut *cache,
+                layer: layer_index,
+            };
+            // The activations a backward would need are dropped at once.
+            x = layer_forward(layer, &pass, x, false, kv)?.1;
         }
         cache.advance(s);
         let rows = match mode {
@@ -137,16 +290,13 @@ impl GptModel {
         };
         let hidden = &x[rows.start * h..rows.end * h];
         let mut normed = vec![0f32; hidden.len()];
-        self.final_layernorm.forward(hidden, &mut normed);
+        let final_norm = self.layout.final_layernorm.expect("a whole model");
+        self.norm(final_norm).forward(hidden, &mut normed);
         let v = c.vocab_size;
         let mut logits = vec![0f32; rows.len() * v];
-        let weight = match &self.output_layer {
-            Some(l) => l.weight(),
-            None => self.embedding.weight(),
-        };
         matmul_weight_t(
             &normed,
-            weight.weight_ref(),
+            self.output_weight()?.weight_ref(),
             &mut logits,
             rows.len(),
             v,

@@ -19,8 +19,8 @@
 //! the other parameters, the thread count or whether biases exist).
 
 use crate::config::field_error;
-use crate::{GptModel, ModelFamily, Result, TransformerConfig, TransformerLayer};
-use ferrotron_nn::{Embedding, Linear, RmsNorm, SwiGluMlp};
+use crate::module::{Init, ModelLayout, ModelPart, ParamDecl};
+use crate::{GptModel, ModelFamily, Result, TransformerConfig};
 use ferrotron_tensor::ops::RopeScaling;
 use ferrotron_tensor::{DType, Tensor};
 use rand::{RngCore, SeedableRng};
@@ -141,82 +141,32 @@ impl GptModel {
     pub fn init_random(config: TransformerConfig, init: InitConfig) -> Result<GptModel> {
         config.validate()?;
         init.validate()?;
-        let c = &config;
-        let (h, v) = (c.hidden_size, c.vocab_size);
-        let sigma = init.init_method_std;
-        let embedding = Embedding::new(
-            "embedding.word_embeddings.weight",
-            normal(&init, "embedding.word_embeddings.weight", &[v, h], sigma)?,
-        )?;
-        let layers = (0..c.num_layers)
-            .map(|i| init_layer(c, &init, i))
+        let layout = ModelLayout::new(
+            &config,
+            config.vocab_size,
+            &ModelPart::whole(config.num_layers),
+        );
+        let scaled = init.output_layer_init_std(config.num_layers);
+        let params = layout
+            .decls()
+            .iter()
+            .map(|d| init_param(d, &init, scaled))
             .collect::<Result<Vec<_>>>()?;
-        let final_layernorm = norm("decoder.final_layernorm.weight", c)?;
-        let output_layer = if c.untie_embeddings_and_output_weights {
-            let name = "output_layer.weight";
-            Some(Linear::new(
-                name,
-                normal(&init, name, &[v, h], sigma)?,
-                None,
-            )?)
-        } else {
-            None
-        };
-        GptModel::new(config, embedding, layers, final_layernorm, output_layer)
+        GptModel::new(config, params)
     }
 }
 
-/// Layer `i`: `N(0, σ)` into `linear_qkv`/`linear_fc1`, `N(0, σ/√(2L))` into
-/// `linear_proj`/`linear_fc2`, gains 1, biases 0.
-fn init_layer(c: &TransformerConfig, init: &InitConfig, i: usize) -> Result<TransformerLayer> {
-    let (h, f) = (c.hidden_size, c.ffn_hidden_size);
-    let attn_width = c.num_attention_heads * c.kv_channels;
-    let sigma = init.init_method_std;
-    let scaled = init.output_layer_init_std(c.num_layers);
-    let p = format!("decoder.layers.{i}");
-    let linear = |name: &str, rows: usize, cols: usize, std: f32, bias: bool| -> Result<Linear> {
-        let prefix = format!("{p}.{name}");
-        let weight = normal(init, &format!("{prefix}.weight"), &[rows, cols], std)?;
-        let bias = if bias {
-            Some(Tensor::zeros(&[rows], DType::F32)?)
-        } else {
-            None
-        };
-        Ok(Linear::new(&prefix, weight, bias)?)
+/// Parameter `d` drawn as its declaration says: normals from the stream of its name (`σ`, or
+/// `scaled` = `σ/√(2L)`) in `init.params_dtype`, gains 1 and biases 0 in f32.
+fn init_param(d: &ParamDecl, init: &InitConfig, scaled: f32) -> Result<Tensor> {
+    let n = d.numel();
+    let values = match d.init {
+        Init::Normal => return normal(init, &d.name, &d.shape, init.init_method_std),
+        Init::ScaledNormal => return normal(init, &d.name, &d.shape, scaled),
+        Init::Ones => vec![1.0; n],
+        Init::Zeros => vec![0.0; n],
     };
-    Ok(TransformerLayer {
-        input_layernorm: norm(&format!("{p}.input_layernorm.weight"), c)?,
-        linear_qkv: linear(
-            "self_attention.linear_qkv",
-            c.qkv_size(),
-            h,
-            sigma,
-            c.add_qkv_bias,
-        )?,
-        linear_proj: linear(
-            "self_attention.linear_proj",
-            h,
-            attn_width,
-            scaled,
-            c.add_proj_bias,
-        )?,
-        pre_mlp_layernorm: norm(&format!("{p}.pre_mlp_layernorm.weight"), c)?,
-        mlp: SwiGluMlp {
-            linear_fc1: linear("mlp.linear_fc1", 2 * f, h, sigma, c.add_mlp_bias)?,
-            linear_fc2: linear("mlp.linear_fc2", h, f, scaled, c.add_mlp_bias)?,
-        },
-    })
-}
-
-/// An RMSNorm with its `[h]` gain at 1.
-fn norm(name: &str, c: &TransformerConfig) -> Result<RmsNorm> {
-    let ones = Tensor::from_f32(&[c.hidden_size], vec![1.0; c.hidden_size])?;
-    Ok(RmsNorm::new(
-        name,
-        ones,
-        c.hidden_size,
-        c.layernorm_epsilon,
-    )?)
+    Ok(Tensor::from_f32(&d.shape, values)?)
 }
 
 /// A `shape` tensor of `N(0, std)` draws from the stream of `name`, stored in

@@ -16,9 +16,7 @@
 
 use std::ops::Range;
 
-use ferrotron_nn::{Embedding, Linear};
-use ferrotron_tensor::Tensor;
-
+use crate::module::{ModelLayout, ModelPart};
 use crate::{GptModel, ModelError, Result};
 
 /// Where a stage sits in the pipeline.
@@ -29,13 +27,11 @@ pub struct StageInfo {
     /// Holds the final norm, the output layer and the loss after its last chunk
     /// (`post_process`).
     pub post_process: bool,
-    /// Global index of each decoder layer held, in the order of `GptModel::layers`.
+    /// Global index of each decoder layer held, in the order of [`GptModel::layers`].
     pub layer_ids: Vec<usize>,
-    /// The model chunks: ranges of `GptModel::layers`, in chunk order (one range without
+    /// The model chunks: ranges of [`GptModel::layers`], in chunk order (one range without
     /// interleaving).
     pub chunks: Vec<Range<usize>>,
-    /// Decoder layers of the whole model.
-    pub total_layers: usize,
 }
 
 /// The part of a model one [`GptModel::stage_forward`] runs: a model chunk's layers, with
@@ -158,16 +154,16 @@ impl GptModel {
                 "a pipeline stage needs a model chunk".into(),
             ));
         }
+        let total = self.config().num_layers;
         for layers in chunks {
-            if layers.is_empty() || layers.end > self.layers.len() {
+            if layers.is_empty() || layers.end > total {
                 return Err(ModelError::Input(format!(
-                    "stage layers {layers:?} are not inside the model's {} layers",
-                    self.layers.len()
+                    "stage layers {layers:?} are not inside the model's {total} layers"
                 )));
             }
         }
         let layer_ids: Vec<usize> = chunks.iter().flat_map(Clone::clone).collect();
-        let mut seen = vec![false; self.layers.len()];
+        let mut seen = vec![false; total];
         if let Some(&twice) = layer_ids
             .iter()
             .find(|&&i| std::mem::replace(&mut seen[i], true))
@@ -176,30 +172,26 @@ impl GptModel {
                 "model chunks {chunks:?} hold layer {twice} twice"
             )));
         }
-        let c = &self.config;
-        let h = c.hidden_size;
-        let tied = !c.untie_embeddings_and_output_weights;
-        // Tables a stage does not hold are empty `[0, h]` placeholders.
-        let empty = || Tensor::zeros(&[0, h], self.embedding.weight().dtype());
-        let embedding = if pre_process || (post_process && tied) {
-            self.embedding.clone()
-        } else {
-            Embedding::new("embedding", empty()?)?
+        let c = self.config();
+        let part = ModelPart {
+            layer_ids: layer_ids.clone(),
+            pre_process,
+            post_process,
         };
-        let output_layer = match &self.output_layer {
-            Some(l) if post_process => Some(l.clone()),
-            Some(_) => Some(Linear::new("output_layer", empty()?, None)?),
-            None => None,
-        };
-        let mut config = c.clone();
-        config.num_layers = layer_ids.len();
-        let mut stage = GptModel::new(
-            config,
-            embedding,
-            layer_ids.iter().map(|&i| self.layers[i].clone()).collect(),
-            self.final_layernorm.clone(),
-            output_layer,
-        )?;
+        let layout = ModelLayout::new(c, c.vocab_size, &part);
+        // Every parameter of the stage is the full model's of the same name.
+        let index: std::collections::HashMap<&str, usize> = self
+            .layout()
+            .decls()
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.name.as_str(), i))
+            .collect();
+        let params = layout
+            .decls()
+            .iter()
+            .map(|d| self.param_tensors()[index[d.name.as_str()]].clone())
+            .collect();
         let mut start = 0;
         let local_chunks = chunks
             .iter()
@@ -208,14 +200,25 @@ impl GptModel {
                 start - l.len()..start
             })
             .collect();
-        stage.stage = Some(StageInfo {
+        let stage = StageInfo {
             pre_process,
             post_process,
             layer_ids,
             chunks: local_chunks,
-            total_layers: self.layers.len(),
-        });
-        Ok(stage)
+        };
+        GptModel::assemble(c.clone(), layout, params, None, Some(stage))
+    }
+
+    /// The part of the model this one holds (the whole model unless a stage).
+    pub(crate) fn part(&self) -> ModelPart {
+        match &self.stage {
+            Some(s) => ModelPart {
+                layer_ids: s.layer_ids.clone(),
+                pre_process: s.pre_process,
+                post_process: s.post_process,
+            },
+            None => ModelPart::whole(self.config().num_layers),
+        }
     }
 
     /// The pipeline stage info, `None` for a whole model.
@@ -233,9 +236,9 @@ impl GptModel {
         self.stage.as_ref().is_none_or(|s| s.post_process)
     }
 
-    /// Global index of `self.layers[i]`.
+    /// Global index of `self.layers()[i]`.
     pub fn global_layer(&self, i: usize) -> usize {
-        self.stage.as_ref().map_or(i, |s| s.layer_ids[i])
+        self.layers()[i].number
     }
 
     /// Model chunks held (`virtual_pipeline_model_parallel_size` on an interleaved stage, 1
@@ -258,7 +261,7 @@ impl GptModel {
         let layers = self
             .stage
             .as_ref()
-            .map_or(0..self.layers.len(), |s| s.chunks[chunk].clone());
+            .map_or(0..self.layers().len(), |s| s.chunks[chunk].clone());
         Ok(ChunkPart {
             chunk: layers.clone(),
             layers,
@@ -270,12 +273,12 @@ impl GptModel {
     /// Whether the word embedding is one of this model's parameters: on the first stage,
     /// and on the last stage of a tied model (its output weight).
     pub(crate) fn has_embedding_param(&self) -> bool {
-        self.is_pre_process() || (self.is_post_process() && self.output_layer.is_none())
+        self.layout().embedding.is_some()
     }
 
     /// A last stage of a tied model that is not also the first: its embedding parameter is
     /// the shared copy of the output weight (Megatron's `shared_embedding`).
     pub fn holds_shared_embedding_copy(&self) -> bool {
-        !self.is_pre_process() && self.is_post_process() && self.output_layer.is_none()
+        !self.is_pre_process() && self.has_embedding_param()
     }
 }

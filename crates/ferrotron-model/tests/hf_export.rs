@@ -103,7 +103,7 @@ fn repacking_the_exported_tensors_gives_bit_identical_parameters() {
     for name in FIXTURES {
         let (model, _) = load_hf_model(&fixture(name), DType::F32).unwrap();
         let mut src = exported(&model);
-        let again = gpt_model_from_hf(model.config.clone(), &mut src).unwrap();
+        let again = gpt_model_from_hf(model.config().clone(), &mut src).unwrap();
         assert_bit_identical(&model, &again, name);
     }
 }
@@ -226,15 +226,32 @@ fn inexpressible_configs_and_mismatched_originals_are_errors_naming_the_field() 
 
 #[test]
 fn parameters_disagreeing_with_the_config_are_errors_naming_them() {
-    let (mut model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
-    model.config.ffn_hidden_size += 2;
-    let e = hf_tensors(&model).err().unwrap().to_string();
+    let (model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
+    let mut config = model.config().clone();
+    let tensors = |m: &ferrotron_model::GptModel| -> Vec<ferrotron_tensor::Tensor> {
+        m.parameters()
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                ferrotron_tensor::Tensor::from_f32(&p.shape, m.parameter_f32(i).unwrap()).unwrap()
+            })
+            .collect()
+    };
+    config.ffn_hidden_size += 2;
+    let e = GptModel::new(config, tensors(&model))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("decoder.layers.0.mlp.linear_fc1.weight"), "{e}");
 
-    let (mut model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
-    model.config.add_qkv_bias = true;
-    let e = hf_tensors(&model).err().unwrap().to_string();
-    assert!(e.contains("linear_qkv.bias"), "{e}");
+    let mut config = model.config().clone();
+    config.add_qkv_bias = true;
+    let e = GptModel::new(config, tensors(&model))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("parameter tensors given, the model declares"),
+        "{e}"
+    );
 }
 
 /// The config-only mapping agrees with the model: the parameters of `GptModel::parameters`
@@ -247,7 +264,7 @@ fn config_mapping_matches_the_model_and_its_shards() {
     use std::sync::Arc;
     for name in FIXTURES {
         let (model, _) = load_hf_model(&fixture(name), DType::F32).unwrap();
-        let c = &model.config;
+        let c = model.config();
         let padded = padded_vocab_size(c.vocab_size, 128, 2);
         let mapping = param_mapping(c, padded).unwrap();
         let params = model.parameters();
@@ -273,7 +290,8 @@ fn config_mapping_matches_the_model_and_its_shards() {
         let splits = ferrotron_comm::run_local(2, |comm| {
             let shard =
                 model.tensor_parallel_shard(TensorParallel::new(Arc::new(comm), false), 128)?;
-            Ok::<_, ferrotron_model::ModelError>(shard.tensor_parallel().unwrap().splits.clone())
+            let splits: Vec<_> = shard.layout().decls().iter().map(|d| d.split).collect();
+            Ok::<_, ferrotron_model::ModelError>(splits)
         })
         .unwrap();
         let mapped: Vec<_> = mapping.iter().map(|m| m.split).collect();

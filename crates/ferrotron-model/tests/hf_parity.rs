@@ -43,7 +43,7 @@ fn to_sb(ids: &[u32], b: usize, s: usize) -> Vec<u32> {
 }
 
 fn full_forward(model: &GptModel, ids_sb: &[u32], b: usize, s: usize) -> Vec<f32> {
-    let mut cache = KvCache::new(&model.config, b, s).unwrap();
+    let mut cache = KvCache::new(model.config(), b, s).unwrap();
     model.forward(ids_sb, &mut cache, LogitsMode::All).unwrap()
 }
 
@@ -107,7 +107,7 @@ fn kv_cache_decoding_matches_full_forward() {
         let (ids, _, b, s, v) = reference(name);
         let ids_sb = to_sb(&ids, b, s);
         let full = full_forward(&model, &ids_sb, b, s);
-        let mut cache = KvCache::new(&model.config, b, s).unwrap();
+        let mut cache = KvCache::new(model.config(), b, s).unwrap();
         let prefix = 5;
         let first = model
             .forward(&ids_sb[..prefix * b], &mut cache, LogitsMode::Last)
@@ -130,7 +130,7 @@ fn kv_cache_decoding_matches_full_forward() {
                 .fold(0f32, f32::max);
             assert!(diff < 1e-4, "{name}: step at pos {t} differs by {diff}");
         }
-        let mut small = KvCache::new(&model.config, b, 2).unwrap();
+        let mut small = KvCache::new(model.config(), b, 2).unwrap();
         let err = model
             .forward(&ids_sb[..3 * b], &mut small, LogitsMode::Last)
             .unwrap_err();

@@ -132,13 +132,12 @@ fn bf16_storage_rounds_the_f32_draws() {
         ..InitConfig::default()
     };
     let bf16_model = GptModel::init_random(c, bf16_init).unwrap();
-    assert_eq!(bf16_model.embedding.weight().dtype(), DType::BF16);
-    assert_eq!(
-        bf16_model.layers[1].mlp.linear_fc2.weight().dtype(),
-        DType::BF16
-    );
-    let output = bf16_model.output_layer.as_ref().unwrap().weight();
-    assert_eq!(output.dtype(), DType::BF16);
+    let layout = bf16_model.layout();
+    let dtype = |id| bf16_model.param(id).dtype();
+    assert_eq!(dtype(layout.embedding.unwrap()), DType::BF16);
+    assert_eq!(dtype(layout.layers[1].mlp.linear_fc2.weight), DType::BF16);
+    assert_eq!(dtype(layout.output_layer.unwrap()), DType::BF16);
+    assert_eq!(dtype(layout.layers[1].pre_mlp_layernorm), DType::F32);
     for ((name, x), (_, y)) in params(&f32_model).iter().zip(&params(&bf16_model)) {
         let rounded: Vec<f32> = x
             .iter()

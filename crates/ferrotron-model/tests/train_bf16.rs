@@ -25,7 +25,7 @@ fn bf16_activations_track_f32_activations() {
     let (wide, narrow) = (tiny_llama3(DType::F32), tiny_llama3(DType::BF16));
     assert_eq!(wide.activation_dtype(), DType::F32);
     assert_eq!(narrow.activation_dtype(), DType::BF16);
-    let v = wide.config.vocab_size;
+    let v = wide.config().vocab_size;
     let (b, s) = (2, 16);
     let tokens: Vec<u32> = (0..b * s).map(|i| ((i * 37 + 11) % v) as u32).collect();
     let labels: Vec<i64> = (0..b * s).map(|i| ((i * 53 + 5) % v) as i64).collect();

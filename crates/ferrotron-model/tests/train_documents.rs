@@ -41,7 +41,7 @@ fn seq(len: usize, salt: usize, v: usize) -> (Vec<u32>, Vec<i64>) {
 fn packed_documents_equal_separate_rows() {
     for name in ["tiny-llama", "tiny-qwen2", "tiny-mistral"] {
         let (model, _) = load_hf_model(&fixture(name), DType::F32).unwrap();
-        let v = model.config.vocab_size;
+        let v = model.config().vocab_size;
         let (l1, l2) = (7, 10);
         let (t1, y1) = seq(l1, 1, v);
         let (t2, y2) = seq(l2, 2, v);
@@ -82,7 +82,7 @@ fn packed_documents_equal_separate_rows() {
 #[test]
 fn bad_document_starts_are_errors() {
     let (model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
-    let (t, y) = seq(6, 0, model.config.vocab_size);
+    let (t, y) = seq(6, 0, model.config().vocab_size);
     let mut grads: Vec<Vec<f32>> = model.zero_grads();
     for starts in [
         vec![0, 0, 0, 1, 3, 3],

@@ -42,7 +42,7 @@ fn layers_split_evenly_or_with_an_uneven_first_stage() {
 fn two_stages_back_to_back_equal_the_whole_model() {
     for name in ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-mistral"] {
         let full = fixture(name);
-        let batch = batch(full.config.vocab_size);
+        let batch = batch(full.config().vocab_size);
         let mut want = full.zero_grads();
         let mut views: Vec<&mut [f32]> = want.iter_mut().map(|g| g.as_mut_slice()).collect();
         let want_loss = full.forward_backward(&batch, &mut views, 1.0).unwrap();
@@ -62,10 +62,10 @@ fn two_stages_back_to_back_equal_the_whole_model() {
             "{last_names:?}"
         );
         assert_eq!(last.holds_shared_embedding_copy(), name == "tiny-llama3");
-        assert_eq!(last.config.num_layers, 1);
+        assert_eq!(last.layers().len(), 1);
         assert_eq!(
-            last.global_config(),
-            full.config,
+            last.config(),
+            full.config(),
             "{name}: the whole model's config"
         );
 
@@ -130,7 +130,7 @@ fn assert_close(model: &str, param: &str, got: &[f32], want: &[f32]) {
 #[test]
 fn stages_refuse_inputs_that_do_not_fit() {
     let full = fixture("tiny-llama");
-    let batch = batch(full.config.vocab_size);
+    let batch = batch(full.config().vocab_size);
     let last = full.pipeline_stage(1..2, false, true).unwrap();
     let err = last
         .stage_forward(&batch, 0, None, 1.0)
@@ -175,8 +175,8 @@ fn layer_groups_run_in_parts_equal_the_whole_model() {
             }),
         ] {
             let mut model = fixture(name);
-            model.config.recompute_granularity = recompute;
-            let batch = batch(model.config.vocab_size);
+            model.set_recompute_granularity(recompute).unwrap();
+            let batch = batch(model.config().vocab_size);
             let mut want = model.zero_grads();
             let mut views: Vec<&mut [f32]> = want.iter_mut().map(|g| g.as_mut_slice()).collect();
             let want_loss = model.forward_backward(&batch, &mut views, 0.5).unwrap();

@@ -31,7 +31,7 @@ fn all_modes(num_layers: usize) -> Vec<Option<RecomputeGranularity>> {
 /// A deterministic batch of `b` sequences of `s` tokens with a loss mask, an ignored label and
 /// positions and attention restarting mid-sequence (two packed documents).
 fn batch(model: &GptModel, b: usize, s: usize) -> TrainBatch {
-    let v = model.config.vocab_size;
+    let v = model.config().vocab_size;
     let tokens: Vec<u32> = (0..b * s).map(|i| ((i * 37 + 11) % v) as u32).collect();
     let mut labels: Vec<i64> = (0..b * s).map(|i| ((i * 53 + 5) % v) as i64).collect();
     labels[s - 1] = -100;
@@ -55,7 +55,7 @@ fn run(
     batch: &TrainBatch,
     recompute: Option<RecomputeGranularity>,
 ) -> (u32, Vec<Vec<f32>>) {
-    model.config.recompute_granularity = recompute;
+    model.set_recompute_granularity(recompute).unwrap();
     let mut grads: Vec<Vec<f32>> = model.zero_grads();
     let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
     let stats = model.forward_backward(batch, &mut views, 2.0).unwrap();
@@ -66,7 +66,7 @@ fn run(
 fn assert_bit_identical(model: &mut GptModel, batch: &TrainBatch) {
     let (loss, grads) = run(model, batch, None);
     let names: Vec<String> = model.parameters().into_iter().map(|p| p.name).collect();
-    for mode in all_modes(model.config.num_layers) {
+    for mode in all_modes(model.config().num_layers) {
         let (l, g) = run(model, batch, mode);
         assert_eq!(l, loss, "{mode:?}: loss");
         for ((name, want), got) in names.iter().zip(&grads).zip(&g) {
@@ -82,11 +82,32 @@ fn assert_bit_identical(model: &mut GptModel, batch: &TrainBatch) {
 /// The tiny-llama fixture stretched to `num_layers` layers, each made distinct by a
 /// deterministic perturbation of its weights.
 fn deep_llama(num_layers: usize) -> GptModel {
-    let (mut model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
-    model.layers = (0..num_layers)
-        .map(|i| model.layers[i % model.layers.len()].clone())
+    let (two, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
+    let mut config = two.config().clone();
+    config.num_layers = num_layers;
+    // Layer i of the deep model starts as layer i % 2 of the fixture.
+    let by_name: std::collections::HashMap<String, usize> = two
+        .parameters()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (p.name, i))
         .collect();
-    model.config.num_layers = num_layers;
+    let tensors = ferrotron_model::families::param_mapping(&config, config.vocab_size)
+        .unwrap()
+        .into_iter()
+        .map(|d| {
+            let name = match d.layer {
+                Some(l) => {
+                    d.name
+                        .replacen(&format!("layers.{l}."), &format!("layers.{}.", l % 2), 1)
+                }
+                None => d.name.clone(),
+            };
+            let values = two.parameter_f32(by_name[&name]).unwrap();
+            ferrotron_tensor::Tensor::from_f32(&d.shape, values).unwrap()
+        })
+        .collect();
+    let mut model = GptModel::new(config, tensors).unwrap();
     let mut params: Vec<Vec<f32>> = model.parameters_f32();
     for (pi, p) in params.iter_mut().enumerate() {
         for (i, x) in p.iter_mut().enumerate() {
@@ -124,16 +145,13 @@ fn bf16_storage_recompute_is_bit_identical() {
 }
 
 #[test]
-fn bad_recompute_num_layers_is_an_error_and_leaves_grads_alone() {
+fn bad_recompute_num_layers_is_an_error_and_leaves_the_model_alone() {
     let (mut model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
-    let batch = batch(&model, 1, 5);
+    let before = model.config().clone();
     for method in [RecomputeMethod::Uniform, RecomputeMethod::Block] {
         for n in [0, 3] {
-            model.config.recompute_granularity = full(method, n);
-            let mut grads: Vec<Vec<f32>> = model.zero_grads();
-            let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
             let err = model
-                .forward_backward(&batch, &mut views, 1.0)
+                .set_recompute_granularity(full(method, n))
                 .unwrap_err()
                 .to_string();
             assert_eq!(
@@ -142,8 +160,10 @@ fn bad_recompute_num_layers_is_an_error_and_leaves_grads_alone() {
                     "config field `recompute_num_layers`: {n} is not between 1 and num_layers (2)"
                 )
             );
-            assert!(grads.iter().flatten().all(|&g| g == 0.0));
-            let err = model.config.activation_memory(1, 5).unwrap_err();
+            assert_eq!(model.config(), &before);
+            let mut bad = before.clone();
+            bad.recompute_granularity = full(method, n);
+            let err = bad.activation_memory(1, 5).unwrap_err();
             assert!(err.to_string().contains("recompute_num_layers"));
         }
     }
@@ -151,7 +171,7 @@ fn bad_recompute_num_layers_is_an_error_and_leaves_grads_alone() {
 
 #[test]
 fn recompute_saves_activation_memory() {
-    let mut config = deep_llama(5).config;
+    let mut config = deep_llama(5).config().clone();
     let mut peak = |mode| {
         config.recompute_granularity = mode;
         config.activation_memory(2, 64).unwrap().peak_bytes
@@ -187,7 +207,7 @@ fn recompute_saves_activation_memory() {
 #[test]
 fn smollm2_135m_activation_memory() {
     let (model, _) = load_hf_model(&fixture("tiny-llama"), DType::F32).unwrap();
-    let mut c = model.config;
+    let mut c = model.config().clone();
     (
         c.num_layers,
         c.hidden_size,

@@ -54,7 +54,7 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 fn tp2_and_sequence_parallel_match_the_full_model() {
     for name in ["tiny-llama", "tiny-llama3", "tiny-qwen2", "tiny-mistral"] {
         let full = fixture(name);
-        let batch = batch(full.config.vocab_size);
+        let batch = batch(full.config().vocab_size);
         let (want_loss, want_grads) = forward_backward(&full, &batch).unwrap();
         let want_params = full.parameters_f32();
         for sp in [false, true] {

@@ -1,29 +1,26 @@
-use crate::{Result, error::check_shape};
+use crate::Result;
 use ferrotron_tensor::{Tensor, ops::embedding_lookup};
 
-/// Token embedding table `[v, h]` (Megatron `VocabParallelEmbedding` at tp 1).
-#[derive(Clone, Debug)]
-pub struct Embedding {
-    weight: Tensor,
+/// Token embedding table `[v, h]` over a borrowed parameter (Megatron `VocabParallelEmbedding`
+/// at tp 1).
+#[derive(Clone, Copy, Debug)]
+pub struct Embedding<'a> {
+    weight: &'a Tensor,
 }
 
-impl Embedding {
-    /// Wraps a `[v, h]` table; errors when it is not 2-D.
-    pub fn new(name: &str, weight: Tensor) -> Result<Embedding> {
-        if weight.shape().len() != 2 {
-            check_shape(name, weight.shape(), &[0, 0])?;
-        }
-        Ok(Embedding { weight })
+impl<'a> Embedding<'a> {
+    /// Views a `[v, h]` table.
+    ///
+    /// # Panics
+    /// When the table is not 2-D (the model's declarations guarantee it).
+    pub fn new(weight: &'a Tensor) -> Embedding<'a> {
+        assert_eq!(weight.shape().len(), 2, "an embedding table is [v, h]");
+        Embedding { weight }
     }
 
     /// The `[v, h]` table (also the output layer's weight when embeddings are tied).
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    /// The `[v, h]` table, mutable (training writes updated values; keep its shape).
-    pub fn weight_mut(&mut self) -> &mut Tensor {
-        &mut self.weight
+    pub fn weight(&self) -> &'a Tensor {
+        self.weight
     }
 
     /// Hidden size `h`.

@@ -20,15 +20,3 @@ pub enum NnError {
     #[error(transparent)]
     Tensor(#[from] TensorError),
 }
-
-/// Checks a parameter's shape, naming it in the error.
-pub(crate) fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<(), NnError> {
-    if actual != expected {
-        return Err(NnError::ParamShape {
-            name: name.to_string(),
-            expected: expected.to_vec(),
-            actual: actual.to_vec(),
-        });
-    }
-    Ok(())
-}

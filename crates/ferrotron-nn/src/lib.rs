@@ -1,15 +1,15 @@
-//! Transformer layers as explicit forward functions over f32 activations, each designed so its
-//! backward (a later issue) sits beside it: every forward states what it would save.
+//! Transformer layers as explicit forward functions over f32 activations; every forward
+//! states what its backward needs, and the backward kernels sit beside their forwards
+//! (`ferrotron_tensor::ops`, [`attention`], [`tensor_parallel`]).
 //!
-//! Activations follow Megatron's `[s, b, h]` order, flattened to rows `s·b`. Parameters are
-//! [`ferrotron_tensor::Tensor`]s in HF orientation (`[out, in]` for linear weights) in any
-//! storage dtype; compute is f32.
+//! Activations follow Megatron's `[s, b, h]` order, flattened to rows `s·b`. Layers are views
+//! over borrowed parameters ([`ferrotron_tensor::Tensor`]s in HF orientation, `[out, in]` for
+//! linear weights, in any storage dtype) that the model's parameter table owns; compute is f32.
 
 pub mod attention;
 mod embedding;
 mod error;
 mod linear;
-mod mlp;
 mod norm;
 pub mod tensor_parallel;
 
@@ -17,7 +17,6 @@ pub use attention::{AttentionMask, core_attention};
 pub use embedding::Embedding;
 pub use error::NnError;
 pub use linear::Linear;
-pub use mlp::SwiGluMlp;
 pub use norm::RmsNorm;
 pub use tensor_parallel::TensorParallel;
 

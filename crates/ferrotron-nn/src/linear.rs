@@ -1,30 +1,28 @@
-use crate::{Result, error::check_shape};
 use ferrotron_tensor::{Tensor, gemm::matmul_weight_t, ops::add_bias};
 
-/// A dense layer `y = x·Wᵀ + b` (Megatron `ColumnParallelLinear`/`RowParallelLinear` at
-/// tensor-parallel size 1).
+/// A dense layer `y = x·Wᵀ + b` over borrowed parameters (Megatron `ColumnParallelLinear` /
+/// `RowParallelLinear` on one rank's shard).
 ///
-/// `weight: [out, in]` in any storage dtype; `bias: [out]` in f32.
-#[derive(Clone, Debug)]
-pub struct Linear {
-    weight: Tensor,
-    bias: Option<Vec<f32>>,
+/// `weight: [out, in]` in any storage dtype; `bias: [out]` in f32. The parameters live in the
+/// model's parameter table; a `Linear` is a view built where it is used.
+#[derive(Clone, Copy, Debug)]
+pub struct Linear<'a> {
+    weight: &'a Tensor,
+    bias: Option<&'a [f32]>,
 }
 
-impl Linear {
-    /// Wraps a `[out, in]` weight and an optional `[out]` bias; `name` is used in shape errors.
-    pub fn new(name: &str, weight: Tensor, bias: Option<Tensor>) -> Result<Linear> {
-        if weight.shape().len() != 2 {
-            check_shape(name, weight.shape(), &[0, 0])?;
+impl<'a> Linear<'a> {
+    /// Views a `[out, in]` weight and an optional `[out]` bias.
+    ///
+    /// # Panics
+    /// When the weight is not 2-D or the bias length is not `out` (the model's parameter
+    /// declarations guarantee both; a mismatch is a bug).
+    pub fn new(weight: &'a Tensor, bias: Option<&'a [f32]>) -> Linear<'a> {
+        assert_eq!(weight.shape().len(), 2, "a linear weight is [out, in]");
+        if let Some(b) = bias {
+            assert_eq!(b.len(), weight.shape()[0], "a linear bias is [out]");
         }
-        let bias = match bias {
-            Some(b) => {
-                check_shape(&format!("{name} bias"), b.shape(), &[weight.shape()[0]])?;
-                Some(b.to_f32_vec())
-            }
-            None => None,
-        };
-        Ok(Linear { weight, bias })
+        Linear { weight, bias }
     }
 
     /// Output features.
@@ -38,34 +36,19 @@ impl Linear {
     }
 
     /// The `[out, in]` weight.
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    pub fn weight(&self) -> &'a Tensor {
+        self.weight
     }
 
     /// The `[out]` bias, if any.
-    pub fn bias(&self) -> Option<&[f32]> {
-        self.bias.as_deref()
-    }
-
-    /// The `[out, in]` weight, mutable (training writes updated values; keep its shape).
-    pub fn weight_mut(&mut self) -> &mut Tensor {
-        &mut self.weight
-    }
-
-    /// The `[out]` bias, mutable, if any.
-    pub fn bias_mut(&mut self) -> Option<&mut [f32]> {
-        self.bias.as_deref_mut()
-    }
-
-    /// The weight and the bias, both mutable at once.
-    pub fn parts_mut(&mut self) -> (&mut Tensor, Option<&mut [f32]>) {
-        (&mut self.weight, self.bias.as_deref_mut())
+    pub fn bias(&self) -> Option<&'a [f32]> {
+        self.bias
     }
 
     /// `y[rows, out] = x[rows, in]·Wᵀ + b`. Backward needs `x` (for dW) and `W` (for dx).
     pub fn forward(&self, x: &[f32], y: &mut [f32]) {
         self.forward_without_bias(x, y);
-        if let Some(b) = &self.bias {
+        if let Some(b) = self.bias {
             add_bias(y, b);
         }
     }

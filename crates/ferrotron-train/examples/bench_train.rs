@@ -116,7 +116,7 @@ fn run(a: &Args) -> Result<()> {
     };
     let (model, _) = load_hf_model(&a.model_dir, dtype)
         .with_context(|| format!("loading {}", a.model_dir.display()))?;
-    let vocab = model.config.vocab_size;
+    let vocab = model.config().vocab_size;
     let total = a.warmup + a.steps;
     let stream = match &a.tokens {
         Some(path) => file_tokens(path, vocab)?,

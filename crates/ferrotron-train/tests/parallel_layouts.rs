@@ -54,7 +54,7 @@ fn pipeline_layouts_match_one_rank() {
 /// A 4-layer model of `fixture`'s shape (random weights, large enough that every layer
 /// changes the loss clearly, so running layers in the wrong order shows).
 fn four_layers(fixture_name: &str) -> ferrotron_model::GptModel {
-    let mut config = fixture(fixture_name).config;
+    let mut config = fixture(fixture_name).config().clone();
     config.num_layers = 4;
     let init = ferrotron_model::InitConfig {
         init_method_std: 0.2,
@@ -89,11 +89,13 @@ fn interleaved_pipeline_layouts_match_one_rank() {
             let model = || {
                 let mut m = four_layers(name);
                 if recompute {
-                    m.config.recompute_granularity =
-                        Some(ferrotron_model::RecomputeGranularity::Full {
+                    m.set_recompute_granularity(Some(
+                        ferrotron_model::RecomputeGranularity::Full {
                             method: ferrotron_model::RecomputeMethod::Uniform,
                             num_layers: 1,
-                        });
+                        },
+                    ))
+                    .unwrap();
                 }
                 m
             };
@@ -220,11 +222,11 @@ fn overlapped_param_gather_matches_one_rank() {
         let model = || {
             let mut m = tiny_model();
             if recompute {
-                m.config.recompute_granularity =
-                    Some(ferrotron_model::RecomputeGranularity::Full {
-                        method: ferrotron_model::RecomputeMethod::Uniform,
-                        num_layers: 2,
-                    });
+                m.set_recompute_granularity(Some(ferrotron_model::RecomputeGranularity::Full {
+                    method: ferrotron_model::RecomputeMethod::Uniform,
+                    num_layers: 2,
+                }))
+                .unwrap();
             }
             m
         };

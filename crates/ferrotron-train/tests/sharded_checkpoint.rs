@@ -104,7 +104,7 @@ fn converted_checkpoints_train_like_the_hf_model() {
         let ckpt = iteration_dir(&ckpt, 0);
         // The model's own weights are overwritten: start from a random model of the same shape.
         let random = || {
-            let c = from_hf().config;
+            let c = from_hf().config().clone();
             GptModel::init_random(c, InitConfig::default()).unwrap()
         };
         let mut t = Trainer::new(random(), dp_options(1, ITERS)).unwrap();

@@ -38,7 +38,7 @@ fn last_position_logits_match_transformers() {
     let r = &reference()["logits_last"];
     let (model, _) = load_hf_model(dir, DType::F32).unwrap();
     let ids = json_u32s(&r["prompt_ids"]);
-    let mut cache = KvCache::new(&model.config, 1, ids.len()).unwrap();
+    let mut cache = KvCache::new(model.config(), 1, ids.len()).unwrap();
     let logits = model.forward(&ids, &mut cache, LogitsMode::Last).unwrap();
     let mut max_diff = 0f64;
     for (i, want) in r["first64"].as_array().unwrap().iter().enumerate() {

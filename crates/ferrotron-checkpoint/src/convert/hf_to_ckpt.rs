@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ferrotron_model::families::{
-    HfSafetensors, ParamMapping, WeightSource, param_mapping, parse_hf_config,
+    HfSafetensors, ParamDecl, WeightSource, param_mapping, parse_hf_config,
 };
 use ferrotron_model::{TpSplit, TransformerConfig, padded_vocab_size, stage_layers};
 use ferrotron_tensor::{DType, Storage};
@@ -70,7 +70,7 @@ pub struct PlannedShard {
 #[derive(Clone, Debug)]
 pub struct PlannedParam {
     /// Name, full shape, split and HF tensors.
-    pub mapping: ParamMapping,
+    pub mapping: ParamDecl,
     /// The pipeline stage that stores it.
     pub stage: usize,
     /// Its boxes, one or more per tensor-parallel rank (replicated tensors: rank 0 only).
@@ -393,7 +393,7 @@ fn absolute(path: &Path) -> PathBuf {
 /// one HF tensor is taken as is; packed ones get each HF tensor's rows placed.
 fn assemble(
     src: &mut dyn WeightSource,
-    m: &ParamMapping,
+    m: &ParamDecl,
     hf: &Path,
 ) -> Result<Vec<f32>, CheckpointError> {
     let mut take = |name: &str| -> Result<Vec<f32>, CheckpointError> {

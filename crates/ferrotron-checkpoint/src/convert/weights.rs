@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use ferrotron_model::families::{
-    HfModelInfo, ParamMapping, WeightSource, gpt_model_from_hf, param_mapping, parse_hf_config,
+    HfModelInfo, ParamDecl, WeightSource, gpt_model_from_hf, param_mapping, parse_hf_config,
 };
 use ferrotron_model::{GptModel, ModelError, TransformerConfig};
 use ferrotron_tensor::{DType, Tensor};
@@ -82,7 +82,7 @@ impl CheckpointWeights {
         reader.check_tensors(MODEL_PREFIX, &expected)?;
         let mut order = Vec::new();
         let mut sources = BTreeMap::new();
-        for ParamMapping {
+        for ParamDecl {
             name, shape, hf, ..
         } in mapping
         {

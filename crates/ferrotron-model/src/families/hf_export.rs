@@ -5,11 +5,9 @@
 
 use super::{HfModelInfo, parse_hf_config};
 use crate::config::field_error;
-use crate::train::params::View;
 use crate::{GptModel, ModelError, ModelFamily, Result, TransformerConfig};
-use ferrotron_nn::NnError;
 use ferrotron_tensor::ops::RopeScaling;
-use ferrotron_tensor::{DType, Storage};
+use ferrotron_tensor::{DType, Storage, Tensor};
 use serde_json::{Map, Value, json};
 use std::ops::Range;
 
@@ -270,7 +268,7 @@ pub struct HfTensor<'a> {
     /// HF shape: `[out, in]` for linear weights, `[v, h]` for embeddings, `[n]` for norms and
     /// biases.
     pub shape: Vec<usize>,
-    src: View<'a>,
+    src: &'a Tensor,
     /// Ranges of the source's rows (`shape[1..]` elements each), concatenated in order.
     rows: Vec<Range<usize>>,
 }
@@ -288,84 +286,43 @@ impl HfTensor<'_> {
         let mut out = Vec::with_capacity(self.numel());
         for r in &self.rows {
             let span = r.start * cols..r.end * cols;
-            match self.src {
-                View::F32(s) => out.extend_from_slice(&s[span]),
-                View::Tensor(t) => match t.storage() {
-                    Storage::F32(v) => out.extend_from_slice(&v[span]),
-                    Storage::BF16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
-                    Storage::F16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
-                },
+            match self.src.storage() {
+                Storage::F32(v) => out.extend_from_slice(&v[span]),
+                Storage::BF16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
+                Storage::F16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
             }
         }
         out
     }
 }
 
-/// Every HF tensor of `model` in `save_pretrained`'s naming and order ([`super::param_mapping`]):
-/// `model.embed_tokens.weight`, per layer `input_layernorm`, `self_attn.{q,k,v}_proj` (weight,
-/// bias when the model has q/k/v biases), `self_attn.o_proj`, `post_attention_layernorm`,
-/// `mlp.{gate,up,down}_proj`, then `model.norm.weight` and, when untied, `lm_head.weight`.
-/// Nothing is copied until [`HfTensor::values`] is called, so writing the tensors one at a
-/// time needs memory for one tensor. This is the exact inverse of
-/// [`super::gpt_model_from_hf`].
+/// Every HF tensor of `model` in `save_pretrained`'s naming and order (the declarations'
+/// [`crate::module::ParamDecl::hf`]): `model.embed_tokens.weight`, per layer
+/// `input_layernorm`, `self_attn.{q,k,v}_proj` (weight, bias when the model has q/k/v
+/// biases), `self_attn.o_proj`, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`, then
+/// `model.norm.weight` and, when untied, `lm_head.weight`. Nothing is copied until
+/// [`HfTensor::values`] is called, so writing the tensors one at a time needs memory for one
+/// tensor. This is the exact inverse of [`super::gpt_model_from_hf`].
 ///
 /// # Errors
-/// A model that is a shard or stage, or whose parameters (names, shapes, bias presence)
-/// disagree with `model.config` (the model's fields are public), naming the parameter.
+/// A model that is a tensor-parallel shard or a pipeline stage.
 pub fn hf_tensors(model: &GptModel) -> Result<Vec<HfTensor<'_>>> {
-    let c = &model.config;
-    if model.tensor_parallel().is_some() || !model.is_pre_process() || !model.is_post_process() {
+    if model.tensor_parallel().is_some() || model.stage_info().is_some() {
         return Err(ModelError::Input(
             "HF export needs the whole model (gather tensor-parallel shards and pipeline stages first)"
                 .into(),
         ));
     }
-    if model.layers.len() != c.num_layers {
-        return Err(ModelError::Input(format!(
-            "the model has {} layers, config num_layers is {}",
-            model.layers.len(),
-            c.num_layers
-        )));
-    }
-    let mapping = super::param_mapping(c, c.vocab_size)?;
-    let expected = mapping.len();
-    let views = model.param_views();
     let mut out = Vec::new();
-    for (i, m) in mapping.into_iter().enumerate() {
-        let Some((info, view)) = views.get(i) else {
-            return Err(ModelError::Input(format!(
-                "the model lacks {} (the config implies it)",
-                m.name
-            )));
-        };
-        if info.name != m.name {
-            return Err(ModelError::Input(format!(
-                "the config implies {} but the model has {} there (a bias or the output layer disagrees with the config)",
-                m.name, info.name
-            )));
-        }
-        if info.shape != m.shape {
-            return Err(NnError::ParamShape {
-                name: m.name,
-                expected: m.shape,
-                actual: info.shape.clone(),
-            }
-            .into());
-        }
-        for part in m.hf {
+    for (d, src) in model.layout().decls().iter().zip(model.param_tensors()) {
+        for part in &d.hf {
             out.push(HfTensor {
-                name: part.name,
-                shape: part.shape,
-                src: *view,
-                rows: part.rows,
+                name: part.name.clone(),
+                shape: part.shape.clone(),
+                src,
+                rows: part.rows.clone(),
             });
         }
-    }
-    if let Some((info, _)) = views.get(expected) {
-        return Err(ModelError::Input(format!(
-            "the model has {} which its config does not imply",
-            info.name
-        )));
     }
     Ok(out)
 }

@@ -1,6 +1,6 @@
-use super::{ParamMapping, param_mapping};
-use crate::{GptModel, ModelError, Result, TransformerConfig, TransformerLayer};
-use ferrotron_nn::{Embedding, Linear, RmsNorm, SwiGluMlp};
+use super::param_mapping;
+use crate::module::ParamDecl;
+use crate::{GptModel, ModelError, Result, TransformerConfig};
 use ferrotron_tensor::Tensor;
 
 /// Where HF-named weights come from (a safetensors checkpoint, a converted GGUF, ...).
@@ -26,13 +26,11 @@ pub fn gpt_model_from_hf(
     config: TransformerConfig,
     src: &mut dyn WeightSource,
 ) -> Result<GptModel> {
-    let c = &config;
-    // One tensor per Megatron parameter, in the order of `GptModel::parameters`.
-    let mut params = param_mapping(c, c.vocab_size)?
+    // One tensor per Megatron parameter, in table order.
+    let params = param_mapping(&config, config.vocab_size)?
         .iter()
         .map(|m| pack(m, src))
-        .collect::<Result<Vec<_>>>()?
-        .into_iter();
+        .collect::<Result<Vec<_>>>()?;
     let unused: Vec<String> = src
         .remaining()
         .into_iter()
@@ -41,47 +39,13 @@ pub fn gpt_model_from_hf(
     if !unused.is_empty() {
         return Err(ModelError::UnusedWeights(unused));
     }
-    let mut next = || params.next().expect("one tensor per mapped parameter");
-    let (h, eps) = (c.hidden_size, c.layernorm_epsilon);
-    let embedding = Embedding::new("embedding.word_embeddings.weight", next())?;
-    let mut layers = Vec::with_capacity(c.num_layers);
-    for i in 0..c.num_layers {
-        let p = format!("decoder.layers.{i}");
-        let linear = |next: &mut dyn FnMut() -> Tensor, name: &str, bias: bool| {
-            let w = next();
-            let b = bias.then(next);
-            Linear::new(&format!("{p}.{name}"), w, b)
-        };
-        let input_layernorm = RmsNorm::new(&format!("{p}.input_layernorm"), next(), h, eps)?;
-        let linear_qkv = linear(&mut next, "self_attention.linear_qkv", c.add_qkv_bias)?;
-        let linear_proj = linear(&mut next, "self_attention.linear_proj", c.add_proj_bias)?;
-        let pre_mlp_layernorm = RmsNorm::new(&format!("{p}.pre_mlp_layernorm"), next(), h, eps)?;
-        let linear_fc1 = linear(&mut next, "mlp.linear_fc1", c.add_mlp_bias)?;
-        let linear_fc2 = linear(&mut next, "mlp.linear_fc2", c.add_mlp_bias)?;
-        layers.push(TransformerLayer {
-            input_layernorm,
-            linear_qkv,
-            linear_proj,
-            pre_mlp_layernorm,
-            mlp: SwiGluMlp {
-                linear_fc1,
-                linear_fc2,
-            },
-        });
-    }
-    let final_layernorm = RmsNorm::new("decoder.final_layernorm.weight", next(), h, eps)?;
-    let output_layer = if c.untie_embeddings_and_output_weights {
-        Some(Linear::new("output_layer.weight", next(), None)?)
-    } else {
-        None
-    };
-    GptModel::new(config, embedding, layers, final_layernorm, output_layer)
+    GptModel::new(config, params)
 }
 
 /// The Megatron parameter `m` from its HF tensors taken from `src` (each checked against its
 /// HF shape): the one tensor as is, or the parts' rows placed where `m` says (q/k/v
 /// interleaved per query group, gate then up).
-fn pack(m: &ParamMapping, src: &mut dyn WeightSource) -> Result<Tensor> {
+fn pack(m: &ParamDecl, src: &mut dyn WeightSource) -> Result<Tensor> {
     let mut taken = Vec::with_capacity(m.hf.len());
     for part in &m.hf {
         let t = src

@@ -8,8 +8,9 @@ mod hf_safetensors;
 mod hf_weights;
 mod mapping;
 
+pub use crate::module::{HfPart, ParamDecl};
 pub use hf_config::{HfModelInfo, parse_hf_config, read_hf_config};
 pub use hf_export::{HfConfigInputs, HfTensor, hf_config_json, hf_tensors};
 pub use hf_safetensors::{HfSafetensors, load_hf_model, release_pages};
 pub use hf_weights::{WeightSource, gpt_model_from_hf};
-pub use mapping::{HfPart, ParamMapping, param_mapping};
+pub use mapping::param_mapping;

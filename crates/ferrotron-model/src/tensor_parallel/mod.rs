@@ -9,7 +9,8 @@
 //! | `linear_proj` `[h, a·d]`, `linear_fc2` `[h, f]` | [`TpSplit::Columns`] | columns `r·n/t ..` |
 //! | norms, `linear_proj` / `linear_fc2` biases | [`TpSplit::Replicated`] | everything |
 //!
-//! The shard is itself a [`GptModel`] whose `config` has the local sizes (`a/t` heads, `g/t`
+//! The splits are part of each parameter's declaration ([`crate::module::ParamDecl::split`]).
+//! The shard is itself a [`GptModel`] computing with the local sizes (`a/t` heads, `g/t`
 //! groups, `f/t`, `v'/t` vocabulary rows), so every kernel runs unchanged; the forward and
 //! backward add the tensor-parallel collectives where the [`TpInfo`] says so. The
 //! vocabulary is padded to a multiple of `make_vocab_size_divisible_by · t` as Megatron does,
@@ -17,29 +18,27 @@
 //! unpadded model's.
 
 use ferrotron_comm::{Collectives, Communicator};
-use ferrotron_nn::{Embedding, Linear, RmsNorm, SwiGluMlp, TensorParallel};
-use ferrotron_tensor::{DType, Tensor};
+use ferrotron_nn::TensorParallel;
+use ferrotron_tensor::Tensor;
 
-use crate::{GptModel, ModelError, Result, TransformerConfig, TransformerLayer};
+use crate::module::ModelLayout;
+use crate::train::params::f32_values;
+use crate::{GptModel, ModelError, Result};
 
 mod split;
 pub use split::{ParamBox, TpSplit};
 
-/// What a tensor-parallel shard knows beyond its local config.
+/// What a tensor-parallel shard knows beyond its layout.
 #[derive(Clone, Debug)]
 pub struct TpInfo {
     /// The group and sequence parallelism.
     pub group: TensorParallel,
-    /// The full model's config.
-    pub global: TransformerConfig,
+    /// Vocabulary rows after padding (`v'`, a multiple of `t`).
+    pub padded_vocab: usize,
     /// Global id of this rank's first vocabulary row.
     pub vocab_start: usize,
     /// Real (unpadded) rows of this rank's vocabulary shard.
     pub vocab_valid: usize,
-    /// How each parameter (order of [`GptModel::parameters`]) is split.
-    pub splits: Vec<TpSplit>,
-    /// Each parameter's full shape.
-    pub global_shapes: Vec<Vec<usize>>,
 }
 
 /// `v` padded to a multiple of `divisible_by · t` (Megatron's `_vocab_size_with_padding`).
@@ -48,46 +47,6 @@ pub fn padded_vocab_size(v: usize, divisible_by: usize, t: usize) -> usize {
 }
 
 impl GptModel {
-    /// The split of every parameter (order of [`GptModel::parameters`]) over `t` ranks with
-    /// the vocabulary padded to `padded_vocab` rows.
-    fn tp_splits(&self, padded_vocab: usize) -> Vec<TpSplit> {
-        let rows = |parts| TpSplit::Rows { parts };
-        let vocab = TpSplit::Vocab {
-            padded: padded_vocab,
-        };
-        let mut out = Vec::new();
-        if self.has_embedding_param() {
-            out.push(vocab);
-        }
-        for l in &self.layers {
-            out.push(TpSplit::Replicated);
-            out.push(rows(1));
-            if l.linear_qkv.bias().is_some() {
-                out.push(rows(1));
-            }
-            out.push(TpSplit::Columns);
-            if l.linear_proj.bias().is_some() {
-                out.push(TpSplit::Replicated);
-            }
-            out.push(TpSplit::Replicated);
-            out.push(rows(2));
-            if l.mlp.linear_fc1.bias().is_some() {
-                out.push(rows(2));
-            }
-            out.push(TpSplit::Columns);
-            if l.mlp.linear_fc2.bias().is_some() {
-                out.push(TpSplit::Replicated);
-            }
-        }
-        if self.is_post_process() {
-            out.push(TpSplit::Replicated);
-            if self.output_layer.is_some() {
-                out.push(vocab);
-            }
-        }
-        out
-    }
-
     /// This rank's tensor-parallel shard of the full model `self` (Megatron's layout, see the
     /// module docs), in the same storage dtype; `make_vocab_size_divisible_by` as Megatron's
     /// flag (128 by default there). A group of one returns a plain copy.
@@ -101,146 +60,63 @@ impl GptModel {
         make_vocab_size_divisible_by: usize,
     ) -> Result<GptModel> {
         let (t, r) = (group.size(), group.rank());
-        let c = &self.config;
+        let c = self.config();
         if self.tp.is_some() {
             return Err(ModelError::Input(
                 "the model is already a tensor-parallel shard".into(),
             ));
         }
-        let mut problems = Vec::new();
-        for (name, n) in [
+        let problems: Vec<String> = [
             ("num_attention_heads", c.num_attention_heads),
             ("num_query_groups", c.num_query_groups),
             ("ffn_hidden_size", c.ffn_hidden_size),
-        ] {
-            if !n.is_multiple_of(t) {
-                problems.push(format!(
-                    "{name} ({n}) is not divisible by tensor_model_parallel_size ({t})"
-                ));
-            }
-        }
+        ]
+        .into_iter()
+        .filter(|(_, n)| !n.is_multiple_of(t))
+        .map(|(name, n)| {
+            format!("{name} ({n}) is not divisible by tensor_model_parallel_size ({t})")
+        })
+        .collect();
         if !problems.is_empty() {
             return Err(ModelError::Input(problems.join("; ")));
         }
         let padded = padded_vocab_size(c.vocab_size, make_vocab_size_divisible_by.max(1), t);
-        let mut local = c.clone();
-        local.num_attention_heads /= t;
-        local.num_query_groups /= t;
-        local.ffn_hidden_size /= t;
-        local.vocab_size = padded / t;
-        let splits = self.tp_splits(padded);
+        let layout = ModelLayout::new(c, padded, &self.part());
         // One full parameter widened at a time: every in-process rank shards the same model.
-        let (infos, values): (Vec<_>, Vec<Vec<f32>>) = self
-            .param_views()
-            .into_iter()
-            .zip(&splits)
-            .map(|((info, view), split)| {
-                let shard = split.shard(&view.to_f32(), &info.shape, t, r);
-                (info, shard)
-            })
-            .unzip();
-        let mut shard = self.zeroed_like(local)?;
-        let views: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
-        shard.load_parameters_from(&views)?;
-        let vocab_start = r * (padded / t);
-        shard.tp = Some(TpInfo {
-            group,
-            global: c.clone(),
-            vocab_start,
-            vocab_valid: c.vocab_size.saturating_sub(vocab_start).min(padded / t),
-            splits,
-            global_shapes: infos.into_iter().map(|i| i.shape).collect(),
-        });
-        Ok(shard)
-    }
-
-    /// A model of `config`'s sizes with `self`'s structure (biases, tying, dtype), all zeros.
-    fn zeroed_like(&self, config: TransformerConfig) -> Result<GptModel> {
-        let dtype = self.embedding.weight().dtype();
-        let (h, d) = (config.hidden_size, config.kv_channels);
-        let (a, f, v) = (
-            config.num_attention_heads,
-            config.ffn_hidden_size,
-            config.vocab_size,
-        );
-        let zeros = |shape: &[usize], dt: DType| Tensor::zeros(shape, dt);
-        let linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
-            let b = if bias {
-                Some(zeros(&[out], DType::F32)?)
-            } else {
-                None
-            };
-            Ok(Linear::new(name, zeros(&[out, inp], dtype)?, b)?)
-        };
-        let norm = |name: &str, eps: f32| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(name, zeros(&[h], DType::F32)?, h, eps)?)
-        };
-        let layers = self
-            .layers
+        let params = layout
+            .decls()
             .iter()
-            .map(|l| {
-                Ok(TransformerLayer {
-                    input_layernorm: norm("input_layernorm", l.input_layernorm.eps())?,
-                    linear_qkv: linear(
-                        "linear_qkv",
-                        config.qkv_size(),
-                        h,
-                        l.linear_qkv.bias().is_some(),
-                    )?,
-                    linear_proj: linear("linear_proj", h, a * d, l.linear_proj.bias().is_some())?,
-                    pre_mlp_layernorm: norm("pre_mlp_layernorm", l.pre_mlp_layernorm.eps())?,
-                    mlp: SwiGluMlp {
-                        linear_fc1: linear(
-                            "linear_fc1",
-                            2 * f,
-                            h,
-                            l.mlp.linear_fc1.bias().is_some(),
-                        )?,
-                        linear_fc2: linear("linear_fc2", h, f, l.mlp.linear_fc2.bias().is_some())?,
-                    },
-                })
+            .zip(self.param_tensors())
+            .map(|(d, full)| {
+                let shard = d.split.shard(&f32_values(full), &d.shape, t, r);
+                Ok(Tensor::from_f32(&d.local_shape(t), shard)?.to_dtype(full.dtype()))
             })
             .collect::<Result<Vec<_>>>()?;
-        let rows = |has: bool| if has { v } else { 0 };
-        let embedding = Embedding::new(
-            "embedding",
-            zeros(&[rows(self.has_embedding_param()), h], dtype)?,
-        )?;
-        let output_layer = match &self.output_layer {
-            Some(_) => Some(linear(
-                "output_layer",
-                rows(self.is_post_process()),
-                h,
-                false,
-            )?),
-            None => None,
+        let vocab_start = r * (padded / t);
+        let tp = TpInfo {
+            group,
+            padded_vocab: padded,
+            vocab_start,
+            vocab_valid: c.vocab_size.saturating_sub(vocab_start).min(padded / t),
         };
-        let final_norm = norm("final_layernorm", self.final_layernorm.eps())?;
-        let mut model = GptModel::new(config, embedding, layers, final_norm, output_layer)?;
-        model.stage = self.stage.clone();
-        Ok(model)
+        GptModel::assemble(c.clone(), layout, params, Some(tp), self.stage.clone())
     }
 
     /// The full shape of parameter `i` (order of [`GptModel::parameters`]).
     pub fn global_param_shape(&self, i: usize) -> Vec<usize> {
-        match &self.tp {
-            Some(tp) => tp.global_shapes[i].clone(),
-            None => self.parameters()[i].shape.clone(),
-        }
+        self.layout().decls()[i].shape.clone()
     }
 
     /// Where the local elements `range` of parameter `i` (order of
     /// [`GptModel::parameters`]) lie in the full parameter: one box per contiguous run (see
     /// [`TpSplit::boxes`]); a full model's parameter is its own full tensor.
     pub fn param_boxes(&self, i: usize, range: std::ops::Range<usize>) -> Vec<ParamBox> {
+        let d = &self.layout().decls()[i];
         match &self.tp {
-            Some(tp) => tp.splits[i].boxes(
-                &tp.global_shapes[i],
-                tp.group.size(),
-                tp.group.rank(),
-                range,
-            ),
-            None => TpSplit::Replicated.boxes(&self.parameters()[i].shape, 1, 0, range),
+            Some(tp) => d
+                .split
+                .boxes(&d.shape, tp.group.size(), tp.group.rank(), range),
+            None => TpSplit::Replicated.boxes(&d.shape, 1, 0, range),
         }
     }
 
@@ -249,30 +125,16 @@ impl GptModel {
     /// shared copy of a tied embedding (stage 0 stores it). Checkpoints write each parameter
     /// once (Megatron's `replica_id`).
     pub fn is_param_replica(&self, i: usize) -> bool {
-        let tp_replica = self
-            .tp
-            .as_ref()
-            .is_some_and(|tp| tp.group.rank() > 0 && tp.splits[i] == TpSplit::Replicated);
-        tp_replica || (i == 0 && self.holds_shared_embedding_copy())
+        let tp_replica = self.tp.as_ref().is_some_and(|tp| {
+            tp.group.rank() > 0 && self.layout().decls()[i].split == TpSplit::Replicated
+        });
+        let embedding = self.layout().embedding.map(|e| e.index());
+        tp_replica || (embedding == Some(i) && self.holds_shared_embedding_copy())
     }
 
     /// The tensor-parallel shard info, `None` for a full model.
     pub fn tensor_parallel(&self) -> Option<&TpInfo> {
         self.tp.as_ref()
-    }
-
-    /// The whole model's config: a tensor-parallel shard's own `config` has the local sizes
-    /// and a pipeline stage's its own layer count; this has neither.
-    pub fn global_config(&self) -> TransformerConfig {
-        let mut c = self
-            .tp
-            .as_ref()
-            .map_or(&self.config, |tp| &tp.global)
-            .clone();
-        if let Some(stage) = &self.stage {
-            c.num_layers = stage.total_layers;
-        }
-        c
     }
 
     /// Per-parameter arrays of this shard (order of [`GptModel::parameters`], e.g. weights or
@@ -288,8 +150,9 @@ impl GptModel {
         let t = tp.group.size();
         local
             .into_iter()
-            .zip(tp.splits.iter().zip(&tp.global_shapes))
-            .map(|(mine, (split, shape))| {
+            .zip(self.layout().decls())
+            .map(|(mine, d)| {
+                let (split, shape) = (&d.split, &d.shape);
                 if *split == TpSplit::Replicated {
                     return Ok(mine);
                 }
@@ -313,8 +176,8 @@ impl GptModel {
         };
         let (t, r) = (tp.group.size(), tp.group.rank());
         full.into_iter()
-            .zip(tp.splits.iter().zip(&tp.global_shapes))
-            .map(|(v, (split, shape))| split.shard(&v, shape, t, r))
+            .zip(self.layout().decls())
+            .map(|(v, d)| d.split.shard(&v, &d.shape, t, r))
             .collect()
     }
 
@@ -333,8 +196,8 @@ impl GptModel {
             return Ok(());
         }
         let comm: &dyn Communicator = tp.group.comm().as_ref();
-        for (g, split) in grads.iter_mut().zip(&tp.splits) {
-            if *split == TpSplit::Replicated {
+        for (g, d) in grads.iter_mut().zip(self.layout().decls()) {
+            if d.split == TpSplit::Replicated {
                 comm.all_reduce(g, ferrotron_comm::ReduceOp::Sum)
                     .map_err(|e| ModelError::Comm(format!("sequence-parallel grads: {e}")))?;
             }

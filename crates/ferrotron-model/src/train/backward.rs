@@ -5,16 +5,15 @@
 //! backward is done.
 
 use super::forward::{
-    Activations, CoreAttnOut, LayerActs, Pass, Saved, attention_dims, f32_bytes, pack_qkv,
-    usize_bytes,
+    Activations, CoreAttnOut, LayerActs, Pass, Saved, attention_dims, f32_bytes, usize_bytes,
 };
 use super::memory::Ledger;
-use super::params::{LayerSlots, Slots};
 use super::tp_ops::{column_input_backward, row_parallel_output_grad};
 use super::{GradReady, TrainBatch};
-use crate::{GptModel, Result, TransformerLayer};
+use crate::module::{LinearParams, TransformerLayer, pack_qkv};
+use crate::{GptModel, Result};
+use ferrotron_nn::RmsNorm;
 use ferrotron_nn::attention::core_attention_backward;
-use ferrotron_nn::{Linear, RmsNorm};
 use ferrotron_tensor::gemm::{Op, matmul_weight, sgemm};
 use ferrotron_tensor::ops::{
     add_bias_backward, add_inplace, rms_norm_backward, swiglu_packed_backward,
@@ -60,8 +59,7 @@ impl GptModel {
             normed_final,
             dlogits,
         } = acts;
-        let c = &self.config;
-        let slots = self.param_slots();
+        let c = self.local();
         let dres = if part.post_process {
             let head = Head {
                 x_final,
@@ -69,7 +67,7 @@ impl GptModel {
                 normed_final,
                 dlogits,
             };
-            self.head_backward(batch, head, &slots, grads, ledger, ready)?
+            self.head_backward(batch, head, grads, ledger, ready)?
         } else {
             ledger.release(f32_bytes(&x_final));
             let want = self.local_rows(batch)? * c.hidden_size;
@@ -94,18 +92,13 @@ impl GptModel {
         for s in saved.into_iter().rev() {
             match s {
                 Saved::Layer { index, acts } => {
-                    layer_backward(
-                        &self.layers[index],
-                        &acts,
-                        &slots.layers[index],
-                        &pass,
-                        &mut st,
-                    )?;
+                    let layer = &self.layers()[index];
+                    layer_backward(layer, &acts, &pass, &mut st)?;
                     st.ledger.release(acts.bytes());
-                    st.ready.ready(&slots.layers[index].indices(), st.grads);
+                    st.ready.ready(&layer.param_indices(), st.grads);
                 }
                 Saved::Input { layers, x } => {
-                    self.recompute_backward(layers, x, &slots, &pass, &mut st)?;
+                    self.recompute_backward(layers, x, &pass, &mut st)?;
                 }
             }
         }
@@ -113,9 +106,11 @@ impl GptModel {
         if !part.pre_process {
             return Ok(Some(st.dres));
         }
-        let emb = slots
+        let emb = self
+            .layout()
             .embedding
-            .expect("the first stage holds the embedding");
+            .expect("the first stage holds the embedding")
+            .index();
         self.embed_train_backward(&batch.tokens, &st.dres, st.grads[emb])?;
         st.ready.ready(&[emb], st.grads);
         Ok(None)
@@ -127,7 +122,6 @@ impl GptModel {
         &self,
         batch: &TrainBatch,
         head: Head,
-        slots: &Slots,
         grads: &mut [&mut [f32]],
         ledger: &mut Ledger,
         ready: &mut (dyn GradReady + Send),
@@ -138,15 +132,15 @@ impl GptModel {
             normed_final,
             dlogits,
         } = head;
-        let c = &self.config;
+        let c = self.local();
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
         // Output layer `logits = normed·Wᵀ`, W: [v, h] (the embedding table when tied).
-        let (w_out, out_slot) = match (&self.output_layer, slots.output, slots.embedding) {
-            (Some(l), Some(out), _) => (l.weight(), out),
-            (None, _, Some(emb)) => (self.embedding.weight(), emb),
-            _ => unreachable!("the last stage holds an output weight"),
-        };
+        let layout = self.layout();
+        let out_id = layout
+            .output_weight()
+            .expect("the last stage holds an output weight");
+        let (w_out, out_slot) = (self.param(out_id), out_id.index());
         let mut dnormed_all = vec![0f32; rows * h];
         matmul_weight(
             &dlogits,
@@ -172,12 +166,13 @@ impl GptModel {
         ledger.release(f32_bytes(&dlogits) + f32_bytes(&normed_final));
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
-        let norm_slot = slots
-            .final_norm
+        let norm_id = layout
+            .final_layernorm
             .expect("the last stage holds the final norm");
+        let norm_slot = norm_id.index();
         let mut dres = vec![0f32; x_final.len()];
         norm_backward(
-            &self.final_layernorm,
+            &self.norm(norm_id),
             &x_final,
             &rstd_final,
             &dnormed,
@@ -185,8 +180,8 @@ impl GptModel {
             grads[norm_slot],
         );
         ledger.release(f32_bytes(&x_final) + f32_bytes(&rstd_final));
-        match slots.output {
-            Some(out) => ready.ready(&[out, norm_slot], grads),
+        match layout.output_layer {
+            Some(out) => ready.ready(&[out.index(), norm_slot], grads),
             None => ready.ready(&[norm_slot], grads),
         }
         Ok(dres)
@@ -212,11 +207,10 @@ struct Head {
 pub(crate) fn layer_backward(
     layer: &TransformerLayer,
     la: &LayerActs,
-    ls: &LayerSlots,
     pass: &Pass<'_>,
     st: &mut Backprop<'_, '_>,
 ) -> Result<()> {
-    let c = pass.c;
+    let (c, model) = (pass.c, pass.model);
     let (a, g, f) = (c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size);
     let rows = pass.positions.len();
     let h = c.hidden_size;
@@ -230,10 +224,17 @@ pub(crate) fn layer_backward(
     // MLP: y = x_mid + fc2(swiglu(fc1(norm2(x_mid)))).
     let dy = row_parallel_output_grad(pass.tp, dres)?;
     let mut dact = vec![0f32; rows * f];
-    let fc2 = &layer.mlp.linear_fc2;
-    linear_backward(fc2, &la.act.f32(), &dy, &mut dact, grads, ls.fc2_w, None);
-    if let Some(b) = ls.fc2_b {
-        add_bias_backward(dres, grads[b]);
+    let fc2 = layer.mlp.linear_fc2;
+    linear_backward(
+        model,
+        fc2.without_bias(),
+        &la.act.f32(),
+        &dy,
+        &mut dact,
+        grads,
+    );
+    if let Some(b) = fc2.bias {
+        add_bias_backward(dres, grads[b.index()]);
     }
     drop(dy);
     let mut dfc1 = vec![0f32; rows * 2 * f];
@@ -241,26 +242,26 @@ pub(crate) fn layer_backward(
     drop(dact);
     let mut dnorm2 = vec![0f32; rows * h];
     linear_backward(
-        &layer.mlp.linear_fc1,
+        model,
+        layer.mlp.linear_fc1,
         &la.norm2.f32(),
         &dfc1,
         &mut dnorm2,
         grads,
-        ls.fc1_w,
-        ls.fc1_b,
     );
     drop(dfc1);
     let dnorm2 = column_input_backward(pass.tp, dnorm2)?;
-    let n2 = &layer.pre_mlp_layernorm;
-    norm_backward(n2, &la.x_mid, &la.rstd2, &dnorm2, scratch, grads[ls.norm2]);
+    let n2 = layer.pre_mlp_layernorm;
+    let dn2 = &mut *grads[n2.index()];
+    norm_backward(&model.norm(n2), &la.x_mid, &la.rstd2, &dnorm2, scratch, dn2);
     add_inplace(dres, scratch);
     // Attention: x_mid = x + proj(attn(rope(qkv(norm1(x))))).
     let dy = row_parallel_output_grad(pass.tp, dres)?;
     let [mut dq, mut dk, dv] =
-        core_attention_and_proj_backward(layer, la, ls, pass, &dy, grads, ledger);
+        core_attention_and_proj_backward(layer, la, pass, &dy, grads, ledger);
     drop(dy);
-    if let Some(b) = ls.proj_b {
-        add_bias_backward(dres, grads[b]);
+    if let Some(b) = layer.self_attention.linear_proj.bias {
+        add_bias_backward(dres, grads[b.index()]);
     }
     pass.rope.apply_inverse(&mut dq, pass.positions, a);
     pass.rope.apply_inverse(&mut dk, pass.positions, g);
@@ -269,17 +270,17 @@ pub(crate) fn layer_backward(
     drop((dq, dk, dv));
     let mut dnorm1 = vec![0f32; rows * h];
     linear_backward(
-        &layer.linear_qkv,
+        model,
+        layer.self_attention.linear_qkv,
         &la.norm1.f32(),
         &dqkv,
         &mut dnorm1,
         grads,
-        ls.qkv_w,
-        ls.qkv_b,
     );
     let dnorm1 = column_input_backward(pass.tp, dnorm1)?;
-    let n1 = &layer.input_layernorm;
-    norm_backward(n1, &la.x, &la.rstd1, &dnorm1, scratch, grads[ls.norm1]);
+    let n1 = layer.input_layernorm;
+    let dn1 = &mut *grads[n1.index()];
+    norm_backward(&model.norm(n1), &la.x, &la.rstd1, &dnorm1, scratch, dn1);
     add_inplace(dres, scratch);
     Ok(())
 }
@@ -291,7 +292,6 @@ pub(crate) fn layer_backward(
 fn core_attention_and_proj_backward(
     layer: &TransformerLayer,
     la: &LayerActs,
-    ls: &LayerSlots,
     pass: &Pass<'_>,
     dres: &[f32],
     grads: &mut [&mut [f32]],
@@ -318,13 +318,12 @@ fn core_attention_and_proj_backward(
     let ctx = core.ctx.f32();
     let mut dctx = vec![0f32; rows * a * d];
     linear_backward(
-        &layer.linear_proj,
+        pass.model,
+        layer.self_attention.linear_proj.without_bias(),
         &ctx,
         dres,
         &mut dctx,
         grads,
-        ls.proj_w,
-        None,
     );
     let mut dq = vec![0f32; rows * a * d];
     let mut dk = vec![0f32; rows * g * d];
@@ -339,30 +338,40 @@ fn core_attention_and_proj_backward(
     [dq, dk, dv]
 }
 
-/// Backward of `y[rows, n] = x[rows, k]·Wᵀ + b`: **overwrites** `dx = dy·W` and
-/// **accumulates** `dW += dyᵀ·x` into `grads[w_slot]` and `db += Σ_rows dy` into
-/// `grads[b_slot]`.
+/// Backward of `y[rows, n] = x[rows, k]·Wᵀ + b` for the linear layer `p` of `model`:
+/// **overwrites** `dx = dy·W` and **accumulates** `dW += dyᵀ·x` and (when `p` has a bias)
+/// `db += Σ_rows dy` into `grads` (table order).
 fn linear_backward(
-    l: &Linear,
+    model: &GptModel,
+    p: LinearParams,
     x: &[f32],
     dy: &[f32],
     dx: &mut [f32],
     grads: &mut [&mut [f32]],
-    w_slot: usize,
-    b_slot: Option<usize>,
 ) {
+    let l = model.linear(p);
     let (n, k) = (l.out_features(), l.in_features());
     let rows = dy.len() / n;
     matmul_weight(dy, l.weight().weight_ref(), dx, rows, n, k, false);
-    sgemm(n, k, rows, dy, Op::T, x, Op::N, grads[w_slot], true);
-    if let Some(b) = b_slot {
-        add_bias_backward(dy, grads[b]);
+    sgemm(
+        n,
+        k,
+        rows,
+        dy,
+        Op::T,
+        x,
+        Op::N,
+        grads[p.weight.index()],
+        true,
+    );
+    if let Some(b) = p.bias {
+        add_bias_backward(dy, grads[b.index()]);
     }
 }
 
 /// RMSNorm backward: **overwrites** `dx`, **accumulates** the gain gradient.
 fn norm_backward(
-    norm: &RmsNorm,
+    norm: &RmsNorm<'_>,
     x: &[f32],
     rstd: &[f32],
     dy: &[f32],

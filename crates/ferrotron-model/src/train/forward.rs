@@ -1,18 +1,21 @@
-//! The training forward: the same math as [`GptModel::forward`] without a KV cache, keeping
-//! each layer's activations for the backward (Megatron `TransformerLayer.forward` /
-//! `SelfAttention` / `MLP`, whose autograd graph saves the same tensors), then the fused
-//! cross entropy that turns the logits into their gradient. What is kept per layer follows
-//! [`TransformerConfig::recompute_granularity`] (see [`super::recompute`]).
+//! The model's one layer forward ([`layer_forward`], Megatron `TransformerLayer.forward` /
+//! `SelfAttention` / `MLP`), used by training and by generation alike: the KV cache is a
+//! mode of attention ([`KeysValues`]). Training keeps each layer's activations for the
+//! backward (what Megatron's autograd graph saves), then the fused cross entropy turns the
+//! logits into their gradient; what is kept per layer follows
+//! [`TransformerConfig::recompute_granularity`] (see [`super::recompute`]). Generation
+//! ([`GptModel::forward`]) drops them as it goes.
 
 use super::TrainBatch;
 use super::memory::Ledger;
 use super::recompute::Keep;
 use super::stored::{Kept, Stored, element_bytes};
 use super::tp_ops::{column_input, row_parallel_forward};
+use crate::module::{TransformerLayer, split_qkv};
 use crate::pipeline_stage::ChunkPart;
-use crate::{GptModel, Result, TpInfo, TransformerConfig, TransformerLayer};
+use crate::{GptModel, KvCache, Result, TpInfo, TransformerConfig};
 use ferrotron_nn::attention::{
-    AttentionDims, AttentionMask, DocumentStarts, core_attention_forward_train,
+    AttentionDims, AttentionMask, DocumentStarts, core_attention, core_attention_forward_train,
 };
 use ferrotron_tensor::DType;
 use ferrotron_tensor::gemm::matmul_weight_t;
@@ -22,11 +25,17 @@ use std::ops::Range;
 /// What every layer of one training pass shares: the config, the rotary tables, the position
 /// of each row and the batch shape.
 pub(crate) struct Pass<'a> {
+    /// The model (or stage, or shard) running the pass: its parameters.
+    pub model: &'a GptModel,
+    /// The sizes this rank computes with.
     pub c: &'a TransformerConfig,
     pub rope: &'a RopeTable,
     /// Rotary position of each row `[rows]`.
     pub positions: &'a [usize],
-    pub batch: &'a TrainBatch,
+    /// New tokens per sequence `s`.
+    pub seq: usize,
+    /// Sequences `b`.
+    pub micro_batch: usize,
     /// The batch's document starts, checked once per pass (not per attention call).
     pub documents: Option<DocumentStarts<'a>>,
     /// The tensor-parallel group of a model shard (`None`: a full model).
@@ -42,22 +51,58 @@ impl<'a> Pass<'a> {
         positions: &'a [usize],
         batch: &'a TrainBatch,
     ) -> Pass<'a> {
-        let (c, rope, tp) = (&model.config, model.rope(), model.tp.as_ref());
+        let (c, rope, tp) = (model.local(), model.rope(), model.tp.as_ref());
         // Checked by TrainBatch::validate before any pass.
         let documents = batch
             .document_starts
             .as_deref()
             .map(|d| DocumentStarts::new(d, batch.micro_batch).expect("validated document starts"));
         Pass {
+            model,
             c,
             rope,
             positions,
-            batch,
+            seq: batch.seq,
+            micro_batch: batch.micro_batch,
             documents,
             tp,
             narrow: model.activation_dtype() == DType::BF16,
         }
     }
+
+    /// A generation pass of `model` over `s` new tokens of `b` sequences at `positions`
+    /// (`[s·b]`): activations stay f32 whatever the weights' dtype (the math HF runs on
+    /// upcast weights), no document masks.
+    pub(crate) fn generation(
+        model: &'a GptModel,
+        positions: &'a [usize],
+        s: usize,
+        b: usize,
+    ) -> Pass<'a> {
+        Pass {
+            model,
+            c: model.local(),
+            rope: model.rope(),
+            positions,
+            seq: s,
+            micro_batch: b,
+            documents: None,
+            tp: model.tp.as_ref(),
+            narrow: false,
+        }
+    }
+}
+
+/// Where core attention finds the keys and values of a [`layer_forward`].
+pub(crate) enum KeysValues<'c> {
+    /// The pass's own tokens only: causal over each sequence (training, scoring).
+    Fresh,
+    /// After the tokens already in `cache` for the held layer `layer`: this pass's keys and
+    /// values are appended, and its queries attend to every cached token (generation).
+    Cached {
+        cache: &'c mut KvCache,
+        layer: usize,
+    },
 }
 
 /// Core attention's output and softmax statistic: what selective recompute drops and the
@@ -80,6 +125,36 @@ impl CoreAttnOut {
         let mut lse = vec![0f32; rows * c.num_attention_heads];
         let (dims, mask) = attention_dims(pass);
         core_attention_forward_train(q, k, v, &mut ctx, &mut lse, dims, mask);
+        (Kept::new(ctx, pass.narrow), lse)
+    }
+
+    /// [`CoreAttnOut::compute`] after the cached tokens: appends `k, v` (this pass's
+    /// `[rows, g, d]`) to `cache`'s `layer` and attends to all its tokens, the queries at
+    /// positions `cache.len()..`. No log-sum-exp for a single decode row (the simple kernel
+    /// avoids transposing the whole cache; nothing runs a backward through generation).
+    fn compute_cached(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        cache: &mut KvCache,
+        layer: usize,
+        pass: &Pass<'_>,
+    ) -> (Kept, Vec<f32>) {
+        let c = pass.c;
+        let rows = pass.positions.len();
+        let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
+        let (mut dims, mask) = attention_dims(pass);
+        dims.q_offset = cache.len();
+        dims.skv = cache.len() + pass.seq;
+        let (keys, values) = cache.append(layer, k, v);
+        let mut lse = Vec::new();
+        if rows > 1 {
+            // Prefill: the register-tiled kernel is ~3x faster on many query rows.
+            lse.resize(rows * c.num_attention_heads, 0.0);
+            core_attention_forward_train(q, keys, values, &mut ctx, &mut lse, dims, mask);
+        } else {
+            core_attention(q, keys, values, &mut ctx, dims, mask);
+        }
         (Kept::new(ctx, pass.narrow), lse)
     }
 
@@ -212,12 +287,12 @@ impl GptModel {
         input: Option<Vec<f32>>,
         ledger: &mut Ledger,
     ) -> Result<Activations> {
-        let c = &self.config;
+        let c = self.local();
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
         if let Some(tp) = &self.tp {
             tp.group.local_rows(batch.seq, batch.micro_batch)?;
-            let v = tp.global.vocab_size;
+            let v = self.config().vocab_size;
             if let Some(&bad) = batch.tokens.iter().find(|&&id| id as usize >= v) {
                 return Err(crate::ModelError::Input(format!(
                     "train batch: token id {bad} >= vocabulary size {v}"
@@ -255,8 +330,13 @@ impl GptModel {
             match run.keep {
                 Keep::Each { core_attention } => {
                     for index in run.layers {
-                        let (acts, y) =
-                            layer_forward(&self.layers[index], &pass, x, core_attention)?;
+                        let (acts, y) = layer_forward(
+                            &self.layers()[index],
+                            &pass,
+                            x,
+                            core_attention,
+                            KeysValues::Fresh,
+                        )?;
                         ledger.hold(acts.bytes());
                         saved.push(Saved::Layer { index, acts });
                         x = y;
@@ -265,7 +345,13 @@ impl GptModel {
                 Keep::Input => {
                     let mut input = None;
                     for index in run.layers.clone() {
-                        let (acts, y) = layer_forward(&self.layers[index], &pass, x, true)?;
+                        let (acts, y) = layer_forward(
+                            &self.layers()[index],
+                            &pass,
+                            x,
+                            true,
+                            KeysValues::Fresh,
+                        )?;
                         if input.is_none() {
                             input = Some(acts.into_input());
                         }
@@ -296,7 +382,7 @@ impl GptModel {
         let local_rows = x.len() / h;
         let mut rstd_final = vec![0f32; local_rows];
         let mut normed_final = vec![0f32; local_rows * h];
-        let fln = &self.final_layernorm;
+        let fln = self.norm(self.layout().final_layernorm.expect("the last stage"));
         rms_norm(
             &x,
             fln.weight(),
@@ -305,10 +391,7 @@ impl GptModel {
             Some(&mut rstd_final),
         );
         let normed_final = column_input(pass.tp, normed_final)?;
-        let weight = match &self.output_layer {
-            Some(l) => l.weight(),
-            None => self.embedding.weight(),
-        };
+        let weight = self.output_weight()?;
         let mut dlogits = vec![0f32; rows * v];
         matmul_weight_t(
             &normed_final,
@@ -336,12 +419,12 @@ impl GptModel {
 
 /// Attention dims and mask of a fresh causal pass over the batch.
 pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMask<'b>) {
-    let (c, batch) = (pass.c, pass.batch);
+    let c = pass.c;
     (
         AttentionDims {
-            sq: batch.seq,
-            skv: batch.seq,
-            batch: batch.micro_batch,
+            sq: pass.seq,
+            skv: pass.seq,
+            batch: pass.micro_batch,
             heads: c.num_attention_heads,
             groups: c.num_query_groups,
             head_dim: c.kv_channels,
@@ -356,9 +439,9 @@ pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMa
 
 /// One layer on the residual stream `x: [local rows, h]` (consumed and saved); returns the
 /// saved activations (core attention's output only when `keep_core_attention`) and the layer
-/// output. On a tensor-parallel shard the linears are column/row parallel: the norm outputs
-/// are all-gathered along `s` under sequence parallelism (and saved gathered), the
-/// row-parallel outputs reduced.
+/// output. Core attention reads its keys and values as `kv` says. On a tensor-parallel shard
+/// the linears are column/row parallel: the norm outputs are all-gathered along `s` under
+/// sequence parallelism (and saved gathered), the row-parallel outputs reduced.
 ///
 /// # Errors
 /// A failed tensor-parallel collective.
@@ -367,6 +450,7 @@ pub(crate) fn layer_forward(
     pass: &Pass<'_>,
     x: Vec<f32>,
     keep_core_attention: bool,
+    kv: KeysValues<'_>,
 ) -> Result<(LayerActs, Vec<f32>)> {
     let c = pass.c;
     let (h, a, g, d, f) = (
@@ -378,14 +462,17 @@ pub(crate) fn layer_forward(
     );
     let rows = pass.positions.len();
     let local_rows = x.len() / h;
-    let n1 = &layer.input_layernorm;
+    let model = pass.model;
+    let n1 = model.norm(layer.input_layernorm);
     let mut rstd1 = vec![0f32; local_rows];
     let mut norm1 = vec![0f32; local_rows * h];
     rms_norm(&x, n1.weight(), n1.eps(), &mut norm1, Some(&mut rstd1));
     let narrow = pass.narrow;
     let norm1 = Kept::new(column_input(pass.tp, norm1)?, narrow);
     let mut qkv = vec![0f32; rows * c.qkv_size()];
-    layer.linear_qkv.forward(norm1.values(), &mut qkv);
+    model
+        .linear(layer.self_attention.linear_qkv)
+        .forward(norm1.values(), &mut qkv);
     let mut q = vec![0f32; rows * a * d];
     let mut k = vec![0f32; rows * g * d];
     let mut v = vec![0f32; rows * g * d];
@@ -394,26 +481,35 @@ pub(crate) fn layer_forward(
     pass.rope.apply(&mut q, pass.positions, a);
     pass.rope.apply(&mut k, pass.positions, g);
     let [q, k, v] = [q, k, v].map(|t| Kept::new(t, narrow));
-    let (ctx, lse) = CoreAttnOut::compute(q.values(), k.values(), v.values(), pass);
-    let out = row_parallel_forward(pass, &layer.linear_proj, ctx.values())?;
+    let (ctx, lse) = match kv {
+        KeysValues::Fresh => CoreAttnOut::compute(q.values(), k.values(), v.values(), pass),
+        KeysValues::Cached { cache, layer } => {
+            CoreAttnOut::compute_cached(q.values(), k.values(), v.values(), cache, layer, pass)
+        }
+    };
+    let proj = model.linear(layer.self_attention.linear_proj);
+    let out = row_parallel_forward(pass, &proj, ctx.values())?;
     let core_attn = keep_core_attention.then_some(CoreAttnOut {
         ctx: ctx.stored,
         lse,
     });
     let mut x_mid = x.clone();
     add_inplace(&mut x_mid, &out);
-    let n2 = &layer.pre_mlp_layernorm;
+    let n2 = model.norm(layer.pre_mlp_layernorm);
     let mut rstd2 = vec![0f32; local_rows];
     let mut norm2 = vec![0f32; local_rows * h];
     rms_norm(&x_mid, n2.weight(), n2.eps(), &mut norm2, Some(&mut rstd2));
     let norm2 = Kept::new(column_input(pass.tp, norm2)?, narrow);
     let mut fc1 = vec![0f32; rows * 2 * f];
-    layer.mlp.linear_fc1.forward(norm2.values(), &mut fc1);
+    model
+        .linear(layer.mlp.linear_fc1)
+        .forward(norm2.values(), &mut fc1);
     let fc1 = Kept::new(fc1, narrow);
     let mut act = vec![0f32; rows * f];
     swiglu_packed(fc1.values(), &mut act, f);
     let act = Kept::new(act, narrow);
-    let out = row_parallel_forward(pass, &layer.mlp.linear_fc2, act.values())?;
+    let fc2 = model.linear(layer.mlp.linear_fc2);
+    let out = row_parallel_forward(pass, &fc2, act.values())?;
     let mut y = x_mid.clone();
     add_inplace(&mut y, &out);
     let acts = LayerActs {
@@ -441,37 +537,4 @@ pub(crate) fn f32_bytes(t: &[f32]) -> u128 {
 /// Bytes of a usize buffer.
 pub(crate) fn usize_bytes(t: &[usize]) -> u128 {
     std::mem::size_of_val(t) as u128
-}
-
-/// Unpacks `qkv: [rows, g, a/g + 2, d]` into `q: [rows, a, d]`, `k, v: [rows, g, d]`.
-fn split_qkv(qkv: &[f32], c: &TransformerConfig, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
-    let (g, hpg, d) = (c.num_query_groups, c.heads_per_group(), c.kv_channels);
-    let group = (hpg + 2) * d;
-    for (r, row) in qkv.chunks_exact(g * group).enumerate() {
-        for (gi, grp) in row.chunks_exact(group).enumerate() {
-            q[(r * g + gi) * hpg * d..][..hpg * d].copy_from_slice(&grp[..hpg * d]);
-            k[(r * g + gi) * d..][..d].copy_from_slice(&grp[hpg * d..(hpg + 1) * d]);
-            v[(r * g + gi) * d..][..d].copy_from_slice(&grp[(hpg + 1) * d..]);
-        }
-    }
-}
-
-/// The inverse of [`split_qkv`]: packs `dq: [rows, a, d]`, `dk, dv: [rows, g, d]` into
-/// `dqkv: [rows, g, a/g + 2, d]` (**overwritten**).
-pub(crate) fn pack_qkv(
-    dq: &[f32],
-    dk: &[f32],
-    dv: &[f32],
-    c: &TransformerConfig,
-    dqkv: &mut [f32],
-) {
-    let (g, hpg, d) = (c.num_query_groups, c.heads_per_group(), c.kv_channels);
-    let group = (hpg + 2) * d;
-    for (r, row) in dqkv.chunks_exact_mut(g * group).enumerate() {
-        for (gi, grp) in row.chunks_exact_mut(group).enumerate() {
-            grp[..hpg * d].copy_from_slice(&dq[(r * g + gi) * hpg * d..][..hpg * d]);
-            grp[hpg * d..(hpg + 1) * d].copy_from_slice(&dk[(r * g + gi) * d..][..d]);
-            grp[(hpg + 1) * d..].copy_from_slice(&dv[(r * g + gi) * d..][..d]);
-        }
-    }
 }

@@ -32,7 +32,7 @@
 //! [`TransformerConfig::activation_memory`]: crate::TransformerConfig::activation_memory
 
 mod backward;
-mod forward;
+pub(crate) mod forward;
 mod loss;
 pub mod memory;
 pub(crate) mod params;
@@ -328,7 +328,7 @@ impl GptModel {
     /// Checks the batch, the recompute setting and that `grads` fit the parameters.
     fn check_grads(&self, batch: &TrainBatch, grads: &[&mut [f32]]) -> Result<()> {
         batch.validate(self)?;
-        self.config.validate_recompute()?;
+        self.local().validate_recompute()?;
         let infos = self.parameters();
         if infos.len() != grads.len() {
             return Err(ModelError::Input(format!(

@@ -17,8 +17,7 @@
 //! bit-identical to keeping everything.
 
 use super::backward::{Backprop, layer_backward};
-use super::forward::{Pass, f32_bytes, layer_forward};
-use super::params::Slots;
+use super::forward::{KeysValues, Pass, f32_bytes, layer_forward};
 use crate::{GptModel, RecomputeGranularity, RecomputeMethod, TransformerConfig};
 use std::ops::Range;
 
@@ -107,8 +106,8 @@ impl GptModel {
     /// recomputed together from one saved input stay together. Running the groups one after
     /// the other ([`GptModel::part_forward`]) is the same computation as running the model.
     pub fn layer_groups(&self) -> Vec<Range<usize>> {
-        self.config
-            .recompute_runs(0..self.layers.len())
+        self.local()
+            .recompute_runs(0..self.layers().len())
             .into_iter()
             .flat_map(|run| match run.keep {
                 Keep::Input => vec![run.layers],
@@ -124,7 +123,6 @@ impl GptModel {
         &self,
         layers: Range<usize>,
         x: Vec<f32>,
-        slots: &Slots,
         pass: &Pass<'_>,
         st: &mut Backprop<'_, '_>,
     ) -> crate::Result<()> {
@@ -133,7 +131,7 @@ impl GptModel {
         let mut acts = Vec::with_capacity(layers.len());
         let mut x = x;
         for index in layers.clone() {
-            let (la, y) = layer_forward(&self.layers[index], pass, x, true)?;
+            let (la, y) = layer_forward(&self.layers()[index], pass, x, true, KeysValues::Fresh)?;
             st.ledger.hold(la.bytes());
             acts.push(la);
             x = y;
@@ -141,9 +139,10 @@ impl GptModel {
         // `x` is the group's output; the gradient with respect to it is already in `st.dres`.
         drop(x);
         for (index, la) in layers.zip(acts).rev() {
-            layer_backward(&self.layers[index], &la, &slots.layers[index], pass, st)?;
+            let layer = &self.layers()[index];
+            layer_backward(layer, &la, pass, st)?;
             st.ledger.release(la.bytes());
-            st.ready.ready(&slots.layers[index].indices(), st.grads);
+            st.ready.ready(&layer.param_indices(), st.grads);
         }
         Ok(())
     }

@@ -37,7 +37,7 @@ impl GptModel {
         loss_scale: f32,
     ) -> Result<StageForward> {
         batch.validate(self)?;
-        self.config.validate_recompute()?;
+        self.local().validate_recompute()?;
         let mut ledger = memory::Ledger::default();
         let post_process = part.post_process;
         let mut acts = self.train_forward(batch, part, input, &mut ledger)?;
@@ -68,7 +68,7 @@ impl GptModel {
         input: Option<Vec<f32>>,
         loss_scale: f32,
     ) -> Result<StageForward> {
-        let n = self.layers.len();
+        let n = self.layers().len();
         if self.num_chunks() > 1 || layers.is_empty() || layers.end > n {
             return Err(ModelError::Input(format!(
                 "part_forward of layers {layers:?}: needs a range inside the {n} layers of a \
@@ -87,15 +87,14 @@ impl GptModel {
     /// the first stage, the layers' own, and the final norm and output layer with the last
     /// layers of the last stage (a tied output weight is the embedding, index 0).
     pub fn part_params(&self, layers: std::ops::Range<usize>) -> std::ops::Range<usize> {
-        let slots = self.param_slots();
-        let total = self.parameters().len();
-        let first = |i: usize| slots.layers.get(i).map_or(total, |l| l.norm1);
+        let total = self.layout().decls().len();
+        let first = |i: usize| self.layers().get(i).map_or(total, |l| l.params.start);
         let start = if layers.start == 0 {
             0
         } else {
             first(layers.start)
         };
-        let end = if layers.end == self.layers.len() {
+        let end = if layers.end == self.layers().len() {
             total
         } else {
             first(layers.end)

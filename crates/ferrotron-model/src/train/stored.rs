@@ -22,7 +22,7 @@ impl GptModel {
     /// weights (bf16 training), f32 otherwise (f32, and fp16 whose range is too narrow for
     /// activations).
     pub fn activation_dtype(&self) -> DType {
-        match self.embedding.weight().dtype() {
+        match self.dtype() {
             DType::BF16 => DType::BF16,
             _ => DType::F32,
         }

@@ -47,7 +47,11 @@ pub(crate) fn column_input_backward(tp: Option<&TpInfo>, mut d: Vec<f32>) -> Res
 
 /// A row-parallel linear's output for the local rows: `input·Wᵀ` summed over the ranks
 /// (all-reduce, or reduce-scatter along `s`), then the bias.
-pub(crate) fn row_parallel_forward(pass: &Pass<'_>, l: &Linear, input: &[f32]) -> Result<Vec<f32>> {
+pub(crate) fn row_parallel_forward(
+    pass: &Pass<'_>,
+    l: &Linear<'_>,
+    input: &[f32],
+) -> Result<Vec<f32>> {
     let rows = input.len() / l.in_features();
     let mut out = vec![0f32; rows * l.out_features()];
     l.forward_without_bias(input, &mut out);
@@ -89,13 +93,14 @@ pub(crate) fn row_parallel_output_grad<'d>(
 impl GptModel {
     /// The embedding of `ids: [rows]` for the local rows `[local_rows, h]`.
     pub(crate) fn embed_train(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        let h = self.config.hidden_size;
+        let h = self.local().hidden_size;
         let mut x = vec![0f32; ids.len() * h];
+        let embedding = self.word_embedding()?;
         let Some(tp) = &self.tp else {
-            self.embedding.forward(ids, &mut x)?;
+            embedding.forward(ids, &mut x)?;
             return Ok(x);
         };
-        let w = self.embedding.weight();
+        let w = embedding.weight();
         let v_local = w.shape()[0];
         vocab_parallel_embedding_forward(w.weight_ref(), h, tp.vocab_start, v_local, ids, &mut x)?;
         reduce_partial_rows(Some(tp), x)
@@ -108,7 +113,7 @@ impl GptModel {
         dlocal: &[f32],
         dtable: &mut [f32],
     ) -> Result<()> {
-        let h = self.config.hidden_size;
+        let h = self.local().hidden_size;
         let Some(tp) = &self.tp else {
             embedding_backward(ids, dlocal, dtable, h);
             return Ok(());

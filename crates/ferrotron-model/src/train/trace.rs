@@ -34,7 +34,7 @@ impl GptModel {
         batch: &TrainBatch,
         input: Option<Vec<f32>>,
     ) -> Result<ForwardTrace> {
-        if self.config.recompute_granularity.is_some() {
+        if self.local().recompute_granularity.is_some() {
             return Err(ModelError::Input(
                 "forward_trace needs recompute_granularity = none".into(),
             ));
@@ -56,13 +56,11 @@ impl GptModel {
                 Saved::Input { x, .. } => x,
             })
             .collect();
-        if !self.layers.is_empty() {
+        if !self.layers().is_empty() {
             layer_outputs.push(acts.x_final);
         }
         Ok(ForwardTrace {
-            layer_ids: (0..self.layers.len())
-                .map(|i| self.global_layer(i))
-                .collect(),
+            layer_ids: self.layers().iter().map(|l| l.number).collect(),
             layer_outputs,
             logits: self.is_post_process().then_some(acts.dlogits),
         })

@@ -198,7 +198,7 @@ impl Trainer {
         let Some(group) = &pp.embedding else {
             return Ok(());
         };
-        if group.size() < 2 || self.model.output_layer.is_some() {
+        if group.size() < 2 || self.model.config().untie_embeddings_and_output_weights {
             return Ok(());
         }
         let id = self.buffer.id("embedding.word_embeddings.weight")?;

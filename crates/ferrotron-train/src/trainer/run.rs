@@ -88,7 +88,7 @@ impl Trainer {
         on_log: &mut dyn TrainObserver,
     ) -> Result<TrainSummary> {
         let opts = self.options.clone();
-        let flops_model = FlopsModel::from(&self.model.global_config());
+        let flops_model = FlopsModel::from(self.model.config());
         let mut acc = Interval::default();
         let mut summary = TrainSummary {
             iterations: self.iteration,

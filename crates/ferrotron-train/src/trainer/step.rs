@@ -95,7 +95,7 @@ impl Trainer {
             )));
         }
         let dtype = options.precision.param_dtype();
-        let stored = model.embedding.weight().dtype();
+        let stored = model.dtype();
         if stored != dtype {
             return Err(TrainError::Config(format!(
                 "precision {:?} needs {dtype} model weights, the model stores {stored}",
@@ -110,18 +110,11 @@ impl Trainer {
         // Tensor-parallel duplicates (replicated parameters on tp rank > 0) stay out of the
         // grad norm, as Megatron's `param_is_not_tensor_parallel_duplicate`.
         // So is the last pipeline stage's copy of a tied embedding (`param_is_not_shared`).
-        let shared_copy = model.holds_shared_embedding_copy();
-        let duplicate = |i: usize, name: &str| {
-            let tp_duplicate = model.tensor_parallel().is_some_and(|tp| {
-                tp.group.rank() > 0 && tp.splits[i] == ferrotron_model::TpSplit::Replicated
-            });
-            tp_duplicate || (shared_copy && name == "embedding.word_embeddings.weight")
-        };
         for (i, p) in model.parameters().into_iter().enumerate() {
             let flags = ParamFlags {
                 is_norm_or_bias: p.is_norm_or_bias,
                 is_embedding: p.is_embedding,
-                exclude_from_grad_norm: duplicate(i, &p.name),
+                exclude_from_grad_norm: model.is_param_replica(i),
                 ..ParamFlags::default()
             };
             builder.register(&p.name, &p.shape, flags)?;
@@ -456,7 +449,7 @@ impl Trainer {
     /// `Σ mask·CE` of `batch` (default positions) through the inference forward.
     fn forward_loss_sum(&self, batch: &TrainBatch) -> Result<f64> {
         let (b, s) = (batch.micro_batch, batch.seq);
-        let mut cache = KvCache::new(&self.model.config, b, s)?;
+        let mut cache = KvCache::new(self.model.config(), b, s)?;
         let logits = self
             .model
             .forward(&batch.tokens, &mut cache, LogitsMode::All)?;
@@ -468,7 +461,7 @@ impl Trainer {
             batch.loss_mask.as_deref(),
             &mut losses,
             &mut lse,
-            self.model.config.vocab_size,
+            self.model.config().vocab_size,
         )
         .map_err(ferrotron_model::ModelError::from)?;
         Ok(losses.iter().map(|&l| l as f64).sum())

@@ -143,7 +143,7 @@ impl Layout {
         let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
         let (dp, stage) = (state.data_parallel_size(), state.coords().pp);
         let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
-        let (layers, vp) = (full.config.num_layers, self.vp.max(1));
+        let (layers, vp) = (full.config().num_layers, self.vp.max(1));
         let chunks = if vp > 1 {
             ferrotron_model::virtual_stage_layers(layers, pp, vp, stage)?
         } else {

@@ -89,7 +89,7 @@ fn prompt_tokens(prompt: &str, tokenizer_dir: Option<&Path>, vocab: usize) -> Re
 pub fn check_forward(hf_dir: &Path, ckpt_dir: &Path, prompt: &str, tolerance: f32) -> Result<bool> {
     let (reference, _) = load_hf_model(hf_dir, DType::F32)
         .with_context(|| format!("--check: loading {}", hf_dir.display()))?;
-    let tokens = prompt_tokens(prompt, Some(hf_dir), reference.config.vocab_size)?;
+    let tokens = prompt_tokens(prompt, Some(hf_dir), reference.config().vocab_size)?;
     let seq = tokens.len();
     let labels = vec![0i64; seq];
     let batch = TrainBatch::from_batch_major(&tokens, &labels, None, 1, seq);
@@ -189,7 +189,7 @@ fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>
         let state = ParallelState::new(t * p, comm.world_rank(), parallel)?;
         let stage = state.coords().pp;
         let groups = ProcessGroups::new(state, Arc::new(comm))?;
-        let layers = stage_layers(skeleton.config.num_layers, p, stage, None)?;
+        let layers = stage_layers(skeleton.config().num_layers, p, stage, None)?;
         let stage_model;
         let staged = if p > 1 {
             stage_model = skeleton.pipeline_stage(layers, stage == 0, stage + 1 == p)?;

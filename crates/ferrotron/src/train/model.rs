@@ -86,10 +86,8 @@ pub fn build(rc: &RunConfig) -> Result<RunModel> {
         }
         ModelSource::Explicit(dims) => from_scratch(rc, dims, dtype, tokenizer_model)?,
     };
-    run.model.config.recompute_granularity = recompute(rc.recompute);
     run.model
-        .config
-        .validate()
+        .set_recompute_granularity(recompute(rc.recompute))
         .context("training.recompute_num_layers")?;
     Ok(run)
 }

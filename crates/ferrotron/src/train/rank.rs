@@ -120,8 +120,12 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     } = run_model;
     // Every checkpoint carries the model's HF config and tokenizer, so `convert ckpt-to-hf`
     // and `model.load` work on it alone.
-    let hf_config = hf_config_json(&model.config, &export_source.config, model::precision(rc).1)
-        .context("the model's HF config.json")?;
+    let hf_config = hf_config_json(
+        model.config(),
+        &export_source.config,
+        model::precision(rc).1,
+    )
+    .context("the model's HF config.json")?;
     let checkpoint_extra = serde_json::json!({
         "run_config": rc.to_toml(),
         "hf_config": hf_config,
@@ -141,7 +145,7 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     let pp = par.pipeline_model_parallel_size;
     let model = if pp > 1 {
         let stage = rank.groups.state.coords().pp;
-        let num_layers = model.config.num_layers;
+        let num_layers = model.config().num_layers;
         let chunks = match par.virtual_pipeline_model_parallel_size.filter(|&v| v > 1) {
             Some(vp) => ferrotron_model::virtual_stage_layers(num_layers, pp, vp, stage)
                 .context("[parallel] virtual_pipeline_model_parallel_size")?,

@@ -1,0 +1,122 @@
+//! [`ModelLayout`]: the module tree of a model (or of one pipeline stage) with every
+//! parameter's declaration in table order — the one place the parameter order is decided.
+
+use super::decl::{Declarer, ParamDecl, ParamId, ParamRole};
+use super::layer::TransformerLayer;
+use super::norm::{declare_norm, declare_vocab_table};
+use crate::TransformerConfig;
+
+/// Which part of the model a layout covers (Megatron-Core `GPTModel(pre_process,
+/// post_process)` on one pipeline rank).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelPart {
+    /// Global indices of the decoder layers held, in order.
+    pub layer_ids: Vec<usize>,
+    /// Holds the word embedding and takes token ids.
+    pub pre_process: bool,
+    /// Holds the final norm and the output layer (the word embedding when tied).
+    pub post_process: bool,
+}
+
+impl ModelPart {
+    /// The whole model of `num_layers` layers.
+    pub fn whole(num_layers: usize) -> ModelPart {
+        ModelPart {
+            layer_ids: (0..num_layers).collect(),
+            pre_process: true,
+            post_process: true,
+        }
+    }
+}
+
+/// The modules of a model part and the declarations of their parameters, in table order:
+/// the word embedding (first stage, and the last stage of a tied model: its output weight),
+/// the decoder layers, then `final_layernorm` and, when untied, `output_layer` (last stage).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelLayout {
+    decls: Vec<ParamDecl>,
+    /// `[v, h]` (HF `model.embed_tokens`).
+    pub embedding: Option<ParamId>,
+    /// The decoder layers held, in order.
+    pub layers: Vec<TransformerLayer>,
+    /// `[h]` (HF `model.norm`).
+    pub final_layernorm: Option<ParamId>,
+    /// `[v, h]`, untied models only (HF `lm_head`).
+    pub output_layer: Option<ParamId>,
+}
+
+impl ModelLayout {
+    /// Declares the parameters of `part` of a model of config `c` (assumed valid), the
+    /// vocabulary tables split as `padded_vocab` rows over tensor-parallel ranks
+    /// (`c.vocab_size` when unsplit).
+    pub fn new(c: &TransformerConfig, padded_vocab: usize, part: &ModelPart) -> ModelLayout {
+        let mut d = Declarer::new(c, padded_vocab);
+        let tied = !c.untie_embeddings_and_output_weights;
+        let embedding = (part.pre_process || (part.post_process && tied)).then(|| {
+            declare_vocab_table(
+                &mut d,
+                "embedding.word_embeddings.weight",
+                "model.embed_tokens.weight",
+            )
+        });
+        let layers = part
+            .layer_ids
+            .iter()
+            .map(|&i| TransformerLayer::declare(&mut d, i))
+            .collect();
+        let final_layernorm = part
+            .post_process
+            .then(|| declare_norm(&mut d, "decoder.final_layernorm", "model.norm", None));
+        let output_layer = (part.post_process && !tied)
+            .then(|| declare_vocab_table(&mut d, "output_layer.weight", "lm_head.weight"));
+        ModelLayout {
+            decls: d.finish(),
+            embedding,
+            layers,
+            final_layernorm,
+            output_layer,
+        }
+    }
+
+    /// Every parameter's declaration, in table order.
+    pub fn decls(&self) -> &[ParamDecl] {
+        &self.decls
+    }
+
+    /// The declarations, consumed.
+    pub fn into_decls(self) -> Vec<ParamDecl> {
+        self.decls
+    }
+
+    /// The declaration of `id`.
+    pub fn decl(&self, id: ParamId) -> &ParamDecl {
+        &self.decls[id.0]
+    }
+
+    /// The id of the parameter at table position `index`, if any.
+    pub fn id(&self, index: usize) -> Option<ParamId> {
+        (index < self.decls.len()).then_some(ParamId(index))
+    }
+
+    /// The logits' weight `[v, h]`: the output layer, or the word embedding when tied
+    /// (`None` before the last stage).
+    pub fn output_weight(&self) -> Option<ParamId> {
+        self.output_layer
+            .or(self.embedding.filter(|_| self.final_layernorm.is_some()))
+    }
+
+    /// Parameter count, the embedding counted once when tied.
+    pub fn num_parameters(&self) -> usize {
+        self.decls.iter().map(ParamDecl::numel).sum()
+    }
+
+    /// Elements of every matmul weight (the `[out, in]` linear weights of the layers, not the
+    /// vocabulary tables): each token costs `2·this` forward FLOPs in them.
+    pub fn matmul_weight_elements(&self) -> usize {
+        self.decls
+            .iter()
+            .filter(|d| d.role == ParamRole::Weight)
+            .map(ParamDecl::numel)
+            .sum()
+    }
+}

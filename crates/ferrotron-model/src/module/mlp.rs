@@ -1,0 +1,56 @@
+//! The MLP's parameters (Megatron-Core `MLP` with `gated_linear_unit`, the LLaMA SwiGLU):
+//! `linear_fc1` packing gate and up rows, and `linear_fc2`.
+
+use super::decl::{Declarer, Init};
+use super::linear::{LinearParams, LinearSpec, Parallel, block};
+
+/// The parameters of one layer's MLP: `linear_fc1: [2f, h]` (gate rows then up rows; HF
+/// `gate_proj`, `up_proj`), `linear_fc2: [h, f]` (HF `down_proj`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mlp {
+    pub linear_fc1: LinearParams,
+    pub linear_fc2: LinearParams,
+}
+
+impl Mlp {
+    /// Declares layer `layer`'s MLP parameters.
+    pub(crate) fn declare(d: &mut Declarer<'_>, layer: usize) -> Mlp {
+        let c = d.c;
+        let (h, f) = (c.hidden_size, c.ffn_hidden_size);
+        let (mg, hf) = (
+            format!("decoder.layers.{layer}.mlp"),
+            format!("model.layers.{layer}.mlp"),
+        );
+        let linear_fc1 = LinearParams::declare(
+            d,
+            LinearSpec {
+                name: format!("{mg}.linear_fc1"),
+                layer,
+                shape: [2 * f, h],
+                parallel: Parallel::Column { parts: 2 },
+                bias: c.add_mlp_bias,
+                init: Init::Normal,
+                hf: vec![
+                    (format!("{hf}.gate_proj"), block(0..f)),
+                    (format!("{hf}.up_proj"), block(f..2 * f)),
+                ],
+            },
+        );
+        let linear_fc2 = LinearParams::declare(
+            d,
+            LinearSpec {
+                name: format!("{mg}.linear_fc2"),
+                layer,
+                shape: [h, f],
+                parallel: Parallel::Row,
+                bias: c.add_mlp_bias,
+                init: Init::ScaledNormal,
+                hf: vec![(format!("{hf}.down_proj"), block(0..h))],
+            },
+        );
+        Mlp {
+            linear_fc1,
+            linear_fc2,
+        }
+    }
+}
