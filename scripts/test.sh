@@ -28,6 +28,21 @@ if [ ! -f "$FERROTRON_SMOLLM2_HF/tokenizer_config.json" ]; then
     --output "$FERROTRON_SMOLLM2_HF" --force
 fi
 export FERROTRON_SMOLLM2_HF
+# Without these the tests on the real weights are reported as ignored (tests/common/weights.rs);
+# under CI=true they must run, so missing weights fail here.
+if [ "${CI:-}" = true ]; then
+  missing=()
+  [ -f "${FERROTRON_SMOLLM2_GGUF:-}" ] || missing+=("FERROTRON_SMOLLM2_GGUF (a GGUF file)")
+  for f in tokenizer.json tokenizer_config.json; do
+    [ -f "${FERROTRON_SMOLLM2_HF:-}/$f" ] || missing+=("FERROTRON_SMOLLM2_HF/$f")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "error: CI=true needs the SmolLM2 weights for the tests on them; missing:" \
+      "${missing[*]} (FERROTRON_SMOLLM2_GGUF='${FERROTRON_SMOLLM2_GGUF:-}'," \
+      "FERROTRON_SMOLLM2_HF='${FERROTRON_SMOLLM2_HF:-}')" >&2
+    exit 1
+  fi
+fi
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

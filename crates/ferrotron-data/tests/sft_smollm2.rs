@@ -3,8 +3,9 @@
 //! (the first 50 chats of PyPI `chitchat-dataset==0.9.0`, via `tools/make_chitchat_jsonl.py`).
 //!
 //! Needs an HF model directory (tokenizer.json + tokenizer_config.json) at `$FERROTRON_SMOLLM2_HF`,
-//! e.g. `ferrotron convert gguf-to-hf --input <SmolLM2 gguf> --output /tmp/smollm2-hf`; skipped
-//! with a message when unset or missing.
+//! e.g. `ferrotron convert gguf-to-hf --input <SmolLM2 gguf> --output /tmp/smollm2-hf`; reported
+//! as ignored when the variable is unset (`common::weights`), failed when it names no such
+//! directory.
 
 use std::path::{Path, PathBuf};
 
@@ -15,19 +16,27 @@ use ferrotron_data::sft::{
 };
 use ferrotron_data::{Tokenizer, sft::SftReport};
 
-fn model_dir() -> Option<PathBuf> {
-    let Some(dir) = std::env::var_os("FERROTRON_SMOLLM2_HF").map(PathBuf::from) else {
-        eprintln!("SKIPPED sft_smollm2: set FERROTRON_SMOLLM2_HF to a SmolLM2 HF directory");
-        return None;
-    };
-    if !dir.join("tokenizer.json").is_file() {
-        eprintln!(
-            "SKIPPED sft_smollm2: {} has no tokenizer.json",
-            dir.display()
-        );
-        return None;
-    }
-    Some(dir)
+mod common;
+use common::weights::{self, HF, trials};
+
+fn main() {
+    weights::run(trials![needs [HF]:
+        alpaca_masks_decode_to_prompt_and_answer,
+        chitchat_every_assistant_turn_is_trained,
+        chitchat_raw_and_preprocessed_agree_packed_and_padded,
+        bpe_merge_across_the_answer_boundary_is_reported,
+    ]);
+}
+
+/// `$FERROTRON_SMOLLM2_HF`, checked to hold a tokenizer.
+fn model_dir() -> PathBuf {
+    let dir = weights::path(HF);
+    assert!(
+        dir.join("tokenizer.json").is_file(),
+        "{HF}={} has no tokenizer.json",
+        dir.display()
+    );
+    dir
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -60,9 +69,8 @@ fn runs(enc: &SftEncoder, s: &EncodedSample) -> Vec<(bool, String)> {
     out.iter().map(|(m, ids)| (*m, dec(ids))).collect()
 }
 
-#[test]
 fn alpaca_masks_decode_to_prompt_and_answer() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let enc = SftEncoder::from_model_dir(&dir).unwrap();
     assert_eq!(enc.eos(), Some(("<|im_end|>", 2)));
     assert_eq!(enc.default_pad_id(), 2, "pad_token is <|im_end|>");
@@ -99,9 +107,8 @@ fn alpaca_masks_decode_to_prompt_and_answer() {
     assert_eq!(n, 12);
 }
 
-#[test]
 fn chitchat_every_assistant_turn_is_trained() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let enc = SftEncoder::from_model_dir(&dir).unwrap();
     let template = enc.chat_template().unwrap();
     let chats = records(&fixture("chitchat_sample.jsonl"));
@@ -128,9 +135,8 @@ fn chitchat_every_assistant_turn_is_trained() {
     }
 }
 
-#[test]
 fn chitchat_raw_and_preprocessed_agree_packed_and_padded() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let enc = SftEncoder::from_model_dir(&dir).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let files = [
@@ -166,9 +172,8 @@ fn chitchat_raw_and_preprocessed_agree_packed_and_padded() {
     }
 }
 
-#[test]
 fn bpe_merge_across_the_answer_boundary_is_reported() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let tokenizer = Tokenizer::from_dir(&dir).unwrap();
     // "A: Hel" + "lo world": whole, "Hello" is one token; as pieces it cannot be.
     let t = ChatTemplate::new(

