@@ -11,6 +11,8 @@ use ferrotron_checkpoint::{CheckpointError, GgufToHfOptions, gguf_to_hf};
 mod tiny;
 #[allow(unused_imports)]
 pub use tiny::*;
+/// One file for every crate's tests on the real weights (kept in ferrotron-data, the lowest).
+#[path = "../../../ferrotron-data/tests/common/weights.rs"]
 pub mod weights;
 
 /// One tensor-table entry; `offset: None` places the data after the previous tensor (aligned).

@@ -2,8 +2,8 @@
 //! libtest-mimic): such a test runs when its environment variable is set, and is reported as
 //! ignored, with the variable it needs, when that is unset. A variable naming a missing path
 //! fails the test. scripts/test.sh sets both variables (and, under `CI=true`, fails without
-//! them). The same module is in the tests/common of ferrotron-checkpoint, ferrotron-data and
-//! ferrotron.
+//! them). This one file is the `weights` module of the tests/common of ferrotron-data,
+//! ferrotron-checkpoint and ferrotron (the other two include it with `#[path]`).
 
 use libtest_mimic::{Arguments, Trial};
 use std::path::PathBuf;

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
+/// One file for every crate's tests on the real weights (kept in ferrotron-data, the lowest).
+#[path = "../../../ferrotron-data/tests/common/weights.rs"]
 pub mod weights;
 
 use std::path::{Path, PathBuf};
