@@ -1,5 +1,6 @@
 use crate::module::{LinearParams, ModelLayout, ModelPart, ParamId, TransformerLayer};
-use crate::train::forward::{KeysValues, Pass, layer_forward};
+use crate::train::core_attention::KeysValues;
+use crate::train::forward::{Pass, layer_forward};
 use crate::{
     KvCache, ModelError, RecomputeGranularity, Result, StageInfo, TpInfo, TransformerConfig,
 };

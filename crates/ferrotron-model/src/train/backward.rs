@@ -4,9 +4,8 @@
 //! gradients are per-call buffers. Saved activations are freed as soon as their layer's
 //! backward is done.
 
-use super::forward::{
-    Activations, CoreAttnOut, LayerActs, Pass, Saved, attention_dims, f32_bytes, usize_bytes,
-};
+use super::core_attention::{CoreAttnOut, attention_dims};
+use super::forward::{Activations, LayerActs, Pass, Saved, f32_bytes, usize_bytes};
 use super::memory::Ledger;
 use super::tp_ops::{column_input_backward, row_parallel_output_grad};
 use super::{GradReady, TrainBatch};

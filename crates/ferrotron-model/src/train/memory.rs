@@ -10,7 +10,8 @@
 //! and transient work buffers (a layer's packed qkv, activation gradients, the activations of
 //! a layer the forward runs only to pass its output on).
 
-use super::forward::{CoreAttnOut, LayerActs};
+use super::core_attention::CoreAttnOut;
+use super::forward::LayerActs;
 use super::recompute::Keep;
 use crate::{ModelError, Result, TransformerConfig};
 

@@ -32,6 +32,7 @@
 //! [`TransformerConfig::activation_memory`]: crate::TransformerConfig::activation_memory
 
 mod backward;
+pub(crate) mod core_attention;
 pub(crate) mod forward;
 mod loss;
 pub mod memory;

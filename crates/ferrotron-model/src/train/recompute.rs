@@ -17,7 +17,8 @@
 //! bit-identical to keeping everything.
 
 use super::backward::{Backprop, layer_backward};
-use super::forward::{KeysValues, Pass, f32_bytes, layer_forward};
+use super::core_attention::KeysValues;
+use super::forward::{Pass, f32_bytes, layer_forward};
 use crate::{GptModel, RecomputeGranularity, RecomputeMethod, TransformerConfig};
 use std::ops::Range;
 

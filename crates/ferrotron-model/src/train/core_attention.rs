@@ -1,0 +1,108 @@
+//! Core attention inside a layer: where it finds its keys and values ([`KeysValues`]: the
+//! pass's own tokens, or a KV cache), and its output and log-sum-exp ([`CoreAttnOut`]), which
+//! selective recompute drops and the backward recomputes from q/k/v.
+
+use super::forward::{Pass, f32_bytes};
+use super::stored::{Kept, Stored, element_bytes};
+use crate::{KvCache, TransformerConfig};
+use ferrotron_nn::attention::{
+    AttentionDims, AttentionMask, core_attention, core_attention_forward_train,
+};
+
+/// Where core attention finds the keys and values of a [`layer_forward`].
+pub(crate) enum KeysValues<'c> {
+    /// The pass's own tokens only: causal over each sequence (training, scoring).
+    Fresh,
+    /// After the tokens already in `cache` for the held layer `layer`: this pass's keys and
+    /// values are appended, and its queries attend to every cached token (generation).
+    Cached {
+        cache: &'c mut KvCache,
+        layer: usize,
+    },
+}
+
+/// Core attention's output and softmax statistic: what selective recompute drops and the
+/// backward recomputes from q/k/v.
+pub(crate) struct CoreAttnOut {
+    /// Core attention output `[rows, a·d]` (input of `linear_proj`).
+    pub ctx: Stored,
+    /// Softmax log-sum-exp per query row and head `[rows, a]`.
+    pub lse: Vec<f32>,
+}
+
+impl CoreAttnOut {
+    /// Flash-style causal attention of `q: [rows, a, d]` (after rope) over `k, v: [rows, g, d]`:
+    /// the output (kept through [`Kept`], which rounds it under `pass.narrow`, by the forward
+    /// and by a recompute alike) and the log-sum-exp.
+    pub(crate) fn compute(q: &[f32], k: &[f32], v: &[f32], pass: &Pass<'_>) -> (Kept, Vec<f32>) {
+        let c = pass.c;
+        let rows = pass.positions.len();
+        let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
+        let mut lse = vec![0f32; rows * c.num_attention_heads];
+        let (dims, mask) = attention_dims(pass);
+        core_attention_forward_train(q, k, v, &mut ctx, &mut lse, dims, mask);
+        (Kept::new(ctx, pass.narrow), lse)
+    }
+
+    /// [`CoreAttnOut::compute`] after the cached tokens: appends `k, v` (this pass's
+    /// `[rows, g, d]`) to `cache`'s `layer` and attends to all its tokens, the queries at
+    /// positions `cache.len()..`. No log-sum-exp for a single decode row (the simple kernel
+    /// avoids transposing the whole cache; nothing runs a backward through generation).
+    pub(crate) fn compute_cached(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        cache: &mut KvCache,
+        layer: usize,
+        pass: &Pass<'_>,
+    ) -> (Kept, Vec<f32>) {
+        let c = pass.c;
+        let rows = pass.positions.len();
+        let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
+        let (mut dims, mask) = attention_dims(pass);
+        dims.q_offset = cache.len();
+        dims.skv = cache.len() + pass.seq;
+        let (keys, values) = cache.append(layer, k, v);
+        let mut lse = Vec::new();
+        if rows > 1 {
+            // Prefill: the register-tiled kernel is ~3x faster on many query rows.
+            lse.resize(rows * c.num_attention_heads, 0.0);
+            core_attention_forward_train(q, keys, values, &mut ctx, &mut lse, dims, mask);
+        } else {
+            core_attention(q, keys, values, &mut ctx, dims, mask);
+        }
+        (Kept::new(ctx, pass.narrow), lse)
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> u128 {
+        self.ctx.bytes() + f32_bytes(&self.lse)
+    }
+
+    /// Bytes per token of [`CoreAttnOut`]: `a·d` (bf16 when `narrow`) + `a` f32 (in u128,
+    /// so no config overflows).
+    pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
+        let a = c.num_attention_heads as u128;
+        a * c.kv_channels as u128 * element_bytes(narrow) + a * 4
+    }
+}
+
+/// Attention dims and mask of a fresh causal pass over the batch.
+pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMask<'b>) {
+    let c = pass.c;
+    (
+        AttentionDims {
+            sq: pass.seq,
+            skv: pass.seq,
+            batch: pass.micro_batch,
+            heads: c.num_attention_heads,
+            groups: c.num_query_groups,
+            head_dim: c.kv_channels,
+            q_offset: 0,
+        },
+        AttentionMask {
+            sliding_window: c.sliding_window,
+            documents: pass.documents,
+        },
+    )
+}
