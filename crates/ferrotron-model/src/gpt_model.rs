@@ -139,8 +139,10 @@ impl GptModel {
         &self.config
     }
 
-    /// The sizes this rank computes with (see the field docs).
-    pub(crate) fn local(&self) -> &TransformerConfig {
+    /// The sizes this rank computes with: on a tensor-parallel shard heads, query groups, FFN
+    /// size and (padded) vocabulary divided by the tensor-parallel size; `num_layers` the
+    /// decoder layers held (a pipeline stage's). The whole model's own config otherwise.
+    pub fn local_config(&self) -> &TransformerConfig {
         &self.local
     }
 

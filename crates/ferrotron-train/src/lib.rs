@@ -1,9 +1,13 @@
-//! Training for Ferrotron: the run configuration (`ferrotron train --config run.toml`), the
-//! [`trainer`] (single rank, data and tensor parallel), the [`pipeline`] schedules and the
+//! Training for Ferrotron: the run configuration (`ferrotron train --config run.toml`),
+//! [`parallelize`] (a rank's model slice for any tp x pp x vp layout), the [`trainer`]
+//! (single rank, data, tensor and pipeline parallel), the [`pipeline`] schedules and the
 //! [`metrics`] writers.
 
 pub mod allocator;
 pub mod config;
 pub mod metrics;
+mod parallelize;
 pub mod pipeline;
 pub mod trainer;
+
+pub use parallelize::{ParallelizeError, ParallelizeOptions, parallelize};

@@ -58,7 +58,7 @@ impl GptModel {
             normed_final,
             dlogits,
         } = acts;
-        let c = self.local();
+        let c = self.local_config();
         let dres = if part.post_process {
             let head = Head {
                 x_final,
@@ -131,7 +131,7 @@ impl GptModel {
             normed_final,
             dlogits,
         } = head;
-        let c = self.local();
+        let c = self.local_config();
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
         // Output layer `logits = normed·Wᵀ`, W: [v, h] (the embedding table when tied).

@@ -50,7 +50,7 @@ impl<'a> Pass<'a> {
         positions: &'a [usize],
         batch: &'a TrainBatch,
     ) -> Pass<'a> {
-        let (c, rope, tp) = (model.local(), model.rope(), model.tp.as_ref());
+        let (c, rope, tp) = (model.local_config(), model.rope(), model.tp.as_ref());
         // Checked by TrainBatch::validate before any pass.
         let documents = batch
             .document_starts
@@ -80,7 +80,7 @@ impl<'a> Pass<'a> {
     ) -> Pass<'a> {
         Pass {
             model,
-            c: model.local(),
+            c: model.local_config(),
             rope: model.rope(),
             positions,
             seq: s,
@@ -208,7 +208,7 @@ impl GptModel {
         input: Option<Vec<f32>>,
         ledger: &mut Ledger,
     ) -> Result<Activations> {
-        let c = self.local();
+        let c = self.local_config();
         let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
         if let Some(tp) = &self.tp {

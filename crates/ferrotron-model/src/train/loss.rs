@@ -14,7 +14,7 @@ impl GptModel {
     /// # Errors
     /// Sequence parallelism cannot split the sequence.
     pub fn activation_len(&self, batch: &TrainBatch) -> Result<usize> {
-        Ok(self.local_rows(batch)? * self.local().hidden_size)
+        Ok(self.local_rows(batch)? * self.local_config().hidden_size)
     }
 
     /// Rows of this rank's residual stream for `batch`: all `s·b`, or `1/t` of them under
@@ -53,13 +53,13 @@ impl GptModel {
                 batch.loss_mask.as_deref(),
                 &dloss,
                 &mut losses,
-                self.local().vocab_size,
+                self.local_config().vocab_size,
             )?,
             Some(tp) => {
                 let shard = VocabShard {
                     labels: &batch.labels,
                     loss_mask: batch.loss_mask.as_deref(),
-                    v_local: self.local().vocab_size,
+                    v_local: self.local_config().vocab_size,
                     valid: tp.vocab_valid,
                     vocab_start: tp.vocab_start,
                 };

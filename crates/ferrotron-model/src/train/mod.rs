@@ -329,7 +329,7 @@ impl GptModel {
     /// Checks the batch, the recompute setting and that `grads` fit the parameters.
     fn check_grads(&self, batch: &TrainBatch, grads: &[&mut [f32]]) -> Result<()> {
         batch.validate(self)?;
-        self.local().validate_recompute()?;
+        self.local_config().validate_recompute()?;
         let infos = self.parameters();
         if infos.len() != grads.len() {
             return Err(ModelError::Input(format!(

@@ -107,7 +107,7 @@ impl GptModel {
     /// recomputed together from one saved input stay together. Running the groups one after
     /// the other ([`GptModel::part_forward`]) is the same computation as running the model.
     pub fn layer_groups(&self) -> Vec<Range<usize>> {
-        self.local()
+        self.local_config()
             .recompute_runs(0..self.layers().len())
             .into_iter()
             .flat_map(|run| match run.keep {

@@ -37,7 +37,7 @@ impl GptModel {
         loss_scale: f32,
     ) -> Result<StageForward> {
         batch.validate(self)?;
-        self.local().validate_recompute()?;
+        self.local_config().validate_recompute()?;
         let mut ledger = memory::Ledger::default();
         let post_process = part.post_process;
         let mut acts = self.train_forward(batch, part, input, &mut ledger)?;

@@ -93,7 +93,7 @@ pub(crate) fn row_parallel_output_grad<'d>(
 impl GptModel {
     /// The embedding of `ids: [rows]` for the local rows `[local_rows, h]`.
     pub(crate) fn embed_train(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        let h = self.local().hidden_size;
+        let h = self.local_config().hidden_size;
         let mut x = vec![0f32; ids.len() * h];
         let embedding = self.word_embedding()?;
         let Some(tp) = &self.tp else {
@@ -113,7 +113,7 @@ impl GptModel {
         dlocal: &[f32],
         dtable: &mut [f32],
     ) -> Result<()> {
-        let h = self.local().hidden_size;
+        let h = self.local_config().hidden_size;
         let Some(tp) = &self.tp else {
             embedding_backward(ids, dlocal, dtable, h);
             return Ok(());

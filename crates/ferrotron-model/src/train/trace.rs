@@ -34,7 +34,7 @@ impl GptModel {
         batch: &TrainBatch,
         input: Option<Vec<f32>>,
     ) -> Result<ForwardTrace> {
-        if self.local().recompute_granularity.is_some() {
+        if self.local_config().recompute_granularity.is_some() {
             return Err(ModelError::Input(
                 "forward_trace needs recompute_granularity = none".into(),
             ));

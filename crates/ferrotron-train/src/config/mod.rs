@@ -6,6 +6,7 @@
 //! [`RunConfig::from_raw`] checks everything and derives the values the trainer uses. Both steps
 //! collect *every* problem and report them together in one [`ConfigError`], each naming its key.
 
+mod requirements;
 mod sections;
 mod types;
 mod validate;
@@ -217,6 +218,38 @@ impl RunConfig {
             problems: vec![format!("cannot read config `{}`: {e}", path.display())],
         })?;
         RunConfig::from_toml_str(&text, overrides)
+    }
+
+    /// The data-parallel size an `mpirun` world of `world_size` processes leaves for the
+    /// model-parallel sizes `tensor x context x pipeline` (Megatron derives it from the world
+    /// size the same way).
+    ///
+    /// # Errors
+    /// The world does not divide by the model-parallel size, or `parallel.data_parallel_size`
+    /// is set to another value.
+    pub fn data_parallel_size_for_world(&self, world_size: usize) -> Result<usize, ConfigError> {
+        let p = &self.resolved.parallel;
+        let model =
+            p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size;
+        let problem = |text: String| ConfigError {
+            problems: vec![text],
+        };
+        if !world_size.is_multiple_of(model) {
+            return Err(problem(format!(
+                "mpirun started {world_size} processes, not a multiple of tensor x context x \
+                 pipeline parallel sizes ({model})"
+            )));
+        }
+        let dp = world_size / model;
+        if let Some(set) = p.data_parallel_size
+            && set != dp
+        {
+            return Err(problem(format!(
+                "parallel.data_parallel_size is {set}, but {world_size} processes with \
+                 model-parallel size {model} give {dp}"
+            )));
+        }
+        Ok(dp)
     }
 
     /// The fully resolved configuration (defaults and derived values filled in) as TOML, each

@@ -3,6 +3,7 @@
 //! iterations) are computed the way Megatron does.
 
 use super::ConfigError;
+use super::requirements;
 use super::sections::RawConfig;
 use super::types::*;
 use super::values::{
@@ -368,6 +369,10 @@ impl RunConfig {
         if ck.keep_last == Some(0) {
             p.push("checkpoint.keep_last must be positive".to_string());
         }
+
+        // Across sections, and what this build cannot run yet.
+        requirements::run_requirements(&r, &model, split, &mut p);
+        requirements::unsupported(&r, lr_decay_style, &mut p);
 
         if !p.is_empty() {
             return Err(ConfigError { problems: p });

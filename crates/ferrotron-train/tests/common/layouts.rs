@@ -4,10 +4,11 @@
 use super::*;
 use ferrotron_comm::{LocalComm, ParallelConfig, ParallelState, ProcessGroups, run_local};
 use ferrotron_data::MicroBatch;
-use ferrotron_nn::TensorParallel;
 use ferrotron_train::trainer::{
     DataParallel, PipelineParallel, TrainError, Trainer, TrainerOptions,
 };
+use ferrotron_train::{ParallelizeOptions, parallelize};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 pub const MBS: usize = 2;
@@ -133,29 +134,23 @@ impl Layout {
         iters: usize,
         full: ferrotron_model::GptModel,
     ) -> Result<Trainer, TrainError> {
-        let (tp, pp) = (self.tp.max(1), self.pp.max(1));
+        let (tp, pp, vp) = (self.tp.max(1), self.pp.max(1), self.vp.max(1));
         let world = comm.world_ranks().len();
         let config = ParallelConfig {
             tensor_model_parallel_size: tp,
             pipeline_model_parallel_size: pp,
+            virtual_pipeline_model_parallel_size: (vp > 1).then_some(vp),
             ..ParallelConfig::default()
         };
         let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
-        let (dp, stage) = (state.data_parallel_size(), state.coords().pp);
+        let dp = state.data_parallel_size();
         let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
-        let (layers, vp) = (full.config().num_layers, self.vp.max(1));
-        let chunks = if vp > 1 {
-            ferrotron_model::virtual_stage_layers(layers, pp, vp, stage)?
-        } else {
-            vec![ferrotron_model::stage_layers(layers, pp, stage, None)?]
+        let layout = ParallelizeOptions {
+            sequence_parallel: self.sp,
+            ..ParallelizeOptions::default()
         };
-        let model = if pp > 1 {
-            full.pipeline_chunks(&chunks, stage == 0, stage + 1 == pp)?
-        } else {
-            full
-        };
-        let tp_group = TensorParallel::new(groups.tensor.clone(), self.sp);
-        let shard = model.tensor_parallel_shard(tp_group, 128)?;
+        let shard = parallelize(Cow::Owned(full), &groups, &layout)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         let mut group = DataParallel::new(groups.data.clone(), self.distributed);
         if self.overlap {
             group = group.with_overlap_grad_reduce()?;

@@ -12,9 +12,10 @@ use ferrotron_comm::{
 };
 use ferrotron_data::Tokenizer;
 use ferrotron_model::families::{load_hf_model, parse_hf_config};
-use ferrotron_model::{ForwardTrace, GptModel, InitConfig, TpSplit, TrainBatch, stage_layers};
-use ferrotron_nn::TensorParallel;
+use ferrotron_model::{ForwardTrace, GptModel, InitConfig, TpSplit, TrainBatch};
 use ferrotron_tensor::DType;
+use ferrotron_train::{ParallelizeOptions, parallelize};
+use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -189,18 +190,11 @@ fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>
         let state = ParallelState::new(t * p, comm.world_rank(), parallel)?;
         let stage = state.coords().pp;
         let groups = ProcessGroups::new(state, Arc::new(comm))?;
-        let layers = stage_layers(skeleton.config().num_layers, p, stage, None)?;
-        let stage_model;
-        let staged = if p > 1 {
-            stage_model = skeleton.pipeline_stage(layers, stage == 0, stage + 1 == p)?;
-            &stage_model
-        } else {
-            &skeleton
+        let layout = ParallelizeOptions {
+            make_vocab_size_divisible_by: divisible_by,
+            ..ParallelizeOptions::default()
         };
-        let mut shard = staged.tensor_parallel_shard(
-            TensorParallel::new(groups.tensor.clone(), false),
-            divisible_by,
-        )?;
+        let mut shard = parallelize(Cow::Borrowed(&skeleton), &groups, &layout)?;
         let infos = shard.parameters();
         let values = infos
             .iter()

@@ -140,31 +140,3 @@ pub fn run_mpi(rc: &RunConfig, world: ferrotron_comm::MpiComm) -> Result<ExitCod
         }
     }
 }
-
-#[cfg(feature = "mpi")]
-/// The data-parallel size an `mpirun` world of `world_size` processes leaves for `rc`'s
-/// model-parallel sizes.
-///
-/// # Errors
-/// The world does not divide, or `parallel.data_parallel_size` says otherwise.
-pub fn mpi_data_parallel_size(rc: &RunConfig, world_size: usize) -> Result<usize> {
-    let p = &rc.resolved.parallel;
-    let model =
-        p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size;
-    if !world_size.is_multiple_of(model) {
-        anyhow::bail!(
-            "mpirun started {world_size} processes, not a multiple of tensor x context x pipeline \
-             parallel sizes ({model})"
-        );
-    }
-    let dp = world_size / model;
-    if let Some(set) = p.data_parallel_size
-        && set != dp
-    {
-        anyhow::bail!(
-            "parallel.data_parallel_size is {set}, but {world_size} processes with model-parallel \
-             size {model} give {dp}"
-        );
-    }
-    Ok(dp)
-}

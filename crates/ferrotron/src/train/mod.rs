@@ -54,37 +54,6 @@ fn keys_text() -> String {
     out
 }
 
-/// Every set key this build cannot honour yet, as `not supported yet: <key> (...)` lines.
-fn unsupported(rc: &RunConfig) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut no = |key: &str, why: &str| out.push(format!("not supported yet: {key} ({why})"));
-    if rc.resolved.data.num_workers != 1 {
-        no("data.num_workers", "the loader uses one worker thread");
-    }
-    if rc.lr_decay_style == LrDecayStyle::Wsd {
-        no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
-    }
-    let p = &rc.resolved.parallel;
-    for (key, size) in [
-        ("parallel.context_parallel_size", p.context_parallel_size),
-        (
-            "parallel.expert_model_parallel_size",
-            p.expert_model_parallel_size,
-        ),
-    ] {
-        if size > 1 {
-            no(key, "data and tensor parallelism run so far");
-        }
-    }
-    if p.overlap_grad_reduce && p.pipeline_model_parallel_size > 1 {
-        no(
-            "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1",
-            "the pipeline schedule reduces after its last backward",
-        );
-    }
-    out
-}
-
 fn decay_style(s: LrDecayStyle) -> Result<OptimDecay> {
     Ok(match s {
         LrDecayStyle::Constant => OptimDecay::Constant,
@@ -106,7 +75,7 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
         use ferrotron_comm::Communicator;
         let world = ferrotron_comm::MpiComm::world()?;
         let rc = RunConfig::load(path, &a.set)?;
-        let dp = launch::mpi_data_parallel_size(&rc, world.size())?;
+        let dp = rc.data_parallel_size_for_world(world.size())?;
         let mut sets = a.set.clone();
         sets.push(format!("parallel.data_parallel_size={dp}"));
         (RunConfig::load(path, &sets)?, Some(world))
@@ -124,10 +93,6 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
     if a.print_config {
         print!("{}", rc.to_toml());
         return Ok(ExitCode::SUCCESS);
-    }
-    let problems = unsupported(&rc);
-    if !problems.is_empty() {
-        bail!("{}", problems.join("\n  "));
     }
     #[cfg(feature = "mpi")]
     if let Some(world) = mpi_world {

@@ -12,14 +12,15 @@ use ferrotron_checkpoint::{
 use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
 use ferrotron_model::GptModel;
 use ferrotron_model::families::hf_config_json;
-use ferrotron_nn::TensorParallel;
 use ferrotron_optim::DynamicGradScalerConfig;
 use ferrotron_train::config::{Precision, RunConfig};
 use ferrotron_train::trainer::{
     DataParallel, EvalLine, PipelineParallel, SavePlan, TrainError, TrainLog, Trainer,
     TrainerOptions,
 };
+use ferrotron_train::{ParallelizeOptions, parallelize};
 use model::RunModel;
+use std::borrow::Cow;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -139,37 +140,15 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     // when the trained model is split over ranks.
     let split = par.tensor_model_parallel_size > 1 || par.pipeline_model_parallel_size > 1;
     let full_model = (lead && split && r.checkpoint.export_hf.is_some()).then(|| model.clone());
-    // Pipeline parallelism: this rank holds its stage's layers (an even split, or
-    // decoder_first_pipeline_num_layers on the first stage), or with the interleaved
-    // schedule one model chunk per virtual stage.
+    // This rank's slice: its pipeline stage's layers (or model chunks under the interleaved
+    // schedule), sharded over tensor parallelism.
     let pp = par.pipeline_model_parallel_size;
-    let model = if pp > 1 {
-        let stage = rank.groups.state.coords().pp;
-        let num_layers = model.config().num_layers;
-        let chunks = match par.virtual_pipeline_model_parallel_size.filter(|&v| v > 1) {
-            Some(vp) => ferrotron_model::virtual_stage_layers(num_layers, pp, vp, stage)
-                .context("[parallel] virtual_pipeline_model_parallel_size")?,
-            None => {
-                let first = par.decoder_first_pipeline_num_layers;
-                vec![
-                    ferrotron_model::stage_layers(num_layers, pp, stage, first)
-                        .context("[parallel] pipeline_model_parallel_size")?,
-                ]
-            }
-        };
-        model.pipeline_chunks(&chunks, stage == 0, stage + 1 == pp)?
-    } else {
-        model
+    let layout = ParallelizeOptions {
+        sequence_parallel: par.sequence_parallel,
+        make_vocab_size_divisible_by: r.model.make_vocab_size_divisible_by,
+        decoder_first_pipeline_num_layers: par.decoder_first_pipeline_num_layers,
     };
-    // Tensor parallelism: this rank trains its shard.
-    let model = if par.tensor_model_parallel_size > 1 {
-        let group = TensorParallel::new(rank.groups.tensor.clone(), par.sequence_parallel);
-        model
-            .tensor_parallel_shard(group, r.model.make_vocab_size_divisible_by)
-            .context("[parallel] tensor_model_parallel_size")?
-    } else {
-        model
-    };
+    let model = parallelize(Cow::Owned(model), &rank.groups, &layout)?;
     let mut dp = DataParallel::new(rank.groups.data.clone(), par.use_distributed_optimizer);
     if par.overlap_grad_reduce {
         dp = dp.with_overlap_grad_reduce()?;

@@ -1,0 +1,66 @@
+//! Checks of a configuration that is well-formed key by key: what a run needs across
+//! sections (an end-of-document id for the EOD flags, validation data for
+//! `training.skip_train`) and what this build cannot run yet (`not supported yet: <key>`).
+//! They are part of [`RunConfig::from_raw`], so a library user gets them as the CLI does.
+
+use super::sections::RawConfig;
+use super::types::{LrDecayStyle, ModelSource};
+
+/// Every set key this build cannot honour yet, as `not supported yet: <key> (why)` problems.
+pub(super) fn unsupported(r: &RawConfig, lr_decay_style: LrDecayStyle, p: &mut Vec<String>) {
+    let mut no = |key: &str, why: &str| p.push(format!("not supported yet: {key} ({why})"));
+    if r.data.num_workers != 1 {
+        no("data.num_workers", "the loader uses one worker thread");
+    }
+    if lr_decay_style == LrDecayStyle::Wsd {
+        no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
+    }
+    let par = &r.parallel;
+    for (key, size) in [
+        ("parallel.context_parallel_size", par.context_parallel_size),
+        (
+            "parallel.expert_model_parallel_size",
+            par.expert_model_parallel_size,
+        ),
+    ] {
+        if size > 1 {
+            no(key, "data and tensor parallelism run so far");
+        }
+    }
+    if par.overlap_grad_reduce && par.pipeline_model_parallel_size > 1 {
+        no(
+            "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1",
+            "the pipeline schedule reduces after its last backward",
+        );
+    }
+}
+
+/// The problem when the EOD flags are set and no end-of-document id can be known.
+pub(crate) const NO_EOD_ID: &str = "data.eod_mask_loss / reset_position_ids / reset_attention_mask need \
+     an end-of-document id: give model.load an HF directory whose config.json has eos_token_id, \
+     or set data.tokenizer_model";
+
+/// The problem when `training.skip_train` has no validation to run.
+pub(crate) const SKIP_TRAIN_WITHOUT_VALIDATION: &str = "training.skip_train needs validation data: \
+     training.eval_iters > 0, training.eval_interval > 0 and a data.split with a validation part";
+
+/// What the run needs across sections, as far as the configuration alone tells: a model
+/// built from explicit dimensions has an end-of-document id only through
+/// `data.tokenizer_model` (a loaded model's comes from its files, checked when it is
+/// loaded); `training.skip_train` needs a validation split and `eval_iters > 0`.
+pub(super) fn run_requirements(
+    r: &RawConfig,
+    model: &ModelSource,
+    split: [f64; 3],
+    p: &mut Vec<String>,
+) {
+    let d = &r.data;
+    let eod_flags = d.eod_mask_loss || d.reset_position_ids || d.reset_attention_mask;
+    if eod_flags && matches!(model, ModelSource::Explicit(_)) && d.tokenizer_model.is_none() {
+        p.push(NO_EOD_ID.to_string());
+    }
+    let t = &r.training;
+    if t.skip_train && (t.eval_iters == 0 || t.eval_interval == 0 || split[1] <= 0.0) {
+        p.push(SKIP_TRAIN_WITHOUT_VALIDATION.to_string());
+    }
+}
