@@ -111,7 +111,8 @@ pub struct RunConfig {
     pub split: [f64; 3],
     /// Kind of dataset.
     pub dataset_type: DatasetType,
-    /// Data-parallel replicas (always 1: single process).
+    /// Data-parallel replicas: `parallel.data_parallel_size` (1 when unset; under `mpirun`
+    /// the world decides it, see [`RunConfig::data_parallel_size_for_world`]).
     pub data_parallel_size: usize,
     /// Samples per optimizer step.
     pub global_batch_size: usize,

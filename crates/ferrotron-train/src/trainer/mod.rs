@@ -1,5 +1,8 @@
-//! The single-rank training loop: Megatron's `train_step` / `train` / `evaluate` /
-//! `training_log` (`megatron/training/training.py`) at tensor/pipeline/data-parallel size 1.
+//! The training loop of one rank: Megatron's `train_step` / `train` / `evaluate` /
+//! `training_log` (`megatron/training/training.py`), with data parallelism
+//! ([`DataParallel`]: DDP or the distributed optimizer) and pipeline parallelism
+//! ([`PipelineParallel`]) composed around a model slice from
+//! [`parallelize`](crate::parallelize).
 //!
 //! | here | mirrors (Megatron-LM) |
 //! |---|---|

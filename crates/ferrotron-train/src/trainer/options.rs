@@ -8,7 +8,7 @@ use ferrotron_optim::{
 };
 
 /// Batch sizes, iteration counts, logging/eval cadence and the optimizer + LR schedule of a
-/// single-rank run (Megatron argument names without the dashes).
+/// run, as every rank sees them (Megatron argument names without the dashes).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainerOptions {
     /// Sequences per forward/backward pass (`micro_batch_size`).
