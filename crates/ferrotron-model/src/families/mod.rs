@@ -7,6 +7,7 @@ mod hf_export;
 mod hf_safetensors;
 mod hf_weights;
 mod mapping;
+mod names;
 
 pub use crate::module::{HfPart, ParamDecl};
 pub use hf_config::{HfModelInfo, parse_hf_config, read_hf_config};
@@ -14,3 +15,4 @@ pub use hf_export::{HfConfigInputs, HfTensor, hf_config_json, hf_tensors};
 pub use hf_safetensors::{HfSafetensors, load_hf_model, release_pages};
 pub use hf_weights::{WeightSource, gpt_model_from_hf};
 pub use mapping::param_mapping;
+pub use names::{HfFc1, HfNames, HfQkv};

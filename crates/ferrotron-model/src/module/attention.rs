@@ -4,6 +4,7 @@
 use super::decl::{Declarer, Init};
 use super::linear::{LinearParams, LinearSpec, Parallel, block};
 use crate::TransformerConfig;
+use crate::families::HfQkv;
 
 /// The parameters of one layer's self-attention.
 ///
@@ -27,10 +28,7 @@ impl SelfAttention {
             c.num_query_groups,
             c.kv_channels,
         );
-        let (mg, hf) = (
-            format!("decoder.layers.{layer}.self_attention"),
-            format!("model.layers.{layer}.self_attn"),
-        );
+        let mg = format!("decoder.layers.{layer}.self_attention");
         let q_rows = (a / g) * dh;
         let stride = q_rows + 2 * dh;
         let groups = |offset: usize, len: usize| {
@@ -47,11 +45,13 @@ impl SelfAttention {
                 parallel: Parallel::Column { parts: 1 },
                 bias: c.add_qkv_bias,
                 init: Init::Normal,
-                hf: vec![
-                    (format!("{hf}.q_proj"), groups(0, q_rows)),
-                    (format!("{hf}.k_proj"), groups(q_rows, dh)),
-                    (format!("{hf}.v_proj"), groups(q_rows + dh, dh)),
-                ],
+                hf: match d.hf.qkv {
+                    HfQkv::Separate { q, k, v } => vec![
+                        (d.hf_layer(layer, q), groups(0, q_rows)),
+                        (d.hf_layer(layer, k), groups(q_rows, dh)),
+                        (d.hf_layer(layer, v), groups(q_rows + dh, dh)),
+                    ],
+                },
             },
         );
         let linear_proj = LinearParams::declare(
@@ -63,7 +63,7 @@ impl SelfAttention {
                 parallel: Parallel::Row,
                 bias: c.add_proj_bias,
                 init: Init::ScaledNormal,
-                hf: vec![(format!("{hf}.o_proj"), block(0..h))],
+                hf: vec![(d.hf_layer(layer, d.hf.linear_proj), block(0..h))],
             },
         );
         SelfAttention {

@@ -5,6 +5,7 @@
 
 use std::ops::Range;
 
+use crate::families::HfNames;
 use crate::{TpSplit, TransformerConfig};
 
 /// Index of a parameter in its model's table (the order of
@@ -126,6 +127,8 @@ pub(crate) struct Declarer<'c> {
     pub c: &'c TransformerConfig,
     /// Vocabulary rows after tensor-parallel padding (`c.vocab_size` when unsplit).
     pub padded_vocab: usize,
+    /// The family's HF tensor names.
+    pub hf: HfNames,
     decls: Vec<ParamDecl>,
 }
 
@@ -134,6 +137,7 @@ impl<'c> Declarer<'c> {
         Declarer {
             c,
             padded_vocab: padded_vocab.max(c.vocab_size),
+            hf: c.family.hf_names(),
             decls: Vec::new(),
         }
     }
@@ -142,6 +146,11 @@ impl<'c> Declarer<'c> {
     pub(crate) fn push(&mut self, decl: ParamDecl) -> ParamId {
         self.decls.push(decl);
         ParamId(self.decls.len() - 1)
+    }
+
+    /// HF prefix of global decoder layer `layer`'s module `name`.
+    pub(crate) fn hf_layer(&self, layer: usize, name: &str) -> String {
+        format!("{}.{layer}.{name}", self.hf.layers)
     }
 
     /// Parameters declared so far.

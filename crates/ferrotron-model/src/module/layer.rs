@@ -28,24 +28,13 @@ impl TransformerLayer {
     /// Declares the parameters of global layer `number`.
     pub(crate) fn declare(d: &mut Declarer<'_>, number: usize) -> TransformerLayer {
         let start = d.len();
-        let (mg, hf) = (
-            format!("decoder.layers.{number}"),
-            format!("model.layers.{number}"),
-        );
+        let mg = format!("decoder.layers.{number}");
         let layer = Some(number);
-        let input_layernorm = declare_norm(
-            d,
-            &format!("{mg}.input_layernorm"),
-            &format!("{hf}.input_layernorm"),
-            layer,
-        );
+        let hf = d.hf_layer(number, d.hf.input_layernorm);
+        let input_layernorm = declare_norm(d, &format!("{mg}.input_layernorm"), &hf, layer);
         let self_attention = SelfAttention::declare(d, number);
-        let pre_mlp_layernorm = declare_norm(
-            d,
-            &format!("{mg}.pre_mlp_layernorm"),
-            &format!("{hf}.post_attention_layernorm"),
-            layer,
-        );
+        let hf = d.hf_layer(number, d.hf.pre_mlp_layernorm);
+        let pre_mlp_layernorm = declare_norm(d, &format!("{mg}.pre_mlp_layernorm"), &hf, layer);
         let mlp = Mlp::declare(d, number);
         TransformerLayer {
             number,

@@ -52,12 +52,10 @@ impl ModelLayout {
     pub fn new(c: &TransformerConfig, padded_vocab: usize, part: &ModelPart) -> ModelLayout {
         let mut d = Declarer::new(c, padded_vocab);
         let tied = !c.untie_embeddings_and_output_weights;
+        let hf = d.hf;
         let embedding = (part.pre_process || (part.post_process && tied)).then(|| {
-            declare_vocab_table(
-                &mut d,
-                "embedding.word_embeddings.weight",
-                "model.embed_tokens.weight",
-            )
+            let name = format!("{}.weight", hf.embedding);
+            declare_vocab_table(&mut d, "embedding.word_embeddings.weight", &name)
         });
         let layers = part
             .layer_ids
@@ -66,9 +64,11 @@ impl ModelLayout {
             .collect();
         let final_layernorm = part
             .post_process
-            .then(|| declare_norm(&mut d, "decoder.final_layernorm", "model.norm", None));
-        let output_layer = (part.post_process && !tied)
-            .then(|| declare_vocab_table(&mut d, "output_layer.weight", "lm_head.weight"));
+            .then(|| declare_norm(&mut d, "decoder.final_layernorm", hf.final_layernorm, None));
+        let output_layer = (part.post_process && !tied).then(|| {
+            let name = format!("{}.weight", hf.output_layer);
+            declare_vocab_table(&mut d, "output_layer.weight", &name)
+        });
         ModelLayout {
             decls: d.finish(),
             embedding,

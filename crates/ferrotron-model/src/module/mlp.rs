@@ -3,6 +3,7 @@
 
 use super::decl::{Declarer, Init};
 use super::linear::{LinearParams, LinearSpec, Parallel, block};
+use crate::families::HfFc1;
 
 /// The parameters of one layer's MLP: `linear_fc1: [2f, h]` (gate rows then up rows; HF
 /// `gate_proj`, `up_proj`), `linear_fc2: [h, f]` (HF `down_proj`).
@@ -17,10 +18,7 @@ impl Mlp {
     pub(crate) fn declare(d: &mut Declarer<'_>, layer: usize) -> Mlp {
         let c = d.c;
         let (h, f) = (c.hidden_size, c.ffn_hidden_size);
-        let (mg, hf) = (
-            format!("decoder.layers.{layer}.mlp"),
-            format!("model.layers.{layer}.mlp"),
-        );
+        let mg = format!("decoder.layers.{layer}.mlp");
         let linear_fc1 = LinearParams::declare(
             d,
             LinearSpec {
@@ -30,10 +28,12 @@ impl Mlp {
                 parallel: Parallel::Column { parts: 2 },
                 bias: c.add_mlp_bias,
                 init: Init::Normal,
-                hf: vec![
-                    (format!("{hf}.gate_proj"), block(0..f)),
-                    (format!("{hf}.up_proj"), block(f..2 * f)),
-                ],
+                hf: match d.hf.fc1 {
+                    HfFc1::Gated { gate, up } => vec![
+                        (d.hf_layer(layer, gate), block(0..f)),
+                        (d.hf_layer(layer, up), block(f..2 * f)),
+                    ],
+                },
             },
         );
         let linear_fc2 = LinearParams::declare(
@@ -45,7 +45,7 @@ impl Mlp {
                 parallel: Parallel::Row,
                 bias: c.add_mlp_bias,
                 init: Init::ScaledNormal,
-                hf: vec![(format!("{hf}.down_proj"), block(0..h))],
+                hf: vec![(d.hf_layer(layer, d.hf.linear_fc2), block(0..h))],
             },
         );
         Mlp {
