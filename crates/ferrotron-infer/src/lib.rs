@@ -1,6 +1,6 @@
 //! Inference on a [`ferrotron_model::GptModel`]: token sampling with HF semantics
-//! ([`sampler`]), the KV-cached generation loop ([`generate`]) and
-//! per-token scoring ([`score`]).
+//! ([`sampler`]), the KV-cached generation loop ([`generate()`]) and
+//! per-token scoring ([`score()`]).
 
 pub mod generate;
 pub mod sampler;

@@ -121,7 +121,7 @@ pub(crate) use crate::multiversion;
 /// Lanes of the partial sums in the reductions below (two AVX-512 vectors).
 pub(crate) const LANES: usize = 32;
 
-/// `Σ x·y` with [`LANES`] partial sums in a fixed order (vectorizes; same result on every
+/// `Σ x·y` with `LANES` (32) partial sums in a fixed order (vectorizes; same result on every
 /// dispatch path).
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
