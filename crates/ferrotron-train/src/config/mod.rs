@@ -8,6 +8,7 @@
 
 mod requirements;
 mod sections;
+mod training;
 mod types;
 mod validate;
 mod values;
