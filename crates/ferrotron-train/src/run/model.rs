@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 /// The model of a run and what the rest of the run needs to know about where it came from.
 pub struct RunModel {
-    /// The model, weights stored in [`RunModel::dtype`].
+    /// The full model, weights stored in the dtype `[precision]` asks for.
     pub model: GptModel,
     /// End-of-document token id (Megatron's EOD), when known.
     pub eod: Option<u32>,
