@@ -6,8 +6,9 @@
 //! [`RunConfig::from_raw`] checks everything and derives the values the trainer uses. Both steps
 //! collect *every* problem and report them together in one [`ConfigError`], each naming its key.
 
-mod requirements;
+pub(crate) mod requirements;
 mod sections;
+mod training;
 mod types;
 mod validate;
 mod values;

@@ -24,12 +24,14 @@
 
 mod checkpoint;
 mod data_parallel;
+mod evaluate;
 mod flops;
 mod full_state;
 mod log;
 mod options;
 mod overlap;
 mod param_gather;
+mod passes;
 mod pipeline_exec;
 mod run;
 mod sharded;

@@ -55,6 +55,28 @@ struct Interval {
     comm_wait: Duration,
 }
 
+impl Interval {
+    /// Counts one finished iteration (its loss only when the optimizer did not skip it).
+    fn add(&mut self, stats: &StepStats) {
+        self.iterations += 1;
+        self.tokens += stats.tokens;
+        self.elapsed += stats.elapsed;
+        self.comm_wait += stats.comm_wait;
+        if stats.skipped {
+            self.skipped += 1;
+        } else {
+            self.advanced += 1;
+            self.loss_sum += stats.loss;
+        }
+        if !stats.loss.is_finite() {
+            self.nan += 1;
+        }
+    }
+}
+
+/// The validation micro-batches of one evaluation, asked for when one is due.
+type ValidProvider<'a> = dyn FnMut() -> Result<Vec<MicroBatch>> + 'a;
+
 /// Hands `log` to `on_log` and appends it to `metrics` as one JSON line (flushed).
 fn emit(log: TrainLog, metrics: &mut dyn Write, on_log: &mut dyn TrainObserver) -> Result<()> {
     on_log.on_report(&log);
@@ -63,6 +85,19 @@ fn emit(log: TrainLog, metrics: &mut dyn Write, on_log: &mut dyn TrainObserver) 
     writeln!(metrics, "{json}")?;
     metrics.flush()?;
     Ok(())
+}
+
+/// The next `n` micro-batches of `data` (one global batch of this rank); `None` when the
+/// data ends first.
+fn next_global_batch(
+    data: &mut dyn Iterator<Item = std::result::Result<MicroBatch, DatasetError>>,
+    n: usize,
+) -> Result<Option<Vec<MicroBatch>>> {
+    let mut global = Vec::with_capacity(n);
+    for item in (&mut *data).take(n) {
+        global.push(item?);
+    }
+    Ok((global.len() == n).then_some(global))
 }
 
 impl Trainer {
@@ -98,59 +133,19 @@ impl Trainer {
             data_exhausted: false,
             exited_early: false,
         };
-        let mut last_eval_at = None;
-        let mut last_save_at = None;
+        let (mut last_eval_at, mut last_save_at) = (None, None);
         while self.iteration < opts.train_iters {
-            let mut global = Vec::with_capacity(opts.num_microbatches());
-            for item in (&mut *data).take(opts.num_microbatches()) {
-                global.push(item?);
-            }
-            if global.len() < opts.num_microbatches() {
+            let Some(global) = next_global_batch(data, opts.num_microbatches())? else {
                 summary.data_exhausted = true;
                 break;
-            }
-            let seq_length = global[0].seq_length;
+            };
             let stats = self.train_step(&global)?;
             summary.last_loss = stats.loss;
-            acc.iterations += 1;
-            acc.tokens += stats.tokens;
-            acc.elapsed += stats.elapsed;
-            acc.comm_wait += stats.comm_wait;
-            if stats.skipped {
-                acc.skipped += 1;
-            } else {
-                acc.advanced += 1;
-                acc.loss_sum += stats.loss;
-            }
-            if !stats.loss.is_finite() {
-                acc.nan += 1;
-            }
+            acc.add(&stats);
             on_log.on_iteration(&stats);
             let last = self.iteration == opts.train_iters;
             if self.iteration.is_multiple_of(opts.log_interval) || last {
-                let secs = acc.elapsed.as_secs_f64().max(1e-12);
-                let per_iter = secs / acc.iterations as f64;
-                let flops = num_floating_point_operations(
-                    &flops_model,
-                    opts.global_batch_size as u64,
-                    seq_length as u64,
-                );
-                let line = LogLine {
-                    iteration: self.iteration,
-                    train_iters: opts.train_iters,
-                    consumed_samples: self.consumed_samples,
-                    elapsed_ms_per_iteration: per_iter * 1e3,
-                    tflops: flops / per_iter / 1e12,
-                    tokens_per_second: acc.tokens as f64 / secs,
-                    learning_rate: self.scheduler.lr(),
-                    global_batch_size: opts.global_batch_size,
-                    lm_loss: acc.loss_sum / acc.advanced.max(1) as f64,
-                    loss_scale: self.optimizer.grad_scaler().map(|g| g.scale()),
-                    grad_norm: stats.grad_norm,
-                    skipped_iterations: acc.skipped,
-                    nan_iterations: acc.nan,
-                    comm_wait_ms: acc.comm_wait.as_secs_f64() * 1e3 / acc.iterations as f64,
-                };
+                let line = self.log_line(&acc, &flops_model, global[0].seq_length, &stats);
                 emit(TrainLog::Train(line), metrics, on_log)?;
                 acc = Interval::default();
             }
@@ -160,20 +155,10 @@ impl Trainer {
                 && eval_now
             {
                 self.finish_param_gather()?;
-                let loss = self.evaluate_counted(&provider()?)?;
-                summary.last_eval_loss = Some(loss);
+                summary.last_eval_loss = Some(self.validate(provider, metrics, on_log)?);
                 last_eval_at = Some(self.iteration);
-                emit(
-                    TrainLog::Valid(EvalLine::new(self.iteration, loss)),
-                    metrics,
-                    on_log,
-                )?;
             }
-            let save_now = self.save_plan.as_ref().is_some_and(|p| {
-                p.interval
-                    .is_some_and(|n| n > 0 && self.iteration.is_multiple_of(n))
-            });
-            if save_now {
+            if self.save_due() {
                 self.finish_param_gather()?;
                 emit(TrainLog::Saved(self.save_planned()?), metrics, on_log)?;
                 last_save_at = Some(self.iteration);
@@ -186,21 +171,31 @@ impl Trainer {
                 break;
             }
         }
-        // The caller gets current weights.
+        let ends = (last_eval_at, last_save_at);
+        self.end_of_training(valid, ends, summary, metrics, on_log)
+    }
+
+    /// The end of [`Trainer::train`]: the last parameter all-gathers (the caller gets
+    /// current weights), a final validation unless the last iteration was just validated
+    /// (or training stopped at `exit_interval`), a final save unless the last iteration was
+    /// just saved. `last_at`: the iterations of the last validation and the last save.
+    fn end_of_training(
+        &mut self,
+        valid: Option<&mut ValidProvider<'_>>,
+        last_at: (Option<u64>, Option<u64>),
+        mut summary: TrainSummary,
+        metrics: &mut dyn Write,
+        on_log: &mut dyn TrainObserver,
+    ) -> Result<TrainSummary> {
+        let (last_eval_at, last_save_at) = last_at;
         self.finish_param_gather()?;
-        if let Some(provider) = valid.as_mut()
-            && opts.eval_interval > 0
+        if let Some(provider) = valid
+            && self.options.eval_interval > 0
             && self.iteration > 0
             && !summary.exited_early
             && last_eval_at != Some(self.iteration)
         {
-            let loss = self.evaluate_counted(&provider()?)?;
-            summary.last_eval_loss = Some(loss);
-            emit(
-                TrainLog::Valid(EvalLine::new(self.iteration, loss)),
-                metrics,
-                on_log,
-            )?;
+            summary.last_eval_loss = Some(self.validate(provider, metrics, on_log)?);
         }
         if self.save_plan.is_some() && self.iteration > 0 && last_save_at != Some(self.iteration) {
             emit(TrainLog::Saved(self.save_planned()?), metrics, on_log)?;
@@ -208,6 +203,63 @@ impl Trainer {
         summary.iterations = self.iteration;
         summary.consumed_samples = self.consumed_samples;
         Ok(summary)
+    }
+
+    /// Megatron's `training_log` line over the iterations of `acc`, the last of which
+    /// gave `stats` (its grad norm) on sequences of `seq_length` tokens.
+    fn log_line(
+        &self,
+        acc: &Interval,
+        flops_model: &FlopsModel,
+        seq_length: usize,
+        stats: &StepStats,
+    ) -> LogLine {
+        let opts = &self.options;
+        let secs = acc.elapsed.as_secs_f64().max(1e-12);
+        let per_iter = secs / acc.iterations as f64;
+        let flops = num_floating_point_operations(
+            flops_model,
+            opts.global_batch_size as u64,
+            seq_length as u64,
+        );
+        LogLine {
+            iteration: self.iteration,
+            train_iters: opts.train_iters,
+            consumed_samples: self.consumed_samples,
+            elapsed_ms_per_iteration: per_iter * 1e3,
+            tflops: flops / per_iter / 1e12,
+            tokens_per_second: acc.tokens as f64 / secs,
+            learning_rate: self.scheduler.lr(),
+            global_batch_size: opts.global_batch_size,
+            lm_loss: acc.loss_sum / acc.advanced.max(1) as f64,
+            loss_scale: self.optimizer.grad_scaler().map(|g| g.scale()),
+            grad_norm: stats.grad_norm,
+            skipped_iterations: acc.skipped,
+            nan_iterations: acc.nan,
+            comm_wait_ms: acc.comm_wait.as_secs_f64() * 1e3 / acc.iterations as f64,
+        }
+    }
+
+    /// One validation of the micro-batches `provider` gives, reported as an [`EvalLine`];
+    /// returns its loss.
+    fn validate(
+        &mut self,
+        provider: &mut ValidProvider<'_>,
+        metrics: &mut dyn Write,
+        on_log: &mut dyn TrainObserver,
+    ) -> Result<f64> {
+        let loss = self.evaluate_counted(&provider()?)?;
+        let line = TrainLog::Valid(EvalLine::new(self.iteration, loss));
+        emit(line, metrics, on_log)?;
+        Ok(loss)
+    }
+
+    /// A checkpoint is due after this iteration (the save plan's `interval`).
+    fn save_due(&self) -> bool {
+        self.save_plan.as_ref().is_some_and(|p| {
+            p.interval
+                .is_some_and(|n| n > 0 && self.iteration.is_multiple_of(n))
+        })
     }
 }
 

@@ -1,22 +1,18 @@
 //! [`Trainer`]: the model, its flat parameter/gradient buffer, AdamW and the LR schedule,
 //! with one optimizer step over a global batch ([`Trainer::train_step`], Megatron's
-//! `train_step` with `--calculate-per-token-loss`) and a forward-only validation loss
-//! ([`Trainer::evaluate`]).
+//! `train_step` with `--calculate-per-token-loss`; its parts are in `passes.rs`) and a
+//! forward-only validation loss ([`Trainer::evaluate`], in `evaluate.rs`).
 
 use super::data_parallel::DataParallel;
-use super::overlap::BucketOverlap;
 use super::param_gather::ParamGather;
 use super::{Result, TrainError, TrainerOptions};
 use ferrotron_data::MicroBatch;
-use ferrotron_model::{
-    GptModel, GradReady, KvCache, LogitsMode, LossStats, NoGradHook, TrainBatch,
-};
+use ferrotron_model::GptModel;
 use ferrotron_optim::{
     BufferConfig, Optimizer, OptimizerParamScheduler, OwnedRanges, ParamAndGradBuffer,
     ParamAndGradBufferBuilder, ParamFlags, ParamId,
 };
 use ferrotron_tensor::DType;
-use ferrotron_tensor::ops::cross_entropy_forward;
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
@@ -249,119 +245,22 @@ impl Trainer {
     /// unchanged, the gradients are not).
     pub fn train_step(&mut self, micro_batches: &[MicroBatch]) -> Result<StepStats> {
         let start = Instant::now();
-        let want = self.options.num_microbatches();
-        if micro_batches.len() != want {
-            return Err(TrainError::Config(format!(
-                "{} micro-batches given, a global batch has {want}",
-                micro_batches.len()
-            )));
-        }
-        let batches = micro_batches
-            .iter()
-            .map(|mb| self.to_train_batch(mb))
-            .collect::<Result<Vec<_>>>()?;
-        let mut total = [batches
-            .iter()
-            .map(TrainBatch::loss_token_count)
-            .sum::<f64>()];
-        self.dp.sum(&mut total)?;
-        let total = total[0];
+        let (batches, total) = self.global_batch(micro_batches)?;
         // fp16: backpropagate the loss times the scaler's scale; the optimizer unscales.
         let loss_scale = self.optimizer.loss_scale();
         self.buffer.zero_grad();
-        let (mut loss_sum, mut tokens) = (0.0, 0);
-        let pipelined = self.pp.is_some();
-        // The pipeline's forwards do not wait per layer: the last step's gathers first.
-        let mut gather_wait = Duration::ZERO;
-        if pipelined {
-            gather_wait = self.finish_param_gather()?;
-        }
-        if let Some(pp) = self.pp.clone() {
-            loss_sum = self.run_pipeline(&pp, &batches, total, loss_scale)?;
-            tokens = batches.iter().map(|b| b.tokens.len()).sum();
-            self.reduce_shared_embedding_grads(&pp)?;
-        }
-        // overlap_grad_reduce: the last micro-batch's backward starts each bucket's reduction.
-        let distributed = self.dp.use_distributed_optimizer();
-        let mut overlap = match self.pp {
-            Some(_) => None,
-            None => self
-                .dp
-                .overlap_comm()
-                .map(|c| BucketOverlap::new(c, distributed, &self.buffer)),
-        };
-        let last = batches.len() - 1;
-        // Without a pipeline: forward + backward of each micro-batch in turn.
-        let micro_batches = batches.iter().enumerate().filter(|_| !pipelined);
-        for (k, batch) in micro_batches {
-            let scale = if total > 0.0 {
-                (batch.loss_token_count() / total) as f32 * loss_scale
-            } else {
-                0.0
-            };
-            let mut no_hook = NoGradHook;
-            let ready: &mut (dyn GradReady + Send) = match overlap.as_mut() {
-                Some(hook) if k == last => hook,
-                _ => &mut no_hook,
-            };
-            let stats = match self.param_gather.take() {
-                Some(gather) => {
-                    let (stats, waited) = gated_forward_backward(
-                        &mut self.model,
-                        &mut self.buffer,
-                        gather,
-                        batch,
-                        scale,
-                        ready,
-                    )?;
-                    gather_wait += waited;
-                    stats
-                }
-                None => {
-                    let mut grads = self.buffer.grad_slices_mut();
-                    self.model
-                        .forward_backward_with(batch, &mut grads, scale, ready)?
-                }
-            };
-            loss_sum += stats.loss_sum;
-            tokens += batch.tokens.len();
-        }
-        let comm_wait = match overlap {
-            Some(hook) => hook.finish(&mut self.buffer)?,
-            None => {
-                let wait = Instant::now();
-                self.dp.reduce_grads(&mut self.buffer)?;
-                wait.elapsed()
-            }
+        let pass = match self.pp.clone() {
+            Some(pp) => self.pipeline_pass(&pp, &batches, total, loss_scale)?,
+            None => self.local_pass(&batches, total, loss_scale)?,
         };
         // Sequence-parallel norm gradients over tp (sums commute with the dp reduction).
         self.model
             .finalize_grads(&mut self.buffer.grad_slices_mut())?;
-        let mut sums = [loss_sum, tokens as f64];
+        let mut sums = [pass.loss_sum, pass.tokens as f64];
         self.dp.sum(&mut sums)?;
         let [loss_sum, tokens] = sums;
         let lr = self.scheduler.lr();
-        let out = self.optimizer.step_with(
-            &mut self.buffer,
-            lr,
-            self.scheduler.weight_decay(),
-            &mut self.dp.stats_reduce(
-                self.model.tensor_parallel().map(|t| &**t.group.comm()),
-                self.pp.as_ref().map(|p| &**p.comm()),
-            ),
-        )?;
-        if out.update_successful {
-            match self.dp.param_gather_comm() {
-                Some(comm) => self.param_gather = Some(ParamGather::launch(comm, &mut self.buffer)),
-                None => {
-                    let wait = Instant::now();
-                    self.dp.gather_params(&mut self.buffer)?;
-                    gather_wait += wait.elapsed();
-                    self.sync_model_from_buffer()?;
-                }
-            }
-            self.scheduler.step(1);
-        }
+        let (out, gather_wait) = self.update(lr)?;
         self.iteration += 1;
         self.consumed_samples += self.options.global_batch_size as u64;
         Ok(StepStats {
@@ -373,7 +272,7 @@ impl Trainer {
             skipped: !out.update_successful,
             tokens: tokens as usize,
             elapsed: start.elapsed(),
-            comm_wait: comm_wait + gather_wait,
+            comm_wait: pass.comm_wait + pass.gather_wait + gather_wait,
         })
     }
 
@@ -411,103 +310,6 @@ impl Trainer {
         let all: Vec<usize> = (0..self.buffer.params().len()).collect();
         load_model_params(&mut self.model, &self.buffer, &all)
     }
-
-    /// Per-token mean validation loss (nats) over `batches` of every data-parallel rank
-    /// (collective), forward only: the inference
-    /// forward (logits `[s, b, v]`, no activations kept for a backward) and the cross
-    /// entropy with the batch's loss mask. Rows whose position ids are not `0..s` or that
-    /// pack several documents (reset per document) fall back to a forward + backward into scratch gradients, which costs
-    /// about 3x the forward and a parameter-sized allocation. Returns 0 without loss tokens.
-    ///
-    /// # Errors
-    /// Malformed batches or a model failure.
-    pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<f64> {
-        self.require_params_current("evaluate")?;
-        let batches = batches
-            .iter()
-            .map(|mb| self.to_train_batch(mb))
-            .collect::<Result<Vec<_>>>()?;
-        let count: f64 = batches.iter().map(TrainBatch::loss_token_count).sum();
-        let mut sum = 0.0f64;
-        if let Some(pp) = &self.pp {
-            sum = self.evaluate_pipeline(pp, &batches)?;
-        }
-        for batch in batches.iter().filter(|_| self.pp.is_none()) {
-            let plain = batch.position_ids.is_none() && batch.document_starts.is_none();
-            sum += if plain && self.model.tensor_parallel().is_none() {
-                self.forward_loss_sum(batch)?
-            } else {
-                self.model.forward_loss(batch)?.loss_sum
-            };
-        }
-        let mut totals = [sum, count];
-        self.dp.sum(&mut totals)?;
-        let [sum, count] = totals;
-        Ok(if count > 0.0 { sum / count } else { 0.0 })
-    }
-
-    /// `Σ mask·CE` of `batch` (default positions) through the inference forward.
-    fn forward_loss_sum(&self, batch: &TrainBatch) -> Result<f64> {
-        let (b, s) = (batch.micro_batch, batch.seq);
-        let mut cache = KvCache::new(self.model.config(), b, s)?;
-        let logits = self
-            .model
-            .forward(&batch.tokens, &mut cache, LogitsMode::All)?;
-        let mut losses = vec![0.0f32; b * s];
-        let mut lse = vec![0.0f32; b * s];
-        cross_entropy_forward(
-            &logits,
-            &batch.labels,
-            batch.loss_mask.as_deref(),
-            &mut losses,
-            &mut lse,
-            self.model.config().vocab_size,
-        )
-        .map_err(ferrotron_model::ModelError::from)?;
-        Ok(losses.iter().map(|&l| l as f64).sum())
-    }
-
-    /// A loader micro-batch as the model's `[s, b]` [`TrainBatch`]; position ids are kept
-    /// only when some row's are not `0..s`, document starts only when some row holds more
-    /// than one segment (packed SFT samples, Megatron's `reset_attention_mask`).
-    fn to_train_batch(&self, mb: &MicroBatch) -> Result<TrainBatch> {
-        let (b, s) = (mb.micro_batch_size, mb.seq_length);
-        if b != self.options.micro_batch_size {
-            return Err(TrainError::Config(format!(
-                "micro-batch of {b} rows, micro_batch_size is {}",
-                self.options.micro_batch_size
-            )));
-        }
-        let n = b * s;
-        let lens = [
-            mb.tokens.len(),
-            mb.labels.len(),
-            mb.loss_mask.len(),
-            mb.position_ids.len(),
-        ];
-        if n == 0 || lens.iter().any(|&l| l != n) {
-            return Err(TrainError::Config(format!(
-                "micro-batch fields {lens:?} are not b·s = {b}·{s} long"
-            )));
-        }
-        let labels: Vec<i64> = mb.labels.iter().map(|&y| y as i64).collect();
-        let mut batch =
-            TrainBatch::from_batch_major(&mb.tokens, &labels, Some(&mb.loss_mask), b, s);
-        let default_positions = mb
-            .position_ids
-            .chunks(s.max(1))
-            .all(|row| row.iter().enumerate().all(|(t, &p)| p as usize == t));
-        if !default_positions {
-            let seq_major = (0..s)
-                .flat_map(|t| (0..b).map(move |j| mb.position_ids[j * s + t] as usize))
-                .collect();
-            batch.position_ids = Some(seq_major);
-        }
-        if mb.segment_ids.len() == n {
-            batch.set_segments(&mb.segment_ids);
-        }
-        Ok(batch)
-    }
 }
 
 /// AdamW over the whole buffer, or over this rank's shards with the distributed optimizer.
@@ -526,41 +328,6 @@ pub(super) fn new_optimizer(
         buffer,
         owned.ranges().to_vec(),
     )?)
-}
-
-/// The first micro-batch's forward and backward under `overlap_param_gather`: the forward
-/// runs one layer group at a time ([`GptModel::layer_groups`]), each after the parameters
-/// it reads have arrived; the backward then walks the groups in reverse. Same values as
-/// [`GptModel::forward_backward_with`]. Returns the loss and the time spent waiting.
-fn gated_forward_backward(
-    model: &mut GptModel,
-    buffer: &mut ParamAndGradBuffer,
-    mut gather: ParamGather,
-    batch: &TrainBatch,
-    scale: f32,
-    ready: &mut (dyn GradReady + Send),
-) -> Result<(LossStats, Duration)> {
-    let mut states = Vec::new();
-    let (mut x, mut loss) = (None, None);
-    for layers in model.layer_groups() {
-        gather.install_through(model.part_params(layers.clone()).end, buffer, model)?;
-        let mut state = model.part_forward(batch, layers, x.take(), scale)?;
-        match state.loss() {
-            Some(l) => loss = Some(l),
-            None => x = Some(state.take_output()),
-        }
-        states.push(state);
-    }
-    let waited = gather.finish(buffer, model)?;
-    let mut grads = buffer.grad_slices_mut();
-    let mut dout = None;
-    for state in states.into_iter().rev() {
-        dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
-    }
-    let loss = loss.ok_or_else(|| {
-        TrainError::Config("overlap_param_gather: the model computed no loss".into())
-    })?;
-    Ok((loss, waited))
 }
 
 /// Writes the buffer's parameters `ids` into the model: borrowed when the buffer is f32,

@@ -41,22 +41,6 @@ impl RankContext {
     pub fn is_logging_rank(&self) -> bool {
         self.groups.state.rank() == 0
     }
-
-    /// Runs `f` on world rank 0 first, then on every other rank (e.g. building the dataset
-    /// index caches once instead of racing to write them).
-    ///
-    /// # Errors
-    /// `f`'s error, or a failed barrier.
-    pub fn first_then_others<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        if self.is_logging_rank() {
-            let value = f()?;
-            self.groups.world.barrier()?;
-            Ok(value)
-        } else {
-            self.groups.world.barrier()?;
-            f()
-        }
-    }
 }
 
 fn parallel_config(rc: &RunConfig) -> ParallelConfig {

@@ -1,18 +1,15 @@
 //! `train`: a pretraining or SFT run from a `run.toml` (Megatron's `pretrain_gpt.py`,
-//! Pai-Megatron-Patch's SFT entry points), wiring the run config, the ranks, the datasets,
-//! the data loader, checkpoints and the trainer together.
+//! Pai-Megatron-Patch's SFT entry points): the arguments, the config, the ranks (`launch`)
+//! and what a user sees of each (`rank`, `observer`); the run itself is
+//! [`ferrotron_train::run`].
 
-mod data;
 mod launch;
-mod model;
 mod observer;
 mod rank;
-mod resume;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
-use ferrotron_optim::LrDecayStyle as OptimDecay;
-use ferrotron_train::config::{LrDecayStyle, RunConfig, documented_keys};
+use ferrotron_train::config::{RunConfig, documented_keys};
 pub use launch::DistBackend;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -54,16 +51,6 @@ fn keys_text() -> String {
     out
 }
 
-fn decay_style(s: LrDecayStyle) -> Result<OptimDecay> {
-    Ok(match s {
-        LrDecayStyle::Constant => OptimDecay::Constant,
-        LrDecayStyle::Linear => OptimDecay::Linear,
-        LrDecayStyle::Cosine => OptimDecay::Cosine,
-        LrDecayStyle::InverseSquareRoot => OptimDecay::InverseSquareRoot,
-        LrDecayStyle::Wsd => bail!("not supported yet: optimizer.lr_decay_style = \"WSD\""),
-    })
-}
-
 pub fn run(a: TrainArgs) -> Result<ExitCode> {
     if a.list_keys {
         print!("{}", keys_text());
@@ -84,7 +71,7 @@ pub fn run(a: TrainArgs) -> Result<ExitCode> {
     };
     #[cfg(not(feature = "mpi"))]
     let rc = if a.dist_backend == DistBackend::Mpi {
-        bail!(
+        anyhow::bail!(
             "--dist-backend mpi: this ferrotron was built without MPI (cargo build --features mpi)"
         );
     } else {

@@ -2,10 +2,10 @@
 //! for pretraining, or SFT sequences (raw chat/alpaca JSONL or Pai's idxmap form) split and
 //! repeated over shuffled epochs for fine-tuning.
 
-use anyhow::{Context, Result, anyhow, bail};
+use super::{Context, NoteSink, RunError, RunNote};
+use crate::config::{DatasetType, RunConfig};
 use ferrotron_data::sft::{IdxmapSftDataset, RawSftDataset, SftEncoder, SftOptions};
 use ferrotron_data::{Blend, Dataset, GptDatasetConfig, build_epoch_splits, build_gpt_datasets};
-use ferrotron_train::config::{DatasetType, RunConfig};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -18,13 +18,18 @@ pub struct RunData {
 }
 
 /// Builds the datasets for `rc`. `samples` is `[train, valid]` sample counts wanted;
-/// `eod` the end-of-document id; `model_dir` the tokenizer's fallback location for SFT.
-pub fn build(
+/// `eod` the end-of-document id; `model_dir` the tokenizer's fallback location for SFT;
+/// `notes` hears how the `sft_raw` data encoded.
+///
+/// # Errors
+/// Unreadable or unsuitable data (naming `data.data_path` / `data.split` / the tokenizer).
+pub(super) fn build_datasets(
     rc: &RunConfig,
     samples: [usize; 2],
     eod: Option<u32>,
     model_dir: Option<&Path>,
-) -> Result<RunData> {
+    notes: &mut NoteSink<'_>,
+) -> Result<RunData, RunError> {
     let r = &rc.resolved;
     let sizes = [
         Some(samples[0]),
@@ -53,7 +58,7 @@ pub fn build(
             ]
         }
         DatasetType::SftRaw | DatasetType::SftMmap => {
-            let all = sft_dataset(rc, model_dir)?;
+            let all = sft_dataset(rc, model_dir, notes)?;
             let [t, v, x] = build_epoch_splits(all, &r.data.split, sizes, r.data.seed as u32)
                 .context("splitting the SFT data")?;
             [
@@ -63,19 +68,26 @@ pub fn build(
             ]
         }
     };
-    let train =
-        train.ok_or_else(|| anyhow!("data.split `{}` leaves no training data", r.data.split))?;
+    let train = train.ok_or_else(|| {
+        RunError::Config(format!(
+            "data.split `{}` leaves no training data",
+            r.data.split
+        ))
+    })?;
     Ok(RunData { train, valid })
 }
 
 /// All SFT sequences of `data.data_path` (one file or prefix; blends are not supported for SFT).
-fn sft_dataset(rc: &RunConfig, model_dir: Option<&Path>) -> Result<Arc<dyn Dataset>> {
-    let r = &rc.resolved;
+fn sft_dataset(
+    rc: &RunConfig,
+    model_dir: Option<&Path>,
+    notes: &mut NoteSink<'_>,
+) -> Result<Arc<dyn Dataset>, RunError> {
     if rc.blend.len() != 1 {
-        bail!(
+        return Err(RunError::Config(format!(
             "data.data_path: SFT takes one file or prefix, got a blend of {}",
             rc.blend.len()
-        );
+        )));
     }
     let path = &rc.blend[0].1;
     let ds: Arc<dyn Dataset> = match rc.dataset_type {
@@ -83,48 +95,53 @@ fn sft_dataset(rc: &RunConfig, model_dir: Option<&Path>) -> Result<Arc<dyn Datas
             let ds = IdxmapSftDataset::open(path)
                 .with_context(|| format!("data.data_path {}", path.display()))?;
             if ds.seq_length() != rc.seq_length {
-                bail!(
+                return Err(RunError::Config(format!(
                     "data.data_path {}: sequences are {} tokens, model.seq_length is {}",
                     path.display(),
                     ds.seq_length(),
                     rc.seq_length
-                );
+                )));
             }
             Arc::new(ds)
         }
-        _ => {
-            let tok: PathBuf = r
-                .data
-                .tokenizer_model
-                .clone()
-                .or_else(|| model_dir.map(Path::to_path_buf))
-                .ok_or_else(|| {
-                    anyhow!("data.tokenizer_model is required for sft_raw without model.load")
-                })?;
-            let encoder = SftEncoder::from_model_dir(&tok)
-                .with_context(|| format!("tokenizer {}", tok.display()))?;
-            let opts = SftOptions::new(rc.seq_length);
-            let ds = RawSftDataset::load(&[path.as_path()], &encoder, &opts)
-                .with_context(|| format!("data.data_path {}", path.display()))?;
-            let rep = ds.report();
-            eprintln!(
-                "sft_raw: {} records -> {} sequences of {} tokens, {} answer tokens \
-                 ({} bad records, {} truncated)",
-                rep.records,
-                rep.sequences,
-                rc.seq_length,
-                rep.trained_tokens,
-                rep.bad_records,
-                rep.truncated
-            );
-            for ex in &rep.bad_examples {
-                eprintln!("  skipped {ex}");
-            }
-            Arc::new(ds)
-        }
+        _ => raw_sft_dataset(rc, path, model_dir, notes)?,
     };
     if ds.is_empty() {
-        bail!("data.data_path {}: no SFT sequences", path.display());
+        return Err(RunError::Config(format!(
+            "data.data_path {}: no SFT sequences",
+            path.display()
+        )));
     }
     Ok(ds)
+}
+
+/// `sft_raw`: the chat / alpaca JSONL `path` encoded with the tokenizer of
+/// `data.tokenizer_model` (or `model_dir`); `notes` hears the encoding report.
+fn raw_sft_dataset(
+    rc: &RunConfig,
+    path: &Path,
+    model_dir: Option<&Path>,
+    notes: &mut NoteSink<'_>,
+) -> Result<Arc<dyn Dataset>, RunError> {
+    let tok: PathBuf = rc
+        .resolved
+        .data
+        .tokenizer_model
+        .clone()
+        .or_else(|| model_dir.map(Path::to_path_buf))
+        .ok_or_else(|| {
+            RunError::Config(
+                "data.tokenizer_model is required for sft_raw without model.load".into(),
+            )
+        })?;
+    let encoder =
+        SftEncoder::from_model_dir(&tok).with_context(|| format!("tokenizer {}", tok.display()))?;
+    let opts = SftOptions::new(rc.seq_length);
+    let ds = RawSftDataset::load(&[path], &encoder, &opts)
+        .with_context(|| format!("data.data_path {}", path.display()))?;
+    notes(&RunNote::SftRawEncoded {
+        report: ds.report().clone(),
+        seq_length: rc.seq_length,
+    });
+    Ok(Arc::new(ds))
 }

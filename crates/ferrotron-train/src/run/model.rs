@@ -1,8 +1,10 @@
-//! The model a run trains: loaded from an HF directory (`model.load`) or built from the
-//! explicit `[model]` dimensions with Megatron's random init (pretraining from scratch), stored
-//! in the dtype `[precision]` asks for, with the run's activation recompute.
+//! The model a run trains: loaded from an HF directory or a Ferrotron checkpoint
+//! (`model.load`) or built from the explicit `[model]` dimensions with Megatron's random init
+//! (pretraining from scratch), stored in the dtype `[precision]` asks for, with the run's
+//! activation recompute (Megatron's `model_provider` before `get_model` splits it).
 
-use anyhow::{Context, Result, bail};
+use super::{Context, RunError};
+use crate::config::{ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig};
 use ferrotron_checkpoint::HfExportSource;
 use ferrotron_checkpoint::convert::CheckpointWeights;
 use ferrotron_checkpoint::dist::locate_checkpoint;
@@ -15,14 +17,11 @@ use ferrotron_model::{
 };
 use ferrotron_optim::Precision as OptimPrecision;
 use ferrotron_tensor::DType;
-use ferrotron_train::config::{
-    ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig,
-};
 use std::path::{Path, PathBuf};
 
 /// The model of a run and what the rest of the run needs to know about where it came from.
 pub struct RunModel {
-    /// The model, weights stored in [`RunModel::dtype`].
+    /// The full model, weights stored in the dtype `[precision]` asks for.
     pub model: GptModel,
     /// End-of-document token id (Megatron's EOD), when known.
     pub eod: Option<u32>,
@@ -33,7 +32,7 @@ pub struct RunModel {
 }
 
 /// The optimizer precision and the weight storage dtype of `[precision]`.
-pub fn precision(rc: &RunConfig) -> (OptimPrecision, DType) {
+pub(super) fn precision(rc: &RunConfig) -> (OptimPrecision, DType) {
     match rc.precision {
         Precision::Fp32 => (OptimPrecision::Fp32, DType::F32),
         Precision::Bf16 => (OptimPrecision::Bf16, DType::BF16),
@@ -56,12 +55,14 @@ fn recompute(r: Recompute) -> Option<RecomputeGranularity> {
     }
 }
 
-/// Loads or initializes the model of `rc`.
+/// Loads or initializes the full model of `rc` (every rank builds it; [`crate::parallelize`]
+/// then takes the rank's slice).
 ///
 /// # Errors
-/// An unreadable HF directory, explicit dimensions the model rejects (naming the key), or a
+/// An unreadable `model.load` (HF directory or checkpoint), explicit dimensions the model
+/// rejects (naming the key), a recompute setting the model rejects, or a
 /// `data.tokenizer_model` without a usable tokenizer.
-pub fn build(rc: &RunConfig) -> Result<RunModel> {
+pub fn build_model(rc: &RunConfig) -> Result<RunModel, RunError> {
     let (_, dtype) = precision(rc);
     let tokenizer_model = rc.resolved.data.tokenizer_model.clone();
     let mut run = match &rc.model {
@@ -95,7 +96,11 @@ pub fn build(rc: &RunConfig) -> Result<RunModel> {
 /// The model of a Ferrotron checkpoint (converted from HF or saved by a run, any layout):
 /// the whole model assembled from its shards, its HF config and tokenizer from the
 /// checkpoint (the tokenizer of `data.tokenizer_model` when given).
-fn from_checkpoint(dir: &Path, dtype: DType, tokenizer_model: Option<PathBuf>) -> Result<RunModel> {
+fn from_checkpoint(
+    dir: &Path,
+    dtype: DType,
+    tokenizer_model: Option<PathBuf>,
+) -> Result<RunModel, RunError> {
     let context = || format!("loading model.load {}", dir.display());
     let weights = CheckpointWeights::open(dir, dtype).with_context(context)?;
     let export_source = HfExportSource {
@@ -119,7 +124,7 @@ fn from_scratch(
     dims: &ModelDims,
     dtype: DType,
     tokenizer_dir: Option<PathBuf>,
-) -> Result<RunModel> {
+) -> Result<RunModel, RunError> {
     let m = &rc.resolved.model;
     let mut config = TransformerConfig::llama(
         dims.num_layers,
@@ -147,12 +152,12 @@ fn from_scratch(
             let tok = Tokenizer::from_dir(dir)
                 .with_context(|| format!("data.tokenizer_model {}", dir.display()))?;
             if tok.vocab_size() > dims.vocab_size {
-                bail!(
+                return Err(RunError::Config(format!(
                     "model.vocab_size {} is smaller than the tokenizer's {} tokens (data.tokenizer_model {})",
                     dims.vocab_size,
                     tok.vocab_size(),
                     dir.display()
-                );
+                )));
             }
             Some(
                 megatron_eod_id(dir, &tok)

@@ -1,0 +1,88 @@
+//! Checks across sections, what this build does not support, and the `mpirun` sizing.
+
+use super::*;
+
+/// Keys this build cannot run yet are problems of the configuration itself (a library user
+/// of `RunConfig` gets them as the CLI does), each naming its key; so are the EOD flags of
+/// a model with no end-of-document id and `skip_train` without a validation split.
+#[test]
+fn unsupported_and_unrunnable_settings_name_their_key() {
+    let dir = data_dir();
+    let base = minimal(dir.path());
+    let p = problems(
+        &base,
+        &[
+            "data.num_workers=2",
+            "optimizer.lr_decay_style=WSD",
+            "parallel.context_parallel_size=2",
+            "parallel.expert_model_parallel_size=2",
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.overlap_grad_reduce=true",
+        ],
+    );
+    for key in [
+        "data.num_workers (the loader uses one worker thread)",
+        "optimizer.lr_decay_style = \"WSD\" (no WSD schedule)",
+        "parallel.context_parallel_size (",
+        "parallel.expert_model_parallel_size (",
+        "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1 (",
+    ] {
+        assert!(
+            has(&p, &format!("not supported yet: {key}")),
+            "{key}: {p:#?}"
+        );
+    }
+    assert_eq!(p.len(), 5, "{p:#?}");
+
+    let p = problems(&base, &["data.eod_mask_loss=true"]);
+    assert_eq!(p.len(), 1, "{p:#?}");
+    assert!(
+        p[0].starts_with("data.eod_mask_loss / reset_position_ids"),
+        "{p:#?}"
+    );
+    let tok = format!(
+        "data.tokenizer_model={}",
+        dir.path().join("tokenizer.json").display()
+    );
+    RunConfig::from_toml_str(&base, &["data.eod_mask_loss=true".into(), tok]).unwrap();
+
+    for ov in ["training.eval_iters=0", "data.split=100,0,0"] {
+        let p = problems(&base, &["training.skip_train=true", ov]);
+        assert_eq!(p.len(), 1, "{ov}: {p:#?}");
+        assert!(
+            p[0].starts_with("training.skip_train needs validation data"),
+            "{p:#?}"
+        );
+    }
+}
+
+/// `mpirun -np N`: the data-parallel size is what the model-parallel sizes leave.
+#[test]
+fn data_parallel_size_follows_the_mpi_world() {
+    let dir = data_dir();
+    let base = minimal(dir.path());
+    let tp2 = |sets: &[&str]| {
+        let mut ov = vec!["parallel.tensor_model_parallel_size=2".to_string()];
+        ov.extend(sets.iter().map(|s| s.to_string()));
+        RunConfig::from_toml_str(&base, &ov).unwrap()
+    };
+    assert_eq!(tp2(&[]).data_parallel_size_for_world(6), Ok(3));
+    let e = tp2(&[]).data_parallel_size_for_world(5).unwrap_err();
+    assert!(
+        has(
+            &e.problems,
+            "mpirun started 5 processes, not a multiple of tensor x context x pipeline parallel sizes (2)"
+        ),
+        "{e}"
+    );
+    let e = tp2(&["parallel.data_parallel_size=2"])
+        .data_parallel_size_for_world(6)
+        .unwrap_err();
+    assert!(
+        has(
+            &e.problems,
+            "parallel.data_parallel_size is 2, but 6 processes with model-parallel size 2 give 3"
+        ),
+        "{e}"
+    );
+}

@@ -1,0 +1,225 @@
+//! The parts of one [`Trainer::train_step`]: the global batch and its loss-token count, the
+//! forward and backward passes (micro-batch after micro-batch, or the pipeline schedule)
+//! with the data-parallel gradient reduction, and the optimizer update with the parameter
+//! all-gather (Megatron's `forward_backward_func`, `finalize_model_grads` and
+//! `optimizer.step` inside `train_step`).
+
+use super::overlap::BucketOverlap;
+use super::param_gather::ParamGather;
+use super::{PipelineParallel, Result, TrainError, Trainer};
+use ferrotron_data::MicroBatch;
+use ferrotron_model::{GptModel, GradReady, LossStats, NoGradHook, TrainBatch};
+use ferrotron_optim::{ParamAndGradBuffer, StepOutcome};
+use std::time::{Duration, Instant};
+
+/// What the forward and backward passes of a step did on this rank.
+pub(super) struct Pass {
+    /// `Σ mask·CE` of this rank's micro-batches (every pipeline stage reports the last
+    /// stage's).
+    pub loss_sum: f64,
+    /// Input tokens of this rank's micro-batches.
+    pub tokens: usize,
+    /// Time waited for the data-parallel gradient reduction.
+    pub comm_wait: Duration,
+    /// Time waited for the last step's parameter all-gathers (`overlap_param_gather`).
+    pub gather_wait: Duration,
+}
+
+impl Trainer {
+    /// This rank's `num_microbatches` loader micro-batches as the model's batches, and the
+    /// loss tokens of the whole global batch (summed over the data-parallel ranks;
+    /// collective).
+    ///
+    /// # Errors
+    /// The wrong number of micro-batches, malformed ones, or a failed all-reduce.
+    pub(super) fn global_batch(
+        &self,
+        micro_batches: &[MicroBatch],
+    ) -> Result<(Vec<TrainBatch>, f64)> {
+        let want = self.options.num_microbatches();
+        if micro_batches.len() != want {
+            return Err(TrainError::Config(format!(
+                "{} micro-batches given, a global batch has {want}",
+                micro_batches.len()
+            )));
+        }
+        let batches = micro_batches
+            .iter()
+            .map(|mb| self.to_train_batch(mb))
+            .collect::<Result<Vec<_>>>()?;
+        let mut total = [batches
+            .iter()
+            .map(TrainBatch::loss_token_count)
+            .sum::<f64>()];
+        self.dp.sum(&mut total)?;
+        Ok((batches, total[0]))
+    }
+
+    /// The pipeline schedule over `batches` (after the last step's parameter all-gathers:
+    /// the pipeline's forwards do not wait per layer), the tied embedding's gradient over
+    /// its two copies, then the data-parallel gradient reduction.
+    pub(super) fn pipeline_pass(
+        &mut self,
+        pp: &PipelineParallel,
+        batches: &[TrainBatch],
+        total: f64,
+        loss_scale: f32,
+    ) -> Result<Pass> {
+        let gather_wait = self.finish_param_gather()?;
+        let loss_sum = self.run_pipeline(pp, batches, total, loss_scale)?;
+        let tokens = batches.iter().map(|b| b.tokens.len()).sum();
+        self.reduce_shared_embedding_grads(pp)?;
+        let wait = Instant::now();
+        self.dp.reduce_grads(&mut self.buffer)?;
+        Ok(Pass {
+            loss_sum,
+            tokens,
+            comm_wait: wait.elapsed(),
+            gather_wait,
+        })
+    }
+
+    /// Forward and backward of each micro-batch in turn, accumulating into the buffer with
+    /// `loss_scale · tokens_i / total` (see [`Trainer::train_step`]), then the data-parallel
+    /// gradient reduction; with `overlap_grad_reduce` the last micro-batch's backward starts
+    /// each bucket's reduction as its gradients become final.
+    pub(super) fn local_pass(
+        &mut self,
+        batches: &[TrainBatch],
+        total: f64,
+        loss_scale: f32,
+    ) -> Result<Pass> {
+        let distributed = self.dp.use_distributed_optimizer();
+        let mut overlap = self
+            .dp
+            .overlap_comm()
+            .map(|c| BucketOverlap::new(c, distributed, &self.buffer));
+        let last = batches.len() - 1;
+        let (mut loss_sum, mut tokens, mut gather_wait) = (0.0, 0, Duration::ZERO);
+        for (k, batch) in batches.iter().enumerate() {
+            let scale = if total > 0.0 {
+                (batch.loss_token_count() / total) as f32 * loss_scale
+            } else {
+                0.0
+            };
+            let mut no_hook = NoGradHook;
+            let ready: &mut (dyn GradReady + Send) = match overlap.as_mut() {
+                Some(hook) if k == last => hook,
+                _ => &mut no_hook,
+            };
+            let gather = self.param_gather.take();
+            let (stats, waited) = micro_batch_pass(
+                &mut self.model,
+                &mut self.buffer,
+                gather,
+                batch,
+                scale,
+                ready,
+            )?;
+            gather_wait += waited;
+            loss_sum += stats.loss_sum;
+            tokens += batch.tokens.len();
+        }
+        let comm_wait = match overlap {
+            Some(hook) => hook.finish(&mut self.buffer)?,
+            None => {
+                let wait = Instant::now();
+                self.dp.reduce_grads(&mut self.buffer)?;
+                wait.elapsed()
+            }
+        };
+        Ok(Pass {
+            loss_sum,
+            tokens,
+            comm_wait,
+            gather_wait,
+        })
+    }
+
+    /// AdamW at `lr` with the scheduled weight decay over the reduced gradients (grad-norm
+    /// and overflow statistics reduced over the tensor, pipeline and data-parallel ranks).
+    /// On success the updated weights reach the model — all-gathered now, or, with
+    /// `overlap_param_gather`, launched to arrive during the next forward — and the schedule
+    /// advances one iteration. Returns the outcome and the time waited for the gather.
+    pub(super) fn update(&mut self, lr: f64) -> Result<(StepOutcome, Duration)> {
+        let out = self.optimizer.step_with(
+            &mut self.buffer,
+            lr,
+            self.scheduler.weight_decay(),
+            &mut self.dp.stats_reduce(
+                self.model.tensor_parallel().map(|t| &**t.group.comm()),
+                self.pp.as_ref().map(|p| &**p.comm()),
+            ),
+        )?;
+        let mut gather_wait = Duration::ZERO;
+        if out.update_successful {
+            match self.dp.param_gather_comm() {
+                Some(comm) => self.param_gather = Some(ParamGather::launch(comm, &mut self.buffer)),
+                None => {
+                    let wait = Instant::now();
+                    self.dp.gather_params(&mut self.buffer)?;
+                    gather_wait = wait.elapsed();
+                    self.sync_model_from_buffer()?;
+                }
+            }
+            self.scheduler.step(1);
+        }
+        Ok((out, gather_wait))
+    }
+}
+
+/// One micro-batch's forward and backward into the buffer's gradients: gated on the last
+/// step's parameter all-gathers when they are still in flight ([`gated_forward_backward`]),
+/// plain otherwise. Returns the loss and the time spent waiting for parameters.
+fn micro_batch_pass(
+    model: &mut GptModel,
+    buffer: &mut ParamAndGradBuffer,
+    gather: Option<ParamGather>,
+    batch: &TrainBatch,
+    scale: f32,
+    ready: &mut (dyn GradReady + Send),
+) -> Result<(LossStats, Duration)> {
+    match gather {
+        Some(gather) => gated_forward_backward(model, buffer, gather, batch, scale, ready),
+        None => {
+            let mut grads = buffer.grad_slices_mut();
+            let stats = model.forward_backward_with(batch, &mut grads, scale, ready)?;
+            Ok((stats, Duration::ZERO))
+        }
+    }
+}
+
+/// The first micro-batch's forward and backward under `overlap_param_gather`: the forward
+/// runs one layer group at a time ([`GptModel::layer_groups`]), each after the parameters
+/// it reads have arrived; the backward then walks the groups in reverse. Same values as
+/// [`GptModel::forward_backward_with`]. Returns the loss and the time spent waiting.
+fn gated_forward_backward(
+    model: &mut GptModel,
+    buffer: &mut ParamAndGradBuffer,
+    mut gather: ParamGather,
+    batch: &TrainBatch,
+    scale: f32,
+    ready: &mut (dyn GradReady + Send),
+) -> Result<(LossStats, Duration)> {
+    let mut states = Vec::new();
+    let (mut x, mut loss) = (None, None);
+    for layers in model.layer_groups() {
+        gather.install_through(model.part_params(layers.clone()).end, buffer, model)?;
+        let mut state = model.part_forward(batch, layers, x.take(), scale)?;
+        match state.loss() {
+            Some(l) => loss = Some(l),
+            None => x = Some(state.take_output()),
+        }
+        states.push(state);
+    }
+    let waited = gather.finish(buffer, model)?;
+    let mut grads = buffer.grad_slices_mut();
+    let mut dout = None;
+    for state in states.into_iter().rev() {
+        dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
+    }
+    let loss = loss.ok_or_else(|| {
+        TrainError::Config("overlap_param_gather: the model computed no loss".into())
+    })?;
+    Ok((loss, waited))
+}
