@@ -1,32 +1,32 @@
-//! Training: the model's parameters as flat f32 views in a fixed order ([`ParamInfo`],
+//! Training: the model's parameters as flat f32 views in table order ([`ParamInfo`],
 //! [`GptModel::parameters`]) and one explicit forward + backward pass over a micro-batch
 //! ([`GptModel::forward_backward`]), llm.c style: the forward saves exactly what the backward
-//! needs per layer, the backward walks the layers in reverse.
+//! needs per layer, the backward walks the layers in reverse. The same layer forward runs
+//! generation (`core_attention::KeysValues::Cached`).
 //!
-//! Mirrors Megatron-Core's `GPTModel.forward` + `loss_func` of `pretrain_gpt.py` at
-//! tensor/pipeline/context-parallel size 1: the loss is the mean cross entropy over the
-//! loss-masked tokens, `Σ mask·CE / Σ mask`.
+//! Mirrors Megatron-Core's `GPTModel.forward` + `loss_func` of `pretrain_gpt.py`: the loss is
+//! the mean cross entropy over the loss-masked tokens, `Σ mask·CE / Σ mask`; on a
+//! tensor-parallel shard or a pipeline stage the passes add Megatron's collectives
+//! (`tp_ops`) and run a stage at a time ([`GptModel::stage_forward`]).
 //!
-//! Data flow of the current design: the optimizer owns the f32 master weights and the
-//! gradients in its own flat buffers; each micro-batch's `forward_backward` **accumulates**
-//! (`+=`) into the gradient views, and after each optimizer step the trainer copies the
-//! updated master weights into the model with [`GptModel::load_parameters_from`] (rounded to
-//! the model's storage dtype when that is bf16/f16).
+//! Data flow: the optimizer owns the f32 master weights and the gradients in its own flat
+//! buffers; each micro-batch's `forward_backward` **accumulates** (`+=`) into the gradient
+//! views, and after each optimizer step the trainer writes the updated weights into the model
+//! ([`GptModel::load_parameters_with`], rounded to the storage dtype when that is bf16/f16).
 //!
 //! A model with bf16 weights (bf16 training) keeps its saved activations in bf16 as well
 //! ([`GptModel::activation_dtype`], `stored.rs`): the inputs of its matmuls and of core
 //! attention are rounded to bf16 before the forward uses them, as under PyTorch autocast.
+//! Packed rows attend per document ([`TrainBatch::document_starts`], Megatron's
+//! `reset_attention_mask`).
 //!
 //! Activation recomputation follows [`TransformerConfig::recompute_granularity`]
 //! (Megatron's selective core-attention recompute and full uniform/block layer recompute,
 //! bit-identical gradients; see [`recompute`]); [`TransformerConfig::activation_memory`] gives
 //! the saved-activation bytes at the peak of a pass ([`memory`]).
 //!
-//! Not done yet: per-document attention masks (Megatron's `reset_attention_mask`; position
-//! ids may be reset per document through [`TrainBatch::position_ids`], but attention stays
-//! causal over the whole sequence, as Megatron with `reset_position_ids` alone), Megatron's
-//! other selective-recompute modules (`recompute_modules` beyond `core_attn`: norms, MLP,
-//! SwiGLU), `distribute_saved_activations`, buffer reuse across calls.
+//! Not done yet: Megatron's other selective-recompute modules (`recompute_modules` beyond
+//! `core_attn`: norms, MLP, SwiGLU), `distribute_saved_activations`, buffer reuse across calls.
 //!
 //! [`TransformerConfig::recompute_granularity`]: crate::TransformerConfig::recompute_granularity
 //! [`TransformerConfig::activation_memory`]: crate::TransformerConfig::activation_memory
@@ -326,28 +326,11 @@ impl GptModel {
         Ok(stats)
     }
 
-    /// Checks the batch, the recompute setting and that `grads` fit the parameters.
+    /// Checks the batch, the recompute setting and that `grads` fit the parameters (one slice
+    /// per parameter of its length, named when not).
     fn check_grads(&self, batch: &TrainBatch, grads: &[&mut [f32]]) -> Result<()> {
         batch.validate(self)?;
         self.local_config().validate_recompute()?;
-        let infos = self.parameters();
-        if infos.len() != grads.len() {
-            return Err(ModelError::Input(format!(
-                "{} gradient slices given, the model has {} parameters",
-                grads.len(),
-                infos.len()
-            )));
-        }
-        for (info, g) in infos.iter().zip(grads.iter()) {
-            if g.len() != info.numel() {
-                return Err(ModelError::Input(format!(
-                    "gradient of {}: {} elements, expected {}",
-                    info.name,
-                    g.len(),
-                    info.numel()
-                )));
-            }
-        }
-        Ok(())
+        self.check_slices(grads.iter().map(|g| g.len()))
     }
 }
