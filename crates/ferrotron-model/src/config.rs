@@ -1,4 +1,5 @@
 use crate::{ModelError, Result};
+pub use ferrotron_tensor::ops::ActivationFunc;
 use ferrotron_tensor::ops::RopeScaling;
 
 /// Which HuggingFace architecture a model came from (selects weight naming and biases).
@@ -10,29 +11,78 @@ pub enum ModelFamily {
     Mistral,
     /// `Qwen2ForCausalLM` (q/k/v biases).
     Qwen2,
+    /// `OlmoForCausalLM` (non-parametric LayerNorm).
+    Olmo,
+    /// `Olmo2ForCausalLM` (norms after each sublayer, full-width q/k RMSNorm).
+    Olmo2,
+    /// `GemmaForCausalLM` (GeGLU-tanh, `1 + w` RMSNorm gains, `√h` embedding scale).
+    Gemma,
+    /// `Phi3ForCausalLM` (fused `qkv_proj` and `gate_up_proj`).
+    Phi3,
+    /// `Starcoder2ForCausalLM` (LayerNorm with bias, GeLU-tanh MLP, biases everywhere).
+    Starcoder2,
+    /// `FalconForCausalLM` (parallel attention and MLP, one LayerNorm, multi-query).
+    Falcon,
+    /// `BloomForCausalLM` (ALiBi, embedding LayerNorm, GeLU-tanh, biases).
+    Bloom,
 }
 
 impl ModelFamily {
+    /// Every family, in the order errors list them.
+    pub const ALL: [ModelFamily; 10] = [
+        ModelFamily::Llama,
+        ModelFamily::Mistral,
+        ModelFamily::Qwen2,
+        ModelFamily::Olmo,
+        ModelFamily::Olmo2,
+        ModelFamily::Gemma,
+        ModelFamily::Phi3,
+        ModelFamily::Starcoder2,
+        ModelFamily::Falcon,
+        ModelFamily::Bloom,
+    ];
+
     /// The HF `architectures[0]` name.
     pub fn hf_architecture(self) -> &'static str {
-        match self {
-            ModelFamily::Llama => "LlamaForCausalLM",
-            ModelFamily::Mistral => "MistralForCausalLM",
-            ModelFamily::Qwen2 => "Qwen2ForCausalLM",
-        }
+        self.hf_names().architecture
+    }
+
+    /// The HF `model_type`.
+    pub fn model_type(self) -> &'static str {
+        self.hf_names().model_type
     }
 }
 
+/// Megatron's `normalization`: which norm every norm module of the model is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Normalization {
+    /// `RMSNorm` (Zhang & Sennrich 2019) with a `[n]` gain.
+    RmsNorm,
+    /// `LayerNorm` (Ba et al. 2016) with a `[n]` gain and a `[n]` bias.
+    LayerNorm,
+    /// `LayerNorm` without gain or bias (OLMo's `OlmoLayerNorm`; Megatron has no such norm).
+    NonParametricLayerNorm,
+}
+
+/// Megatron's `position_embedding_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PositionEmbedding {
+    /// `rope`: rotary embedding of q and k (Su et al. 2021), rotate-half layout.
+    Rope,
+    /// `alibi`: a per-head linear bias on the attention scores (Press et al. 2022; HF Bloom).
+    Alibi,
+}
+
 /// Model hyper-parameters with Megatron-Core's names (`TransformerConfig` /
-/// `megatron/training/arguments.py`). Normalization is RMSNorm, the MLP is SwiGLU and position
-/// embedding is rotary for every family supported today.
+/// `megatron/training/arguments.py`): one skeleton (embedding, decoder layers of attention
+/// and MLP, final norm, output layer) whose switches express every supported family.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TransformerConfig {
     pub family: ModelFamily,
     pub num_layers: usize,
     /// `h`.
     pub hidden_size: usize,
-    /// `f`, the SwiGLU inner size.
+    /// `f`, the MLP's inner size (per half of a gated `linear_fc1`).
     pub ffn_hidden_size: usize,
     /// `a`, query heads.
     pub num_attention_heads: usize,
@@ -46,8 +96,34 @@ pub struct TransformerConfig {
     /// RoPE base θ.
     pub rotary_base: f32,
     pub rope_scaling: RopeScaling,
-    /// RMSNorm epsilon.
+    /// Epsilon of every norm.
     pub layernorm_epsilon: f32,
+    /// Megatron's `normalization`.
+    pub normalization: Normalization,
+    /// Megatron's `apply_layernorm_1p`: gains stored as `w`, applied as `1 + w` (Gemma's
+    /// RMSNorm); initialized to zeros.
+    pub apply_layernorm_1p: bool,
+    /// Megatron's `qk_layernorm`, full width as OLMo2 applies it: an RMSNorm over each row's
+    /// `a·d` queries and its `g·d` keys after `linear_qkv` and before rope (Megatron's own
+    /// normalizes each head; a tensor-parallel rank all-reduces the row statistics).
+    pub qk_layernorm: bool,
+    /// Norms on each sublayer's output instead of its input (OLMo2:
+    /// `x += norm(attn(x))`, `x += norm(mlp(x))`).
+    pub post_sublayer_norm: bool,
+    /// Attention and MLP read the same normed input and add into the residual together
+    /// (GPT-J / Falcon `parallel_attn`: `x += attn(norm(x)) + mlp(norm(x))`).
+    pub parallel_attention_mlp: bool,
+    /// A norm right after the word embedding (Bloom's `word_embeddings_layernorm`).
+    pub embedding_layernorm: bool,
+    /// Multiply the word embeddings by `√h` (Gemma).
+    pub scale_embeddings: bool,
+    /// Megatron's `gated_linear_unit`: `linear_fc1` is `[2f, h]`, gate rows then up rows, and
+    /// the MLP computes `act(gate)·up`; otherwise `[f, h]` and `act(fc1)`.
+    pub gated_linear_unit: bool,
+    /// Megatron's `activation_func`.
+    pub activation_func: ActivationFunc,
+    /// Megatron's `position_embedding_type`.
+    pub position_embedding_type: PositionEmbedding,
     /// Bias on the q/k/v projections (Qwen2, LLaMA `attention_bias`).
     pub add_qkv_bias: bool,
     /// Bias on the attention output projection (LLaMA `attention_bias`).
@@ -131,7 +207,9 @@ impl TransformerConfig {
                 ),
             ));
         }
-        if !self.kv_channels.is_multiple_of(2) {
+        if self.position_embedding_type == PositionEmbedding::Rope
+            && !self.kv_channels.is_multiple_of(2)
+        {
             return Err(field_error(
                 "kv_channels",
                 "rotary embedding needs an even head dim",
@@ -140,6 +218,19 @@ impl TransformerConfig {
         if self.sliding_window == Some(0) {
             return Err(field_error("sliding_window", "must be > 0"));
         }
+        if self.qk_layernorm && self.normalization != Normalization::RmsNorm {
+            return Err(field_error(
+                "qk_layernorm",
+                "the full-width q/k norm is an RMSNorm (set normalization to RMSNorm)",
+            ));
+        }
+        if self.post_sublayer_norm && self.parallel_attention_mlp {
+            return Err(field_error(
+                "post_sublayer_norm",
+                "cannot be combined with parallel_attention_mlp",
+            ));
+        }
+        self.family.hf_names().check_expresses(self)?;
         self.validate_recompute()
     }
 
@@ -165,6 +256,15 @@ impl TransformerConfig {
     /// Query heads per key/value group, `a / g`.
     pub fn heads_per_group(&self) -> usize {
         self.num_attention_heads / self.num_query_groups
+    }
+
+    /// Output width of `linear_fc1`: `2f` when gated, `f` otherwise.
+    pub fn fc1_size(&self) -> usize {
+        if self.gated_linear_unit {
+            2 * self.ffn_hidden_size
+        } else {
+            self.ffn_hidden_size
+        }
     }
 
     /// Output width of the packed `linear_qkv`: `g · (a/g + 2) · d`.

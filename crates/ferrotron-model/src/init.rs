@@ -19,6 +19,7 @@
 //! the other parameters, the thread count or whether biases exist).
 
 use crate::config::field_error;
+use crate::config::{ActivationFunc, Normalization, PositionEmbedding};
 use crate::module::{Init, ModelLayout, ModelPart, ParamDecl};
 use crate::{GptModel, ModelFamily, Result, TransformerConfig};
 use ferrotron_tensor::ops::RopeScaling;
@@ -117,6 +118,16 @@ impl TransformerConfig {
             rotary_base: 10000.0,
             rope_scaling: RopeScaling::None,
             layernorm_epsilon: 1e-5,
+            normalization: Normalization::RmsNorm,
+            apply_layernorm_1p: false,
+            qk_layernorm: false,
+            post_sublayer_norm: false,
+            parallel_attention_mlp: false,
+            embedding_layernorm: false,
+            scale_embeddings: false,
+            gated_linear_unit: true,
+            activation_func: ActivationFunc::Silu,
+            position_embedding_type: PositionEmbedding::Rope,
             add_qkv_bias: false,
             add_proj_bias: false,
             add_mlp_bias: false,

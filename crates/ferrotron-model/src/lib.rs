@@ -1,4 +1,5 @@
-//! The GPT (decoder-only) model of LLaMA-family architectures: [`TransformerConfig`] with
+//! The GPT (decoder-only) model of LLaMA-like architectures and the families expressed as
+//! switches on the same skeleton (OLMo, OLMo2, Gemma, Phi-3, StarCoder2, Falcon, Bloom): [`TransformerConfig`] with
 //! Megatron's names, the module tree whose kinds declare their parameters once
 //! ([`module`]), [`GptModel`] (a parameter table in that layout, with the KV-cached forward
 //! and the training passes), the per-layer [`KvCache`], tensor-parallel shards and pipeline
@@ -15,7 +16,10 @@ mod pipeline_stage;
 pub mod tensor_parallel;
 pub mod train;
 
-pub use config::{ModelFamily, RecomputeGranularity, RecomputeMethod, TransformerConfig};
+pub use config::{
+    ActivationFunc, ModelFamily, Normalization, PositionEmbedding, RecomputeGranularity,
+    RecomputeMethod, TransformerConfig,
+};
 pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;

@@ -1,4 +1,5 @@
-use crate::config::field_error;
+use super::schema::{Biases, KvHeads, activation_from_hf};
+use crate::config::{ActivationFunc, field_error};
 use crate::{ModelError, ModelFamily, Result, TransformerConfig};
 use ferrotron_tensor::ops::RopeScaling;
 use serde_json::{Map, Value};
@@ -31,58 +32,80 @@ pub fn read_hf_config(dir: &Path) -> Result<HfModelInfo> {
     })
 }
 
-/// Maps an HF config (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) to a
-/// [`TransformerConfig`], following transformers' `configuration_{llama,mistral,qwen2}.py`
-/// defaults. Reads RoPE settings from `rope_parameters` (transformers >= 5) or from top-level
-/// `rope_theta` + `rope_scaling` (older files). Values we cannot honor (another activation, an
-/// unknown `rope_type`, Qwen2 sliding windows) are errors naming the field.
+/// Maps an HF config of any supported family to a [`TransformerConfig`], following
+/// transformers' `configuration_<family>.py` defaults through the family's
+/// [`ConfigSchema`](super::schema::ConfigSchema) (its key names and the switches it fixes).
+/// Reads RoPE settings from `rope_parameters` (transformers >= 5) or from top-level
+/// `rope_theta` + `rope_scaling` (older files). Values we cannot honor (an unknown activation
+/// or `rope_type`, Qwen2 sliding windows, Falcon's ALiBi or new decoder architecture, OLMo's
+/// `clip_qkv`, Phi-3's partial rotary factor) are errors naming the field.
 pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
     let obj = value
         .as_object()
         .ok_or_else(|| field_error("<root>", "expected a JSON object"))?;
     let family = family_of(obj)?;
+    let schema = family.config_schema();
+    check_family_fields(obj, family)?;
     let hidden_size = req_usize(obj, "hidden_size")?;
-    let num_attention_heads = req_usize(obj, "num_attention_heads")?;
+    let num_attention_heads = req_usize(obj, schema.num_heads)?;
     if num_attention_heads == 0 {
-        return Err(field_error("num_attention_heads", "must be > 0"));
+        return Err(field_error(schema.num_heads, "must be > 0"));
     }
-    let num_query_groups = opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
-    let kv_channels = opt_usize(obj, "head_dim")?.unwrap_or(hidden_size / num_attention_heads);
-    let act = opt_str(obj, "hidden_act")?.unwrap_or("silu");
-    if act != "silu" {
-        return Err(field_error(
-            "hidden_act",
-            format!("`{act}` is not supported (only silu)"),
-        ));
-    }
-    let (rotary_base, rope_scaling) = rope_settings(obj)?;
-    let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(false);
-    let (add_qkv_bias, add_proj_bias) = match family {
-        ModelFamily::Qwen2 => (true, false),
-        _ => (attention_bias, attention_bias),
+    let num_query_groups = match schema.kv_heads {
+        KvHeads::Key => opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads),
+        KvHeads::MultiQuery if opt_bool(obj, "multi_query")?.unwrap_or(true) => 1,
+        KvHeads::MultiQuery | KvHeads::PerHead => num_attention_heads,
     };
-    let sliding_window = sliding_window(obj, family)?;
-    let config = TransformerConfig {
+    let head_dim = if schema.head_dim {
+        opt_usize(obj, "head_dim")?
+    } else {
+        None
+    };
+    let ffn_hidden_size = match schema.ffn {
+        Some(key) if key == "intermediate_size" => req_usize(obj, key)?,
+        Some(key) => opt_usize(obj, key)?.unwrap_or(4 * hidden_size),
+        None => 4 * hidden_size,
+    };
+    let activation_func = activation(obj, schema.activation)?;
+    let (rotary_base, rope_scaling) = rope_settings(obj)?;
+    let (add_qkv_bias, add_proj_bias, add_mlp_bias) = biases(obj, schema.biases)?;
+    let (eps_key, eps_default) = schema.eps;
+    let layernorm_epsilon = match eps_key {
+        Some(key) => opt_f64(obj, key)?.unwrap_or(eps_default),
+        None => eps_default,
+    } as f32;
+    let mut config = TransformerConfig {
         family,
-        num_layers: req_usize(obj, "num_hidden_layers")?,
+        num_layers: req_usize(obj, schema.num_layers)?,
         hidden_size,
-        ffn_hidden_size: req_usize(obj, "intermediate_size")?,
+        ffn_hidden_size,
         num_attention_heads,
         num_query_groups,
-        kv_channels,
+        kv_channels: head_dim.unwrap_or(hidden_size / num_attention_heads),
         vocab_size: req_usize(obj, "vocab_size")?,
         max_position_embeddings: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
         rotary_base,
         rope_scaling,
-        layernorm_epsilon: opt_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
+        layernorm_epsilon,
+        normalization: schema.switches.normalization,
+        apply_layernorm_1p: false,
+        qk_layernorm: false,
+        post_sublayer_norm: false,
+        parallel_attention_mlp: false,
+        embedding_layernorm: false,
+        scale_embeddings: false,
+        gated_linear_unit: true,
+        activation_func,
+        position_embedding_type: schema.switches.position_embedding_type,
         add_qkv_bias,
         add_proj_bias,
-        add_mlp_bias: opt_bool(obj, "mlp_bias")?.unwrap_or(false),
+        add_mlp_bias,
         untie_embeddings_and_output_weights: !opt_bool(obj, "tie_word_embeddings")?
-            .unwrap_or(false),
-        sliding_window,
+            .unwrap_or(schema.tie_default),
+        sliding_window: sliding_window(obj, family, schema.sliding_window)?,
         recompute_granularity: None,
     };
+    schema.switches.apply(&mut config);
     config.validate()?;
     Ok(HfModelInfo {
         config,
@@ -91,34 +114,105 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
     })
 }
 
+/// The activation from `key` (or the family's fixed one).
+fn activation(
+    obj: &Map<String, Value>,
+    (key, default): (Option<&str>, &str),
+) -> Result<ActivationFunc> {
+    let name = match key {
+        Some(key) => opt_str(obj, key)?.unwrap_or(default),
+        None => default,
+    };
+    activation_from_hf(name).ok_or_else(|| {
+        field_error(
+            key.unwrap_or("hidden_act"),
+            format!("`{name}` is not supported (silu, gelu, gelu_pytorch_tanh, gelu_new)"),
+        )
+    })
+}
+
+/// `(add_qkv_bias, add_proj_bias, add_mlp_bias)` as the family's config turns them on.
+fn biases(obj: &Map<String, Value>, biases: Biases) -> Result<(bool, bool, bool)> {
+    let flag = |key: &str| Ok::<bool, ModelError>(opt_bool(obj, key)?.unwrap_or(false));
+    Ok(match biases {
+        Biases::AttentionAndMlp => {
+            let attention = flag("attention_bias")?;
+            (attention, attention, flag("mlp_bias")?)
+        }
+        Biases::Attention => {
+            let attention = flag("attention_bias")?;
+            (attention, attention, false)
+        }
+        Biases::Qkv => (true, false, false),
+        Biases::AllLinears(key) => {
+            let all = flag(key)?;
+            (all, all, all)
+        }
+        Biases::Always => (true, true, true),
+        Biases::Never => (false, false, false),
+    })
+}
+
+/// Family fields whose other values this skeleton does not express.
+fn check_family_fields(obj: &Map<String, Value>, family: ModelFamily) -> Result<()> {
+    let unsupported = |field: &str, why: &str| Err(field_error(field, why.to_string()));
+    match family {
+        ModelFamily::Falcon => {
+            if opt_bool(obj, "alibi")?.unwrap_or(false) {
+                return unsupported("alibi", "Falcon with ALiBi is not supported (rotary only)");
+            }
+            if opt_bool(obj, "new_decoder_architecture")?.unwrap_or(false) {
+                return unsupported(
+                    "new_decoder_architecture",
+                    "Falcon's new decoder architecture (40B/180B) is not supported",
+                );
+            }
+            if !opt_bool(obj, "parallel_attn")?.unwrap_or(true) {
+                return unsupported("parallel_attn", "only parallel attention is supported");
+            }
+        }
+        ModelFamily::Olmo if !matches!(obj.get("clip_qkv"), None | Some(Value::Null)) => {
+            return unsupported("clip_qkv", "OLMo's q/k/v clipping is not supported");
+        }
+        ModelFamily::Phi3 => {
+            if opt_f64(obj, "partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
+                return unsupported("partial_rotary_factor", "only 1.0 is supported");
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 fn family_of(obj: &Map<String, Value>) -> Result<ModelFamily> {
     let arch = obj
         .get("architectures")
         .and_then(|a| a.as_array())
         .and_then(|a| a.first())
         .and_then(|a| a.as_str());
-    let from_model_type = || match opt_str(obj, "model_type").ok().flatten() {
-        Some("llama") => Some(ModelFamily::Llama),
-        Some("mistral") => Some(ModelFamily::Mistral),
-        Some("qwen2") => Some(ModelFamily::Qwen2),
-        _ => None,
-    };
+    let known = || ModelFamily::ALL.map(|f| f.hf_architecture()).join(", ");
     match arch {
-        Some("LlamaForCausalLM") => Ok(ModelFamily::Llama),
-        Some("MistralForCausalLM") => Ok(ModelFamily::Mistral),
-        Some("Qwen2ForCausalLM") => Ok(ModelFamily::Qwen2),
-        Some(other) => Err(field_error(
-            "architectures",
-            format!(
-                "`{other}` is not supported (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
-            ),
-        )),
-        None => from_model_type().ok_or_else(|| {
-            field_error(
-                "architectures",
-                "missing, and `model_type` is not llama, mistral or qwen2",
-            )
-        }),
+        Some(name) => ModelFamily::ALL
+            .into_iter()
+            .find(|f| f.hf_architecture() == name)
+            .ok_or_else(|| {
+                field_error(
+                    "architectures",
+                    format!("`{name}` is not supported ({})", known()),
+                )
+            }),
+        None => {
+            let model_type = opt_str(obj, "model_type").ok().flatten();
+            ModelFamily::ALL
+                .into_iter()
+                .find(|f| Some(f.model_type()) == model_type)
+                .ok_or_else(|| {
+                    field_error(
+                        "architectures",
+                        format!("missing, and `model_type` names none of {}", known()),
+                    )
+                })
+        }
     }
 }
 
@@ -174,19 +268,21 @@ fn rope_settings(obj: &Map<String, Value>) -> Result<(f32, RopeScaling)> {
     Ok((theta as f32, scaling))
 }
 
-fn sliding_window(obj: &Map<String, Value>, family: ModelFamily) -> Result<Option<usize>> {
-    match family {
-        ModelFamily::Mistral => opt_usize(obj, "sliding_window"),
-        ModelFamily::Qwen2 => {
-            if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
-                return Err(field_error(
-                    "use_sliding_window",
-                    "Qwen2 sliding-window layers are not supported",
-                ));
-            }
-            Ok(None)
-        }
-        ModelFamily::Llama => Ok(None),
+fn sliding_window(
+    obj: &Map<String, Value>,
+    family: ModelFamily,
+    reads_window: bool,
+) -> Result<Option<usize>> {
+    if family == ModelFamily::Qwen2 && opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
+        return Err(field_error(
+            "use_sliding_window",
+            "Qwen2 sliding-window layers are not supported",
+        ));
+    }
+    if reads_window {
+        opt_usize(obj, "sliding_window")
+    } else {
+        Ok(None)
     }
 }
 
@@ -293,7 +389,7 @@ mod tests {
     #[test]
     fn unsupported_values_name_the_field() {
         let mut v = base();
-        v["hidden_act"] = json!("gelu");
+        v["hidden_act"] = json!("relu");
         assert!(
             parse_hf_config(&v)
                 .unwrap_err()

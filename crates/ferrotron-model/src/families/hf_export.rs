@@ -3,9 +3,10 @@
 //! into `q_proj`/`k_proj`/`v_proj` per query group, `linear_fc1` into `gate_proj`/`up_proj`), as
 //! Pai-Megatron-Patch's `mcore2hf` converters and transformers' `save_pretrained` lay them out.
 
+use super::schema::{Biases, ConfigSchema, KvHeads, activation_from_hf, activation_to_hf};
 use super::{HfModelInfo, parse_hf_config};
 use crate::config::field_error;
-use crate::{GptModel, ModelError, ModelFamily, Result, TransformerConfig};
+use crate::{GptModel, ModelError, ModelFamily, PositionEmbedding, Result, TransformerConfig};
 use ferrotron_tensor::ops::RopeScaling;
 use ferrotron_tensor::{DType, Storage, Tensor};
 use serde_json::{Map, Value, json};
@@ -72,23 +73,22 @@ const DERIVED_FIELDS: [&str; 4] = [
     "torch_dtype",
 ];
 
-/// The HF `config.json` of `config` for its family (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
-/// `MistralForCausalLM`), with `torch_dtype` the dtype the weights are written in.
+/// The HF `config.json` of `config` for its family, with `torch_dtype` the dtype the weights
+/// are written in, spelled as the family's [`ConfigSchema`] says.
 ///
 /// Written in the form transformers 5.x saves (`rope_parameters` with `rope_theta` and
 /// `rope_type`, `dtype`) plus the 4.x spellings (`rope_theta`, `rope_scaling`, `torch_dtype`),
 /// which 5.x also reads, so either version loads it. f32 values (epsilon, rope numbers) are
 /// written as the shortest decimal that rounds to the same f32 (`1e-5`, not
-/// `9.999999747378752e-6`). `head_dim` is written for LLaMA and Mistral, and for Qwen2 only when
-/// it differs from `hidden_size / num_attention_heads` (Qwen2's config has no such field; its
-/// modeling code reads it when present). Fields of `inputs.original` that this mapping does not
-/// own are kept (see [`HfConfigInputs::original`]).
+/// `9.999999747378752e-6`). `head_dim` is written for the families whose config reads it, and
+/// for Qwen2 only when it differs from `hidden_size / num_attention_heads`. Fields of
+/// `inputs.original` that this mapping does not own are kept (see
+/// [`HfConfigInputs::original`]).
 ///
 /// # Errors
-/// An invalid config; biases or a sliding window the family's HF config cannot express (LLaMA:
-/// `add_qkv_bias` must equal `add_proj_bias`, no window; Qwen2: q/k/v biases only, no window;
-/// Mistral: no biases); a non-finite rope or epsilon value; an original `config.json` of another
-/// family. Errors name the field.
+/// An invalid config; switches, biases, head counts, MLP size or a sliding window the
+/// family's HF config cannot express; a non-finite rope or epsilon value; an original
+/// `config.json` of another family. Errors name the field.
 pub fn hf_config_json(
     config: &TransformerConfig,
     inputs: &HfConfigInputs,
@@ -96,27 +96,18 @@ pub fn hf_config_json(
 ) -> Result<Value> {
     let c = config;
     c.validate()?;
-    check_expressible(c)?;
+    let schema = c.family.config_schema();
+    schema.switches.check(c)?;
+    check_expressible(c, &schema)?;
     let mut obj = match &inputs.original {
         Some(orig) => kept_fields(orig, c.family)?,
         None => Map::new(),
     };
-    let rope = rope_json(c)?;
     let owned = json!({
         "architectures": [c.family.hf_architecture()],
-        "model_type": model_type(c.family),
-        "hidden_act": "silu",
+        "model_type": c.family.model_type(),
         "hidden_size": c.hidden_size,
-        "intermediate_size": c.ffn_hidden_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_query_groups,
         "vocab_size": c.vocab_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": finite_f32("layernorm_epsilon", c.layernorm_epsilon)?,
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": legacy_rope_scaling(&rope),
-        "rope_parameters": rope,
         "tie_word_embeddings": !c.untie_embeddings_and_output_weights,
         "dtype": torch_dtype.hf_name(),
         "torch_dtype": torch_dtype.hf_name(),
@@ -132,62 +123,160 @@ pub fn hf_config_json(
         unreachable!("json! of an object literal is an object")
     };
     obj.extend(owned);
-    let default_head_dim = c.hidden_size / c.num_attention_heads;
-    match c.family {
-        ModelFamily::Llama => {
-            obj.insert("head_dim".into(), json!(c.kv_channels));
-            obj.insert("attention_bias".into(), json!(c.add_qkv_bias));
-            obj.insert("mlp_bias".into(), json!(c.add_mlp_bias));
-        }
-        ModelFamily::Qwen2 => {
-            if c.kv_channels != default_head_dim {
-                obj.insert("head_dim".into(), json!(c.kv_channels));
-            } else {
-                obj.remove("head_dim");
-            }
-            obj.insert("use_sliding_window".into(), json!(false));
-            obj.insert("sliding_window".into(), Value::Null);
-        }
-        ModelFamily::Mistral => {
-            obj.insert("head_dim".into(), json!(c.kv_channels));
-            // MistralConfig defaults to a 4096 window: "no window" must be an explicit null.
-            obj.insert("sliding_window".into(), json!(c.sliding_window));
-        }
-    }
+    insert_schema_fields(&mut obj, c, &schema)?;
     Ok(Value::Object(obj))
 }
 
-fn model_type(family: ModelFamily) -> &'static str {
-    match family {
-        ModelFamily::Llama => "llama",
-        ModelFamily::Mistral => "mistral",
-        ModelFamily::Qwen2 => "qwen2",
+/// The fields whose key names the family's schema decides.
+fn insert_schema_fields(
+    obj: &mut Map<String, Value>,
+    c: &TransformerConfig,
+    schema: &ConfigSchema,
+) -> Result<()> {
+    obj.insert(schema.num_layers.into(), json!(c.num_layers));
+    obj.insert(schema.num_heads.into(), json!(c.num_attention_heads));
+    match schema.kv_heads {
+        KvHeads::Key => obj.insert("num_key_value_heads".into(), json!(c.num_query_groups)),
+        KvHeads::MultiQuery => obj.insert("multi_query".into(), json!(c.num_query_groups == 1)),
+        KvHeads::PerHead => None,
+    };
+    if let Some(key) = schema.ffn {
+        obj.insert(key.into(), json!(c.ffn_hidden_size));
     }
+    if let (Some(key), _) = schema.eps {
+        obj.insert(
+            key.into(),
+            finite_f32("layernorm_epsilon", c.layernorm_epsilon)?,
+        );
+    }
+    if let (Some(key), _) = schema.activation {
+        obj.insert(key.into(), json!(activation_to_hf(c.activation_func)));
+    }
+    if c.position_embedding_type == PositionEmbedding::Rope {
+        let rope = rope_json(c)?;
+        obj.insert("rope_theta".into(), rope["rope_theta"].clone());
+        obj.insert("rope_scaling".into(), legacy_rope_scaling(&rope));
+        obj.insert("rope_parameters".into(), rope);
+    }
+    if c.position_embedding_type != PositionEmbedding::Alibi {
+        obj.insert(
+            "max_position_embeddings".into(),
+            json!(c.max_position_embeddings),
+        );
+    }
+    match schema.biases {
+        Biases::AttentionAndMlp => {
+            obj.insert("attention_bias".into(), json!(c.add_qkv_bias));
+            obj.insert("mlp_bias".into(), json!(c.add_mlp_bias));
+        }
+        Biases::Attention => {
+            obj.insert("attention_bias".into(), json!(c.add_qkv_bias));
+        }
+        Biases::AllLinears(key) => {
+            obj.insert(key.into(), json!(c.add_qkv_bias));
+        }
+        Biases::Qkv | Biases::Always | Biases::Never => {}
+    }
+    let default_head_dim = c.hidden_size / c.num_attention_heads;
+    if schema.head_dim && (c.family != ModelFamily::Qwen2 || c.kv_channels != default_head_dim) {
+        obj.insert("head_dim".into(), json!(c.kv_channels));
+    } else {
+        obj.remove("head_dim");
+    }
+    if schema.sliding_window {
+        // Mistral's config defaults to a 4096 window: "no window" must be an explicit null.
+        obj.insert("sliding_window".into(), json!(c.sliding_window));
+    }
+    match c.family {
+        ModelFamily::Qwen2 => {
+            obj.insert("use_sliding_window".into(), json!(false));
+            obj.insert("sliding_window".into(), Value::Null);
+        }
+        ModelFamily::Falcon => {
+            obj.insert("alibi".into(), json!(false));
+            obj.insert("new_decoder_architecture".into(), json!(false));
+            obj.insert("parallel_attn".into(), json!(true));
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
-/// Errors for configs whose biases or window the family's HF config cannot state.
-fn check_expressible(c: &TransformerConfig) -> Result<()> {
+/// Errors for configs whose sizes, biases or window the family's HF config cannot state.
+fn check_expressible(c: &TransformerConfig, schema: &ConfigSchema) -> Result<()> {
     let arch = c.family.hf_architecture();
     let bad = |field: &str, why: &str| Err(field_error(field, format!("{arch}: {why}")));
-    match c.family {
-        ModelFamily::Llama if c.add_qkv_bias != c.add_proj_bias => bad(
-            "add_proj_bias",
-            "one attention_bias covers q/k/v and o_proj, so add_qkv_bias and add_proj_bias must agree",
-        ),
-        ModelFamily::Qwen2 if !c.add_qkv_bias => bad("add_qkv_bias", "q/k/v always have biases"),
-        ModelFamily::Qwen2 | ModelFamily::Mistral if c.add_proj_bias => {
-            bad("add_proj_bias", "o_proj has no bias")
-        }
-        ModelFamily::Qwen2 | ModelFamily::Mistral if c.add_mlp_bias => {
-            bad("add_mlp_bias", "the MLP has no biases")
-        }
-        ModelFamily::Mistral if c.add_qkv_bias => bad("add_qkv_bias", "q/k/v have no biases"),
-        ModelFamily::Llama | ModelFamily::Qwen2 if c.sliding_window.is_some() => bad(
-            "sliding_window",
-            "sliding-window attention is not expressible (use Mistral)",
-        ),
-        _ => Ok(()),
+    let (qkv, mlp) = (c.add_qkv_bias, c.add_mlp_bias);
+    // The biases the family's flags can state, given the q/k/v bias (and the MLP's, for
+    // LLaMA's separate `mlp_bias`).
+    let expressible = match schema.biases {
+        Biases::AttentionAndMlp => [qkv, qkv, mlp],
+        Biases::Attention => [qkv, qkv, false],
+        Biases::Qkv => [true, false, false],
+        Biases::AllLinears(_) => [qkv, qkv, qkv],
+        Biases::Always => [true; 3],
+        Biases::Never => [false; 3],
+    };
+    let have = [
+        ("add_qkv_bias", c.add_qkv_bias),
+        ("add_proj_bias", c.add_proj_bias),
+        ("add_mlp_bias", c.add_mlp_bias),
+    ];
+    if let Some(((field, value), _)) = have
+        .iter()
+        .zip(expressible)
+        .find(|((_, have), want)| have != want)
+    {
+        return bad(
+            field,
+            &format!(
+                "{value} is not expressible (the family's biases: {:?})",
+                schema.biases
+            ),
+        );
     }
+    let groups_ok = match schema.kv_heads {
+        KvHeads::Key => true,
+        KvHeads::MultiQuery => {
+            c.num_query_groups == 1 || c.num_query_groups == c.num_attention_heads
+        }
+        KvHeads::PerHead => c.num_query_groups == c.num_attention_heads,
+    };
+    if !groups_ok {
+        return bad(
+            "num_query_groups",
+            "only the head layouts the family's config names",
+        );
+    }
+    if schema.ffn.is_none() && c.ffn_hidden_size != 4 * c.hidden_size {
+        return bad("ffn_hidden_size", "the MLP is always 4 x hidden_size");
+    }
+    if !schema.head_dim && c.kv_channels != c.hidden_size / c.num_attention_heads {
+        return bad(
+            "kv_channels",
+            "the head dim is always hidden_size / num_attention_heads",
+        );
+    }
+    if schema.activation.0.is_none()
+        && activation_from_hf(schema.activation.1) != Some(c.activation_func)
+    {
+        return bad("activation_func", "the activation is fixed");
+    }
+    if let (None, eps) = schema.eps
+        && c.layernorm_epsilon != eps as f32
+    {
+        return bad(
+            "layernorm_epsilon",
+            &format!("the norm epsilon is fixed at {eps}"),
+        );
+    }
+    if !schema.sliding_window && c.sliding_window.is_some() {
+        return bad(
+            "sliding_window",
+            "sliding-window attention is not expressible",
+        );
+    }
+    Ok(())
 }
 
 /// The original's fields minus [`DERIVED_FIELDS`], after checking it is of `family`.

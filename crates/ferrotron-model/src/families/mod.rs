@@ -8,6 +8,7 @@ mod hf_safetensors;
 mod hf_weights;
 mod mapping;
 mod names;
+mod schema;
 
 pub use crate::module::{HfPart, ParamDecl};
 pub use hf_config::{HfModelInfo, parse_hf_config, read_hf_config};

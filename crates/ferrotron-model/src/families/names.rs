@@ -3,28 +3,42 @@
 //! declare the Megatron structure and ask this table for HF names, so a family that renames
 //! or fuses tensors is one table, not a second mapping.
 
-use crate::ModelFamily;
+use crate::config::field_error;
+use crate::{ModelFamily, Result, TransformerConfig};
 
 /// HF names of a family's modules (without `.weight` / `.bias`); a decoder layer's names are
-/// relative to `{layers}.{i}`.
+/// relative to `{layers}.{i}`. A norm the family does not have is `None` (the config
+/// switches decide which modules exist; [`HfNames::check_expresses`] ties the two).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HfNames {
+    /// `architectures[0]`, e.g. `LlamaForCausalLM`.
+    pub architecture: &'static str,
+    /// `model_type`, e.g. `llama`.
+    pub model_type: &'static str,
     /// The word embedding, e.g. `model.embed_tokens`.
     pub embedding: &'static str,
+    /// The norm right after the embedding (Bloom).
+    pub embedding_layernorm: Option<&'static str>,
     /// The decoder layers' prefix, e.g. `model.layers`.
     pub layers: &'static str,
-    /// The norm before attention.
-    pub input_layernorm: &'static str,
+    /// The norm before attention (and before the MLP too, under parallel attention).
+    pub input_layernorm: Option<&'static str>,
     /// The query, key and value projections.
     pub qkv: HfQkv,
+    /// The full-width query and key norms (OLMo2).
+    pub qk_layernorm: Option<[&'static str; 2]>,
     /// Attention's output projection (Megatron `linear_proj`).
     pub linear_proj: &'static str,
+    /// The norm on attention's output (OLMo2).
+    pub post_self_attn_layernorm: Option<&'static str>,
     /// The norm before the MLP (Megatron `pre_mlp_layernorm`).
-    pub pre_mlp_layernorm: &'static str,
+    pub pre_mlp_layernorm: Option<&'static str>,
     /// The MLP's first projection(s) (Megatron `linear_fc1`).
     pub fc1: HfFc1,
     /// The MLP's output projection (Megatron `linear_fc2`).
     pub linear_fc2: &'static str,
+    /// The norm on the MLP's output (OLMo2).
+    pub post_mlp_layernorm: Option<&'static str>,
     /// The norm after the last layer.
     pub final_layernorm: &'static str,
     /// The untied output layer.
@@ -41,6 +55,13 @@ pub enum HfQkv {
         k: &'static str,
         v: &'static str,
     },
+    /// One tensor of the three stacked, all queries then all keys then all values (Phi-3's
+    /// `qkv_proj`), repacked per query group.
+    Stacked(&'static str),
+    /// One tensor already in Megatron's per-group layout: each group's queries, its key, its
+    /// value (Falcon's `query_key_value`, multi-query = one group; Bloom's, one group per
+    /// head: `view(…, heads, 3, d)`).
+    Grouped(&'static str),
 }
 
 /// How a family stores the MLP's first projection.
@@ -52,26 +73,56 @@ pub enum HfFc1 {
         gate: &'static str,
         up: &'static str,
     },
+    /// One tensor: gate rows then up rows (Phi-3's `gate_up_proj`), or the single projection
+    /// of an ungated MLP (`c_fc`, `dense_h_to_4h`).
+    Whole(&'static str),
 }
 
-/// transformers' `LlamaForCausalLM` names, shared by Mistral and Qwen2 (`modeling_llama.py`).
+/// transformers' `LlamaForCausalLM` names (`modeling_llama.py`), which most families share.
 const LLAMA: HfNames = HfNames {
+    architecture: "LlamaForCausalLM",
+    model_type: "llama",
     embedding: "model.embed_tokens",
+    embedding_layernorm: None,
     layers: "model.layers",
-    input_layernorm: "input_layernorm",
+    input_layernorm: Some("input_layernorm"),
     qkv: HfQkv::Separate {
         q: "self_attn.q_proj",
         k: "self_attn.k_proj",
         v: "self_attn.v_proj",
     },
+    qk_layernorm: None,
     linear_proj: "self_attn.o_proj",
-    pre_mlp_layernorm: "post_attention_layernorm",
+    post_self_attn_layernorm: None,
+    pre_mlp_layernorm: Some("post_attention_layernorm"),
     fc1: HfFc1::Gated {
         gate: "mlp.gate_proj",
         up: "mlp.up_proj",
     },
     linear_fc2: "mlp.down_proj",
+    post_mlp_layernorm: None,
     final_layernorm: "model.norm",
+    output_layer: "lm_head",
+};
+
+/// transformers' `FalconForCausalLM` (`new_decoder_architecture=False`) and
+/// `BloomForCausalLM` share the `transformer.h` layout.
+const FALCON: HfNames = HfNames {
+    architecture: "FalconForCausalLM",
+    model_type: "falcon",
+    embedding: "transformer.word_embeddings",
+    embedding_layernorm: None,
+    layers: "transformer.h",
+    input_layernorm: Some("input_layernorm"),
+    qkv: HfQkv::Grouped("self_attention.query_key_value"),
+    qk_layernorm: None,
+    linear_proj: "self_attention.dense",
+    post_self_attn_layernorm: None,
+    pre_mlp_layernorm: None,
+    fc1: HfFc1::Whole("mlp.dense_h_to_4h"),
+    linear_fc2: "mlp.dense_4h_to_h",
+    post_mlp_layernorm: None,
+    final_layernorm: "transformer.ln_f",
     output_layer: "lm_head",
 };
 
@@ -79,7 +130,100 @@ impl ModelFamily {
     /// The family's HF tensor names.
     pub fn hf_names(self) -> HfNames {
         match self {
-            ModelFamily::Llama | ModelFamily::Mistral | ModelFamily::Qwen2 => LLAMA,
+            ModelFamily::Llama => LLAMA,
+            ModelFamily::Mistral => HfNames {
+                architecture: "MistralForCausalLM",
+                model_type: "mistral",
+                ..LLAMA
+            },
+            ModelFamily::Qwen2 => HfNames {
+                architecture: "Qwen2ForCausalLM",
+                model_type: "qwen2",
+                ..LLAMA
+            },
+            ModelFamily::Olmo => HfNames {
+                architecture: "OlmoForCausalLM",
+                model_type: "olmo",
+                ..LLAMA
+            },
+            ModelFamily::Olmo2 => HfNames {
+                architecture: "Olmo2ForCausalLM",
+                model_type: "olmo2",
+                input_layernorm: None,
+                qk_layernorm: Some(["self_attn.q_norm", "self_attn.k_norm"]),
+                post_self_attn_layernorm: Some("post_attention_layernorm"),
+                pre_mlp_layernorm: None,
+                post_mlp_layernorm: Some("post_feedforward_layernorm"),
+                ..LLAMA
+            },
+            ModelFamily::Gemma => HfNames {
+                architecture: "GemmaForCausalLM",
+                model_type: "gemma",
+                ..LLAMA
+            },
+            ModelFamily::Phi3 => HfNames {
+                architecture: "Phi3ForCausalLM",
+                model_type: "phi3",
+                qkv: HfQkv::Stacked("self_attn.qkv_proj"),
+                fc1: HfFc1::Whole("mlp.gate_up_proj"),
+                ..LLAMA
+            },
+            ModelFamily::Starcoder2 => HfNames {
+                architecture: "Starcoder2ForCausalLM",
+                model_type: "starcoder2",
+                fc1: HfFc1::Whole("mlp.c_fc"),
+                linear_fc2: "mlp.c_proj",
+                ..LLAMA
+            },
+            ModelFamily::Falcon => FALCON,
+            ModelFamily::Bloom => HfNames {
+                architecture: "BloomForCausalLM",
+                model_type: "bloom",
+                embedding_layernorm: Some("transformer.word_embeddings_layernorm"),
+                pre_mlp_layernorm: Some("post_attention_layernorm"),
+                ..FALCON
+            },
         }
+    }
+}
+
+impl HfNames {
+    /// Checks that the family has an HF tensor for every module `c` declares, and the MLP
+    /// layout `c` asks for.
+    ///
+    /// # Errors
+    /// The first config switch the family's HF layout cannot hold, naming the field.
+    pub fn check_expresses(&self, c: &TransformerConfig) -> Result<()> {
+        let arch = self.architecture;
+        let missing = |field: &str, what: &str| {
+            Err(field_error(field, format!("{arch} has no {what} tensor")))
+        };
+        let pre_norms = !c.post_sublayer_norm;
+        if pre_norms && self.input_layernorm.is_none() {
+            return missing("post_sublayer_norm", "input_layernorm");
+        }
+        if pre_norms && !c.parallel_attention_mlp && self.pre_mlp_layernorm.is_none() {
+            return missing("parallel_attention_mlp", "pre-MLP norm");
+        }
+        if c.post_sublayer_norm
+            && (self.post_self_attn_layernorm.is_none() || self.post_mlp_layernorm.is_none())
+        {
+            return missing("post_sublayer_norm", "post-sublayer norm");
+        }
+        if c.qk_layernorm && self.qk_layernorm.is_none() {
+            return missing("qk_layernorm", "q/k norm");
+        }
+        if c.embedding_layernorm && self.embedding_layernorm.is_none() {
+            return missing("embedding_layernorm", "embedding norm");
+        }
+        if let HfFc1::Gated { .. } = self.fc1
+            && !c.gated_linear_unit
+        {
+            return Err(field_error(
+                "gated_linear_unit",
+                format!("{arch} stores a gated MLP (gate and up projections)"),
+            ));
+        }
+        Ok(())
     }
 }

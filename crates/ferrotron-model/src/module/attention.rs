@@ -3,18 +3,22 @@
 
 use super::decl::{Declarer, Init};
 use super::linear::{LinearParams, LinearSpec, Parallel, block};
-use crate::TransformerConfig;
+use super::norm::{Norm, NormSpec};
 use crate::families::HfQkv;
+use crate::{TpSplit, TransformerConfig};
 
 /// The parameters of one layer's self-attention.
 ///
 /// `linear_qkv: [g·(a/g + 2)·d, h]` packs, per query group, its `a/g` query heads, then its
 /// key head, then its value head (Megatron's layout, so tensor parallelism splits whole
 /// groups; HF's `q_proj` / `k_proj` / `v_proj` rows interleaved per group);
-/// `linear_proj: [h, a·d]` (HF `o_proj`).
+/// `linear_proj: [h, a·d]` (HF `o_proj`). Under `qk_layernorm`, `q_layernorm: [a·d]` and
+/// `k_layernorm: [g·d]` (OLMo2's `q_norm` / `k_norm`, split with their heads).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SelfAttention {
     pub linear_qkv: LinearParams,
+    pub q_layernorm: Option<Norm>,
+    pub k_layernorm: Option<Norm>,
     pub linear_proj: LinearParams,
 }
 
@@ -34,7 +38,7 @@ impl SelfAttention {
         let groups = |offset: usize, len: usize| {
             (0..g)
                 .map(|gi| gi * stride + offset..gi * stride + offset + len)
-                .collect()
+                .collect::<Vec<_>>()
         };
         let linear_qkv = LinearParams::declare(
             d,
@@ -51,9 +55,34 @@ impl SelfAttention {
                         (d.hf_layer(layer, k), groups(q_rows, dh)),
                         (d.hf_layer(layer, v), groups(q_rows + dh, dh)),
                     ],
+                    HfQkv::Stacked(qkv) => {
+                        let mut rows = groups(0, q_rows);
+                        rows.extend(groups(q_rows, dh));
+                        rows.extend(groups(q_rows + dh, dh));
+                        vec![(d.hf_layer(layer, qkv), rows)]
+                    }
+                    HfQkv::Grouped(qkv) => vec![(d.hf_layer(layer, qkv), block(0..c.qkv_size()))],
                 },
             },
         );
+        let [q_layernorm, k_layernorm] = match (c.qk_layernorm, d.hf.qk_layernorm) {
+            (true, Some(hf)) => [
+                ("q_layernorm", hf[0], a * dh),
+                ("k_layernorm", hf[1], g * dh),
+            ]
+            .map(|(name, hf, width)| {
+                let (mg, hf) = (format!("{mg}.{name}"), d.hf_layer(layer, hf));
+                let spec = NormSpec {
+                    mg: &mg,
+                    hf: &hf,
+                    layer: Some(layer),
+                    width,
+                    split: TpSplit::Rows { parts: 1 },
+                };
+                Some(Norm::declare(d, spec))
+            }),
+            _ => [None, None],
+        };
         let linear_proj = LinearParams::declare(
             d,
             LinearSpec {
@@ -68,6 +97,8 @@ impl SelfAttention {
         );
         SelfAttention {
             linear_qkv,
+            q_layernorm,
+            k_layernorm,
             linear_proj,
         }
     }

@@ -108,14 +108,13 @@ impl ParamDecl {
     }
 
     /// Whether pipeline stage `stage` of `stages`, holding `layers`, stores it: layers on
-    /// their stage, the embedding on the first stage, the final norm and output layer on
-    /// the last (a tied model's last-stage embedding copy is a replica, stored by stage 0).
+    /// their stage, the embedding (and its norm) on the first stage, the final norm and
+    /// output layer on the last (a tied model's last-stage embedding copy is a replica,
+    /// stored by stage 0).
     pub fn on_stage(&self, stage: usize, stages: usize, layers: &Range<usize>) -> bool {
         match self.layer {
             Some(l) => layers.contains(&l),
-            None if self.role == ParamRole::Embedding && self.name.starts_with("embedding.") => {
-                stage == 0
-            }
+            None if self.name.starts_with("embedding.") => stage == 0,
             None => stage + 1 == stages,
         }
     }

@@ -1,25 +1,32 @@
-//! One decoder layer's parameters (Megatron-Core `TransformerLayer` with the LLaMA spec):
-//! `input_layernorm`, self-attention, `pre_mlp_layernorm`, MLP.
+//! One decoder layer's parameters (Megatron-Core `TransformerLayer`): its norms (which exist
+//! as the config's switches say), self-attention and the MLP.
 
 use std::ops::Range;
 
 use super::attention::SelfAttention;
-use super::decl::{Declarer, ParamId};
+use super::decl::Declarer;
 use super::mlp::Mlp;
-use super::norm::declare_norm;
+use super::norm::Norm;
 
 /// Where one decoder layer's parameters sit in the model's table. The layer computes
-/// `x += proj(attn(rope(qkv(norm1(x)))))`, then `x += mlp(norm2(x))`.
+/// `x += proj(attn(rope(qkv(norm1(x)))))`, then `x += mlp(norm2(x))` — or, under
+/// `parallel_attention_mlp`, `x += attn(norm1(x)) + mlp(norm1(x))`; under
+/// `post_sublayer_norm`, `x += norm1'(attn(x))`, `x += norm2'(mlp(x))`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransformerLayer {
     /// Global index of the layer in the full model.
     pub number: usize,
-    /// `[h]` (HF `input_layernorm`).
-    pub input_layernorm: ParamId,
+    /// `[h]` (HF `input_layernorm`); absent under `post_sublayer_norm`.
+    pub input_layernorm: Option<Norm>,
     pub self_attention: SelfAttention,
-    /// `[h]` (HF `post_attention_layernorm`).
-    pub pre_mlp_layernorm: ParamId,
+    /// `[h]` on attention's output (OLMo2's `post_attention_layernorm`).
+    pub post_self_attn_layernorm: Option<Norm>,
+    /// `[h]` (HF `post_attention_layernorm`); absent under parallel attention or
+    /// `post_sublayer_norm`.
+    pub pre_mlp_layernorm: Option<Norm>,
     pub mlp: Mlp,
+    /// `[h]` on the MLP's output (OLMo2's `post_feedforward_layernorm`).
+    pub post_mlp_layernorm: Option<Norm>,
     /// The layer's parameters: a contiguous run of the table.
     pub params: Range<usize>,
 }
@@ -28,20 +35,40 @@ impl TransformerLayer {
     /// Declares the parameters of global layer `number`.
     pub(crate) fn declare(d: &mut Declarer<'_>, number: usize) -> TransformerLayer {
         let start = d.len();
-        let mg = format!("decoder.layers.{number}");
-        let layer = Some(number);
-        let hf = d.hf_layer(number, d.hf.input_layernorm);
-        let input_layernorm = declare_norm(d, &format!("{mg}.input_layernorm"), &hf, layer);
+        let c = d.c;
+        let (pre, post) = (!c.post_sublayer_norm, c.post_sublayer_norm);
+        let norm = |d: &mut Declarer<'_>, mg: &str, hf: Option<&str>, present: bool| {
+            let hf = hf.filter(|_| present)?;
+            let hf = d.hf_layer(number, hf);
+            let mg = format!("decoder.layers.{number}.{mg}");
+            Some(Norm::declare_hidden(d, &mg, &hf, Some(number)))
+        };
+        let names = d.hf;
+        let input_layernorm = norm(d, "input_layernorm", names.input_layernorm, pre);
         let self_attention = SelfAttention::declare(d, number);
-        let hf = d.hf_layer(number, d.hf.pre_mlp_layernorm);
-        let pre_mlp_layernorm = declare_norm(d, &format!("{mg}.pre_mlp_layernorm"), &hf, layer);
+        let post_self_attn_layernorm = norm(
+            d,
+            "post_self_attn_layernorm",
+            names.post_self_attn_layernorm,
+            post,
+        );
+        let separate_mlp_norm = pre && !c.parallel_attention_mlp;
+        let pre_mlp_layernorm = norm(
+            d,
+            "pre_mlp_layernorm",
+            names.pre_mlp_layernorm,
+            separate_mlp_norm,
+        );
         let mlp = Mlp::declare(d, number);
+        let post_mlp_layernorm = norm(d, "post_mlp_layernorm", names.post_mlp_layernorm, post);
         TransformerLayer {
             number,
             input_layernorm,
             self_attention,
+            post_self_attn_layernorm,
             pre_mlp_layernorm,
             mlp,
+            post_mlp_layernorm,
             params: start..d.len(),
         }
     }

@@ -3,7 +3,7 @@
 
 use super::decl::{Declarer, ParamDecl, ParamId, ParamRole};
 use super::layer::TransformerLayer;
-use super::norm::{declare_norm, declare_vocab_table};
+use super::norm::{Norm, declare_vocab_table};
 use crate::TransformerConfig;
 
 /// Which part of the model a layout covers (Megatron-Core `GPTModel(pre_process,
@@ -37,10 +37,12 @@ pub struct ModelLayout {
     decls: Vec<ParamDecl>,
     /// `[v, h]` (HF `model.embed_tokens`).
     pub embedding: Option<ParamId>,
+    /// `[h]` norm of the embeddings (Bloom's `word_embeddings_layernorm`; first stage).
+    pub embedding_layernorm: Option<Norm>,
     /// The decoder layers held, in order.
     pub layers: Vec<TransformerLayer>,
-    /// `[h]` (HF `model.norm`).
-    pub final_layernorm: Option<ParamId>,
+    /// `[h]` (HF `model.norm`); set on the last stage.
+    pub final_layernorm: Option<Norm>,
     /// `[v, h]`, untied models only (HF `lm_head`).
     pub output_layer: Option<ParamId>,
 }
@@ -57,14 +59,21 @@ impl ModelLayout {
             let name = format!("{}.weight", hf.embedding);
             declare_vocab_table(&mut d, "embedding.word_embeddings.weight", &name)
         });
+        let embedding_layernorm =
+            match hf.embedding_layernorm {
+                Some(name) if part.pre_process && c.embedding_layernorm => Some(
+                    Norm::declare_hidden(&mut d, "embedding.word_embeddings_layernorm", name, None),
+                ),
+                _ => None,
+            };
         let layers = part
             .layer_ids
             .iter()
             .map(|&i| TransformerLayer::declare(&mut d, i))
             .collect();
-        let final_layernorm = part
-            .post_process
-            .then(|| declare_norm(&mut d, "decoder.final_layernorm", hf.final_layernorm, None));
+        let final_layernorm = part.post_process.then(|| {
+            Norm::declare_hidden(&mut d, "decoder.final_layernorm", hf.final_layernorm, None)
+        });
         let output_layer = (part.post_process && !tied).then(|| {
             let name = format!("{}.weight", hf.output_layer);
             declare_vocab_table(&mut d, "output_layer.weight", &name)
@@ -72,6 +81,7 @@ impl ModelLayout {
         ModelLayout {
             decls: d.finish(),
             embedding,
+            embedding_layernorm,
             layers,
             final_layernorm,
             output_layer,

@@ -1,12 +1,13 @@
-//! The MLP's parameters (Megatron-Core `MLP` with `gated_linear_unit`, the LLaMA SwiGLU):
-//! `linear_fc1` packing gate and up rows, and `linear_fc2`.
+//! The MLP's parameters (Megatron-Core `MLP`): `linear_fc1` (packing gate and up rows under
+//! `gated_linear_unit`, the LLaMA SwiGLU / Gemma GeGLU), and `linear_fc2`.
 
 use super::decl::{Declarer, Init};
 use super::linear::{LinearParams, LinearSpec, Parallel, block};
 use crate::families::HfFc1;
 
 /// The parameters of one layer's MLP: `linear_fc1: [2f, h]` (gate rows then up rows; HF
-/// `gate_proj`, `up_proj`), `linear_fc2: [h, f]` (HF `down_proj`).
+/// `gate_proj`, `up_proj`) when gated, else `[f, h]` (HF `c_fc`, `dense_h_to_4h`);
+/// `linear_fc2: [h, f]` (HF `down_proj`, `c_proj`, `dense_4h_to_h`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mlp {
     pub linear_fc1: LinearParams,
@@ -24,8 +25,10 @@ impl Mlp {
             LinearSpec {
                 name: format!("{mg}.linear_fc1"),
                 layer,
-                shape: [2 * f, h],
-                parallel: Parallel::Column { parts: 2 },
+                shape: [c.fc1_size(), h],
+                parallel: Parallel::Column {
+                    parts: if c.gated_linear_unit { 2 } else { 1 },
+                },
                 bias: c.add_mlp_bias,
                 init: Init::Normal,
                 hf: match d.hf.fc1 {
@@ -33,6 +36,7 @@ impl Mlp {
                         (d.hf_layer(layer, gate), block(0..f)),
                         (d.hf_layer(layer, up), block(f..2 * f)),
                     ],
+                    HfFc1::Whole(fc1) => vec![(d.hf_layer(layer, fc1), block(0..c.fc1_size()))],
                 },
             },
         );

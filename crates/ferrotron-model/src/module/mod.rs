@@ -32,3 +32,4 @@ pub use layer::TransformerLayer;
 pub use layout::{ModelLayout, ModelPart};
 pub use linear::LinearParams;
 pub use mlp::Mlp;
+pub use norm::Norm;

@@ -7,16 +7,17 @@
 use super::core_attention::{CoreAttnOut, attention_dims};
 use super::forward::{Activations, LayerActs, Pass, Saved, f32_bytes, usize_bytes};
 use super::memory::Ledger;
+use super::norm::{NormLayer, NormStats};
 use super::tp_ops::{column_input_backward, row_parallel_output_grad};
 use super::{GradReady, TrainBatch};
-use crate::module::{LinearParams, TransformerLayer, pack_qkv};
+use crate::module::{LinearParams, Norm, TransformerLayer, pack_qkv};
 use crate::{GptModel, Result};
-use ferrotron_nn::RmsNorm;
 use ferrotron_nn::attention::core_attention_backward;
 use ferrotron_tensor::gemm::{Op, matmul_weight, sgemm};
 use ferrotron_tensor::ops::{
-    add_bias_backward, add_inplace, rms_norm_backward, swiglu_packed_backward,
+    activation_backward, add_bias_backward, add_inplace, glu_packed_backward,
 };
+use std::borrow::Cow;
 
 /// The running state of one backward pass, shared by every layer.
 pub(crate) struct Backprop<'g, 'p> {
@@ -51,18 +52,19 @@ impl GptModel {
     ) -> Result<Option<Vec<f32>>> {
         let Activations {
             part,
+            embedding,
             saved,
             positions,
             x_final,
-            rstd_final,
+            final_stats,
             normed_final,
             dlogits,
         } = acts;
         let c = self.local_config();
-        let dres = if part.post_process {
+        let dres = if let Some(final_stats) = final_stats {
             let head = Head {
                 x_final,
-                rstd_final,
+                final_stats,
                 normed_final,
                 dlogits,
             };
@@ -105,13 +107,23 @@ impl GptModel {
         if !part.pre_process {
             return Ok(Some(st.dres));
         }
-        let emb = self
-            .layout()
+        if let Some((e, stats)) = &embedding {
+            st.ledger.release(f32_bytes(e) + stats.bytes());
+        }
+        self.embed_forward_backward(&batch.tokens, embedding, &st.dres, st.grads)?;
+        let layout = self.layout();
+        let first: Vec<usize> = layout
             .embedding
-            .expect("the first stage holds the embedding")
-            .index();
-        self.embed_train_backward(&batch.tokens, &st.dres, st.grads[emb])?;
-        st.ready.ready(&[emb], st.grads);
+            .into_iter()
+            .chain(
+                layout
+                    .embedding_layernorm
+                    .iter()
+                    .flat_map(|n| n.param_ids()),
+            )
+            .map(|id| id.index())
+            .collect();
+        st.ready.ready(&first, st.grads);
         Ok(None)
     }
 
@@ -127,7 +139,7 @@ impl GptModel {
     ) -> Result<Vec<f32>> {
         let Head {
             x_final,
-            rstd_final,
+            final_stats,
             normed_final,
             dlogits,
         } = head;
@@ -165,24 +177,26 @@ impl GptModel {
         ledger.release(f32_bytes(&dlogits) + f32_bytes(&normed_final));
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
-        let norm_id = layout
+        let norm = layout
             .final_layernorm
             .expect("the last stage holds the final norm");
-        let norm_slot = norm_id.index();
         let mut dres = vec![0f32; x_final.len()];
-        norm_backward(
-            &self.norm(norm_id),
+        NormLayer::new(self, norm).backward(
             &x_final,
-            &rstd_final,
+            h,
+            &final_stats,
             &dnormed,
             &mut dres,
-            grads[norm_slot],
-        );
-        ledger.release(f32_bytes(&x_final) + f32_bytes(&rstd_final));
-        match layout.output_layer {
-            Some(out) => ready.ready(&[out.index(), norm_slot], grads),
-            None => ready.ready(&[norm_slot], grads),
-        }
+            grads,
+        )?;
+        ledger.release(f32_bytes(&x_final) + final_stats.bytes());
+        let done: Vec<usize> = layout
+            .output_layer
+            .into_iter()
+            .chain(norm.param_ids())
+            .map(|id| id.index())
+            .collect();
+        ready.ready(&done, grads);
         Ok(dres)
     }
 }
@@ -190,7 +204,7 @@ impl GptModel {
 /// The last stage's saved head activations.
 struct Head {
     x_final: Vec<f32>,
-    rstd_final: Vec<f32>,
+    final_stats: NormStats,
     normed_final: Vec<f32>,
     dlogits: Vec<f32>,
 }
@@ -209,10 +223,7 @@ pub(crate) fn layer_backward(
     pass: &Pass<'_>,
     st: &mut Backprop<'_, '_>,
 ) -> Result<()> {
-    let (c, model) = (pass.c, pass.model);
-    let (a, g, f) = (c.num_attention_heads, c.num_query_groups, c.ffn_hidden_size);
-    let rows = pass.positions.len();
-    let h = c.hidden_size;
+    let h = pass.c.hidden_size;
     let Backprop {
         dres,
         scratch,
@@ -220,10 +231,129 @@ pub(crate) fn layer_backward(
         ledger,
         ..
     } = st;
-    // MLP: y = x_mid + fc2(swiglu(fc1(norm2(x_mid)))).
-    let dy = row_parallel_output_grad(pass.tp, dres)?;
+    // MLP: y = x_mid + post_mlp(fc2(act(fc1(mlp_in)))) (x + attn + mlp under parallel attention).
+    let dmlp_out = post_norm_backward(pass, layer.post_mlp_layernorm, &la.post_mlp, dres, grads)?;
+    let mlp_in = la.mlp_in.as_ref().unwrap_or(&la.attn_in);
+    let dmlp_in = mlp_backward(layer, la, &mlp_in.f32(), pass, &dmlp_out, grads)?;
+    drop(dmlp_out);
+    let dattn_in_extra = if pass.c.parallel_attention_mlp {
+        Some(dmlp_in)
+    } else {
+        let dmlp_in = column_input_backward(pass.tp, dmlp_in)?;
+        input_norm_backward(
+            pass,
+            layer.pre_mlp_layernorm,
+            &la.x_mid,
+            la.norm2.as_ref(),
+            &dmlp_in,
+            dres,
+            scratch,
+            grads,
+        )?;
+        None
+    };
+    // Attention: x_mid = x + post_attn(proj(attn(rope(qk_norm(qkv(attn_in)))))).
+    let dattn_out = post_norm_backward(
+        pass,
+        layer.post_self_attn_layernorm,
+        &la.post_attn,
+        dres,
+        grads,
+    )?;
+    let mut dattn_in = attention_backward(layer, la, pass, &dattn_out, grads, ledger)?;
+    drop(dattn_out);
+    if let Some(d) = dattn_in_extra {
+        add_inplace(&mut dattn_in, &d);
+    }
+    let dattn_in = column_input_backward(pass.tp, dattn_in)?;
+    input_norm_backward(
+        pass,
+        layer.input_layernorm,
+        &la.x,
+        la.norm1.as_ref(),
+        &dattn_in,
+        dres,
+        scratch,
+        grads,
+    )?;
+    debug_assert_eq!(dres.len() % h, 0);
+    Ok(())
+}
+
+/// The gradient of a sublayer's output before its post-norm, from `dres` (the gradient of
+/// what the sublayer added to the residual stream, local rows); `dres` itself without one.
+fn post_norm_backward<'d>(
+    pass: &Pass<'_>,
+    norm: Option<Norm>,
+    saved: &Option<(Vec<f32>, NormStats)>,
+    dres: &'d [f32],
+    grads: &mut [&mut [f32]],
+) -> Result<Cow<'d, [f32]>> {
+    match (norm, saved) {
+        (Some(n), Some((out, stats))) => {
+            let mut d = vec![0f32; dres.len()];
+            NormLayer::new(pass.model, n).backward(
+                out,
+                pass.c.hidden_size,
+                stats,
+                dres,
+                &mut d,
+                grads,
+            )?;
+            Ok(Cow::Owned(d))
+        }
+        _ => Ok(Cow::Borrowed(dres)),
+    }
+}
+
+/// Adds to `dres` the gradient through a sublayer's input: its pre-norm's backward over the
+/// residual `x` for `dinput` (local rows), or `dinput` itself when the sublayer reads the
+/// residual stream directly.
+#[allow(clippy::too_many_arguments)]
+fn input_norm_backward(
+    pass: &Pass<'_>,
+    norm: Option<Norm>,
+    x: &[f32],
+    stats: Option<&NormStats>,
+    dinput: &[f32],
+    dres: &mut [f32],
+    scratch: &mut [f32],
+    grads: &mut [&mut [f32]],
+) -> Result<()> {
+    match (norm, stats) {
+        (Some(n), Some(stats)) => {
+            NormLayer::new(pass.model, n).backward(
+                x,
+                pass.c.hidden_size,
+                stats,
+                dinput,
+                scratch,
+                grads,
+            )?;
+            add_inplace(dres, scratch);
+        }
+        _ => add_inplace(dres, dinput),
+    }
+    Ok(())
+}
+
+/// The MLP's backward from `dout` (gradient of `linear_fc2`'s output, local rows) to the
+/// gradient of its input `[rows, h]` (all rows, a partial sum on each tensor-parallel rank).
+fn mlp_backward(
+    layer: &TransformerLayer,
+    la: &LayerActs,
+    mlp_in: &[f32],
+    pass: &Pass<'_>,
+    dout: &[f32],
+    grads: &mut [&mut [f32]],
+) -> Result<Vec<f32>> {
+    let c = pass.c;
+    let (h, f) = (c.hidden_size, c.ffn_hidden_size);
+    let rows = pass.positions.len();
+    let dy = row_parallel_output_grad(pass.tp, dout)?;
     let mut dact = vec![0f32; rows * f];
     let fc2 = layer.mlp.linear_fc2;
+    let model = pass.model;
     linear_backward(
         model,
         fc2.without_bias(),
@@ -233,55 +363,78 @@ pub(crate) fn layer_backward(
         grads,
     );
     if let Some(b) = fc2.bias {
-        add_bias_backward(dres, grads[b.index()]);
+        add_bias_backward(dout, grads[b.index()]);
     }
     drop(dy);
-    let mut dfc1 = vec![0f32; rows * 2 * f];
-    swiglu_packed_backward(&la.fc1.f32(), &dact, &mut dfc1, f);
+    let mut dfc1 = vec![0f32; rows * c.fc1_size()];
+    if c.gated_linear_unit {
+        glu_packed_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1, f);
+    } else {
+        activation_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1);
+    }
     drop(dact);
-    let mut dnorm2 = vec![0f32; rows * h];
+    let mut dinput = vec![0f32; rows * h];
     linear_backward(
         model,
         layer.mlp.linear_fc1,
-        &la.norm2.f32(),
+        mlp_in,
         &dfc1,
-        &mut dnorm2,
+        &mut dinput,
         grads,
     );
-    drop(dfc1);
-    let dnorm2 = column_input_backward(pass.tp, dnorm2)?;
-    let n2 = layer.pre_mlp_layernorm;
-    let dn2 = &mut *grads[n2.index()];
-    norm_backward(&model.norm(n2), &la.x_mid, &la.rstd2, &dnorm2, scratch, dn2);
-    add_inplace(dres, scratch);
-    // Attention: x_mid = x + proj(attn(rope(qkv(norm1(x))))).
-    let dy = row_parallel_output_grad(pass.tp, dres)?;
+    Ok(dinput)
+}
+
+/// Attention's backward from `dout` (gradient of `linear_proj`'s output, local rows) to the
+/// gradient of its input `[rows, h]` (all rows, a partial sum on each tensor-parallel rank).
+fn attention_backward(
+    layer: &TransformerLayer,
+    la: &LayerActs,
+    pass: &Pass<'_>,
+    dout: &[f32],
+    grads: &mut [&mut [f32]],
+    ledger: &mut Ledger,
+) -> Result<Vec<f32>> {
+    let c = pass.c;
+    let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
+    let rows = pass.positions.len();
+    let sa = &layer.self_attention;
+    let dy = row_parallel_output_grad(pass.tp, dout)?;
     let [mut dq, mut dk, dv] =
         core_attention_and_proj_backward(layer, la, pass, &dy, grads, ledger);
     drop(dy);
-    if let Some(b) = layer.self_attention.linear_proj.bias {
-        add_bias_backward(dres, grads[b.index()]);
+    if let Some(b) = sa.linear_proj.bias {
+        add_bias_backward(dout, grads[b.index()]);
     }
-    pass.rope.apply_inverse(&mut dq, pass.positions, a);
-    pass.rope.apply_inverse(&mut dk, pass.positions, g);
+    if let Some(rope) = pass.rope {
+        rope.apply_inverse(&mut dq, pass.positions, a);
+        rope.apply_inverse(&mut dk, pass.positions, g);
+    }
+    if let (Some(qk), Some(qn), Some(kn)) = (&la.qk_norm, sa.q_layernorm, sa.k_layernorm) {
+        let model = pass.model;
+        let full = model.config();
+        let (qw, kw) = (full.num_attention_heads * d, full.num_query_groups * d);
+        let mut dq_in = vec![0f32; dq.len()];
+        let mut dk_in = vec![0f32; dk.len()];
+        let qn = NormLayer::new(model, qn).spanning(pass.tp, qw);
+        qn.backward(&qk.q, a * d, &qk.q_stats, &dq, &mut dq_in, grads)?;
+        let kn = NormLayer::new(model, kn).spanning(pass.tp, kw);
+        kn.backward(&qk.k, g * d, &qk.k_stats, &dk, &mut dk_in, grads)?;
+        (dq, dk) = (dq_in, dk_in);
+    }
     let mut dqkv = vec![0f32; rows * c.qkv_size()];
     pack_qkv(&dq, &dk, &dv, c, &mut dqkv);
     drop((dq, dk, dv));
-    let mut dnorm1 = vec![0f32; rows * h];
+    let mut dinput = vec![0f32; rows * c.hidden_size];
     linear_backward(
-        model,
-        layer.self_attention.linear_qkv,
-        &la.norm1.f32(),
+        pass.model,
+        sa.linear_qkv,
+        &la.attn_in.f32(),
         &dqkv,
-        &mut dnorm1,
+        &mut dinput,
         grads,
     );
-    let dnorm1 = column_input_backward(pass.tp, dnorm1)?;
-    let n1 = layer.input_layernorm;
-    let dn1 = &mut *grads[n1.index()];
-    norm_backward(&model.norm(n1), &la.x, &la.rstd1, &dnorm1, scratch, dn1);
-    add_inplace(dres, scratch);
-    Ok(())
+    Ok(dinput)
 }
 
 /// `linear_proj` (without its bias) and core attention backward: returns `[dq, dk, dv]`
@@ -366,16 +519,4 @@ fn linear_backward(
     if let Some(b) = p.bias {
         add_bias_backward(dy, grads[b.index()]);
     }
-}
-
-/// RMSNorm backward: **overwrites** `dx`, **accumulates** the gain gradient.
-fn norm_backward(
-    norm: &RmsNorm<'_>,
-    x: &[f32],
-    rstd: &[f32],
-    dy: &[f32],
-    dx: &mut [f32],
-    dweight: &mut [f32],
-) {
-    rms_norm_backward(x, norm.weight(), rstd, dy, dx, dweight);
 }

@@ -9,16 +9,17 @@
 use super::TrainBatch;
 use super::core_attention::{CoreAttnOut, KeysValues};
 use super::memory::Ledger;
+use super::norm::{NormLayer, NormStats};
 use super::recompute::Keep;
 use super::stored::{Kept, Stored, element_bytes};
 use super::tp_ops::{column_input, row_parallel_forward};
-use crate::module::{TransformerLayer, split_qkv};
+use crate::module::{Norm, TransformerLayer, split_qkv};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig};
 use ferrotron_nn::attention::DocumentStarts;
 use ferrotron_tensor::DType;
 use ferrotron_tensor::gemm::matmul_weight_t;
-use ferrotron_tensor::ops::{RopeTable, add_inplace, rms_norm, swiglu_packed};
+use ferrotron_tensor::ops::{RopeTable, activation, add_inplace, glu_packed};
 use std::ops::Range;
 
 /// What every layer of one training pass shares: the config, the rotary tables, the position
@@ -28,7 +29,8 @@ pub(crate) struct Pass<'a> {
     pub model: &'a GptModel,
     /// The sizes this rank computes with.
     pub c: &'a TransformerConfig,
-    pub rope: &'a RopeTable,
+    /// The rotary tables (`None` under ALiBi).
+    pub rope: Option<&'a RopeTable>,
     /// Rotary position of each row `[rows]`.
     pub positions: &'a [usize],
     /// New tokens per sequence `s`.
@@ -92,17 +94,21 @@ impl<'a> Pass<'a> {
     }
 }
 
-/// What one decoder layer's backward needs, all over `rows = s·b` tokens in `[s, b]` order.
-/// q and k are saved **after** rotary embedding (what core attention consumed); the backward
-/// rotates their gradients back with [`RopeTable::apply_inverse`].
+/// What one decoder layer's backward needs, all over `rows = s·b` tokens in `[s, b]` order
+/// ("local rows" are this rank's residual-stream rows: all rows without sequence
+/// parallelism). q and k are saved **after** rotary embedding (what core attention
+/// consumed); the backward rotates their gradients back with [`RopeTable::apply_inverse`].
 pub(crate) struct LayerActs {
     /// Layer input (residual stream) `[local rows, h]`.
     pub x: Vec<f32>,
-    /// `1/rms` of `x` per row `[local rows]`.
-    pub rstd1: Vec<f32>,
-    /// `input_layernorm(x)` `[rows, h]` (input of `linear_qkv`; all rows, gathered under
-    /// sequence parallelism).
-    pub norm1: Stored,
+    /// `input_layernorm`'s statistics over `x` (absent under post-sublayer norms).
+    pub norm1: Option<NormStats>,
+    /// Input of `linear_qkv` `[rows, h]`: `input_layernorm(x)` (`x` itself under
+    /// post-sublayer norms), all rows (gathered under sequence parallelism). Under parallel
+    /// attention also the MLP's input.
+    pub attn_in: Stored,
+    /// The q/k norms' inputs and statistics (`qk_layernorm`).
+    pub qk_norm: Option<QkNormActs>,
     /// Queries after rope `[rows, a, d]`.
     pub q: Stored,
     /// Keys after rope `[rows, g, d]`.
@@ -111,50 +117,100 @@ pub(crate) struct LayerActs {
     pub v: Stored,
     /// Core attention's output; `None` under selective recompute (recomputed in the backward).
     pub core_attn: Option<CoreAttnOut>,
-    /// Residual stream after attention `[local rows, h]`.
+    /// Attention's output `[local rows, h]` before `post_self_attn_layernorm`, and that
+    /// norm's statistics (post-sublayer norms).
+    pub post_attn: Option<(Vec<f32>, NormStats)>,
+    /// Residual stream after attention `[local rows, h]` (empty under parallel attention).
     pub x_mid: Vec<f32>,
-    /// `1/rms` of `x_mid` `[local rows]`.
-    pub rstd2: Vec<f32>,
-    /// `pre_mlp_layernorm(x_mid)` `[rows, h]` (input of `linear_fc1`, all rows).
-    pub norm2: Stored,
-    /// `linear_fc1` output `[rows, 2f]` (rows `[gate | up]`).
+    /// `pre_mlp_layernorm`'s statistics over `x_mid`.
+    pub norm2: Option<NormStats>,
+    /// Input of `linear_fc1` `[rows, h]`, all rows; `None` under parallel attention (the
+    /// MLP reads `attn_in`).
+    pub mlp_in: Option<Stored>,
+    /// `linear_fc1` output `[rows, 2f]` (rows `[gate | up]`) gated, `[rows, f]` otherwise.
     pub fc1: Stored,
-    /// SwiGLU output `[rows, f]` (input of `linear_fc2`).
+    /// The activation's output `[rows, f]` (input of `linear_fc2`).
     pub act: Stored,
+    /// The MLP's output `[local rows, h]` before `post_mlp_layernorm`, and that norm's
+    /// statistics.
+    pub post_mlp: Option<(Vec<f32>, NormStats)>,
+}
+
+/// The q/k norms' inputs: `linear_qkv`'s queries `[rows, a·d]` and keys `[rows, g·d]` (f32),
+/// with the statistics of each norm.
+pub(crate) struct QkNormActs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub q_stats: NormStats,
+    pub k_stats: NormStats,
 }
 
 impl LayerActs {
     /// Bytes held (core attention's output included when kept).
     pub(crate) fn bytes(&self) -> u128 {
-        let wide = [&self.x, &self.rstd1, &self.x_mid, &self.rstd2];
         let stored = [
-            &self.norm1,
+            &self.attn_in,
             &self.q,
             &self.k,
             &self.v,
-            &self.norm2,
             &self.fc1,
             &self.act,
         ];
-        wide.iter().map(|t| f32_bytes(t)).sum::<u128>()
+        let stats = [&self.norm1, &self.norm2];
+        let post = [&self.post_attn, &self.post_mlp];
+        f32_bytes(&self.x)
+            + f32_bytes(&self.x_mid)
             + stored.iter().map(|t| t.bytes()).sum::<u128>()
+            + self.mlp_in.as_ref().map_or(0, Stored::bytes)
+            + stats
+                .iter()
+                .flat_map(|s| s.as_ref())
+                .map(NormStats::bytes)
+                .sum::<u128>()
+            + post
+                .iter()
+                .flat_map(|p| p.as_ref())
+                .map(|(o, s)| f32_bytes(o) + s.bytes())
+                .sum::<u128>()
+            + self.qk_norm.as_ref().map_or(0, |n| {
+                f32_bytes(&n.q) + f32_bytes(&n.k) + n.q_stats.bytes() + n.k_stats.bytes()
+            })
             + self.core_attn.as_ref().map_or(0, CoreAttnOut::bytes)
     }
 
-    /// Bytes [`layer_forward`] saves per token, core attention's output excluded: f32
-    /// `x, x_mid` (`2h`) and `rstd1, rstd2` (2); `norm1, norm2` (`2h`), `q, k, v`
-    /// (`(a + 2g)·d`) and `fc1, act` (`3f`) in bf16 when `narrow`, f32 otherwise (in u128, so
-    /// no config overflows).
+    /// Bytes [`layer_forward`] saves per token, core attention's output excluded: f32 `x`
+    /// (`h`), `x_mid` (`h`, unless parallel attention), each norm's statistics
+    /// ([`NormStats::bytes_per_row`]), post-sublayer norm inputs (`2h`) and q/k norm inputs
+    /// (`(a + g)·d`); in the saved dtype (bf16 when `narrow`) the linears' inputs `attn_in`
+    /// and `mlp_in` (`h` each, one under parallel attention), `q, k, v` (`(a + 2g)·d`),
+    /// `fc1` and `act`. In u128, so no config overflows.
     pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
-        let [h, a, g, d, f] = [
+        let [h, a, g, d, f, fc1] = [
             c.hidden_size,
             c.num_attention_heads,
             c.num_query_groups,
             c.kv_channels,
             c.ffn_hidden_size,
+            c.fc1_size(),
         ]
         .map(|n| n as u128);
-        4 * (2 * h + 2) + element_bytes(narrow) * (2 * h + (a + 2 * g) * d + 3 * f)
+        let (copies, norms) = match (c.post_sublayer_norm, c.parallel_attention_mlp) {
+            (true, _) => (2, 2),
+            (false, true) => (1, 1),
+            (false, false) => (2, 2),
+        };
+        let stats = norms * NormStats::bytes_per_row(c.normalization);
+        let post_inputs = if c.post_sublayer_norm { 2 * 4 * h } else { 0 };
+        let qk = if c.qk_layernorm {
+            4 * (a + g) * d + 8
+        } else {
+            0
+        };
+        4 * copies * h
+            + stats
+            + post_inputs
+            + qk
+            + element_bytes(narrow) * (copies * h + (a + 2 * g) * d + fc1 + f)
     }
 
     /// The layer input alone (what a recomputed group keeps), the rest freed.
@@ -177,14 +233,17 @@ pub(crate) enum Saved {
 pub(crate) struct Activations {
     /// The model chunk the forward ran.
     pub part: ChunkPart,
+    /// The embedding norm's input `[local rows, h]` and statistics (first stage, under
+    /// `embedding_layernorm`).
+    pub embedding: Option<(Vec<f32>, NormStats)>,
     /// Per layer or recomputed group, in layer order.
     pub saved: Vec<Saved>,
     /// Rotary position of each row `[rows]`.
     pub positions: Vec<usize>,
     /// Residual stream after the last layer `[rows, h]`.
     pub x_final: Vec<f32>,
-    /// `1/rms` of `x_final` `[rows]`.
-    pub rstd_final: Vec<f32>,
+    /// The final norm's statistics over `x_final` (last stage).
+    pub final_stats: Option<NormStats>,
     /// `final_layernorm(x_final)` `[rows, h]` (input of the output layer).
     pub normed_final: Vec<f32>,
     /// Logits `[rows, v]`, turned into `∂(loss_scale·loss)/∂logits` by the loss.
@@ -208,9 +267,62 @@ impl GptModel {
         input: Option<Vec<f32>>,
         ledger: &mut Ledger,
     ) -> Result<Activations> {
+        let (x, embedding) = self.stage_input(batch, &part, input)?;
+        if let Some((e, stats)) = &embedding {
+            ledger.hold(f32_bytes(e) + stats.bytes());
+        }
+        let positions = batch.row_positions();
+        ledger.hold(usize_bytes(&positions));
+        let (saved, x) = {
+            let pass = Pass::new(self, &positions, batch);
+            self.layers_forward(&pass, &part, x, ledger)?
+        };
+        let mut acts = Activations {
+            part,
+            embedding,
+            saved,
+            positions,
+            x_final: x,
+            final_stats: None,
+            normed_final: Vec::new(),
+            dlogits: Vec::new(),
+        };
+        if !acts.part.post_process {
+            ledger.hold(f32_bytes(&acts.x_final));
+            return Ok(acts);
+        }
+        let (normed, stats) = self.final_norm(&acts.x_final)?;
+        acts.normed_final = column_input(self.tp.as_ref(), normed)?;
         let c = self.local_config();
-        let (h, v) = (c.hidden_size, c.vocab_size);
-        let rows = batch.tokens.len();
+        let (h, v, rows) = (c.hidden_size, c.vocab_size, batch.tokens.len());
+        let weight = self.output_weight()?;
+        acts.dlogits = vec![0f32; rows * v];
+        matmul_weight_t(
+            &acts.normed_final,
+            weight.weight_ref(),
+            &mut acts.dlogits,
+            rows,
+            v,
+            h,
+            false,
+        );
+        for t in [&acts.x_final, &acts.normed_final, &acts.dlogits] {
+            ledger.hold(f32_bytes(t));
+        }
+        ledger.hold(stats.bytes());
+        acts.final_stats = Some(stats);
+        Ok(acts)
+    }
+
+    /// The residual stream entering the stage: the embedding (with its norm's input and
+    /// statistics) on the first, the previous stage's output `input` after it.
+    fn stage_input(
+        &self,
+        batch: &TrainBatch,
+        part: &ChunkPart,
+        input: Option<Vec<f32>>,
+    ) -> Result<(Vec<f32>, Option<(Vec<f32>, NormStats)>)> {
+        let h = self.local_config().hidden_size;
         if let Some(tp) = &self.tp {
             tp.group.local_rows(batch.seq, batch.micro_batch)?;
             let v = self.config().vocab_size;
@@ -220,8 +332,8 @@ impl GptModel {
                 )));
             }
         }
-        let mut x = match (input, part.pre_process) {
-            (None, true) => self.embed_train(&batch.tokens)?,
+        match (input, part.pre_process) {
+            (None, true) => self.embed_forward(&batch.tokens),
             (Some(x), false) => {
                 let want = self.local_rows(batch)? * h;
                 if x.len() != want {
@@ -230,34 +342,35 @@ impl GptModel {
                         x.len()
                     )));
                 }
-                x
+                Ok((x, None))
             }
-            (Some(_), true) => {
-                return Err(crate::ModelError::Input(
-                    "the first pipeline stage takes token ids, not activations".into(),
-                ));
-            }
-            (None, false) => {
-                return Err(crate::ModelError::Input(
-                    "a later pipeline stage needs the previous stage's activations".into(),
-                ));
-            }
-        };
-        let positions = batch.row_positions();
-        ledger.hold(usize_bytes(&positions));
-        let pass = Pass::new(self, &positions, batch);
+            (Some(_), true) => Err(crate::ModelError::Input(
+                "the first pipeline stage takes token ids, not activations".into(),
+            )),
+            (None, false) => Err(crate::ModelError::Input(
+                "a later pipeline stage needs the previous stage's activations".into(),
+            )),
+        }
+    }
+
+    /// The layers of `part` over the residual stream `x`, saving what the recompute setting
+    /// keeps; returns the saved activations and the stage's output.
+    fn layers_forward(
+        &self,
+        pass: &Pass<'_>,
+        part: &ChunkPart,
+        mut x: Vec<f32>,
+        ledger: &mut Ledger,
+    ) -> Result<(Vec<Saved>, Vec<f32>)> {
         let mut saved = Vec::with_capacity(part.layers.len());
+        let c = pass.c;
         for run in c.recompute_runs_within(part.chunk.clone(), &part.layers) {
             match run.keep {
                 Keep::Each { core_attention } => {
                     for index in run.layers {
-                        let (acts, y) = layer_forward(
-                            &self.layers()[index],
-                            &pass,
-                            x,
-                            core_attention,
-                            KeysValues::Fresh,
-                        )?;
+                        let layer = &self.layers()[index];
+                        let (acts, y) =
+                            layer_forward(layer, pass, x, core_attention, KeysValues::Fresh)?;
                         ledger.hold(acts.bytes());
                         saved.push(Saved::Layer { index, acts });
                         x = y;
@@ -266,13 +379,8 @@ impl GptModel {
                 Keep::Input => {
                     let mut input = None;
                     for index in run.layers.clone() {
-                        let (acts, y) = layer_forward(
-                            &self.layers()[index],
-                            &pass,
-                            x,
-                            true,
-                            KeysValues::Fresh,
-                        )?;
+                        let layer = &self.layers()[index];
+                        let (acts, y) = layer_forward(layer, pass, x, true, KeysValues::Fresh)?;
                         if input.is_none() {
                             input = Some(acts.into_input());
                         }
@@ -288,60 +396,22 @@ impl GptModel {
                 }
             }
         }
-        if !part.post_process {
-            ledger.hold(f32_bytes(&x));
-            return Ok(Activations {
-                part,
-                saved,
-                positions,
-                x_final: x,
-                rstd_final: Vec::new(),
-                normed_final: Vec::new(),
-                dlogits: Vec::new(),
-            });
-        }
-        let local_rows = x.len() / h;
-        let mut rstd_final = vec![0f32; local_rows];
-        let mut normed_final = vec![0f32; local_rows * h];
-        let fln = self.norm(self.layout().final_layernorm.expect("the last stage"));
-        rms_norm(
-            &x,
-            fln.weight(),
-            fln.eps(),
-            &mut normed_final,
-            Some(&mut rstd_final),
-        );
-        let normed_final = column_input(pass.tp, normed_final)?;
-        let weight = self.output_weight()?;
-        let mut dlogits = vec![0f32; rows * v];
-        matmul_weight_t(
-            &normed_final,
-            weight.weight_ref(),
-            &mut dlogits,
-            rows,
-            v,
-            h,
-            false,
-        );
-        for t in [&x, &rstd_final, &normed_final, &dlogits] {
-            ledger.hold(f32_bytes(t));
-        }
-        Ok(Activations {
-            part,
-            saved,
-            positions,
-            x_final: x,
-            rstd_final,
-            normed_final,
-            dlogits,
-        })
+        Ok((saved, x))
+    }
+
+    /// `final_layernorm` over `x: [rows, h]` (last stage): the normed rows and statistics.
+    pub(crate) fn final_norm(&self, x: &[f32]) -> Result<(Vec<f32>, NormStats)> {
+        let norm = self.layout().final_layernorm.ok_or_else(|| {
+            crate::ModelError::Input("only the last pipeline stage holds the final norm".into())
+        })?;
+        NormLayer::new(self, norm).forward(x, self.local_config().hidden_size)
     }
 }
 
 /// One layer on the residual stream `x: [local rows, h]` (consumed and saved); returns the
 /// saved activations (core attention's output only when `keep_core_attention`) and the layer
 /// output. Core attention reads its keys and values as `kv` says. On a tensor-parallel shard
-/// the linears are column/row parallel: the norm outputs are all-gathered along `s` under
+/// the linears are column/row parallel: the linears' inputs are all-gathered along `s` under
 /// sequence parallelism (and saved gathered), the row-parallel outputs reduced.
 ///
 /// # Errors
@@ -354,80 +424,180 @@ pub(crate) fn layer_forward(
     kv: KeysValues<'_>,
 ) -> Result<(LayerActs, Vec<f32>)> {
     let c = pass.c;
-    let (h, a, g, d, f) = (
-        c.hidden_size,
-        c.num_attention_heads,
-        c.num_query_groups,
-        c.kv_channels,
-        c.ffn_hidden_size,
-    );
+    let (norm1, attn_in) = sublayer_input(pass, layer.input_layernorm, &x)?;
+    let (attn, out) = attention_forward(layer, pass, attn_in.values(), keep_core_attention, kv)?;
+    let (post_attn, attn_out) = sublayer_output(pass, layer.post_self_attn_layernorm, out)?;
+    let (x_mid, norm2, mlp_in) = if c.parallel_attention_mlp {
+        (Vec::new(), None, None)
+    } else {
+        let mut x_mid = x.clone();
+        add_inplace(&mut x_mid, &attn_out);
+        let (norm2, mlp_in) = sublayer_input(pass, layer.pre_mlp_layernorm, &x_mid)?;
+        (x_mid, norm2, Some(mlp_in))
+    };
+    let mlp_input = mlp_in.as_ref().unwrap_or(&attn_in).values();
+    let (fc1, act, out) = mlp_forward(layer, pass, mlp_input)?;
+    let (post_mlp, mlp_out) = sublayer_output(pass, layer.post_mlp_layernorm, out)?;
+    let y = if c.parallel_attention_mlp {
+        // HF Falcon: `mlp_output += attention_output; output = mlp_output + residual`.
+        let mut y = mlp_out;
+        add_inplace(&mut y, &attn_out);
+        add_inplace(&mut y, &x);
+        y
+    } else {
+        let mut y = x_mid.clone();
+        add_inplace(&mut y, &mlp_out);
+        y
+    };
+    let acts = LayerActs {
+        x,
+        norm1,
+        attn_in: attn_in.stored,
+        qk_norm: attn.qk_norm,
+        q: attn.q,
+        k: attn.k,
+        v: attn.v,
+        core_attn: attn.core_attn,
+        post_attn,
+        x_mid,
+        norm2,
+        mlp_in: mlp_in.map(|m| m.stored),
+        fc1,
+        act,
+        post_mlp,
+    };
+    Ok((acts, y))
+}
+
+/// A sublayer's input from the residual stream `x: [local rows, h]`: its pre-norm (with the
+/// statistics) when the layer has one, then gathered to all rows for the column-parallel
+/// linears and kept.
+fn sublayer_input(
+    pass: &Pass<'_>,
+    norm: Option<Norm>,
+    x: &[f32],
+) -> Result<(Option<NormStats>, Kept)> {
+    let (input, stats) = match norm {
+        Some(n) => {
+            let (out, stats) = NormLayer::new(pass.model, n).forward(x, pass.c.hidden_size)?;
+            (out, Some(stats))
+        }
+        None => (x.to_vec(), None),
+    };
+    Ok((stats, Kept::new(column_input(pass.tp, input)?, pass.narrow)))
+}
+
+/// A sublayer's output `[local rows, h]` through its post-norm when the layer has one:
+/// returns (the norm's input and statistics, the output to add to the residual stream).
+type PostNormed = (Option<(Vec<f32>, NormStats)>, Vec<f32>);
+fn sublayer_output(pass: &Pass<'_>, norm: Option<Norm>, out: Vec<f32>) -> Result<PostNormed> {
+    match norm {
+        Some(n) => {
+            let (normed, stats) =
+                NormLayer::new(pass.model, n).forward(&out, pass.c.hidden_size)?;
+            Ok((Some((out, stats)), normed))
+        }
+        None => Ok((None, out)),
+    }
+}
+
+/// What attention keeps of one layer.
+struct AttnActs {
+    qk_norm: Option<QkNormActs>,
+    q: Stored,
+    k: Stored,
+    v: Stored,
+    core_attn: Option<CoreAttnOut>,
+}
+
+/// Self-attention over `input: [rows, h]` (all rows): `linear_qkv`, the q/k norms, rope,
+/// core attention and the row-parallel `linear_proj`; returns what the backward needs and
+/// the output `[local rows, h]`.
+fn attention_forward(
+    layer: &TransformerLayer,
+    pass: &Pass<'_>,
+    input: &[f32],
+    keep_core_attention: bool,
+    kv: KeysValues<'_>,
+) -> Result<(AttnActs, Vec<f32>)> {
+    let (c, model) = (pass.c, pass.model);
+    let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
     let rows = pass.positions.len();
-    let local_rows = x.len() / h;
-    let model = pass.model;
-    let n1 = model.norm(layer.input_layernorm);
-    let mut rstd1 = vec![0f32; local_rows];
-    let mut norm1 = vec![0f32; local_rows * h];
-    rms_norm(&x, n1.weight(), n1.eps(), &mut norm1, Some(&mut rstd1));
-    let narrow = pass.narrow;
-    let norm1 = Kept::new(column_input(pass.tp, norm1)?, narrow);
+    let sa = &layer.self_attention;
     let mut qkv = vec![0f32; rows * c.qkv_size()];
-    model
-        .linear(layer.self_attention.linear_qkv)
-        .forward(norm1.values(), &mut qkv);
+    model.linear(sa.linear_qkv).forward(input, &mut qkv);
     let mut q = vec![0f32; rows * a * d];
     let mut k = vec![0f32; rows * g * d];
     let mut v = vec![0f32; rows * g * d];
     split_qkv(&qkv, c, &mut q, &mut k, &mut v);
     drop(qkv);
-    pass.rope.apply(&mut q, pass.positions, a);
-    pass.rope.apply(&mut k, pass.positions, g);
-    let [q, k, v] = [q, k, v].map(|t| Kept::new(t, narrow));
+    let qk_norm = match (sa.q_layernorm, sa.k_layernorm) {
+        (Some(qn), Some(kn)) => {
+            let full = model.config();
+            let (qw, kw) = (full.num_attention_heads * d, full.num_query_groups * d);
+            let qn = NormLayer::new(model, qn).spanning(pass.tp, qw);
+            let kn = NormLayer::new(model, kn).spanning(pass.tp, kw);
+            let (q_normed, q_stats) = qn.forward(&q, a * d)?;
+            let (k_normed, k_stats) = kn.forward(&k, g * d)?;
+            Some(QkNormActs {
+                q: std::mem::replace(&mut q, q_normed),
+                k: std::mem::replace(&mut k, k_normed),
+                q_stats,
+                k_stats,
+            })
+        }
+        _ => None,
+    };
+    if let Some(rope) = pass.rope {
+        rope.apply(&mut q, pass.positions, a);
+        rope.apply(&mut k, pass.positions, g);
+    }
+    let [q, k, v] = [q, k, v].map(|t| Kept::new(t, pass.narrow));
     let (ctx, lse) = match kv {
         KeysValues::Fresh => CoreAttnOut::compute(q.values(), k.values(), v.values(), pass),
         KeysValues::Cached { cache, layer } => {
             CoreAttnOut::compute_cached(q.values(), k.values(), v.values(), cache, layer, pass)
         }
     };
-    let proj = model.linear(layer.self_attention.linear_proj);
+    let proj = model.linear(sa.linear_proj);
     let out = row_parallel_forward(pass, &proj, ctx.values())?;
     let core_attn = keep_core_attention.then_some(CoreAttnOut {
         ctx: ctx.stored,
         lse,
     });
-    let mut x_mid = x.clone();
-    add_inplace(&mut x_mid, &out);
-    let n2 = model.norm(layer.pre_mlp_layernorm);
-    let mut rstd2 = vec![0f32; local_rows];
-    let mut norm2 = vec![0f32; local_rows * h];
-    rms_norm(&x_mid, n2.weight(), n2.eps(), &mut norm2, Some(&mut rstd2));
-    let norm2 = Kept::new(column_input(pass.tp, norm2)?, narrow);
-    let mut fc1 = vec![0f32; rows * 2 * f];
-    model
-        .linear(layer.mlp.linear_fc1)
-        .forward(norm2.values(), &mut fc1);
-    let fc1 = Kept::new(fc1, narrow);
-    let mut act = vec![0f32; rows * f];
-    swiglu_packed(fc1.values(), &mut act, f);
-    let act = Kept::new(act, narrow);
-    let fc2 = model.linear(layer.mlp.linear_fc2);
-    let out = row_parallel_forward(pass, &fc2, act.values())?;
-    let mut y = x_mid.clone();
-    add_inplace(&mut y, &out);
-    let acts = LayerActs {
-        x,
-        rstd1,
-        norm1: norm1.stored,
+    let acts = AttnActs {
+        qk_norm,
         q: q.stored,
         k: k.stored,
         v: v.stored,
         core_attn,
-        x_mid,
-        rstd2,
-        norm2: norm2.stored,
-        fc1: fc1.stored,
-        act: act.stored,
     };
-    Ok((acts, y))
+    Ok((acts, out))
+}
+
+/// The MLP over `input: [rows, h]` (all rows): returns the kept `linear_fc1` output and
+/// activation output, and the row-parallel `linear_fc2`'s output `[local rows, h]`.
+fn mlp_forward(
+    layer: &TransformerLayer,
+    pass: &Pass<'_>,
+    input: &[f32],
+) -> Result<(Stored, Stored, Vec<f32>)> {
+    let (c, model) = (pass.c, pass.model);
+    let rows = pass.positions.len();
+    let f = c.ffn_hidden_size;
+    let mut fc1 = vec![0f32; rows * c.fc1_size()];
+    model.linear(layer.mlp.linear_fc1).forward(input, &mut fc1);
+    let fc1 = Kept::new(fc1, pass.narrow);
+    let mut act = vec![0f32; rows * f];
+    if c.gated_linear_unit {
+        glu_packed(c.activation_func, fc1.values(), &mut act, f);
+    } else {
+        activation(c.activation_func, fc1.values(), &mut act);
+    }
+    let act = Kept::new(act, pass.narrow);
+    let fc2 = model.linear(layer.mlp.linear_fc2);
+    let out = row_parallel_forward(pass, &fc2, act.values())?;
+    Ok((fc1.stored, act.stored, out))
 }
 
 /// Bytes of an f32 buffer.

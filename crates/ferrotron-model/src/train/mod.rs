@@ -36,6 +36,7 @@ pub(crate) mod core_attention;
 pub(crate) mod forward;
 mod loss;
 pub mod memory;
+mod norm;
 pub(crate) mod params;
 pub mod recompute;
 mod stage;
@@ -181,7 +182,7 @@ impl TrainBatch {
             DocumentStarts::new(d, self.micro_batch)
                 .map_err(|e| ModelError::Input(format!("train batch: {e}")))?;
         }
-        let max_pos = model.rope().max_positions();
+        let max_pos = model.config().max_position_embeddings;
         match &self.position_ids {
             Some(p) if p.len() != n => return bad("position_ids", p.len()),
             Some(p) => {

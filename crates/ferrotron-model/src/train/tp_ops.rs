@@ -4,6 +4,7 @@
 //! residual-stream rows (all rows without sequence parallelism).
 
 use super::forward::Pass;
+use super::norm::{NormLayer, NormStats};
 use crate::{GptModel, Result, TpInfo};
 use ferrotron_nn::Linear;
 use ferrotron_nn::tensor_parallel::{
@@ -90,7 +91,61 @@ pub(crate) fn row_parallel_output_grad<'d>(
     }
 }
 
+/// The embedding norm's input `[local rows, h]` and statistics, when the model has one.
+pub(crate) type EmbeddingActs = Option<(Vec<f32>, NormStats)>;
+
 impl GptModel {
+    /// The embedding stage of `ids: [rows]` for the local rows `[local rows, h]`: the word
+    /// embeddings, times `√h` under `scale_embeddings` (HF Gemma's `normalizer`), then the
+    /// embedding norm (Bloom's `word_embeddings_layernorm`), whose input and statistics come
+    /// back for the backward.
+    pub(crate) fn embed_forward(&self, ids: &[u32]) -> Result<(Vec<f32>, EmbeddingActs)> {
+        let h = self.local_config().hidden_size;
+        let mut x = self.embed_train(ids)?;
+        if self.config().scale_embeddings {
+            let scale = embedding_scale(h);
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        match self.layout().embedding_layernorm {
+            Some(norm) => {
+                let (out, stats) = NormLayer::new(self, norm).forward(&x, h)?;
+                Ok((out, Some((x, stats))))
+            }
+            None => Ok((x, None)),
+        }
+    }
+
+    /// Backward of [`embed_forward`](Self::embed_forward) for the gradient `dres` of its output
+    /// `[local rows, h]`: **accumulates** into the embedding table's and norm's gradients
+    /// (`grads` in table order).
+    pub(crate) fn embed_forward_backward(
+        &self,
+        ids: &[u32],
+        acts: EmbeddingActs,
+        dres: &[f32],
+        grads: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let h = self.local_config().hidden_size;
+        let mut d = match (acts, self.layout().embedding_layernorm) {
+            (Some((x, stats)), Some(norm)) => {
+                let mut dx = vec![0f32; x.len()];
+                NormLayer::new(self, norm).backward(&x, h, &stats, dres, &mut dx, grads)?;
+                dx
+            }
+            _ => dres.to_vec(),
+        };
+        if self.config().scale_embeddings {
+            let scale = embedding_scale(h);
+            d.iter_mut().for_each(|v| *v *= scale);
+        }
+        let emb = self
+            .layout()
+            .embedding
+            .expect("the first stage holds the embedding")
+            .index();
+        self.embed_train_backward(ids, &d, grads[emb])
+    }
+
     /// The embedding of `ids: [rows]` for the local rows `[local_rows, h]`.
     pub(crate) fn embed_train(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let h = self.local_config().hidden_size;
@@ -122,4 +177,9 @@ impl GptModel {
         vocab_parallel_embedding_backward(ids, &dy, dtable, h, tp.vocab_start);
         Ok(())
     }
+}
+
+/// `√h` rounded once to f32, as HF Gemma's `torch.tensor(hidden_size**0.5, dtype=f32)`.
+fn embedding_scale(h: usize) -> f32 {
+    (h as f64).sqrt() as f32
 }

@@ -5,6 +5,8 @@
 mod math;
 
 mod activation;
+mod family_shim;
+pub use family_shim::*;
 mod cross_entropy;
 mod elementwise;
 mod embedding;
