@@ -54,51 +54,87 @@ fn layout(t: usize, p: usize) -> HfToCkptOptions {
 fn hf_to_ckpt_to_hf_is_bit_exact_at_every_layout() {
     let tmp = tempfile::tempdir().unwrap();
     for name in FIXTURES {
-        let original = hf_tensors(&fixture(name));
         for (t, p) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
-            let label = format!("{name} tp{t} pp{p}");
-            let ckpt = tmp.path().join(format!("{name}-{t}-{p}"));
-            let report = hf_to_ckpt(&fixture(name), &ckpt, &layout(t, p)).unwrap();
-            assert_eq!(read_tracker(&ckpt).unwrap(), Some(0), "{label}");
-            let reader = CheckpointReader::open(&iteration_dir(&ckpt, 0)).unwrap();
-            let meta = reader.metadata();
-            assert_eq!(meta.parallel.tensor_model_parallel_size, t, "{label}");
-            assert_eq!(meta.parallel.pipeline_model_parallel_size, p, "{label}");
-            assert_eq!(report.files.len(), t * p, "{label}: {:?}", report.files);
-            let fc1 = &meta.tensors["model.decoder.layers.0.mlp.linear_fc1.weight"];
-            assert_eq!(fc1.shards.len(), if t == 1 { 1 } else { 2 * t }, "{label}");
-            let back = tmp.path().join(format!("{name}-{t}-{p}-hf"));
-            // Written back in the original's dtype (tiny-llama3 is bf16).
-            let bf16 = original.values().all(|(d, _, _)| d == "BF16");
-            let opts = HfExportOptions {
-                max_shard_size: 40_000,
-                dtype: if bf16 {
-                    OutputDtype::BF16
-                } else {
-                    OutputDtype::F32
-                },
-                ..HfExportOptions::default()
-            };
-            ckpt_to_hf(&ckpt, &back, &opts).unwrap();
-            let got = hf_tensors(&back);
-            assert_eq!(
-                got.keys().collect::<Vec<_>>(),
-                original.keys().collect::<Vec<_>>(),
-                "{label}"
-            );
-            for (tensor, want) in &original {
-                assert!(got[tensor] == *want, "{label}: {tensor} differs");
-            }
-            let config = |dir: &Path| {
-                let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
-                ferrotron_model::families::parse_hf_config(&serde_json::from_str(&text).unwrap())
-                    .unwrap()
-                    .config
-            };
-            assert_eq!(config(&back), config(&fixture(name)), "{label}");
-            assert!(back.join("generation_config.json").is_file(), "{label}");
+            round_trip(tmp.path(), name, t, p);
         }
     }
+}
+
+/// The seven families added as switches, at every layout their key/value heads allow (the
+/// multi-query Gemma and Falcon fixtures have one group, so no tensor parallelism).
+#[test]
+fn families_hf_to_ckpt_to_hf_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, tensor_parallel) in [
+        ("tiny-olmo", true),
+        ("tiny-olmo2", true),
+        ("tiny-gemma", false),
+        ("tiny-phi3", true),
+        ("tiny-starcoder2", true),
+        ("tiny-falcon", false),
+        ("tiny-bloom", true),
+    ] {
+        round_trip(tmp.path(), name, 1, 2);
+        if tensor_parallel {
+            round_trip(tmp.path(), name, 2, 2);
+        }
+    }
+}
+
+/// HF `name` -> a tp `t` x pp `p` checkpoint -> HF: every tensor and the config as before.
+fn round_trip(tmp: &Path, name: &str, t: usize, p: usize) {
+    let original = hf_tensors(&fixture(name));
+    let label = format!("{name} tp{t} pp{p}");
+    let ckpt = tmp.join(format!("{name}-{t}-{p}"));
+    let report = hf_to_ckpt(&fixture(name), &ckpt, &layout(t, p)).unwrap();
+    assert_eq!(read_tracker(&ckpt).unwrap(), Some(0), "{label}");
+    let reader = CheckpointReader::open(&iteration_dir(&ckpt, 0)).unwrap();
+    let meta = reader.metadata();
+    assert_eq!(meta.parallel.tensor_model_parallel_size, t, "{label}");
+    assert_eq!(meta.parallel.pipeline_model_parallel_size, p, "{label}");
+    assert_eq!(report.files.len(), t * p, "{label}: {:?}", report.files);
+    let config = |dir: &Path| {
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        ferrotron_model::families::parse_hf_config(&serde_json::from_str(&text).unwrap())
+            .unwrap()
+            .config
+    };
+    // A gated linear_fc1 splits its gate and up blocks separately.
+    let blocks = if config(&fixture(name)).gated_linear_unit {
+        2
+    } else {
+        1
+    };
+    let fc1 = &meta.tensors["model.decoder.layers.0.mlp.linear_fc1.weight"];
+    assert_eq!(
+        fc1.shards.len(),
+        if t == 1 { 1 } else { blocks * t },
+        "{label}"
+    );
+    let back = tmp.join(format!("{name}-{t}-{p}-hf"));
+    // Written back in the original's dtype (tiny-llama3 is bf16).
+    let bf16 = original.values().all(|(d, _, _)| d == "BF16");
+    let opts = HfExportOptions {
+        max_shard_size: 40_000,
+        dtype: if bf16 {
+            OutputDtype::BF16
+        } else {
+            OutputDtype::F32
+        },
+        ..HfExportOptions::default()
+    };
+    ckpt_to_hf(&ckpt, &back, &opts).unwrap();
+    let got = hf_tensors(&back);
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        original.keys().collect::<Vec<_>>(),
+        "{label}"
+    );
+    for (tensor, want) in &original {
+        assert!(got[tensor] == *want, "{label}: {tensor} differs");
+    }
+    assert_eq!(config(&back), config(&fixture(name)), "{label}");
+    assert!(back.join("generation_config.json").is_file(), "{label}");
 }
 
 #[test]

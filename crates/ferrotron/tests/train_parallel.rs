@@ -396,6 +396,45 @@ fn convert(args: &[&str]) -> String {
     out
 }
 
+/// `convert hf-to-ckpt --check` passes for each family added as switches: the sharded
+/// checkpoint's forward matches the HF directory's layer by layer (tp 2 x pp 2 where the
+/// key/value heads split, pp 2 for the multi-query fixtures).
+#[test]
+fn families_convert_with_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, tp) in [
+        ("tiny-olmo", 2),
+        ("tiny-olmo2", 2),
+        ("tiny-gemma", 1),
+        ("tiny-phi3", 2),
+        ("tiny-starcoder2", 2),
+        ("tiny-falcon", 1),
+        ("tiny-bloom", 2),
+    ] {
+        let hf = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures")
+            .join(name);
+        let ckpt = tmp.path().join(name);
+        let tp = tp.to_string();
+        let out = convert(&[
+            "hf-to-ckpt",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--output",
+            ckpt.to_str().unwrap(),
+            "--check",
+            "--tensor-model-parallel-size",
+            &tp,
+            "--pipeline-model-parallel-size",
+            "2",
+        ]);
+        assert!(
+            out.contains("layer   1 output") && out.contains("PASS"),
+            "{name}: {out}"
+        );
+    }
+}
+
 /// `convert hf-to-ckpt` for tp 2 x pp 2 (dry run, then for real with `--check`); training
 /// tp 2 from that checkpoint (`model.load`), and one rank from it resharded with
 /// `ckpt-to-ckpt`, give the single rank's losses from the HF directory; the single run's own

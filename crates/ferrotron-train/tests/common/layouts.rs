@@ -101,9 +101,11 @@ pub fn assert_same_run(label: &str, got: &Run, want: &Run) {
             .zip(b)
             .map(|(x, y)| (x - y).abs())
             .fold(0.0f32, f32::max);
+        let at = a.iter().zip(b).position(|(x, y)| (x - y).abs() == max_diff);
         assert!(
             max_diff <= 1e-5,
-            "{label} {name}: max |diff| {max_diff:.2e}"
+            "{label} {name}: max |diff| {max_diff:.2e} at {at:?} of {}",
+            a.len()
         );
     }
 }
