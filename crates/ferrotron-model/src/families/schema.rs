@@ -298,3 +298,32 @@ pub(crate) fn activation_to_hf(f: ActivationFunc) -> &'static str {
         ActivationFunc::GeluTanh => "gelu_pytorch_tanh",
     }
 }
+
+impl ModelFamily {
+    /// The family whose HF `model_type` is `name` (`llama`, `olmo2`, `bloom`, …).
+    pub fn from_model_type(name: &str) -> Option<ModelFamily> {
+        ModelFamily::ALL.into_iter().find(|f| f.model_type() == name)
+    }
+}
+
+impl TransformerConfig {
+    /// Makes this config a `family` model of the same sizes: the family's fixed switches, its
+    /// default activation, and the biases it has by default (Bloom's everywhere, Qwen2's on
+    /// q/k/v, none for the families whose biases are a flag). For models built from sizes
+    /// (training from scratch); an HF config sets all of these itself.
+    pub fn set_family(&mut self, family: ModelFamily) {
+        let schema = family.config_schema();
+        self.family = family;
+        schema.switches.apply(self);
+        self.activation_func =
+            activation_from_hf(schema.activation.1).expect("every schema default is known");
+        (self.add_qkv_bias, self.add_proj_bias, self.add_mlp_bias) = match schema.biases {
+            Biases::Always => (true, true, true),
+            Biases::Qkv => (true, false, false),
+            _ => (false, false, false),
+        };
+        if let (None, eps) = schema.eps {
+            self.layernorm_epsilon = eps as f32;
+        }
+    }
+}

@@ -12,6 +12,7 @@
 
 use super::core_attention::CoreAttnOut;
 use super::forward::LayerActs;
+use super::norm::NormStats;
 use super::recompute::Keep;
 use crate::{ModelError, Result, TransformerConfig};
 
@@ -63,13 +64,17 @@ impl TransformerConfig {
     /// `seq` tokens under this config's [`recompute_granularity`](Self::recompute_granularity),
     /// replaying what the training forward keeps and the backward frees and recomputes:
     ///
-    /// - a kept layer: `s·b·(2h + 2)` f32 (residual stream, `1/rms`) and `s·b·(2h + (a +
-    ///   2g)·d + 3f)` elements of the saved dtype (norm outputs, q/k/v, fc1 and SwiGLU
-    ///   outputs), plus `s·b·a·d` (saved dtype) and `s·b·a` f32 for core attention's output
-    ///   and log-sum-exp unless selective recompute drops them;
+    /// - a kept layer: for the LLaMA skeleton `s·b·(2h + 2)` f32 (residual stream, `1/rms`)
+    ///   and `s·b·(2h + (a + 2g)·d + 3f)` elements of the saved dtype (norm outputs, q/k/v,
+    ///   fc1 and SwiGLU outputs); the switches change it as the layer's saved activations
+    ///   say (LayerNorm means, post-sublayer and q/k norm inputs, one shared norm under
+    ///   parallel attention, an ungated `fc1`); plus `s·b·a·d` (saved dtype) and `s·b·a` f32
+    ///   for core attention's output and log-sum-exp unless selective recompute drops them;
     /// - a recomputed group: its input `s·b·h` until the backward re-runs it, then all of its
     ///   layers' activations, each freed after its backward;
-    /// - the positions `s·b` usize, the final norm `s·b·(2h + 1)` and logits `s·b·v` f32.
+    /// - the positions `s·b` usize, the final norm `s·b·2h` and its statistics, logits
+    ///   `s·b·v` f32, and under `embedding_layernorm` the embedding norm's input and
+    ///   statistics.
     ///
     /// Activations are saved in f32 here; [`TransformerConfig::activation_memory_in`] gives
     /// the bf16 training pass's ([`GptModel::activation_dtype`](crate::GptModel::activation_dtype)).
@@ -106,13 +111,19 @@ impl TransformerConfig {
         let layer = rows * LayerActs::bytes_per_row(self, narrow);
         let core = rows * CoreAttnOut::bytes_per_row(self, narrow);
         let input = f32_rows(self.hidden_size as u128);
-        let rstd = f32_rows(1);
+        let final_stats = rows * NormStats::bytes_per_row(self.normalization);
+        let embedding = if self.embedding_layernorm {
+            input + final_stats
+        } else {
+            0
+        };
         let logits = f32_rows(self.vocab_size as u128);
         let positions = rows * size_of::<usize>() as u128;
         let kept = |core_attention: bool| layer + if core_attention { core } else { 0 };
         let runs = self.recompute_runs(0..self.num_layers);
         let mut m = Ledger::default();
         // Forward (`train_forward`).
+        m.hold(embedding);
         m.hold(positions);
         for run in &runs {
             match run.keep {
@@ -124,13 +135,13 @@ impl TransformerConfig {
                 Keep::Input => m.hold(input),
             }
         }
-        for final_tensor in [input, rstd, input, logits] {
+        for final_tensor in [input, input, logits, final_stats] {
             m.hold(final_tensor);
         }
         let forward_end = m.held();
         // Backward (`train_backward`): output layer, final norm, then the runs in reverse.
         m.release(logits + input);
-        m.release(input + rstd);
+        m.release(input + final_stats);
         for run in runs.iter().rev() {
             match run.keep {
                 Keep::Each { core_attention } => {
@@ -150,6 +161,7 @@ impl TransformerConfig {
             }
         }
         m.release(positions);
+        m.release(embedding);
         debug_assert_eq!(m.held(), 0);
         let to_u64 = |b: u128| {
             u64::try_from(b).map_err(|_| {
@@ -180,13 +192,26 @@ mod tests {
     /// the peak, and back at zero; in f32 and in bf16 training (bf16 activations).
     #[test]
     fn replay_matches_the_real_pass() {
-        for dtype in [DType::F32, DType::BF16] {
-            replay_matches_the_real_pass_in(dtype);
+        // Qwen2 (biases), and the switches that change what a layer keeps: LayerNorm with a
+        // non-gated MLP (StarCoder2), post-sublayer and q/k norms (OLMo2), parallel
+        // attention (Falcon), the embedding norm (Bloom).
+        for name in [
+            "tiny-qwen2",
+            "tiny-starcoder2",
+            "tiny-olmo2",
+            "tiny-falcon",
+            "tiny-bloom",
+        ] {
+            for dtype in [DType::F32, DType::BF16] {
+                replay_matches_the_real_pass_in(name, dtype);
+            }
         }
     }
 
-    fn replay_matches_the_real_pass_in(dtype: DType) {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-qwen2");
+    fn replay_matches_the_real_pass_in(name: &str, dtype: DType) {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures")
+            .join(name);
         let (loaded, _) = load_hf_model(&dir, dtype).unwrap();
         // Four layers, so uniform 3 leaves a short last group.
         let mut config = loaded.config().clone();
@@ -219,7 +244,11 @@ mod tests {
             let mut acts = model
                 .train_forward(&batch, model.chunk_part(0).unwrap(), None, &mut ledger)
                 .unwrap();
-            assert_eq!(ledger.held(), want.forward_end_bytes as u128, "{mode:?}");
+            assert_eq!(
+                ledger.held(),
+                want.forward_end_bytes as u128,
+                "{name} {mode:?}"
+            );
             model.loss_and_logit_grad(&batch, &mut acts, 1.0).unwrap();
             model
                 .train_backward(
@@ -231,8 +260,8 @@ mod tests {
                     None,
                 )
                 .unwrap();
-            assert_eq!(ledger.peak(), want.peak_bytes as u128, "{mode:?}");
-            assert_eq!(ledger.held(), 0, "{mode:?}");
+            assert_eq!(ledger.peak(), want.peak_bytes as u128, "{name} {mode:?}");
+            assert_eq!(ledger.held(), 0, "{name} {mode:?}");
         }
     }
 }

@@ -61,6 +61,12 @@ section! {
         /// When set, the architecture comes from it and the explicit keys below must be unset
         /// (except `seq_length`). Default: unset. Megatron: `--load` / `--pretrained-checkpoint`.
         load: Option<PathBuf> = None,
+        /// Architecture family of a model built from the keys below, by its HF `model_type`:
+        /// llama, mistral, qwen2, olmo, olmo2, gemma, phi3, starcoder2, falcon or bloom. It
+        /// fixes the skeleton's switches (norm kind, gated MLP and activation, position
+        /// embedding, parallel attention, extra norms, biases) as that family's HF modeling
+        /// code does. Unset with `load`. Default: llama.
+        family: Option<String> = None,
         /// Number of transformer layers. Required without `load`. Megatron: `--num-layers`.
         num_layers: Option<usize> = None,
         /// Model width. Required without `load`. Megatron: `--hidden-size`.
@@ -82,7 +88,7 @@ section! {
         max_position_embeddings: Option<usize> = None,
         /// RoPE base (theta). Default: 10000. Megatron: `--rotary-base`.
         rotary_base: f64 = 10000.0,
-        /// RMSNorm epsilon. Default: 1e-5. Megatron: `--norm-epsilon`.
+        /// Norm epsilon (OLMo's is fixed at 1e-5). Default: 1e-5. Megatron: `--norm-epsilon`.
         norm_epsilon: f64 = 1e-5,
         /// Std of the normal init of a model built from the keys above (output projections:
         /// std / sqrt(2 x num_layers)); unused with `load`. Default: 0.02. Megatron:

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 /// Explicit architecture (all defaults resolved).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelDims {
+    /// The skeleton's family (`model.family`).
+    pub family: ferrotron_model::ModelFamily,
     /// Transformer layers.
     pub num_layers: usize,
     /// Model width.

@@ -13,6 +13,7 @@ use super::training::{
 };
 use super::types::*;
 use super::values::{blend_tokens, check_exists, parse_blend, parse_split, positive};
+use ferrotron_model::ModelFamily;
 use std::path::Path;
 
 impl RunConfig {
@@ -85,6 +86,12 @@ fn model_source(m: &mut ModelSection, p: &mut Vec<String>) -> (usize, ModelSourc
         );
     };
     check_exists("model.load", load, p);
+    if m.family.is_some() {
+        p.push(
+            "model.family cannot be combined with model.load (the architecture comes from it)"
+                .to_string(),
+        );
+    }
     let explicit = [
         ("num_layers", m.num_layers),
         ("hidden_size", m.hidden_size),
@@ -146,9 +153,18 @@ fn explicit_dims(m: &mut ModelSection, seq_length: usize, p: &mut Vec<String>) -
             "model.seq_length ({seq_length}) exceeds model.max_position_embeddings ({max_pos})"
         ));
     }
+    let family_name = m.family.get_or_insert_with(|| "llama".to_string());
+    let family = ModelFamily::from_model_type(family_name).unwrap_or_else(|| {
+        p.push(format!(
+            "model.family `{family_name}` is not one of {}",
+            ModelFamily::ALL.map(|f| f.model_type()).join(", ")
+        ));
+        ModelFamily::Llama
+    });
     (m.ffn_hidden_size, m.num_query_groups) = (Some(ffn), Some(groups));
     (m.kv_channels, m.max_position_embeddings) = (Some(kv), Some(max_pos));
     ModelDims {
+        family,
         num_layers,
         hidden_size,
         ffn_hidden_size: ffn,

@@ -117,7 +117,7 @@ fn from_checkpoint(
     })
 }
 
-/// A LLaMA-style model of `dims` with Megatron's init (seed `training.seed`); the EOD id from
+/// A model of `dims` (its family's skeleton) with Megatron's init (seed `training.seed`); the EOD id from
 /// the tokenizer in `data.tokenizer_model`, when one is given.
 fn from_scratch(
     rc: &RunConfig,
@@ -137,8 +137,9 @@ fn from_scratch(
     )
     .context("[model]")?;
     config.kv_channels = dims.kv_channels;
-    config.rotary_base = m.rotary_base as f32;
     config.layernorm_epsilon = m.norm_epsilon as f32;
+    config.set_family(dims.family);
+    config.rotary_base = m.rotary_base as f32;
     config.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
     config.validate().context("[model]")?;
     let init = InitConfig {
