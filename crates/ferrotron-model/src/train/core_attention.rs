@@ -103,6 +103,7 @@ pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMa
         AttentionMask {
             sliding_window: c.sliding_window,
             documents: pass.documents,
+            alibi_slopes: None,
         },
     )
 }
