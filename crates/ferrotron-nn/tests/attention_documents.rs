@@ -207,6 +207,7 @@ fn check_case(case: &Case, seed: u64, tol: f64) -> ([Vec<f64>; 4], Run) {
     let mask = AttentionMask {
         sliding_window: case.window,
         documents: Some(DocumentStarts::new(&starts, case.dims.batch).unwrap()),
+        alibi_slopes: None,
     };
     let x = case.inputs(seed);
     let got = run_f32(&x, case.dims, mask);
@@ -256,6 +257,7 @@ fn document_starts_follow_megatron_eod_rule() {
         let mask = AttentionMask {
             sliding_window: window,
             documents: Some(docs),
+            alibi_slopes: None,
         };
         for (t, j) in (0..6).flat_map(|t| (0..2).map(move |j| (t, j))) {
             let want: Vec<usize> = (0..6).filter(|&p| case.visible(t, j, p)).collect();
@@ -313,6 +315,7 @@ fn documents_with_a_query_offset_are_rejected() {
     let mask = AttentionMask {
         sliding_window: None,
         documents: Some(DocumentStarts::new(&starts, 1).unwrap()),
+        alibi_slopes: None,
     };
     core_attention(&[1.0; 2], &[1.0; 3], &[1.0; 3], &mut [0.0; 2], dims, mask);
 }
@@ -420,6 +423,7 @@ fn packed_row_equals_documents_run_alone() {
                 let mask = AttentionMask {
                     sliding_window: window,
                     documents: None,
+                    alibi_slopes: None,
                 };
                 // Rows lo..hi of sequence j, `width` values each, from an [s, b, width] tensor.
                 let rows = |x: &[f64], width: usize| -> Vec<f64> {

@@ -78,6 +78,7 @@ fn matches_reference_with_gqa_window_and_offset() {
         let mask = AttentionMask {
             sliding_window: window,
             documents: None,
+            alibi_slopes: None,
         };
         let mut out = vec![0f32; q.len()];
         core_attention(&q, &k, &v, &mut out, dims, mask);

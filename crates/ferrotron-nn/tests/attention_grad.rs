@@ -243,6 +243,7 @@ fn small_case_matches_finite_differences() {
         let mask = AttentionMask {
             sliding_window: window,
             documents: None,
+            alibi_slopes: None,
         };
         let [q, k, v, dout] = inputs(&dims, 21);
         let got = run_f32(&q, &k, &v, &dout, dims, mask);
@@ -338,6 +339,7 @@ fn check_against_reference(dims: AttentionDims, windows: &[Option<usize>], seed:
         let mask = AttentionMask {
             sliding_window: window,
             documents: None,
+            alibi_slopes: None,
         };
         let [q, k, v, dout] = inputs(&dims, seed);
         let got = run_f32(&q, &k, &v, &dout, dims, mask);
@@ -379,6 +381,7 @@ fn backward_is_bitwise_deterministic_across_thread_counts() {
     let mask = AttentionMask {
         sliding_window: Some(40),
         documents: None,
+        alibi_slopes: None,
     };
     let [q, k, v, dout] = inputs(&dims, 23);
     let first = run_f32(&q, &k, &v, &dout, dims, mask);

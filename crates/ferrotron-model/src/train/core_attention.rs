@@ -103,7 +103,7 @@ pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMa
         AttentionMask {
             sliding_window: c.sliding_window,
             documents: pass.documents,
-            //ALIBI alibi_slopes: pass.model.alibi_slopes(),
+            alibi_slopes: pass.model.alibi_slopes(),
         },
     )
 }

@@ -1,14 +1,18 @@
-//! Core attention `softmax(q·kᵀ/√d + mask)·v` with grouped-query heads, causal masking, an
-//! optional sliding window and optional per-document masking of packed rows (Vaswani et al.
-//! 2017; GQA: Ainslie et al. 2023; Mistral's window; Megatron's `reset_attention_mask`).
-//! Mirrors HF `eager_attention_forward` in f32. The training forward (saving the logsumexp) and
-//! its backward live in `train.rs`; document starts in `documents.rs`.
+//! Core attention `softmax(q·kᵀ/√d + bias + mask)·v` with grouped-query heads, causal masking,
+//! an optional sliding window, optional per-document masking of packed rows and an optional
+//! ALiBi bias (Vaswani et al. 2017; GQA: Ainslie et al. 2023; Mistral's window; Megatron's
+//! `reset_attention_mask`; ALiBi: Press et al. 2022). Mirrors HF `eager_attention_forward` in
+//! f32. The training forward (saving the logsumexp) and its backward live in `train.rs`;
+//! document starts in `documents.rs`; ALiBi slopes in `alibi.rs`.
 
 use ferrotron_tensor::ops::dot;
 use rayon::prelude::*;
 
+mod alibi;
 mod documents;
 mod train;
+use alibi::alibi_bias;
+pub use alibi::alibi_slopes;
 pub use documents::{DocumentStarts, document_starts};
 pub use train::{core_attention_backward, core_attention_forward_train};
 
@@ -16,14 +20,21 @@ pub use train::{core_attention_backward, core_attention_forward_train};
 /// `i - j < w` (query `i` attends key `j` iff `0 <= i - j < w`, HF Mistral semantics); with
 /// documents, only keys of the query's own document (`j >= start(i)`, Megatron's
 /// `reset_attention_mask`). The visible keys of a query always form one range
-/// ([`AttentionMask::key_range`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// ([`AttentionMask::key_range`]). With ALiBi slopes, the visible keys' scores also get the
+/// bias `slope_h·(j − i)` ([`alibi_slopes`]). `Default`: causal only, no ALiBi.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct AttentionMask<'a> {
     /// Window `w` in tokens (query `i` sees keys `i − w < j <= i`); `None`: unbounded.
     pub sliding_window: Option<usize>,
     /// Per-token document starts `[s, b]` of packed rows; `None`: one document per row.
     /// Only for passes without a KV-cache offset (`q_offset == 0`, so `sq` is `s`).
     pub documents: Option<DocumentStarts<'a>>,
+    /// ALiBi slopes `[a]`, one per query head of this call (a tensor-parallel rank passes the
+    /// slice of its own heads, e.g. `&alibi_slopes(total)[rank·a..][..a]`): query head `h` at
+    /// position `i` adds `slope_h·(j − i)` to its score of key `j` (positions are absolute,
+    /// query `t` at `q_offset + t`; with documents, `j − i` is also the distance within the
+    /// document). `None`: no bias.
+    pub alibi_slopes: Option<&'a [f32]>,
 }
 
 impl AttentionMask<'_> {
@@ -79,15 +90,16 @@ pub struct AttentionDims {
     pub q_offset: usize,
 }
 
-/// `out = softmax(q·kᵀ/√d + mask)·v` per sequence and head.
+/// `out = softmax(q·kᵀ/√d + alibi + mask)·v` per sequence and head (`alibi` only with
+/// [`AttentionMask::alibi_slopes`]).
 ///
 /// Shapes: `q, out: [sq, b, a, d]`; `k, v: [skv, b, g, d]` (key `j` at position `j`); query
 /// head `h` reads key/value group `h / (a/g)`. Backward needs `q, k, v` and the row-wise
 /// softmax statistics (or recomputes them).
 ///
 /// # Panics
-/// On inconsistent dims or slice lengths, or document starts that are not `[sq, b]` or come
-/// with a query offset (caller bugs).
+/// On inconsistent dims or slice lengths, document starts that are not `[sq, b]` or come with
+/// a query offset, or ALiBi slopes that are not `[a]` (caller bugs).
 pub fn core_attention(
     q: &[f32],
     k: &[f32],
@@ -114,13 +126,18 @@ pub fn core_attention(
         .for_each_init(Vec::new, |scores, (row, (o, qr))| {
             let (t, j, h) = (row / (b * a), (row / a) % b, row % a);
             let gh = h / heads_per_group;
-            let keys = mask.key_range(q_offset + t, j);
+            let q_pos = q_offset + t;
+            let keys = mask.key_range(q_pos, j);
             let kv_row = |pos: usize| ((pos * b + j) * g + gh) * d;
+            let slope = mask.alibi_slopes.map(|s| s[h]);
             scores.clear();
             let mut max = f32::NEG_INFINITY;
             for pos in keys.clone() {
                 let kr = &k[kv_row(pos)..][..d];
-                let s = dot(qr, kr) * scale;
+                let mut s = dot(qr, kr) * scale;
+                if let Some(slope) = slope {
+                    s += alibi_bias(slope, pos as i32 - q_pos as i32);
+                }
                 max = max.max(s);
                 scores.push(s);
             }
@@ -142,8 +159,8 @@ pub fn core_attention(
 }
 
 /// Shape checks shared by the inference and training kernels (caller bugs panic with the
-/// offending dims): `q`, `k`, `v` against `dims`, and document starts against `[sq, b]` with
-/// no query offset.
+/// offending dims): `q`, `k`, `v` against `dims`, document starts against `[sq, b]` with no
+/// query offset, and ALiBi slopes against `[a]`.
 pub(super) fn check_dims(
     q: &[f32],
     k: &[f32],
@@ -180,6 +197,14 @@ pub(super) fn check_dims(
              (got {q_offset})",
             docs.seq_len(),
             docs.batch()
+        );
+    }
+    if let Some(slopes) = mask.alibi_slopes {
+        assert!(
+            slopes.len() == a,
+            "attention: {} ALiBi slopes for {a} query heads (need one per query head of this \
+             call)",
+            slopes.len()
         );
     }
 }

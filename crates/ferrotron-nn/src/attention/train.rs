@@ -2,7 +2,7 @@
 //! deterministic FlashAttention-2-style backward (Dao 2023), over the same shapes and masks as
 //! [`super::core_attention`].
 
-use super::{AttentionDims, AttentionMask, check_dims};
+use super::{AttentionDims, AttentionMask, alibi_bias, check_dims};
 use ferrotron_tensor::multiversion;
 use ferrotron_tensor::ops::{
     dot, exp_in_place_normalizer, fast_exp, tile_rows_product, tile_update,
@@ -56,13 +56,17 @@ impl Transposed {
 }
 
 /// Up to [`RQ`] query rows of one `(batch j, group gh)`: the rows `i0..i0 + n` of the list
-/// `(t, head in group)` for `t >= t0`, with their global row indices `(t·b + j)·a + h` and
-/// visible keys `lo..hi`. Padding rows (`r >= n`) repeat row 0 and see no key.
+/// `(t, head in group)` for `t >= t0`, with their global row indices `(t·b + j)·a + h`,
+/// visible keys `lo..hi` and, with ALiBi (`alibi`), their slopes and query positions. Padding
+/// rows (`r >= n`) repeat row 0 and see no key.
 struct Tile {
     row: [usize; RQ],
     lo: [usize; RQ],
     hi: [usize; RQ],
     n: usize,
+    alibi: bool,
+    slope: [f32; RQ],
+    q_pos: [usize; RQ],
 }
 
 impl Tile {
@@ -81,12 +85,18 @@ impl Tile {
             lo: [0; RQ],
             hi: [0; RQ],
             n,
+            alibi: mask.alibi_slopes.is_some(),
+            slope: [0.0; RQ],
+            q_pos: [0; RQ],
         };
         for r in 0..n {
             let (t, h) = (t0 + (i0 + r) / hpg, gh * hpg + (i0 + r) % hpg);
-            let keys = mask.key_range(dims.q_offset + t, j);
+            let q_pos = dims.q_offset + t;
+            let keys = mask.key_range(q_pos, j);
             tile.row[r] = (t * b + j) * a + h;
             (tile.lo[r], tile.hi[r]) = (keys.start, keys.end);
+            tile.q_pos[r] = q_pos;
+            tile.slope[r] = mask.alibi_slopes.map_or(0.0, |s| s[h]);
         }
         for r in n..RQ {
             tile.row[r] = tile.row[0];
@@ -98,6 +108,30 @@ impl Tile {
     fn keys(&self) -> std::ops::Range<usize> {
         self.lo[..self.n].iter().copied().min().unwrap_or(0)
             ..self.hi[..self.n].iter().copied().max().unwrap_or(0)
+    }
+
+    /// Scaled scores `s·scale` (plus the ALiBi bias of row `r`, if any) of keys `p0..p0 + KB`
+    /// into `dst`, `-inf` where row `r` does not see the key. The branch on ALiBi is per row
+    /// and block, outside the loop over keys.
+    #[inline(always)]
+    fn scores(&self, r: usize, s: &[f32; KB], scale: f32, p0: usize, dst: &mut [f32]) {
+        let (lo, hi) = (self.lo[r], self.hi[r]);
+        if self.alibi {
+            let (slope, d0) = (self.slope[r], p0 as i32 - self.q_pos[r] as i32);
+            for (l, (o, &s)) in dst.iter_mut().zip(s).enumerate() {
+                let vis = p0 + l >= lo && p0 + l < hi;
+                *o = if vis {
+                    s * scale + alibi_bias(slope, d0 + l as i32)
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        } else {
+            for (l, (o, &s)) in dst.iter_mut().zip(s).enumerate() {
+                let vis = p0 + l >= lo && p0 + l < hi;
+                *o = if vis { s * scale } else { f32::NEG_INFINITY };
+            }
+        }
     }
 
     /// `d`-long rows of `x` (`[rows, d]`) for the tile.
@@ -121,7 +155,8 @@ fn block_dots(x: &[&[f32]; RQ], t: &[f32], skv_pad: usize, p0: usize) -> [[f32; 
 
 /// [`core_attention`](super::core_attention) for training: the same `out: [sq, b, a, d]`,
 /// plus the per-row softmax statistic `lse: [sq, b, a]` (**overwritten**),
-/// `lse = log Σⱼ exp(sⱼ)` over the visible keys with `s = q·kᵀ/√d` — what
+/// `lse = log Σⱼ exp(sⱼ)` over the visible keys with `s = q·kᵀ/√d` (plus the ALiBi bias
+/// `slope_h·(j − i)` with [`AttentionMask::alibi_slopes`]) — what
 /// [`core_attention_backward`] needs besides `q, k, v, out` (FlashAttention-2's saved `L`,
 /// Dao 2023). Deterministic. Tiles of 4 query rows (of one batch and group) times 64 keys are
 /// register-tiled products, so each key and value row read serves four query rows; each tile
@@ -180,11 +215,7 @@ multiversion! {
                 for p0 in (b0..b0 + width).step_by(KB) {
                     let s = block_dots(&x, kt, tr.skv_pad, p0);
                     for (r, s) in s.iter().enumerate() {
-                        let dst = &mut scores[r * width + p0 - b0..][..KB];
-                        for (l, (o, &s)) in dst.iter_mut().zip(s).enumerate() {
-                            let vis = p0 + l >= tile.lo[r] && p0 + l < tile.hi[r];
-                            *o = if vis { s * scale } else { f32::NEG_INFINITY };
-                        }
+                        tile.scores(r, s, scale, p0, &mut scores[r * width + p0 - b0..][..KB]);
                     }
                 }
                 // Softmax numerators in place over the tile's keys; padding rows become 0.
@@ -218,7 +249,8 @@ multiversion! {
 }
 
 /// Backward of [`core_attention_forward_train`] (FlashAttention-2's backward, Dao 2023,
-/// Algorithm 2, computed exactly without atomics). With `S = q·kᵀ/√d`, `P = exp(S − lse)`,
+/// Algorithm 2, computed exactly without atomics). With `S = q·kᵀ/√d` (plus the ALiBi bias, a
+/// constant: it reaches `q` and `k` only through `P`), `P = exp(S − lse)`,
 /// `δᵢ = Σ dOᵢ ⊙ Oᵢ`:
 /// `dV = Pᵀ·dO`, `dS = P ⊙ (dO·Vᵀ − δ)`, `dQ = dS·K/√d`, `dK = dSᵀ·Q/√d`; with GQA, `dK`/`dV` of
 /// a group sum over its `a/g` query heads.
@@ -234,7 +266,7 @@ multiversion! {
 /// any thread count. Products are register-tiled as in the forward.
 ///
 /// # Panics
-/// On inconsistent dims or slice lengths (caller bugs).
+/// On inconsistent dims, slice lengths, document starts or ALiBi slopes (caller bugs).
 #[allow(clippy::too_many_arguments)]
 pub fn core_attention_backward(
     q: &[f32],
@@ -315,9 +347,10 @@ struct BackwardInputs<'a> {
     tr: &'a Transposed,
 }
 
-/// `P` and `dS = P ⊙ (dP − δ)` of a tile against keys `p0..p0 + KB` (0 where not visible).
+/// `P` and `dS = P ⊙ (dP − δ)` of a tile against keys `p0..p0 + KB` (0 where not visible);
+/// `P` from the same scaled-and-biased scores as the forward's logsumexp.
 #[inline(always)]
-fn probs_and_dscores(
+fn probs_and_dscores<const ALIBI: bool>(
     io: &BackwardInputs,
     delta: &[f32],
     tile: &Tile,
@@ -331,12 +364,15 @@ fn probs_and_dscores(
     let scale = 1.0 / (d as f32).sqrt();
     for r in 0..RQ {
         let (lse, dl) = (io.lse[tile.row[r]], delta[tile.row[r]]);
+        let (slope, d0) = (tile.slope[r], p0 as i32 - tile.q_pos[r] as i32);
         for l in 0..KB {
             let vis = p0 + l >= tile.lo[r] && p0 + l < tile.hi[r];
-            let pr = if vis {
-                fast_exp(p[r][l] * scale - lse)
-            } else {
+            let pr = if !vis {
                 0.0
+            } else if ALIBI {
+                fast_exp(p[r][l] * scale + alibi_bias(slope, d0 + l as i32) - lse)
+            } else {
+                fast_exp(p[r][l] * scale - lse)
             };
             p[r][l] = pr;
             ds[r][l] = pr * (ds[r][l] - dl);
@@ -357,7 +393,10 @@ multiversion! {
                 let tile = Tile::new(t0, i0, RQ.min(n_rows - i0), jg, dims, mask);
                 let keys = tile.keys();
                 for p0 in (keys.start / KB * KB..keys.end).step_by(KB) {
-                    let (_, ds) = probs_and_dscores(io, delta, &tile, jg, p0, d);
+                    let (_, ds) = match tile.alibi {
+                        true => probs_and_dscores::<true>(io, delta, &tile, jg, p0, d),
+                        false => probs_and_dscores::<false>(io, delta, &tile, jg, p0, d),
+                    };
                     let (lo, hi) = (p0.max(keys.start), (p0 + KB).min(keys.end));
                     tile_rows_product::<RQ>(d, hi - lo, |r, i| ds[r][lo - p0 + i], |i| k_row(lo + i), |r, c0, vals| {
                         if r < tile.n {
@@ -403,7 +442,10 @@ multiversion! {
             let nc = QC.min(n_rows - c0);
             for i0 in (0..nc).step_by(RQ) {
                 let tile = Tile::new(first_t, c0 + i0, RQ.min(nc - i0), jg, dims, mask);
-                let (p, ds) = probs_and_dscores(io, delta, &tile, jg, p0, d);
+                let (p, ds) = match tile.alibi {
+                    true => probs_and_dscores::<true>(io, delta, &tile, jg, p0, d),
+                    false => probs_and_dscores::<false>(io, delta, &tile, jg, p0, d),
+                };
                 for r in 0..tile.n {
                     rows[i0 + r] = tile.row[r];
                     pbuf[(i0 + r) * KB..][..KB].copy_from_slice(&p[r]);
