@@ -81,7 +81,9 @@ tiny-bloom       BloomForCausalLM; ALiBi with n_head 6 (head_dim 8): 6 is not a 
                  no position embeddings (no max_position_embeddings field); tied.
 
 All models: hidden 48, 2 layers, vocab 112, max_position_embeddings 128 (where the config has it),
-intermediate 80 (where the config has it; Falcon and Bloom use 4*hidden = 192), bos 1, eos 2, pad 0.
+intermediate 80 (where the config has it; Falcon and Bloom use 4*hidden = 192), bos 1, eos 2, no pad token
+(``pad_token_id`` None: transformers builds ``nn.Embedding(..., padding_idx=pad_token_id)``, which zeroes that
+row's gradient, a training behaviour Megatron does not have; generation pads with 0, never used).
 input_ids are uniform random in [0, vocab) (seeded), batch 2, seq 24.
 """
 
@@ -122,7 +124,9 @@ PROMPT, NEW_TOKENS = 8, 16
 MAX_DIR_BYTES = 768 * 1024
 FAMILIES = ("olmo", "olmo2", "gemma", "phi3", "starcoder2", "falcon", "bloom")
 
-TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None)
+# What generate() pads with (no sequence finishes early, so it is never used).
+GENERATION_PAD = 0
 # Fields shared by the Llama-like configs (all but Falcon and Bloom).
 COMMON = dict(
     hidden_size=48,
@@ -220,13 +224,13 @@ def greedy(model, prompt: torch.Tensor) -> torch.Tensor:
     model.eval()
     saved = model.generation_config
     # A bare generation config: nothing from the model's generation_config.json (eos 2 etc.) leaks in.
-    model.generation_config = GenerationConfig(pad_token_id=TOKENS["pad_token_id"])
+    model.generation_config = GenerationConfig(pad_token_id=GENERATION_PAD)
     gen_cfg = GenerationConfig(
         max_new_tokens=NEW_TOKENS,
         do_sample=False,
         num_beams=1,
         eos_token_id=None,
-        pad_token_id=TOKENS["pad_token_id"],
+        pad_token_id=GENERATION_PAD,
         repetition_penalty=1.0,
         output_logits=True,
         output_scores=True,

@@ -5,10 +5,7 @@ use crate::{
     KvCache, ModelError, PositionEmbedding, RecomputeGranularity, Result, StageInfo, TpInfo,
     TransformerConfig,
 };
-//ALIBI use ferrotron_nn::attention::alibi_slopes;
-fn alibi_slopes(n: usize) -> Vec<f32> {
-    vec![0.0; n]
-}
+use ferrotron_nn::attention::alibi_slopes;
 use ferrotron_nn::{Embedding, Linear, NnError};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::RopeTable;

@@ -302,7 +302,9 @@ pub(crate) fn activation_to_hf(f: ActivationFunc) -> &'static str {
 impl ModelFamily {
     /// The family whose HF `model_type` is `name` (`llama`, `olmo2`, `bloom`, …).
     pub fn from_model_type(name: &str) -> Option<ModelFamily> {
-        ModelFamily::ALL.into_iter().find(|f| f.model_type() == name)
+        ModelFamily::ALL
+            .into_iter()
+            .find(|f| f.model_type() == name)
     }
 }
 
