@@ -174,14 +174,22 @@ fn check_family_fields(obj: &Map<String, Value>, family: ModelFamily) -> Result<
         ModelFamily::Olmo if !matches!(obj.get("clip_qkv"), None | Some(Value::Null)) => {
             return unsupported("clip_qkv", "OLMo's q/k/v clipping is not supported");
         }
-        ModelFamily::Phi3 => {
-            if opt_f64(obj, "partial_rotary_factor")?.is_some_and(|f| f != 1.0) {
-                return unsupported("partial_rotary_factor", "only 1.0 is supported");
-            }
+        ModelFamily::Phi3 if partial_rotary_factor(obj)?.is_some_and(|f| f != 1.0) => {
+            return unsupported("partial_rotary_factor", "only 1.0 is supported");
         }
         _ => {}
     }
     Ok(())
+}
+
+/// `partial_rotary_factor`, top level or in `rope_parameters` (transformers 5).
+fn partial_rotary_factor(obj: &Map<String, Value>) -> Result<Option<f64>> {
+    match obj.get("rope_parameters") {
+        Some(Value::Object(p)) if p.contains_key("partial_rotary_factor") => {
+            opt_f64(p, "partial_rotary_factor")
+        }
+        _ => opt_f64(obj, "partial_rotary_factor"),
+    }
 }
 
 fn family_of(obj: &Map<String, Value>) -> Result<ModelFamily> {
@@ -428,5 +436,33 @@ mod tests {
                 .to_string()
                 .contains("hidden_size")
         );
+    }
+
+    #[test]
+    fn family_values_we_cannot_express_name_the_field() {
+        let family = |arch: &str, extra: Value| {
+            let mut v = base();
+            v["architectures"] = json!([arch]);
+            for (k, x) in extra.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            parse_hf_config(&v).map(|i| i.config)
+        };
+        let err = |arch: &str, extra: Value| family(arch, extra).unwrap_err().to_string();
+        assert!(err("FalconForCausalLM", json!({"alibi": true})).contains("alibi"));
+        let e = err("FalconForCausalLM", json!({"new_decoder_architecture": true}));
+        assert!(e.contains("new_decoder_architecture"), "{e}");
+        assert!(err("OlmoForCausalLM", json!({"clip_qkv": 8.0})).contains("clip_qkv"));
+        let e = err(
+            "Phi3ForCausalLM",
+            json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                       "partial_rotary_factor": 0.5}}),
+        );
+        assert!(e.contains("partial_rotary_factor"), "{e}");
+        // Falcon's head layout comes from `multi_query`, not `num_kv_heads`.
+        let c = family("FalconForCausalLM", json!({"multi_query": true})).unwrap();
+        assert_eq!(c.num_query_groups, 1);
+        let c = family("FalconForCausalLM", json!({"multi_query": false})).unwrap();
+        assert_eq!(c.num_query_groups, c.num_attention_heads);
     }
 }

@@ -12,7 +12,7 @@ use super::memory::Ledger;
 use super::norm::{NormLayer, NormStats};
 use super::recompute::Keep;
 use super::stored::{Kept, Stored, element_bytes};
-use super::tp_ops::{column_input, row_parallel_forward};
+use super::tp_ops::{EmbeddingActs, column_input, row_parallel_forward};
 use crate::module::{Norm, TransformerLayer, split_qkv};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig};
@@ -235,7 +235,7 @@ pub(crate) struct Activations {
     pub part: ChunkPart,
     /// The embedding norm's input `[local rows, h]` and statistics (first stage, under
     /// `embedding_layernorm`).
-    pub embedding: Option<(Vec<f32>, NormStats)>,
+    pub embedding: EmbeddingActs,
     /// Per layer or recomputed group, in layer order.
     pub saved: Vec<Saved>,
     /// Rotary position of each row `[rows]`.
@@ -321,7 +321,7 @@ impl GptModel {
         batch: &TrainBatch,
         part: &ChunkPart,
         input: Option<Vec<f32>>,
-    ) -> Result<(Vec<f32>, Option<(Vec<f32>, NormStats)>)> {
+    ) -> Result<(Vec<f32>, EmbeddingActs)> {
         let h = self.local_config().hidden_size;
         if let Some(tp) = &self.tp {
             tp.group.local_rows(batch.seq, batch.micro_batch)?;
