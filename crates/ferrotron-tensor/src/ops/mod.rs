@@ -5,8 +5,6 @@
 mod math;
 
 mod activation;
-mod family_shim;
-pub use family_shim::*;
 mod cross_entropy;
 mod elementwise;
 mod embedding;
