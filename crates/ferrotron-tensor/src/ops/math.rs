@@ -173,6 +173,41 @@ pub(crate) fn sum_exp_shifted(x: &[f32], m: f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `Σ x` with [`LANES`] partial sums in a fixed order.
+#[inline(always)]
+pub(crate) fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let c = x.chunks_exact(LANES);
+    let tail: f32 = c.remainder().iter().sum();
+    for v in c {
+        for l in 0..LANES {
+            acc[l] += v[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `(Σ(x − m), Σ(x − m)²)` with [`LANES`] partial sums in a fixed order.
+#[inline(always)]
+pub(crate) fn dev_sums(x: &[f32], m: f32) -> (f32, f32) {
+    let (mut a1, mut a2) = ([0f32; LANES], [0f32; LANES]);
+    let c = x.chunks_exact(LANES);
+    let (mut t1, mut t2) = (0f32, 0f32);
+    for &v in c.remainder() {
+        let d = v - m;
+        t1 += d;
+        t2 += d * d;
+    }
+    for v in c {
+        for l in 0..LANES {
+            let d = v[l] - m;
+            a1[l] += d;
+            a2[l] += d * d;
+        }
+    }
+    (a1.iter().sum::<f32>() + t1, a2.iter().sum::<f32>() + t2)
+}
+
 /// Replaces `s` by `exp(s − max)` ([`fast_exp`]) and returns `(max, Σ exp(s − max))`, with 16
 /// partial maxima and sums in a fixed order: the softmax numerators and normalizer of a row
 /// (`log_sum_exp = max + ln(sum)`). `-inf` entries become 0 as long as one entry is finite.
