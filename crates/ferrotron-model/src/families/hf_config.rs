@@ -450,7 +450,10 @@ mod tests {
         };
         let err = |arch: &str, extra: Value| family(arch, extra).unwrap_err().to_string();
         assert!(err("FalconForCausalLM", json!({"alibi": true})).contains("alibi"));
-        let e = err("FalconForCausalLM", json!({"new_decoder_architecture": true}));
+        let e = err(
+            "FalconForCausalLM",
+            json!({"new_decoder_architecture": true}),
+        );
         assert!(e.contains("new_decoder_architecture"), "{e}");
         assert!(err("OlmoForCausalLM", json!({"clip_qkv": 8.0})).contains("clip_qkv"));
         let e = err(
