@@ -10,14 +10,12 @@ pub mod attention;
 mod embedding;
 mod error;
 mod linear;
-mod norm;
 pub mod tensor_parallel;
 
 pub use attention::{AttentionMask, core_attention};
 pub use embedding::Embedding;
 pub use error::NnError;
 pub use linear::Linear;
-pub use norm::RmsNorm;
 pub use tensor_parallel::TensorParallel;
 
 /// Result alias for layer construction and forward passes.
