@@ -4,19 +4,17 @@
 //! gradients are per-call buffers. Saved activations are freed as soon as their layer's
 //! backward is done.
 
-use super::core_attention::{CoreAttnOut, attention_dims};
+use super::attention::attention_backward;
 use super::forward::{Activations, LayerActs, Pass, Saved, f32_bytes, usize_bytes};
 use super::memory::Ledger;
+use super::mlp::mlp_backward;
 use super::norm::{NormLayer, NormStats};
-use super::tp_ops::{column_input_backward, row_parallel_output_grad};
+use super::tp_ops::column_input_backward;
 use super::{GradReady, TrainBatch};
-use crate::module::{LinearParams, Norm, TransformerLayer, pack_qkv};
+use crate::module::{LinearParams, Norm, TransformerLayer};
 use crate::{GptModel, Result};
-use ferrotron_nn::attention::core_attention_backward;
 use ferrotron_tensor::gemm::{Op, matmul_weight, sgemm};
-use ferrotron_tensor::ops::{
-    activation_backward, add_bias_backward, add_inplace, glu_packed_backward,
-};
+use ferrotron_tensor::ops::{add_bias_backward, add_inplace};
 use std::borrow::Cow;
 
 /// The running state of one backward pass, shared by every layer.
@@ -337,163 +335,10 @@ fn input_norm_backward(
     Ok(())
 }
 
-/// The MLP's backward from `dout` (gradient of `linear_fc2`'s output, local rows) to the
-/// gradient of its input `[rows, h]` (all rows, a partial sum on each tensor-parallel rank).
-fn mlp_backward(
-    layer: &TransformerLayer,
-    la: &LayerActs,
-    mlp_in: &[f32],
-    pass: &Pass<'_>,
-    dout: &[f32],
-    grads: &mut [&mut [f32]],
-) -> Result<Vec<f32>> {
-    let c = pass.c;
-    let (h, f) = (c.hidden_size, c.ffn_hidden_size);
-    let rows = pass.positions.len();
-    let dy = row_parallel_output_grad(pass.tp, dout)?;
-    let mut dact = vec![0f32; rows * f];
-    let fc2 = layer.mlp.linear_fc2;
-    let model = pass.model;
-    linear_backward(
-        model,
-        fc2.without_bias(),
-        &la.act.f32(),
-        &dy,
-        &mut dact,
-        grads,
-    );
-    if let Some(b) = fc2.bias {
-        add_bias_backward(dout, grads[b.index()]);
-    }
-    drop(dy);
-    let mut dfc1 = vec![0f32; rows * c.fc1_size()];
-    if c.gated_linear_unit {
-        glu_packed_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1, f);
-    } else {
-        activation_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1);
-    }
-    drop(dact);
-    let mut dinput = vec![0f32; rows * h];
-    linear_backward(
-        model,
-        layer.mlp.linear_fc1,
-        mlp_in,
-        &dfc1,
-        &mut dinput,
-        grads,
-    );
-    Ok(dinput)
-}
-
-/// Attention's backward from `dout` (gradient of `linear_proj`'s output, local rows) to the
-/// gradient of its input `[rows, h]` (all rows, a partial sum on each tensor-parallel rank).
-fn attention_backward(
-    layer: &TransformerLayer,
-    la: &LayerActs,
-    pass: &Pass<'_>,
-    dout: &[f32],
-    grads: &mut [&mut [f32]],
-    ledger: &mut Ledger,
-) -> Result<Vec<f32>> {
-    let c = pass.c;
-    let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
-    let rows = pass.positions.len();
-    let sa = &layer.self_attention;
-    let dy = row_parallel_output_grad(pass.tp, dout)?;
-    let [mut dq, mut dk, dv] =
-        core_attention_and_proj_backward(layer, la, pass, &dy, grads, ledger);
-    drop(dy);
-    if let Some(b) = sa.linear_proj.bias {
-        add_bias_backward(dout, grads[b.index()]);
-    }
-    if let Some(rope) = pass.rope {
-        rope.apply_inverse(&mut dq, pass.positions, a);
-        rope.apply_inverse(&mut dk, pass.positions, g);
-    }
-    if let (Some(qk), Some(qn), Some(kn)) = (&la.qk_norm, sa.q_layernorm, sa.k_layernorm) {
-        let model = pass.model;
-        let full = model.config();
-        let (qw, kw) = (full.num_attention_heads * d, full.num_query_groups * d);
-        let mut dq_in = vec![0f32; dq.len()];
-        let mut dk_in = vec![0f32; dk.len()];
-        let qn = NormLayer::new(model, qn).spanning(pass.tp, qw);
-        qn.backward(&qk.q, a * d, &qk.q_stats, &dq, &mut dq_in, grads)?;
-        let kn = NormLayer::new(model, kn).spanning(pass.tp, kw);
-        kn.backward(&qk.k, g * d, &qk.k_stats, &dk, &mut dk_in, grads)?;
-        (dq, dk) = (dq_in, dk_in);
-    }
-    let mut dqkv = vec![0f32; rows * c.qkv_size()];
-    pack_qkv(&dq, &dk, &dv, c, &mut dqkv);
-    drop((dq, dk, dv));
-    let mut dinput = vec![0f32; rows * c.hidden_size];
-    linear_backward(
-        pass.model,
-        sa.linear_qkv,
-        &la.attn_in.f32(),
-        &dqkv,
-        &mut dinput,
-        grads,
-    );
-    Ok(dinput)
-}
-
-/// `linear_proj` (without its bias) and core attention backward: returns `[dq, dk, dv]`
-/// (`[rows, a, d]`, `[rows, g, d]`, `[rows, g, d]`, still rotated) for `dres` the gradient of
-/// the projection's output over all rows. Core
-/// attention's output is recomputed when the layer did not keep it, and freed on return.
-fn core_attention_and_proj_backward(
-    layer: &TransformerLayer,
-    la: &LayerActs,
-    pass: &Pass<'_>,
-    dres: &[f32],
-    grads: &mut [&mut [f32]],
-    ledger: &mut Ledger,
-) -> [Vec<f32>; 3] {
-    let c = pass.c;
-    let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
-    let rows = pass.positions.len();
-    let (q, k, v) = (la.q.f32(), la.k.f32(), la.v.f32());
-    let recomputed;
-    let core = match &la.core_attn {
-        Some(kept) => kept,
-        None => {
-            // Rounded as the forward rounded it: the same values as a kept output.
-            let (ctx, lse) = CoreAttnOut::compute(&q, &k, &v, pass);
-            recomputed = CoreAttnOut {
-                ctx: ctx.stored,
-                lse,
-            };
-            ledger.hold(recomputed.bytes());
-            &recomputed
-        }
-    };
-    let ctx = core.ctx.f32();
-    let mut dctx = vec![0f32; rows * a * d];
-    linear_backward(
-        pass.model,
-        layer.self_attention.linear_proj.without_bias(),
-        &ctx,
-        dres,
-        &mut dctx,
-        grads,
-    );
-    let mut dq = vec![0f32; rows * a * d];
-    let mut dk = vec![0f32; rows * g * d];
-    let mut dv = vec![0f32; rows * g * d];
-    let (dims, mask) = attention_dims(pass);
-    core_attention_backward(
-        &q, &k, &v, &ctx, &dctx, &core.lse, &mut dq, &mut dk, &mut dv, dims, mask,
-    );
-    if la.core_attn.is_none() {
-        ledger.release(core.bytes());
-    }
-    [dq, dk, dv]
-}
-
 /// Backward of `y[rows, n] = x[rows, k]·Wᵀ + b` for the linear layer `p` of `model`:
 /// **overwrites** `dx = dy·W` and **accumulates** `dW += dyᵀ·x` and (when `p` has a bias)
 /// `db += Σ_rows dy` into `grads` (table order).
-fn linear_backward(
+pub(super) fn linear_backward(
     model: &GptModel,
     p: LinearParams,
     x: &[f32],

@@ -7,19 +7,21 @@
 //! ([`GptModel::forward`]) drops them as it goes.
 
 use super::TrainBatch;
+use super::attention::attention_forward;
 use super::core_attention::{CoreAttnOut, KeysValues};
 use super::memory::Ledger;
+use super::mlp::mlp_forward;
 use super::norm::{NormLayer, NormStats};
 use super::recompute::Keep;
 use super::stored::{Kept, Stored, element_bytes};
-use super::tp_ops::{EmbeddingActs, column_input, row_parallel_forward};
-use crate::module::{Norm, TransformerLayer, split_qkv};
+use super::tp_ops::{EmbeddingActs, column_input};
+use crate::module::{Norm, TransformerLayer};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig};
 use ferrotron_nn::attention::DocumentStarts;
 use ferrotron_tensor::DType;
 use ferrotron_tensor::gemm::matmul_weight_t;
-use ferrotron_tensor::ops::{RopeTable, activation, add_inplace, glu_packed};
+use ferrotron_tensor::ops::{RopeTable, add_inplace};
 use std::ops::Range;
 
 /// What every layer of one training pass shares: the config, the rotary tables, the position
@@ -499,105 +501,6 @@ fn sublayer_output(pass: &Pass<'_>, norm: Option<Norm>, out: Vec<f32>) -> Result
         }
         None => Ok((None, out)),
     }
-}
-
-/// What attention keeps of one layer.
-struct AttnActs {
-    qk_norm: Option<QkNormActs>,
-    q: Stored,
-    k: Stored,
-    v: Stored,
-    core_attn: Option<CoreAttnOut>,
-}
-
-/// Self-attention over `input: [rows, h]` (all rows): `linear_qkv`, the q/k norms, rope,
-/// core attention and the row-parallel `linear_proj`; returns what the backward needs and
-/// the output `[local rows, h]`.
-fn attention_forward(
-    layer: &TransformerLayer,
-    pass: &Pass<'_>,
-    input: &[f32],
-    keep_core_attention: bool,
-    kv: KeysValues<'_>,
-) -> Result<(AttnActs, Vec<f32>)> {
-    let (c, model) = (pass.c, pass.model);
-    let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
-    let rows = pass.positions.len();
-    let sa = &layer.self_attention;
-    let mut qkv = vec![0f32; rows * c.qkv_size()];
-    model.linear(sa.linear_qkv).forward(input, &mut qkv);
-    let mut q = vec![0f32; rows * a * d];
-    let mut k = vec![0f32; rows * g * d];
-    let mut v = vec![0f32; rows * g * d];
-    split_qkv(&qkv, c, &mut q, &mut k, &mut v);
-    drop(qkv);
-    let qk_norm = match (sa.q_layernorm, sa.k_layernorm) {
-        (Some(qn), Some(kn)) => {
-            let full = model.config();
-            let (qw, kw) = (full.num_attention_heads * d, full.num_query_groups * d);
-            let qn = NormLayer::new(model, qn).spanning(pass.tp, qw);
-            let kn = NormLayer::new(model, kn).spanning(pass.tp, kw);
-            let (q_normed, q_stats) = qn.forward(&q, a * d)?;
-            let (k_normed, k_stats) = kn.forward(&k, g * d)?;
-            Some(QkNormActs {
-                q: std::mem::replace(&mut q, q_normed),
-                k: std::mem::replace(&mut k, k_normed),
-                q_stats,
-                k_stats,
-            })
-        }
-        _ => None,
-    };
-    if let Some(rope) = pass.rope {
-        rope.apply(&mut q, pass.positions, a);
-        rope.apply(&mut k, pass.positions, g);
-    }
-    let [q, k, v] = [q, k, v].map(|t| Kept::new(t, pass.narrow));
-    let (ctx, lse) = match kv {
-        KeysValues::Fresh => CoreAttnOut::compute(q.values(), k.values(), v.values(), pass),
-        KeysValues::Cached { cache, layer } => {
-            CoreAttnOut::compute_cached(q.values(), k.values(), v.values(), cache, layer, pass)
-        }
-    };
-    let proj = model.linear(sa.linear_proj);
-    let out = row_parallel_forward(pass, &proj, ctx.values())?;
-    let core_attn = keep_core_attention.then_some(CoreAttnOut {
-        ctx: ctx.stored,
-        lse,
-    });
-    let acts = AttnActs {
-        qk_norm,
-        q: q.stored,
-        k: k.stored,
-        v: v.stored,
-        core_attn,
-    };
-    Ok((acts, out))
-}
-
-/// The MLP over `input: [rows, h]` (all rows): returns the kept `linear_fc1` output and
-/// activation output, and the row-parallel `linear_fc2`'s output `[local rows, h]`.
-fn mlp_forward(
-    layer: &TransformerLayer,
-    pass: &Pass<'_>,
-    input: &[f32],
-) -> Result<(Stored, Stored, Vec<f32>)> {
-    let (c, model) = (pass.c, pass.model);
-    let rows = pass.positions.len();
-    let f = c.ffn_hidden_size;
-    let mut fc1 = vec![0f32; rows * c.fc1_size()];
-    model.linear(layer.mlp.linear_fc1).forward(input, &mut fc1);
-    let fc1 = Kept::new(fc1, pass.narrow);
-    let mut act = vec![0f32; rows * f];
-    if c.gated_linear_unit {
-        glu_packed(c.activation_func, fc1.values(), &mut act, f);
-    } else {
-        activation(c.activation_func, fc1.values(), &mut act);
-    }
-    let act = Kept::new(act, pass.narrow);
-    let fc2 = model.linear(layer.mlp.linear_fc2);
-    let out = row_parallel_forward(pass, &fc2, act.values())?;
-    Ok((fc1.stored, act.stored, out))
 }
 
 /// Bytes of an f32 buffer.

@@ -31,11 +31,13 @@
 //! [`TransformerConfig::recompute_granularity`]: crate::TransformerConfig::recompute_granularity
 //! [`TransformerConfig::activation_memory`]: crate::TransformerConfig::activation_memory
 
+mod attention;
 mod backward;
 pub(crate) mod core_attention;
 pub(crate) mod forward;
 mod loss;
 pub mod memory;
+mod mlp;
 mod norm;
 pub(crate) mod params;
 pub mod recompute;

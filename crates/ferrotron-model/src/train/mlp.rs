@@ -1,0 +1,85 @@
+//! The MLP's training pass (Megatron-Core `MLP`): `linear_fc1`, the (gated) activation and the
+//! row-parallel `linear_fc2`, and its backward beside it.
+
+use super::backward::linear_backward;
+use super::forward::{LayerActs, Pass};
+use super::stored::{Kept, Stored};
+use super::tp_ops::{row_parallel_forward, row_parallel_output_grad};
+use crate::Result;
+use crate::module::TransformerLayer;
+use ferrotron_tensor::ops::{
+    activation, activation_backward, add_bias_backward, glu_packed, glu_packed_backward,
+};
+
+/// The MLP over `input: [rows, h]` (all rows): returns the kept `linear_fc1` output and
+/// activation output, and the row-parallel `linear_fc2`'s output `[local rows, h]`.
+pub(super) fn mlp_forward(
+    layer: &TransformerLayer,
+    pass: &Pass<'_>,
+    input: &[f32],
+) -> Result<(Stored, Stored, Vec<f32>)> {
+    let (c, model) = (pass.c, pass.model);
+    let rows = pass.positions.len();
+    let f = c.ffn_hidden_size;
+    let mut fc1 = vec![0f32; rows * c.fc1_size()];
+    model.linear(layer.mlp.linear_fc1).forward(input, &mut fc1);
+    let fc1 = Kept::new(fc1, pass.narrow);
+    let mut act = vec![0f32; rows * f];
+    if c.gated_linear_unit {
+        glu_packed(c.activation_func, fc1.values(), &mut act, f);
+    } else {
+        activation(c.activation_func, fc1.values(), &mut act);
+    }
+    let act = Kept::new(act, pass.narrow);
+    let fc2 = model.linear(layer.mlp.linear_fc2);
+    let out = row_parallel_forward(pass, &fc2, act.values())?;
+    Ok((fc1.stored, act.stored, out))
+}
+
+/// The MLP's backward from `dout` (gradient of `linear_fc2`'s output, local rows) to the
+/// gradient of its input `[rows, h]` (all rows, a partial sum on each tensor-parallel rank).
+pub(super) fn mlp_backward(
+    layer: &TransformerLayer,
+    la: &LayerActs,
+    mlp_in: &[f32],
+    pass: &Pass<'_>,
+    dout: &[f32],
+    grads: &mut [&mut [f32]],
+) -> Result<Vec<f32>> {
+    let c = pass.c;
+    let (h, f) = (c.hidden_size, c.ffn_hidden_size);
+    let rows = pass.positions.len();
+    let dy = row_parallel_output_grad(pass.tp, dout)?;
+    let mut dact = vec![0f32; rows * f];
+    let fc2 = layer.mlp.linear_fc2;
+    let model = pass.model;
+    linear_backward(
+        model,
+        fc2.without_bias(),
+        &la.act.f32(),
+        &dy,
+        &mut dact,
+        grads,
+    );
+    if let Some(b) = fc2.bias {
+        add_bias_backward(dout, grads[b.index()]);
+    }
+    drop(dy);
+    let mut dfc1 = vec![0f32; rows * c.fc1_size()];
+    if c.gated_linear_unit {
+        glu_packed_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1, f);
+    } else {
+        activation_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1);
+    }
+    drop(dact);
+    let mut dinput = vec![0f32; rows * h];
+    linear_backward(
+        model,
+        layer.mlp.linear_fc1,
+        mlp_in,
+        &dfc1,
+        &mut dinput,
+        grads,
+    );
+    Ok(dinput)
+}
