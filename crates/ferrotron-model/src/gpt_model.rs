@@ -9,7 +9,7 @@ use ferrotron_nn::attention::alibi_slopes;
 use ferrotron_nn::{Embedding, Linear, NnError};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::RopeTable;
-use ferrotron_tensor::{DType, Tensor};
+use ferrotron_tensor::{DType, Device, Tensor};
 
 /// Which positions get logits from [`GptModel::forward`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -193,6 +193,11 @@ impl GptModel {
         self.dtype
     }
 
+    /// Where the parameters, and so the activations, live.
+    pub fn device(&self) -> Device {
+        self.params.first().map_or(Device::Cpu, Tensor::device)
+    }
+
     /// This rank's values of parameter `id`.
     pub fn param(&self, id: ParamId) -> &Tensor {
         &self.params[id.index()]
@@ -310,12 +315,12 @@ impl GptModel {
             LogitsMode::All => 0..s * b,
             LogitsMode::Last => (s - 1) * b..s * b,
         };
-        let hidden = &x[rows.start * h..rows.end * h];
+        let hidden = &x.host()[rows.start * h..rows.end * h];
         let normed = self.final_norm(hidden)?.0;
         let v = c.vocab_size;
         let mut logits = vec![0f32; rows.len() * v];
         matmul_weight_t(
-            &normed,
+            normed.host(),
             self.output_weight()?.weight_ref(),
             &mut logits,
             rows.len(),

@@ -5,6 +5,7 @@
 //! Compute is always f32 (design.md: on this CPU the bf16 dot-product peak is half the f32
 //! FMA peak); bf16/f16 are storage formats that halve memory traffic.
 
+mod buffer;
 mod dtype;
 mod error;
 pub mod gemm;
@@ -12,6 +13,7 @@ pub mod gemv;
 pub mod ops;
 mod tensor;
 
+pub use buffer::Buffer;
 pub use dtype::{DType, Element};
 pub use error::TensorError;
 pub use tensor::{Device, Storage, Tensor, convert_slice};

@@ -11,6 +11,7 @@ use super::tp_ops::{row_parallel_forward, row_parallel_output_grad};
 use crate::Result;
 use crate::module::{TransformerLayer, pack_qkv, split_qkv};
 use ferrotron_nn::attention::core_attention_backward;
+use ferrotron_tensor::Buffer;
 use ferrotron_tensor::ops::add_bias_backward;
 
 /// What attention keeps of one layer.
@@ -31,17 +32,18 @@ pub(super) fn attention_forward(
     input: &[f32],
     keep_core_attention: bool,
     kv: KeysValues<'_>,
-) -> Result<(AttnActs, Vec<f32>)> {
+) -> Result<(AttnActs, Buffer<f32>)> {
     let (c, model) = (pass.c, pass.model);
     let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
     let rows = pass.positions.len();
     let sa = &layer.self_attention;
-    let mut qkv = vec![0f32; rows * c.qkv_size()];
-    model.linear(sa.linear_qkv).forward(input, &mut qkv);
-    let mut q = vec![0f32; rows * a * d];
-    let mut k = vec![0f32; rows * g * d];
-    let mut v = vec![0f32; rows * g * d];
-    split_qkv(&qkv, c, &mut q, &mut k, &mut v);
+    let dev = pass.device;
+    let mut qkv = Buffer::zeros(dev, rows * c.qkv_size());
+    model.linear(sa.linear_qkv).forward(input, qkv.host_mut());
+    let mut q = Buffer::zeros(dev, rows * a * d);
+    let mut k = Buffer::zeros(dev, rows * g * d);
+    let mut v = Buffer::zeros(dev, rows * g * d);
+    split_qkv(qkv.host(), c, q.host_mut(), k.host_mut(), v.host_mut());
     drop(qkv);
     let qk_norm = match (sa.q_layernorm, sa.k_layernorm) {
         (Some(qn), Some(kn)) => {
@@ -49,8 +51,8 @@ pub(super) fn attention_forward(
             let (qw, kw) = (full.num_attention_heads * d, full.num_query_groups * d);
             let qn = NormLayer::new(model, qn).spanning(pass.tp, qw);
             let kn = NormLayer::new(model, kn).spanning(pass.tp, kw);
-            let (q_normed, q_stats) = qn.forward(&q, a * d)?;
-            let (k_normed, k_stats) = kn.forward(&k, g * d)?;
+            let (q_normed, q_stats) = qn.forward(q.host(), a * d)?;
+            let (k_normed, k_stats) = kn.forward(k.host(), g * d)?;
             Some(QkNormActs {
                 q: std::mem::replace(&mut q, q_normed),
                 k: std::mem::replace(&mut k, k_normed),
@@ -61,8 +63,8 @@ pub(super) fn attention_forward(
         _ => None,
     };
     if let Some(rope) = pass.rope {
-        rope.apply(&mut q, pass.positions, a);
-        rope.apply(&mut k, pass.positions, g);
+        rope.apply(q.host_mut(), pass.positions, a);
+        rope.apply(k.host_mut(), pass.positions, g);
     }
     let [q, k, v] = [q, k, v].map(|t| Kept::new(t, pass.narrow));
     let (ctx, lse) = match kv {
@@ -96,9 +98,10 @@ pub(super) fn attention_backward(
     dout: &[f32],
     grads: &mut [&mut [f32]],
     ledger: &mut Ledger,
-) -> Result<Vec<f32>> {
+) -> Result<Buffer<f32>> {
     let c = pass.c;
     let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
+    let dev = pass.device;
     let rows = pass.positions.len();
     let sa = &layer.self_attention;
     let dy = row_parallel_output_grad(pass.tp, dout)?;
@@ -109,33 +112,29 @@ pub(super) fn attention_backward(
         add_bias_backward(dout, grads[b.index()]);
     }
     if let Some(rope) = pass.rope {
-        rope.apply_inverse(&mut dq, pass.positions, a);
-        rope.apply_inverse(&mut dk, pass.positions, g);
+        rope.apply_inverse(dq.host_mut(), pass.positions, a);
+        rope.apply_inverse(dk.host_mut(), pass.positions, g);
     }
     if let (Some(qk), Some(qn), Some(kn)) = (&la.qk_norm, sa.q_layernorm, sa.k_layernorm) {
         let model = pass.model;
         let full = model.config();
         let (qw, kw) = (full.num_attention_heads * d, full.num_query_groups * d);
-        let mut dq_in = vec![0f32; dq.len()];
-        let mut dk_in = vec![0f32; dk.len()];
+        let mut dq_in = Buffer::zeros(dev, dq.len());
+        let mut dk_in = Buffer::zeros(dev, dk.len());
         let qn = NormLayer::new(model, qn).spanning(pass.tp, qw);
-        qn.backward(&qk.q, a * d, &qk.q_stats, &dq, &mut dq_in, grads)?;
+        let (q_in, dq_out) = (qk.q.host(), dq.host());
+        qn.backward(q_in, a * d, &qk.q_stats, dq_out, dq_in.host_mut(), grads)?;
         let kn = NormLayer::new(model, kn).spanning(pass.tp, kw);
-        kn.backward(&qk.k, g * d, &qk.k_stats, &dk, &mut dk_in, grads)?;
+        let (k_in, dk_out) = (qk.k.host(), dk.host());
+        kn.backward(k_in, g * d, &qk.k_stats, dk_out, dk_in.host_mut(), grads)?;
         (dq, dk) = (dq_in, dk_in);
     }
-    let mut dqkv = vec![0f32; rows * c.qkv_size()];
-    pack_qkv(&dq, &dk, &dv, c, &mut dqkv);
+    let mut dqkv = Buffer::zeros(dev, rows * c.qkv_size());
+    pack_qkv(dq.host(), dk.host(), dv.host(), c, dqkv.host_mut());
     drop((dq, dk, dv));
-    let mut dinput = vec![0f32; rows * c.hidden_size];
-    linear_backward(
-        pass.model,
-        sa.linear_qkv,
-        &la.attn_in.f32(),
-        &dqkv,
-        &mut dinput,
-        grads,
-    );
+    let mut dinput = Buffer::zeros(dev, rows * c.hidden_size);
+    let (input, dy, dx) = (&la.attn_in.f32(), dqkv.host(), dinput.host_mut());
+    linear_backward(pass.model, sa.linear_qkv, input, dy, dx, grads);
     Ok(dinput)
 }
 
@@ -150,8 +149,9 @@ fn core_attention_and_proj_backward(
     dres: &[f32],
     grads: &mut [&mut [f32]],
     ledger: &mut Ledger,
-) -> [Vec<f32>; 3] {
+) -> [Buffer<f32>; 3] {
     let c = pass.c;
+    let dev = pass.device;
     let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
     let rows = pass.positions.len();
     let (q, k, v) = (la.q.f32(), la.k.f32(), la.v.f32());
@@ -170,22 +170,16 @@ fn core_attention_and_proj_backward(
         }
     };
     let ctx = core.ctx.f32();
-    let mut dctx = vec![0f32; rows * a * d];
-    linear_backward(
-        pass.model,
-        layer.self_attention.linear_proj.without_bias(),
-        &ctx,
-        dres,
-        &mut dctx,
-        grads,
-    );
-    let mut dq = vec![0f32; rows * a * d];
-    let mut dk = vec![0f32; rows * g * d];
-    let mut dv = vec![0f32; rows * g * d];
+    let mut dctx = Buffer::zeros(dev, rows * a * d);
+    let proj = layer.self_attention.linear_proj.without_bias();
+    linear_backward(pass.model, proj, &ctx, dres, dctx.host_mut(), grads);
+    let mut dq = Buffer::zeros(dev, rows * a * d);
+    let mut dk = Buffer::zeros(dev, rows * g * d);
+    let mut dv = Buffer::zeros(dev, rows * g * d);
     let (dims, mask) = attention_dims(pass);
-    core_attention_backward(
-        &q, &k, &v, &ctx, &dctx, &core.lse, &mut dq, &mut dk, &mut dv, dims, mask,
-    );
+    let (dctx, lse) = (dctx.host(), core.lse.host());
+    let (dqs, dks, dvs) = (dq.host_mut(), dk.host_mut(), dv.host_mut());
+    core_attention_backward(&q, &k, &v, &ctx, dctx, lse, dqs, dks, dvs, dims, mask);
     if la.core_attn.is_none() {
         ledger.release(core.bytes());
     }

@@ -5,7 +5,7 @@
 //! backward is done.
 
 use super::attention::attention_backward;
-use super::forward::{Activations, LayerActs, Pass, Saved, f32_bytes, usize_bytes};
+use super::forward::{Activations, LayerActs, Pass, Saved, usize_bytes};
 use super::memory::Ledger;
 use super::mlp::mlp_backward;
 use super::norm::{NormLayer, NormStats};
@@ -13,16 +13,16 @@ use super::tp_ops::column_input_backward;
 use super::{GradReady, TrainBatch};
 use crate::module::{LinearParams, Norm, TransformerLayer};
 use crate::{GptModel, Result};
+use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{Op, matmul_weight, sgemm};
 use ferrotron_tensor::ops::{add_bias_backward, add_inplace};
-use std::borrow::Cow;
 
 /// The running state of one backward pass, shared by every layer.
 pub(crate) struct Backprop<'g, 'p> {
     /// Gradient of the residual stream `[rows, h]` at the current layer boundary.
-    pub dres: Vec<f32>,
+    pub dres: Buffer<f32>,
     /// Work buffer `[rows, h]`.
-    pub scratch: Vec<f32>,
+    pub scratch: Buffer<f32>,
     /// Parameter gradients, order of [`GptModel::parameters`] (**accumulated**).
     pub grads: &'g mut [&'p mut [f32]],
     /// Saved-activation bytes: released as the backward frees them.
@@ -68,10 +68,10 @@ impl GptModel {
             };
             self.head_backward(batch, head, grads, ledger, ready)?
         } else {
-            ledger.release(f32_bytes(&x_final));
+            ledger.release(x_final.bytes());
             let want = self.local_rows(batch)? * c.hidden_size;
             match dout {
-                Some(d) if d.len() == want => d,
+                Some(d) if d.len() == want => Buffer::from_host(d),
                 _ => {
                     return Err(crate::ModelError::Input(format!(
                         "a pipeline stage before the last needs the gradient of its output \
@@ -82,7 +82,7 @@ impl GptModel {
         };
         let pass = Pass::new(self, &positions, batch);
         let mut st = Backprop {
-            scratch: vec![0f32; dres.len()],
+            scratch: Buffer::zeros(self.device(), dres.len()),
             dres,
             grads,
             ledger,
@@ -103,12 +103,12 @@ impl GptModel {
         }
         st.ledger.release(usize_bytes(&positions));
         if !part.pre_process {
-            return Ok(Some(st.dres));
+            return Ok(Some(st.dres.into_host()));
         }
         if let Some((e, stats)) = &embedding {
-            st.ledger.release(f32_bytes(e) + stats.bytes());
+            st.ledger.release(e.bytes() + stats.bytes());
         }
-        self.embed_forward_backward(&batch.tokens, embedding, &st.dres, st.grads)?;
+        self.embed_forward_backward(&batch.tokens, embedding, st.dres.host(), st.grads)?;
         let layout = self.layout();
         let first: Vec<usize> = layout
             .embedding
@@ -134,7 +134,7 @@ impl GptModel {
         grads: &mut [&mut [f32]],
         ledger: &mut Ledger,
         ready: &mut (dyn GradReady + Send),
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Buffer<f32>> {
         let Head {
             x_final,
             final_stats,
@@ -150,44 +150,22 @@ impl GptModel {
             .output_weight()
             .expect("the last stage holds an output weight");
         let (w_out, out_slot) = (self.param(out_id), out_id.index());
-        let mut dnormed_all = vec![0f32; rows * h];
-        matmul_weight(
-            &dlogits,
-            w_out.weight_ref(),
-            &mut dnormed_all,
-            rows,
-            v,
-            h,
-            false,
-        );
+        let mut dnormed_all = Buffer::zeros(self.device(), rows * h);
+        let (dl, w) = (dlogits.host(), w_out.weight_ref());
+        matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);
         let dnormed = column_input_backward(self.tp.as_ref(), dnormed_all)?;
-        sgemm(
-            v,
-            h,
-            rows,
-            &dlogits,
-            Op::T,
-            &normed_final,
-            Op::N,
-            grads[out_slot],
-            true,
-        );
-        ledger.release(f32_bytes(&dlogits) + f32_bytes(&normed_final));
+        let (normed, dw) = (normed_final.host(), &mut *grads[out_slot]);
+        sgemm(v, h, rows, dl, Op::T, normed, Op::N, dw, true);
+        ledger.release(dlogits.bytes() + normed_final.bytes());
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
         let norm = layout
             .final_layernorm
             .expect("the last stage holds the final norm");
-        let mut dres = vec![0f32; x_final.len()];
-        NormLayer::new(self, norm).backward(
-            &x_final,
-            h,
-            &final_stats,
-            &dnormed,
-            &mut dres,
-            grads,
-        )?;
-        ledger.release(f32_bytes(&x_final) + final_stats.bytes());
+        let mut dres = Buffer::zeros(self.device(), x_final.len());
+        let (x, dy, dx) = (x_final.host(), dnormed.host(), dres.host_mut());
+        NormLayer::new(self, norm).backward(x, h, &final_stats, dy, dx, grads)?;
+        ledger.release(x_final.bytes() + final_stats.bytes());
         let done: Vec<usize> = layout
             .output_layer
             .into_iter()
@@ -201,10 +179,10 @@ impl GptModel {
 
 /// The last stage's saved head activations.
 struct Head {
-    x_final: Vec<f32>,
+    x_final: Buffer<f32>,
     final_stats: NormStats,
-    normed_final: Vec<f32>,
-    dlogits: Vec<f32>,
+    normed_final: Buffer<f32>,
+    dlogits: Buffer<f32>,
 }
 
 /// One layer's backward: `st.dres: [local rows, h]` is the gradient of the layer output on
@@ -229,10 +207,12 @@ pub(crate) fn layer_backward(
         ledger,
         ..
     } = st;
+    let (dres, scratch) = (dres.host_mut(), scratch.host_mut());
     // MLP: y = x_mid + post_mlp(fc2(act(fc1(mlp_in)))) (x + attn + mlp under parallel attention).
     let dmlp_out = post_norm_backward(pass, layer.post_mlp_layernorm, &la.post_mlp, dres, grads)?;
     let mlp_in = la.mlp_in.as_ref().unwrap_or(&la.attn_in);
-    let dmlp_in = mlp_backward(layer, la, &mlp_in.f32(), pass, &dmlp_out, grads)?;
+    let dout = dmlp_out.as_ref().map_or(&*dres, Buffer::host);
+    let dmlp_in = mlp_backward(layer, la, &mlp_in.f32(), pass, dout, grads)?;
     drop(dmlp_out);
     let dattn_in_extra = if pass.c.parallel_attention_mlp {
         Some(dmlp_in)
@@ -241,9 +221,9 @@ pub(crate) fn layer_backward(
         input_norm_backward(
             pass,
             layer.pre_mlp_layernorm,
-            &la.x_mid,
+            la.x_mid.host(),
             la.norm2.as_ref(),
-            &dmlp_in,
+            dmlp_in.host(),
             dres,
             scratch,
             grads,
@@ -258,18 +238,19 @@ pub(crate) fn layer_backward(
         dres,
         grads,
     )?;
-    let mut dattn_in = attention_backward(layer, la, pass, &dattn_out, grads, ledger)?;
+    let dout = dattn_out.as_ref().map_or(&*dres, Buffer::host);
+    let mut dattn_in = attention_backward(layer, la, pass, dout, grads, ledger)?;
     drop(dattn_out);
     if let Some(d) = dattn_in_extra {
-        add_inplace(&mut dattn_in, &d);
+        add_inplace(dattn_in.host_mut(), d.host());
     }
     let dattn_in = column_input_backward(pass.tp, dattn_in)?;
     input_norm_backward(
         pass,
         layer.input_layernorm,
-        &la.x,
+        la.x.host(),
         la.norm1.as_ref(),
-        &dattn_in,
+        dattn_in.host(),
         dres,
         scratch,
         grads,
@@ -279,28 +260,23 @@ pub(crate) fn layer_backward(
 }
 
 /// The gradient of a sublayer's output before its post-norm, from `dres` (the gradient of
-/// what the sublayer added to the residual stream, local rows); `dres` itself without one.
-fn post_norm_backward<'d>(
+/// what the sublayer added to the residual stream, local rows); `None` when it has no
+/// post-norm (the gradient is `dres` itself).
+fn post_norm_backward(
     pass: &Pass<'_>,
     norm: Option<Norm>,
-    saved: &Option<(Vec<f32>, NormStats)>,
-    dres: &'d [f32],
+    saved: &Option<(Buffer<f32>, NormStats)>,
+    dres: &[f32],
     grads: &mut [&mut [f32]],
-) -> Result<Cow<'d, [f32]>> {
+) -> Result<Option<Buffer<f32>>> {
     match (norm, saved) {
         (Some(n), Some((out, stats))) => {
-            let mut d = vec![0f32; dres.len()];
-            NormLayer::new(pass.model, n).backward(
-                out,
-                pass.c.hidden_size,
-                stats,
-                dres,
-                &mut d,
-                grads,
-            )?;
-            Ok(Cow::Owned(d))
+            let mut d = Buffer::zeros(pass.device, dres.len());
+            let (h, dx) = (pass.c.hidden_size, d.host_mut());
+            NormLayer::new(pass.model, n).backward(out.host(), h, stats, dres, dx, grads)?;
+            Ok(Some(d))
         }
-        _ => Ok(Cow::Borrowed(dres)),
+        _ => Ok(None),
     }
 }
 

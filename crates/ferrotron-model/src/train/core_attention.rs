@@ -2,12 +2,13 @@
 //! pass's own tokens, or a KV cache), and its output and log-sum-exp ([`CoreAttnOut`]), which
 //! selective recompute drops and the backward recomputes from q/k/v.
 
-use super::forward::{Pass, f32_bytes};
+use super::forward::Pass;
 use super::stored::{Kept, Stored, element_bytes};
 use crate::{KvCache, TransformerConfig};
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, core_attention, core_attention_forward_train,
 };
+use ferrotron_tensor::Buffer;
 
 /// Where core attention finds the keys and values of a [`layer_forward`].
 pub(crate) enum KeysValues<'c> {
@@ -27,20 +28,21 @@ pub(crate) struct CoreAttnOut {
     /// Core attention output `[rows, a·d]` (input of `linear_proj`).
     pub ctx: Stored,
     /// Softmax log-sum-exp per query row and head `[rows, a]`.
-    pub lse: Vec<f32>,
+    pub lse: Buffer<f32>,
 }
 
 impl CoreAttnOut {
     /// Flash-style causal attention of `q: [rows, a, d]` (after rope) over `k, v: [rows, g, d]`:
     /// the output (kept through [`Kept`], which rounds it under `pass.narrow`, by the forward
     /// and by a recompute alike) and the log-sum-exp.
-    pub(crate) fn compute(q: &[f32], k: &[f32], v: &[f32], pass: &Pass<'_>) -> (Kept, Vec<f32>) {
+    pub(crate) fn compute(q: &[f32], k: &[f32], v: &[f32], pass: &Pass<'_>) -> (Kept, Buffer<f32>) {
         let c = pass.c;
         let rows = pass.positions.len();
-        let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
-        let mut lse = vec![0f32; rows * c.num_attention_heads];
+        let mut ctx = Buffer::zeros(pass.device, rows * c.num_attention_heads * c.kv_channels);
+        let mut lse = Buffer::zeros(pass.device, rows * c.num_attention_heads);
         let (dims, mask) = attention_dims(pass);
-        core_attention_forward_train(q, k, v, &mut ctx, &mut lse, dims, mask);
+        let (o, l) = (ctx.host_mut(), lse.host_mut());
+        core_attention_forward_train(q, k, v, o, l, dims, mask);
         (Kept::new(ctx, pass.narrow), lse)
     }
 
@@ -55,28 +57,29 @@ impl CoreAttnOut {
         cache: &mut KvCache,
         layer: usize,
         pass: &Pass<'_>,
-    ) -> (Kept, Vec<f32>) {
+    ) -> (Kept, Buffer<f32>) {
         let c = pass.c;
         let rows = pass.positions.len();
-        let mut ctx = vec![0f32; rows * c.num_attention_heads * c.kv_channels];
+        let mut ctx = Buffer::zeros(pass.device, rows * c.num_attention_heads * c.kv_channels);
         let (mut dims, mask) = attention_dims(pass);
         dims.q_offset = cache.len();
         dims.skv = cache.len() + pass.seq;
         let (keys, values) = cache.append(layer, k, v);
-        let mut lse = Vec::new();
+        let mut lse = Buffer::default();
         if rows > 1 {
             // Prefill: the register-tiled kernel is ~3x faster on many query rows.
-            lse.resize(rows * c.num_attention_heads, 0.0);
-            core_attention_forward_train(q, keys, values, &mut ctx, &mut lse, dims, mask);
+            lse = Buffer::zeros(pass.device, rows * c.num_attention_heads);
+            let (o, l) = (ctx.host_mut(), lse.host_mut());
+            core_attention_forward_train(q, keys, values, o, l, dims, mask);
         } else {
-            core_attention(q, keys, values, &mut ctx, dims, mask);
+            core_attention(q, keys, values, ctx.host_mut(), dims, mask);
         }
         (Kept::new(ctx, pass.narrow), lse)
     }
 
     /// Bytes held.
     pub(crate) fn bytes(&self) -> u128 {
-        self.ctx.bytes() + f32_bytes(&self.lse)
+        self.ctx.bytes() + self.lse.bytes()
     }
 
     /// Bytes per token of [`CoreAttnOut`]: `a·d` (bf16 when `narrow`) + `a` f32 (in u128,

@@ -19,9 +19,9 @@ use crate::module::{Norm, TransformerLayer};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig};
 use ferrotron_nn::attention::DocumentStarts;
-use ferrotron_tensor::DType;
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{RopeTable, add_inplace};
+use ferrotron_tensor::{Buffer, DType, Device};
 use std::ops::Range;
 
 /// What every layer of one training pass shares: the config, the rotary tables, the position
@@ -45,6 +45,8 @@ pub(crate) struct Pass<'a> {
     pub tp: Option<&'a TpInfo>,
     /// Keep activations in bf16 (the model trains in bf16; see [`super::stored`]).
     pub narrow: bool,
+    /// Where the activations live (the model's device).
+    pub device: Device,
 }
 
 impl<'a> Pass<'a> {
@@ -70,6 +72,7 @@ impl<'a> Pass<'a> {
             documents,
             tp,
             narrow: model.activation_dtype() == DType::BF16,
+            device: model.device(),
         }
     }
 
@@ -92,6 +95,7 @@ impl<'a> Pass<'a> {
             documents: None,
             tp: model.tp.as_ref(),
             narrow: false,
+            device: model.device(),
         }
     }
 }
@@ -102,7 +106,7 @@ impl<'a> Pass<'a> {
 /// consumed); the backward rotates their gradients back with [`RopeTable::apply_inverse`].
 pub(crate) struct LayerActs {
     /// Layer input (residual stream) `[local rows, h]`.
-    pub x: Vec<f32>,
+    pub x: Buffer<f32>,
     /// `input_layernorm`'s statistics over `x` (absent under post-sublayer norms).
     pub norm1: Option<NormStats>,
     /// Input of `linear_qkv` `[rows, h]`: `input_layernorm(x)` (`x` itself under
@@ -121,9 +125,9 @@ pub(crate) struct LayerActs {
     pub core_attn: Option<CoreAttnOut>,
     /// Attention's output `[local rows, h]` before `post_self_attn_layernorm`, and that
     /// norm's statistics (post-sublayer norms).
-    pub post_attn: Option<(Vec<f32>, NormStats)>,
+    pub post_attn: Option<(Buffer<f32>, NormStats)>,
     /// Residual stream after attention `[local rows, h]` (empty under parallel attention).
-    pub x_mid: Vec<f32>,
+    pub x_mid: Buffer<f32>,
     /// `pre_mlp_layernorm`'s statistics over `x_mid`.
     pub norm2: Option<NormStats>,
     /// Input of `linear_fc1` `[rows, h]`, all rows; `None` under parallel attention (the
@@ -135,14 +139,14 @@ pub(crate) struct LayerActs {
     pub act: Stored,
     /// The MLP's output `[local rows, h]` before `post_mlp_layernorm`, and that norm's
     /// statistics.
-    pub post_mlp: Option<(Vec<f32>, NormStats)>,
+    pub post_mlp: Option<(Buffer<f32>, NormStats)>,
 }
 
 /// The q/k norms' inputs: `linear_qkv`'s queries `[rows, a·d]` and keys `[rows, g·d]` (f32),
 /// with the statistics of each norm.
 pub(crate) struct QkNormActs {
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
+    pub q: Buffer<f32>,
+    pub k: Buffer<f32>,
     pub q_stats: NormStats,
     pub k_stats: NormStats,
 }
@@ -160,8 +164,8 @@ impl LayerActs {
         ];
         let stats = [&self.norm1, &self.norm2];
         let post = [&self.post_attn, &self.post_mlp];
-        f32_bytes(&self.x)
-            + f32_bytes(&self.x_mid)
+        self.x.bytes()
+            + self.x_mid.bytes()
             + stored.iter().map(|t| t.bytes()).sum::<u128>()
             + self.mlp_in.as_ref().map_or(0, Stored::bytes)
             + stats
@@ -172,10 +176,10 @@ impl LayerActs {
             + post
                 .iter()
                 .flat_map(|p| p.as_ref())
-                .map(|(o, s)| f32_bytes(o) + s.bytes())
+                .map(|(o, s)| o.bytes() + s.bytes())
                 .sum::<u128>()
             + self.qk_norm.as_ref().map_or(0, |n| {
-                f32_bytes(&n.q) + f32_bytes(&n.k) + n.q_stats.bytes() + n.k_stats.bytes()
+                n.q.bytes() + n.k.bytes() + n.q_stats.bytes() + n.k_stats.bytes()
             })
             + self.core_attn.as_ref().map_or(0, CoreAttnOut::bytes)
     }
@@ -216,7 +220,7 @@ impl LayerActs {
     }
 
     /// The layer input alone (what a recomputed group keeps), the rest freed.
-    pub(crate) fn into_input(self) -> Vec<f32> {
+    pub(crate) fn into_input(self) -> Buffer<f32> {
         self.x
     }
 }
@@ -228,7 +232,10 @@ pub(crate) enum Saved {
     /// Layer `index` with its activations (all but core attention's under selective recompute).
     Layer { index: usize, acts: LayerActs },
     /// Only the input `[rows, h]` of `layers`, which the backward re-runs (full recompute).
-    Input { layers: Range<usize>, x: Vec<f32> },
+    Input {
+        layers: Range<usize>,
+        x: Buffer<f32>,
+    },
 }
 
 /// Everything the backward of one micro-batch reads.
@@ -243,13 +250,13 @@ pub(crate) struct Activations {
     /// Rotary position of each row `[rows]`.
     pub positions: Vec<usize>,
     /// Residual stream after the last layer `[rows, h]`.
-    pub x_final: Vec<f32>,
+    pub x_final: Buffer<f32>,
     /// The final norm's statistics over `x_final` (last stage).
     pub final_stats: Option<NormStats>,
     /// `final_layernorm(x_final)` `[rows, h]` (input of the output layer).
-    pub normed_final: Vec<f32>,
+    pub normed_final: Buffer<f32>,
     /// Logits `[rows, v]`, turned into `∂(loss_scale·loss)/∂logits` by the loss.
-    pub dlogits: Vec<f32>,
+    pub dlogits: Buffer<f32>,
 }
 
 impl GptModel {
@@ -271,7 +278,7 @@ impl GptModel {
     ) -> Result<Activations> {
         let (x, embedding) = self.stage_input(batch, &part, input)?;
         if let Some((e, stats)) = &embedding {
-            ledger.hold(f32_bytes(e) + stats.bytes());
+            ledger.hold(e.bytes() + stats.bytes());
         }
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
@@ -286,30 +293,23 @@ impl GptModel {
             positions,
             x_final: x,
             final_stats: None,
-            normed_final: Vec::new(),
-            dlogits: Vec::new(),
+            normed_final: Buffer::default(),
+            dlogits: Buffer::default(),
         };
         if !acts.part.post_process {
-            ledger.hold(f32_bytes(&acts.x_final));
+            ledger.hold(acts.x_final.bytes());
             return Ok(acts);
         }
-        let (normed, stats) = self.final_norm(&acts.x_final)?;
+        let (normed, stats) = self.final_norm(acts.x_final.host())?;
         acts.normed_final = column_input(self.tp.as_ref(), normed)?;
         let c = self.local_config();
         let (h, v, rows) = (c.hidden_size, c.vocab_size, batch.tokens.len());
         let weight = self.output_weight()?;
-        acts.dlogits = vec![0f32; rows * v];
-        matmul_weight_t(
-            &acts.normed_final,
-            weight.weight_ref(),
-            &mut acts.dlogits,
-            rows,
-            v,
-            h,
-            false,
-        );
+        acts.dlogits = Buffer::zeros(self.device(), rows * v);
+        let (normed, logits) = (acts.normed_final.host(), acts.dlogits.host_mut());
+        matmul_weight_t(normed, weight.weight_ref(), logits, rows, v, h, false);
         for t in [&acts.x_final, &acts.normed_final, &acts.dlogits] {
-            ledger.hold(f32_bytes(t));
+            ledger.hold(t.bytes());
         }
         ledger.hold(stats.bytes());
         acts.final_stats = Some(stats);
@@ -323,7 +323,7 @@ impl GptModel {
         batch: &TrainBatch,
         part: &ChunkPart,
         input: Option<Vec<f32>>,
-    ) -> Result<(Vec<f32>, EmbeddingActs)> {
+    ) -> Result<(Buffer<f32>, EmbeddingActs)> {
         let h = self.local_config().hidden_size;
         if let Some(tp) = &self.tp {
             tp.group.local_rows(batch.seq, batch.micro_batch)?;
@@ -344,7 +344,7 @@ impl GptModel {
                         x.len()
                     )));
                 }
-                Ok((x, None))
+                Ok((Buffer::from_host(x), None))
             }
             (Some(_), true) => Err(crate::ModelError::Input(
                 "the first pipeline stage takes token ids, not activations".into(),
@@ -361,9 +361,9 @@ impl GptModel {
         &self,
         pass: &Pass<'_>,
         part: &ChunkPart,
-        mut x: Vec<f32>,
+        mut x: Buffer<f32>,
         ledger: &mut Ledger,
-    ) -> Result<(Vec<Saved>, Vec<f32>)> {
+    ) -> Result<(Vec<Saved>, Buffer<f32>)> {
         let mut saved = Vec::with_capacity(part.layers.len());
         let c = pass.c;
         for run in c.recompute_runs_within(part.chunk.clone(), &part.layers) {
@@ -389,7 +389,7 @@ impl GptModel {
                         x = y;
                     }
                     if let Some(x) = input {
-                        ledger.hold(f32_bytes(&x));
+                        ledger.hold(x.bytes());
                         saved.push(Saved::Input {
                             layers: run.layers,
                             x,
@@ -402,7 +402,7 @@ impl GptModel {
     }
 
     /// `final_layernorm` over `x: [rows, h]` (last stage): the normed rows and statistics.
-    pub(crate) fn final_norm(&self, x: &[f32]) -> Result<(Vec<f32>, NormStats)> {
+    pub(crate) fn final_norm(&self, x: &[f32]) -> Result<(Buffer<f32>, NormStats)> {
         let norm = self.layout().final_layernorm.ok_or_else(|| {
             crate::ModelError::Input("only the last pipeline stage holds the final norm".into())
         })?;
@@ -421,20 +421,20 @@ impl GptModel {
 pub(crate) fn layer_forward(
     layer: &TransformerLayer,
     pass: &Pass<'_>,
-    x: Vec<f32>,
+    x: Buffer<f32>,
     keep_core_attention: bool,
     kv: KeysValues<'_>,
-) -> Result<(LayerActs, Vec<f32>)> {
+) -> Result<(LayerActs, Buffer<f32>)> {
     let c = pass.c;
-    let (norm1, attn_in) = sublayer_input(pass, layer.input_layernorm, &x)?;
+    let (norm1, attn_in) = sublayer_input(pass, layer.input_layernorm, x.host())?;
     let (attn, out) = attention_forward(layer, pass, attn_in.values(), keep_core_attention, kv)?;
     let (post_attn, attn_out) = sublayer_output(pass, layer.post_self_attn_layernorm, out)?;
     let (x_mid, norm2, mlp_in) = if c.parallel_attention_mlp {
-        (Vec::new(), None, None)
+        (Buffer::default(), None, None)
     } else {
         let mut x_mid = x.clone();
-        add_inplace(&mut x_mid, &attn_out);
-        let (norm2, mlp_in) = sublayer_input(pass, layer.pre_mlp_layernorm, &x_mid)?;
+        add_inplace(x_mid.host_mut(), attn_out.host());
+        let (norm2, mlp_in) = sublayer_input(pass, layer.pre_mlp_layernorm, x_mid.host())?;
         (x_mid, norm2, Some(mlp_in))
     };
     let mlp_input = mlp_in.as_ref().unwrap_or(&attn_in).values();
@@ -443,12 +443,12 @@ pub(crate) fn layer_forward(
     let y = if c.parallel_attention_mlp {
         // HF Falcon: `mlp_output += attention_output; output = mlp_output + residual`.
         let mut y = mlp_out;
-        add_inplace(&mut y, &attn_out);
-        add_inplace(&mut y, &x);
+        add_inplace(y.host_mut(), attn_out.host());
+        add_inplace(y.host_mut(), x.host());
         y
     } else {
         let mut y = x_mid.clone();
-        add_inplace(&mut y, &mlp_out);
+        add_inplace(y.host_mut(), mlp_out.host());
         y
     };
     let acts = LayerActs {
@@ -484,28 +484,23 @@ fn sublayer_input(
             let (out, stats) = NormLayer::new(pass.model, n).forward(x, pass.c.hidden_size)?;
             (out, Some(stats))
         }
-        None => (x.to_vec(), None),
+        None => (Buffer::from_host(x.to_vec()), None),
     };
     Ok((stats, Kept::new(column_input(pass.tp, input)?, pass.narrow)))
 }
 
 /// A sublayer's output `[local rows, h]` through its post-norm when the layer has one:
 /// returns (the norm's input and statistics, the output to add to the residual stream).
-type PostNormed = (Option<(Vec<f32>, NormStats)>, Vec<f32>);
-fn sublayer_output(pass: &Pass<'_>, norm: Option<Norm>, out: Vec<f32>) -> Result<PostNormed> {
+type PostNormed = (Option<(Buffer<f32>, NormStats)>, Buffer<f32>);
+fn sublayer_output(pass: &Pass<'_>, norm: Option<Norm>, out: Buffer<f32>) -> Result<PostNormed> {
     match norm {
         Some(n) => {
-            let (normed, stats) =
-                NormLayer::new(pass.model, n).forward(&out, pass.c.hidden_size)?;
+            let h = pass.c.hidden_size;
+            let (normed, stats) = NormLayer::new(pass.model, n).forward(out.host(), h)?;
             Ok((Some((out, stats)), normed))
         }
         None => Ok((None, out)),
     }
-}
-
-/// Bytes of an f32 buffer.
-pub(crate) fn f32_bytes(t: &[f32]) -> u128 {
-    std::mem::size_of_val(t) as u128
 }
 
 /// Bytes of a usize buffer.

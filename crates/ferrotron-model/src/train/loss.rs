@@ -48,7 +48,7 @@ impl GptModel {
         let mut losses = vec![0f32; rows];
         match &self.tp {
             None => cross_entropy_fused_inplace(
-                &mut acts.dlogits,
+                acts.dlogits.host_mut(),
                 &batch.labels,
                 batch.loss_mask.as_deref(),
                 &dloss,
@@ -67,7 +67,7 @@ impl GptModel {
                     &tp.group,
                     &shard,
                     self.config().vocab_size,
-                    &mut acts.dlogits,
+                    acts.dlogits.host_mut(),
                     &dloss,
                     &mut losses,
                 )?;

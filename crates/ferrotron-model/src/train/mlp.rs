@@ -7,6 +7,7 @@ use super::stored::{Kept, Stored};
 use super::tp_ops::{row_parallel_forward, row_parallel_output_grad};
 use crate::Result;
 use crate::module::TransformerLayer;
+use ferrotron_tensor::Buffer;
 use ferrotron_tensor::ops::{
     activation, activation_backward, add_bias_backward, glu_packed, glu_packed_backward,
 };
@@ -17,18 +18,20 @@ pub(super) fn mlp_forward(
     layer: &TransformerLayer,
     pass: &Pass<'_>,
     input: &[f32],
-) -> Result<(Stored, Stored, Vec<f32>)> {
+) -> Result<(Stored, Stored, Buffer<f32>)> {
     let (c, model) = (pass.c, pass.model);
     let rows = pass.positions.len();
     let f = c.ffn_hidden_size;
-    let mut fc1 = vec![0f32; rows * c.fc1_size()];
-    model.linear(layer.mlp.linear_fc1).forward(input, &mut fc1);
+    let mut fc1 = Buffer::zeros(pass.device, rows * c.fc1_size());
+    model
+        .linear(layer.mlp.linear_fc1)
+        .forward(input, fc1.host_mut());
     let fc1 = Kept::new(fc1, pass.narrow);
-    let mut act = vec![0f32; rows * f];
+    let mut act = Buffer::zeros(pass.device, rows * f);
     if c.gated_linear_unit {
-        glu_packed(c.activation_func, fc1.values(), &mut act, f);
+        glu_packed(c.activation_func, fc1.values(), act.host_mut(), f);
     } else {
-        activation(c.activation_func, fc1.values(), &mut act);
+        activation(c.activation_func, fc1.values(), act.host_mut());
     }
     let act = Kept::new(act, pass.narrow);
     let fc2 = model.linear(layer.mlp.linear_fc2);
@@ -45,40 +48,36 @@ pub(super) fn mlp_backward(
     pass: &Pass<'_>,
     dout: &[f32],
     grads: &mut [&mut [f32]],
-) -> Result<Vec<f32>> {
+) -> Result<Buffer<f32>> {
     let c = pass.c;
     let (h, f) = (c.hidden_size, c.ffn_hidden_size);
     let rows = pass.positions.len();
+    let (dev, model) = (pass.device, pass.model);
     let dy = row_parallel_output_grad(pass.tp, dout)?;
-    let mut dact = vec![0f32; rows * f];
+    let mut dact = Buffer::zeros(dev, rows * f);
     let fc2 = layer.mlp.linear_fc2;
-    let model = pass.model;
-    linear_backward(
-        model,
-        fc2.without_bias(),
-        &la.act.f32(),
-        &dy,
-        &mut dact,
-        grads,
-    );
+    let act = la.act.f32();
+    linear_backward(model, fc2.without_bias(), &act, &dy, dact.host_mut(), grads);
     if let Some(b) = fc2.bias {
         add_bias_backward(dout, grads[b.index()]);
     }
-    drop(dy);
-    let mut dfc1 = vec![0f32; rows * c.fc1_size()];
+    drop((dy, act));
+    let mut dfc1 = Buffer::zeros(dev, rows * c.fc1_size());
+    let (fc1, func) = (la.fc1.f32(), c.activation_func);
     if c.gated_linear_unit {
-        glu_packed_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1, f);
+        glu_packed_backward(func, &fc1, dact.host(), dfc1.host_mut(), f);
     } else {
-        activation_backward(c.activation_func, &la.fc1.f32(), &dact, &mut dfc1);
+        activation_backward(func, &fc1, dact.host(), dfc1.host_mut());
     }
-    drop(dact);
-    let mut dinput = vec![0f32; rows * h];
+    drop((dact, fc1));
+    let mut dinput = Buffer::zeros(dev, rows * h);
+    let fc1_params = layer.mlp.linear_fc1;
     linear_backward(
         model,
-        layer.mlp.linear_fc1,
+        fc1_params,
         mlp_in,
-        &dfc1,
-        &mut dinput,
+        dfc1.host(),
+        dinput.host_mut(),
         grads,
     );
     Ok(dinput)

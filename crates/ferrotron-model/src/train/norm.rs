@@ -2,26 +2,26 @@
 //! without gain and bias), Megatron's `apply_layernorm_1p` gains, and OLMo2's full-width
 //! q/k RMSNorm whose row statistics span every tensor-parallel rank's heads.
 
-use super::forward::f32_bytes;
 use crate::config::Normalization;
 use crate::module::Norm;
 use crate::{GptModel, Result, TpInfo};
 use ferrotron_nn::tensor_parallel::reduce_from_tensor_model_parallel_region;
 use ferrotron_tensor::ops::{layer_norm, layer_norm_backward, rms_norm, rms_norm_backward};
+use ferrotron_tensor::{Buffer, Device};
 use std::borrow::Cow;
 
 /// What a norm's backward needs besides its input: per row `1/σ` (`1/rms` for RMSNorm) and,
 /// for LayerNorm, the mean. `[rows]` each.
 pub(crate) struct NormStats {
-    pub rstd: Vec<f32>,
+    pub rstd: Buffer<f32>,
     /// Empty for RMSNorm.
-    pub mean: Vec<f32>,
+    pub mean: Buffer<f32>,
 }
 
 impl NormStats {
     /// Bytes held.
     pub(crate) fn bytes(&self) -> u128 {
-        f32_bytes(&self.rstd) + f32_bytes(&self.mean)
+        self.rstd.bytes() + self.mean.bytes()
     }
 
     /// Bytes per row for `normalization`: `1/σ`, and the mean for LayerNorm.
@@ -37,6 +37,7 @@ impl NormStats {
 /// gain (already `1 + w` under `apply_layernorm_1p`) and bias from the parameter table.
 pub(crate) struct NormLayer<'m> {
     ids: Norm,
+    device: Device,
     kind: Normalization,
     eps: f32,
     weight: Option<Cow<'m, [f32]>>,
@@ -60,6 +61,7 @@ impl<'m> NormLayer<'m> {
         });
         NormLayer {
             ids,
+            device: model.device(),
             kind: c.normalization,
             eps: c.layernorm_epsilon,
             weight,
@@ -79,19 +81,20 @@ impl<'m> NormLayer<'m> {
     ///
     /// # Errors
     /// A failed tensor-parallel all-reduce (q/k norms on a shard).
-    pub(crate) fn forward(&self, x: &[f32], n: usize) -> Result<(Vec<f32>, NormStats)> {
+    pub(crate) fn forward(&self, x: &[f32], n: usize) -> Result<(Buffer<f32>, NormStats)> {
         let rows = x.len() / n;
-        let mut out = vec![0f32; x.len()];
-        let mut rstd = vec![0f32; rows];
-        let mut mean = Vec::new();
+        let mut out = Buffer::zeros(self.device, x.len());
+        let mut rstd = Buffer::zeros(self.device, rows);
+        let mut mean = Buffer::default();
+        let (o, r) = (out.host_mut(), rstd.host_mut());
         if let Some((tp, full)) = self.split {
             let w = self.weight.as_deref().expect("q/k norms are RMSNorms");
             let mut ss: Vec<f32> = x.chunks_exact(n).map(sum_squares).collect();
             reduce_from_tensor_model_parallel_region(&tp.group, &mut ss)?;
-            for ((o, xr), (r, s)) in out
+            for ((o, xr), (r, s)) in o
                 .chunks_exact_mut(n)
                 .zip(x.chunks_exact(n))
-                .zip(rstd.iter_mut().zip(&ss))
+                .zip(r.iter_mut().zip(&ss))
             {
                 *r = 1.0 / (s / full as f32 + self.eps).sqrt();
                 o.iter_mut()
@@ -104,13 +107,13 @@ impl<'m> NormLayer<'m> {
         match self.kind {
             Normalization::RmsNorm => {
                 let w = self.weight.as_deref().expect("an RMSNorm has a gain");
-                rms_norm(x, w, self.eps, &mut out, Some(&mut rstd));
+                rms_norm(x, w, self.eps, o, Some(r));
             }
             Normalization::LayerNorm | Normalization::NonParametricLayerNorm => {
-                mean.resize(rows, 0.0);
-                let stats = Some((&mut mean[..], &mut rstd[..]));
+                mean = Buffer::zeros(self.device, rows);
+                let stats = Some((mean.host_mut(), r));
                 let w = self.weight.as_deref();
-                layer_norm(x, n, w, self.bias, self.eps, &mut out, stats);
+                layer_norm(x, n, w, self.bias, self.eps, o, stats);
             }
         }
         Ok((out, NormStats { rstd, mean }))
@@ -137,13 +140,13 @@ impl<'m> NormLayer<'m> {
         if let Some((tp, full)) = self.split {
             let w = self.weight.as_deref().expect("q/k norms are RMSNorms");
             let dw = dweight.as_deref_mut().expect("q/k norms have a gain");
-            split_rms_backward(x, w, &stats.rstd, dy, dx, dw, tp, full)?;
+            split_rms_backward(x, w, stats.rstd.host(), dy, dx, dw, tp, full)?;
         } else {
             match self.kind {
                 Normalization::RmsNorm => {
                     let w = self.weight.as_deref().expect("an RMSNorm has a gain");
                     let dw = dweight.as_deref_mut().expect("an RMSNorm has a gain");
-                    rms_norm_backward(x, w, &stats.rstd, dy, dx, dw);
+                    rms_norm_backward(x, w, stats.rstd.host(), dy, dx, dw);
                 }
                 Normalization::LayerNorm | Normalization::NonParametricLayerNorm => {
                     let mut dbias = self
@@ -154,8 +157,8 @@ impl<'m> NormLayer<'m> {
                         x,
                         n,
                         self.weight.as_deref(),
-                        &stats.mean,
-                        &stats.rstd,
+                        stats.mean.host(),
+                        stats.rstd.host(),
                         dy,
                         dx,
                         dweight.as_deref_mut(),

@@ -18,8 +18,9 @@
 
 use super::backward::{Backprop, layer_backward};
 use super::core_attention::KeysValues;
-use super::forward::{Pass, f32_bytes, layer_forward};
+use super::forward::{Pass, layer_forward};
 use crate::{GptModel, RecomputeGranularity, RecomputeMethod, TransformerConfig};
+use ferrotron_tensor::Buffer;
 use std::ops::Range;
 
 /// What the forward keeps of each layer of a [`Run`].
@@ -123,12 +124,12 @@ impl GptModel {
     pub(crate) fn recompute_backward(
         &self,
         layers: Range<usize>,
-        x: Vec<f32>,
+        x: Buffer<f32>,
         pass: &Pass<'_>,
         st: &mut Backprop<'_, '_>,
     ) -> crate::Result<()> {
         // The input moves into the first layer's activations.
-        st.ledger.release(f32_bytes(&x));
+        st.ledger.release(x.bytes());
         let mut acts = Vec::with_capacity(layers.len());
         let mut x = x;
         for index in layers.clone() {

@@ -157,6 +157,6 @@ impl StageForward {
     /// The stage's output `[local rows, h]` for the next stage (empty on the last stage, and
     /// after the first call).
     pub fn take_output(&mut self) -> Vec<f32> {
-        std::mem::take(&mut self.acts.x_final)
+        std::mem::take(&mut self.acts.x_final).into_host()
     }
 }

@@ -11,7 +11,7 @@
 
 use std::borrow::Cow;
 
-use ferrotron_tensor::DType;
+use ferrotron_tensor::{Buffer, DType};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -35,21 +35,21 @@ impl GptModel {
 pub(crate) struct Kept {
     pub stored: Stored,
     /// The rounded values (empty when `stored` is f32).
-    wide: Vec<f32>,
+    wide: Buffer<f32>,
 }
 
 impl Kept {
     /// Rounds (under `narrow`) and keeps `x`.
-    pub(crate) fn new(mut x: Vec<f32>, narrow: bool) -> Kept {
+    pub(crate) fn new(mut x: Buffer<f32>, narrow: bool) -> Kept {
         if !narrow {
             return Kept {
                 stored: Stored::F32(x),
-                wide: Vec::new(),
+                wide: Buffer::default(),
             };
         }
-        let narrowed = Stored::round_and_narrow(&mut x);
+        let narrowed = Stored::round_and_narrow(x.host_mut());
         Kept {
-            stored: Stored::Bf16(narrowed),
+            stored: Stored::Bf16(Buffer::from_host(narrowed)),
             wide: x,
         }
     }
@@ -57,16 +57,16 @@ impl Kept {
     /// The values the forward computes with.
     pub(crate) fn values(&self) -> &[f32] {
         match &self.stored {
-            Stored::F32(v) => v,
-            Stored::Bf16(_) => &self.wide,
+            Stored::F32(v) => v.host(),
+            Stored::Bf16(_) => self.wide.host(),
         }
     }
 }
 
 /// A saved activation.
 pub(crate) enum Stored {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
+    F32(Buffer<f32>),
+    Bf16(Buffer<bf16>),
 }
 
 /// Elements per parallel task of the conversions.
@@ -91,11 +91,11 @@ impl Stored {
     /// The values as f32 (borrowed when kept in f32, widened otherwise).
     pub(crate) fn f32(&self) -> Cow<'_, [f32]> {
         match self {
-            Stored::F32(v) => Cow::Borrowed(v),
+            Stored::F32(v) => Cow::Borrowed(v.host()),
             Stored::Bf16(v) => {
                 let mut out = vec![0f32; v.len()];
                 out.par_chunks_mut(CHUNK)
-                    .zip(v.par_chunks(CHUNK))
+                    .zip(v.host().par_chunks(CHUNK))
                     .for_each(|(o, i)| {
                         for (o, b) in o.iter_mut().zip(i) {
                             *o = f32::from_bits(u32::from(b.to_bits()) << 16);
@@ -109,8 +109,8 @@ impl Stored {
     /// Bytes held.
     pub(crate) fn bytes(&self) -> u128 {
         match self {
-            Stored::F32(v) => std::mem::size_of_val(v.as_slice()) as u128,
-            Stored::Bf16(v) => std::mem::size_of_val(v.as_slice()) as u128,
+            Stored::F32(v) => v.bytes(),
+            Stored::Bf16(v) => v.bytes(),
         }
     }
 }
@@ -157,11 +157,14 @@ mod tests {
             .chain((0..100_000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 20 - 10)))
             .collect();
         let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-        let kept = Kept::new(x.clone(), true);
+        let kept = Kept::new(Buffer::from_host(x.clone()), true);
         let Stored::Bf16(b) = &kept.stored else {
             panic!("not narrowed")
         };
-        assert_eq!(b.iter().map(|b| b.to_bits()).collect::<Vec<_>>(), want);
+        assert_eq!(
+            b.host().iter().map(|b| b.to_bits()).collect::<Vec<_>>(),
+            want
+        );
         let rounded = kept.values();
         assert!(
             rounded
@@ -170,7 +173,8 @@ mod tests {
                 .all(|(v, w)| v.to_bits() == u32::from(*w) << 16)
         );
         assert_eq!(kept.stored.f32().as_ref(), rounded);
-        assert!(matches!(Kept::new(x.clone(), false).stored, Stored::F32(_)));
+        let wide = Kept::new(Buffer::from_host(x.clone()), false);
+        assert!(matches!(wide.stored, Stored::F32(_)));
         assert!(to_bf16_bits(f32::NAN) & 0x7fc0 == 0x7fc0);
     }
 }

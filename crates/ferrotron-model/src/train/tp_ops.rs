@@ -14,6 +14,7 @@ use ferrotron_nn::tensor_parallel::{
     reduce_scatter_to_sequence_parallel_region_backward, vocab_parallel_embedding_backward,
     vocab_parallel_embedding_forward,
 };
+use ferrotron_tensor::Buffer;
 use ferrotron_tensor::ops::{add_bias, embedding_backward};
 use std::borrow::Cow;
 
@@ -23,9 +24,12 @@ fn sequence_parallel(tp: Option<&TpInfo>) -> Option<&TpInfo> {
 
 /// The input of a column-parallel linear from the local rows: all-gathered along `s` under
 /// sequence parallelism (`gather_from_sequence_parallel_region`), as is otherwise.
-pub(crate) fn column_input(tp: Option<&TpInfo>, local: Vec<f32>) -> Result<Vec<f32>> {
+pub(crate) fn column_input(tp: Option<&TpInfo>, local: Buffer<f32>) -> Result<Buffer<f32>> {
     match sequence_parallel(tp) {
-        Some(t) => Ok(gather_from_sequence_parallel_region(&t.group, &local)?),
+        Some(t) => Ok(Buffer::from_host(gather_from_sequence_parallel_region(
+            &t.group,
+            local.host(),
+        )?)),
         None => Ok(local),
     }
 }
@@ -33,13 +37,16 @@ pub(crate) fn column_input(tp: Option<&TpInfo>, local: Vec<f32>) -> Result<Vec<f
 /// Backward of [`column_input`]: the input gradient over all rows (a partial sum on each
 /// rank) → the local rows' gradient: reduce-scatter along `s`, or all-reduce
 /// (`copy_to_tensor_model_parallel_region`).
-pub(crate) fn column_input_backward(tp: Option<&TpInfo>, mut d: Vec<f32>) -> Result<Vec<f32>> {
+pub(crate) fn column_input_backward(
+    tp: Option<&TpInfo>,
+    mut d: Buffer<f32>,
+) -> Result<Buffer<f32>> {
     match tp {
-        Some(t) if t.group.sequence_parallel() => {
-            Ok(gather_from_sequence_parallel_region_backward(&t.group, d)?)
-        }
+        Some(t) if t.group.sequence_parallel() => Ok(Buffer::from_host(
+            gather_from_sequence_parallel_region_backward(&t.group, d.into_host())?,
+        )),
         Some(t) => {
-            copy_to_tensor_model_parallel_region_backward(&t.group, &mut d)?;
+            copy_to_tensor_model_parallel_region_backward(&t.group, d.host_mut())?;
             Ok(d)
         }
         None => Ok(d),
@@ -52,25 +59,25 @@ pub(crate) fn row_parallel_forward(
     pass: &Pass<'_>,
     l: &Linear<'_>,
     input: &[f32],
-) -> Result<Vec<f32>> {
+) -> Result<Buffer<f32>> {
     let rows = input.len() / l.in_features();
-    let mut out = vec![0f32; rows * l.out_features()];
-    l.forward_without_bias(input, &mut out);
+    let mut out = Buffer::zeros(pass.device, rows * l.out_features());
+    l.forward_without_bias(input, out.host_mut());
     let mut out = reduce_partial_rows(pass.tp, out)?;
     if let Some(b) = l.bias() {
-        add_bias(&mut out, b);
+        add_bias(out.host_mut(), b);
     }
     Ok(out)
 }
 
 /// Partial sums over all rows → the summed local rows.
-fn reduce_partial_rows(tp: Option<&TpInfo>, mut out: Vec<f32>) -> Result<Vec<f32>> {
+fn reduce_partial_rows(tp: Option<&TpInfo>, mut out: Buffer<f32>) -> Result<Buffer<f32>> {
     match tp {
-        Some(t) if t.group.sequence_parallel() => {
-            Ok(reduce_scatter_to_sequence_parallel_region(&t.group, out)?)
-        }
+        Some(t) if t.group.sequence_parallel() => Ok(Buffer::from_host(
+            reduce_scatter_to_sequence_parallel_region(&t.group, out.into_host())?,
+        )),
         Some(t) => {
-            reduce_from_tensor_model_parallel_region(&t.group, &mut out)?;
+            reduce_from_tensor_model_parallel_region(&t.group, out.host_mut())?;
             Ok(out)
         }
         None => Ok(out),
@@ -92,23 +99,23 @@ pub(crate) fn row_parallel_output_grad<'d>(
 }
 
 /// The embedding norm's input `[local rows, h]` and statistics, when the model has one.
-pub(crate) type EmbeddingActs = Option<(Vec<f32>, NormStats)>;
+pub(crate) type EmbeddingActs = Option<(Buffer<f32>, NormStats)>;
 
 impl GptModel {
     /// The embedding stage of `ids: [rows]` for the local rows `[local rows, h]`: the word
     /// embeddings, times `√h` under `scale_embeddings` (HF Gemma's `normalizer`), then the
     /// embedding norm (Bloom's `word_embeddings_layernorm`), whose input and statistics come
     /// back for the backward.
-    pub(crate) fn embed_forward(&self, ids: &[u32]) -> Result<(Vec<f32>, EmbeddingActs)> {
+    pub(crate) fn embed_forward(&self, ids: &[u32]) -> Result<(Buffer<f32>, EmbeddingActs)> {
         let h = self.local_config().hidden_size;
         let mut x = self.embed_train(ids)?;
         if self.config().scale_embeddings {
             let scale = embedding_scale(h);
-            x.iter_mut().for_each(|v| *v *= scale);
+            x.host_mut().iter_mut().for_each(|v| *v *= scale);
         }
         match self.layout().embedding_layernorm {
             Some(norm) => {
-                let (out, stats) = NormLayer::new(self, norm).forward(&x, h)?;
+                let (out, stats) = NormLayer::new(self, norm).forward(x.host(), h)?;
                 Ok((out, Some((x, stats))))
             }
             None => Ok((x, None)),
@@ -128,36 +135,38 @@ impl GptModel {
         let h = self.local_config().hidden_size;
         let mut d = match (acts, self.layout().embedding_layernorm) {
             (Some((x, stats)), Some(norm)) => {
-                let mut dx = vec![0f32; x.len()];
-                NormLayer::new(self, norm).backward(&x, h, &stats, dres, &mut dx, grads)?;
+                let mut dx = Buffer::zeros(self.device(), x.len());
+                let n = NormLayer::new(self, norm);
+                n.backward(x.host(), h, &stats, dres, dx.host_mut(), grads)?;
                 dx
             }
-            _ => dres.to_vec(),
+            _ => Buffer::from_host(dres.to_vec()),
         };
         if self.config().scale_embeddings {
             let scale = embedding_scale(h);
-            d.iter_mut().for_each(|v| *v *= scale);
+            d.host_mut().iter_mut().for_each(|v| *v *= scale);
         }
         let emb = self
             .layout()
             .embedding
             .expect("the first stage holds the embedding")
             .index();
-        self.embed_train_backward(ids, &d, grads[emb])
+        self.embed_train_backward(ids, d.host(), grads[emb])
     }
 
     /// The embedding of `ids: [rows]` for the local rows `[local_rows, h]`.
-    pub(crate) fn embed_train(&self, ids: &[u32]) -> Result<Vec<f32>> {
+    pub(crate) fn embed_train(&self, ids: &[u32]) -> Result<Buffer<f32>> {
         let h = self.local_config().hidden_size;
-        let mut x = vec![0f32; ids.len() * h];
+        let mut x = Buffer::zeros(self.device(), ids.len() * h);
         let embedding = self.word_embedding()?;
         let Some(tp) = &self.tp else {
-            embedding.forward(ids, &mut x)?;
+            embedding.forward(ids, x.host_mut())?;
             return Ok(x);
         };
         let w = embedding.weight();
         let v_local = w.shape()[0];
-        vocab_parallel_embedding_forward(w.weight_ref(), h, tp.vocab_start, v_local, ids, &mut x)?;
+        let (start, out) = (tp.vocab_start, x.host_mut());
+        vocab_parallel_embedding_forward(w.weight_ref(), h, start, v_local, ids, out)?;
         reduce_partial_rows(Some(tp), x)
     }
 

@@ -52,17 +52,17 @@ impl GptModel {
             .into_iter()
             .skip(1)
             .map(|s| match s {
-                Saved::Layer { acts, .. } => acts.x,
-                Saved::Input { x, .. } => x,
+                Saved::Layer { acts, .. } => acts.x.into_host(),
+                Saved::Input { x, .. } => x.into_host(),
             })
             .collect();
         if !self.layers().is_empty() {
-            layer_outputs.push(acts.x_final);
+            layer_outputs.push(acts.x_final.into_host());
         }
         Ok(ForwardTrace {
             layer_ids: self.layers().iter().map(|l| l.number).collect(),
             layer_outputs,
-            logits: self.is_post_process().then_some(acts.dlogits),
+            logits: self.is_post_process().then(|| acts.dlogits.into_host()),
         })
     }
 }
