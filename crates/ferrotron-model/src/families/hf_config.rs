@@ -34,7 +34,7 @@ pub fn read_hf_config(dir: &Path) -> Result<HfModelInfo> {
 
 /// Maps an HF config of any supported family to a [`TransformerConfig`], following
 /// transformers' `configuration_<family>.py` defaults through the family's
-/// [`ConfigSchema`](super::schema::ConfigSchema) (its key names and the switches it fixes).
+/// schema (`families/schema.rs`: its key names and the switches it fixes).
 /// Reads RoPE settings from `rope_parameters` (transformers >= 5) or from top-level
 /// `rope_theta` + `rope_scaling` (older files). Values we cannot honor (an unknown activation
 /// or `rope_type`, Qwen2 sliding windows, Falcon's ALiBi or new decoder architecture, OLMo's

@@ -74,7 +74,7 @@ const DERIVED_FIELDS: [&str; 4] = [
 ];
 
 /// The HF `config.json` of `config` for its family, with `torch_dtype` the dtype the weights
-/// are written in, spelled as the family's [`ConfigSchema`] says.
+/// are written in, spelled as the family's schema (`families/schema.rs`) says.
 ///
 /// Written in the form transformers 5.x saves (`rope_parameters` with `rope_theta` and
 /// `rope_type`, `dtype`) plus the 4.x spellings (`rope_theta`, `rope_scaling`, `torch_dtype`),
