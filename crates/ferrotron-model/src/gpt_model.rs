@@ -1,4 +1,4 @@
-use crate::module::{LinearParams, ModelLayout, ModelPart, ParamId, TransformerLayer};
+use crate::module::{LinearParams, ModelLayout, ModelPart, ParamDecl, ParamId, TransformerLayer};
 use crate::train::core_attention::KeysValues;
 use crate::train::forward::{Pass, layer_forward};
 use crate::{
@@ -49,6 +49,52 @@ pub struct GptModel {
     pub(crate) stage: Option<StageInfo>,
 }
 
+/// Checks `params` (this rank's values, table order) against their declarations over `t`
+/// tensor-parallel ranks: count, local shapes, one storage dtype for the embedding and matmul
+/// weights; widens norm gains and biases to f32. Returns them with that dtype.
+fn check_params(
+    decls: &[ParamDecl],
+    params: Vec<Tensor>,
+    t: usize,
+) -> Result<(Vec<Tensor>, DType)> {
+    if params.len() != decls.len() {
+        return Err(ModelError::Input(format!(
+            "{} parameter tensors given, the model declares {}",
+            params.len(),
+            decls.len()
+        )));
+    }
+    let dtype = decls
+        .iter()
+        .zip(&params)
+        .find(|(d, _)| d.role.uses_params_dtype())
+        .map_or(DType::F32, |(_, p)| p.dtype());
+    let mut checked = Vec::with_capacity(params.len());
+    for (decl, p) in decls.iter().zip(params) {
+        let want = decl.local_shape(t);
+        if p.shape() != want.as_slice() {
+            return Err(NnError::ParamShape {
+                name: decl.name.clone(),
+                expected: want,
+                actual: p.shape().to_vec(),
+            }
+            .into());
+        }
+        let p = match (decl.role.uses_params_dtype(), p.dtype()) {
+            (true, dt) if dt != dtype => {
+                return Err(ModelError::Input(format!(
+                    "{}: stored as {dt:?}, the model's other weights as {dtype:?}",
+                    decl.name
+                )));
+            }
+            (false, dt) if dt != DType::F32 => p.to_dtype(DType::F32),
+            _ => p,
+        };
+        checked.push(p);
+    }
+    Ok((checked, dtype))
+}
+
 impl GptModel {
     /// The whole model of `config` from its parameter values in table order
     /// ([`ModelLayout::new`] of the whole model: [`GptModel::parameters`]' order). Embedding
@@ -76,43 +122,8 @@ impl GptModel {
         tp: Option<TpInfo>,
         stage: Option<StageInfo>,
     ) -> Result<GptModel> {
-        let decls = layout.decls();
-        if params.len() != decls.len() {
-            return Err(ModelError::Input(format!(
-                "{} parameter tensors given, the model declares {}",
-                params.len(),
-                decls.len()
-            )));
-        }
         let t = tp.as_ref().map_or(1, |tp| tp.group.size());
-        let dtype = decls
-            .iter()
-            .zip(&params)
-            .find(|(d, _)| d.role.uses_params_dtype())
-            .map_or(DType::F32, |(_, p)| p.dtype());
-        let mut checked = Vec::with_capacity(params.len());
-        for (decl, p) in decls.iter().zip(params) {
-            let want = decl.local_shape(t);
-            if p.shape() != want.as_slice() {
-                return Err(NnError::ParamShape {
-                    name: decl.name.clone(),
-                    expected: want,
-                    actual: p.shape().to_vec(),
-                }
-                .into());
-            }
-            let p = match (decl.role.uses_params_dtype(), p.dtype()) {
-                (true, dt) if dt != dtype => {
-                    return Err(ModelError::Input(format!(
-                        "{}: stored as {dt:?}, the model's other weights as {dtype:?}",
-                        decl.name
-                    )));
-                }
-                (false, dt) if dt != DType::F32 => p.to_dtype(DType::F32),
-                _ => p,
-            };
-            checked.push(p);
-        }
+        let (checked, dtype) = check_params(layout.decls(), params, t)?;
         let mut local = config.clone();
         if let Some(tp) = &tp {
             local.num_attention_heads /= t;
@@ -132,12 +143,12 @@ impl GptModel {
                 None,
             ),
             PositionEmbedding::Alibi => {
-                let first = tp.as_ref().map_or(0, |tp| tp.group.rank()) * local.num_attention_heads;
+                let (heads, rank) = (
+                    local.num_attention_heads,
+                    tp.as_ref().map_or(0, |tp| tp.group.rank()),
+                );
                 let all = alibi_slopes(config.num_attention_heads);
-                (
-                    None,
-                    Some(all[first..first + local.num_attention_heads].to_vec()),
-                )
+                (None, Some(all[rank * heads..][..heads].to_vec()))
             }
         };
         Ok(GptModel {

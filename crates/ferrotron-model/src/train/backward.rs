@@ -58,26 +58,19 @@ impl GptModel {
             normed_final,
             dlogits,
         } = acts;
-        let c = self.local_config();
-        let dres = if let Some(final_stats) = final_stats {
-            let head = Head {
-                x_final,
-                final_stats,
-                normed_final,
-                dlogits,
-            };
-            self.head_backward(batch, head, grads, ledger, ready)?
-        } else {
-            ledger.release(x_final.bytes());
-            let want = self.local_rows(batch)? * c.hidden_size;
-            match dout {
-                Some(d) if d.len() == want => Buffer::from_host(d),
-                _ => {
-                    return Err(crate::ModelError::Input(format!(
-                        "a pipeline stage before the last needs the gradient of its output \
-                         ({want} values)"
-                    )));
-                }
+        let dres = match final_stats {
+            Some(final_stats) => {
+                let head = Head {
+                    x_final,
+                    final_stats,
+                    normed_final,
+                    dlogits,
+                };
+                self.head_backward(batch, head, grads, ledger, ready)?
+            }
+            None => {
+                ledger.release(x_final.bytes());
+                self.output_grad(batch, dout)?
             }
         };
         let pass = Pass::new(self, &positions, batch);
@@ -105,24 +98,48 @@ impl GptModel {
         if !part.pre_process {
             return Ok(Some(st.dres.into_host()));
         }
+        self.embedding_backward(batch, embedding, &mut st)?;
+        Ok(None)
+    }
+
+    /// A stage before the last: the gradient of its output `[local rows, h]`, given by the
+    /// next stage.
+    fn output_grad(&self, batch: &TrainBatch, dout: Option<Vec<f32>>) -> Result<Buffer<f32>> {
+        let want = self.local_rows(batch)? * self.local_config().hidden_size;
+        match dout {
+            Some(d) if d.len() == want => Ok(Buffer::from_host(d)),
+            _ => Err(crate::ModelError::Input(format!(
+                "a pipeline stage before the last needs the gradient of its output \
+                 ({want} values)"
+            ))),
+        }
+    }
+
+    /// The first stage's embedding backward from `st.dres` (the gradient of the embedding
+    /// stage's output), then tells `st.ready` the embedding's parameters are final.
+    fn embedding_backward(
+        &self,
+        batch: &TrainBatch,
+        embedding: super::tp_ops::EmbeddingActs,
+        st: &mut Backprop<'_, '_>,
+    ) -> Result<()> {
         if let Some((e, stats)) = &embedding {
             st.ledger.release(e.bytes() + stats.bytes());
         }
         self.embed_forward_backward(&batch.tokens, embedding, st.dres.host(), st.grads)?;
         let layout = self.layout();
+        let norm = layout
+            .embedding_layernorm
+            .iter()
+            .flat_map(|n| n.param_ids());
         let first: Vec<usize> = layout
             .embedding
             .into_iter()
-            .chain(
-                layout
-                    .embedding_layernorm
-                    .iter()
-                    .flat_map(|n| n.param_ids()),
-            )
+            .chain(norm)
             .map(|id| id.index())
             .collect();
         st.ready.ready(&first, st.grads);
-        Ok(None)
+        Ok(())
     }
 
     /// The last stage's head backward (output layer, then the final norm): returns the

@@ -13,7 +13,7 @@
 use super::core_attention::CoreAttnOut;
 use super::forward::LayerActs;
 use super::norm::NormStats;
-use super::recompute::Keep;
+use super::recompute::{Keep, Run};
 use crate::{ModelError, Result, TransformerConfig};
 
 /// Bytes of saved activations currently held, and the most held at once.
@@ -57,6 +57,98 @@ pub struct ActivationMemory {
     pub forward_end_bytes: u64,
     /// Of that, the logits `[s·b, v]` (f32; freed after the output layer's backward).
     pub logits_bytes: u64,
+}
+
+/// Bytes of each kind of saved activation of one micro-batch of `rows` tokens.
+struct PassSizes {
+    /// A layer's activations, core attention's output excluded.
+    layer: u128,
+    /// Core attention's output and log-sum-exp.
+    core: u128,
+    /// A `[rows, h]` f32 tensor (a layer input, the final norm's input or output).
+    input: u128,
+    /// The final norm's statistics.
+    final_stats: u128,
+    /// The embedding norm's input and statistics (0 without one).
+    embedding: u128,
+    /// The logits.
+    logits: u128,
+    /// The rows' positions.
+    positions: u128,
+}
+
+impl PassSizes {
+    fn new(c: &TransformerConfig, rows: u128, saved_dtype: ferrotron_tensor::DType) -> PassSizes {
+        let f32_rows = |per_row: u128| rows * per_row * size_of::<f32>() as u128;
+        let narrow = saved_dtype == ferrotron_tensor::DType::BF16;
+        let input = f32_rows(c.hidden_size as u128);
+        let final_stats = rows * NormStats::bytes_per_row(c.normalization);
+        PassSizes {
+            layer: rows * LayerActs::bytes_per_row(c, narrow),
+            core: rows * CoreAttnOut::bytes_per_row(c, narrow),
+            input,
+            final_stats,
+            embedding: if c.embedding_layernorm {
+                input + final_stats
+            } else {
+                0
+            },
+            logits: f32_rows(c.vocab_size as u128),
+            positions: rows * size_of::<usize>() as u128,
+        }
+    }
+
+    /// What a layer keeps, with or without core attention's output.
+    fn kept(&self, core_attention: bool) -> u128 {
+        self.layer + if core_attention { self.core } else { 0 }
+    }
+
+    /// Replays the training forward (`train_forward`) then backward (`train_backward`) over
+    /// `runs`: the ledger after the backward (its peak) and the bytes held at the forward's end.
+    fn replay(&self, runs: &[Run]) -> (Ledger, u128) {
+        let mut m = Ledger::default();
+        m.hold(self.embedding);
+        m.hold(self.positions);
+        for run in runs {
+            match run.keep {
+                Keep::Each { core_attention } => {
+                    run.layers
+                        .clone()
+                        .for_each(|_| m.hold(self.kept(core_attention)));
+                }
+                Keep::Input => m.hold(self.input),
+            }
+        }
+        for final_tensor in [self.input, self.input, self.logits, self.final_stats] {
+            m.hold(final_tensor);
+        }
+        let forward_end = m.held();
+        // Backward: output layer, final norm, then the runs in reverse.
+        m.release(self.logits + self.input);
+        m.release(self.input + self.final_stats);
+        for run in runs.iter().rev() {
+            match run.keep {
+                Keep::Each { core_attention } => {
+                    for _ in run.layers.clone() {
+                        if !core_attention {
+                            m.hold(self.core);
+                            m.release(self.core);
+                        }
+                        m.release(self.kept(core_attention));
+                    }
+                }
+                Keep::Input => {
+                    m.release(self.input);
+                    run.layers.clone().for_each(|_| m.hold(self.kept(true)));
+                    run.layers.clone().for_each(|_| m.release(self.kept(true)));
+                }
+            }
+        }
+        m.release(self.positions);
+        m.release(self.embedding);
+        debug_assert_eq!(m.held(), 0);
+        (m, forward_end)
+    }
 }
 
 impl TransformerConfig {
@@ -105,64 +197,9 @@ impl TransformerConfig {
                 )));
             }
         }
-        let rows = micro_batch as u128 * seq as u128;
-        let f32_rows = |per_row: u128| rows * per_row * size_of::<f32>() as u128;
-        let narrow = saved_dtype == ferrotron_tensor::DType::BF16;
-        let layer = rows * LayerActs::bytes_per_row(self, narrow);
-        let core = rows * CoreAttnOut::bytes_per_row(self, narrow);
-        let input = f32_rows(self.hidden_size as u128);
-        let final_stats = rows * NormStats::bytes_per_row(self.normalization);
-        let embedding = if self.embedding_layernorm {
-            input + final_stats
-        } else {
-            0
-        };
-        let logits = f32_rows(self.vocab_size as u128);
-        let positions = rows * size_of::<usize>() as u128;
-        let kept = |core_attention: bool| layer + if core_attention { core } else { 0 };
-        let runs = self.recompute_runs(0..self.num_layers);
-        let mut m = Ledger::default();
-        // Forward (`train_forward`).
-        m.hold(embedding);
-        m.hold(positions);
-        for run in &runs {
-            match run.keep {
-                Keep::Each { core_attention } => {
-                    run.layers
-                        .clone()
-                        .for_each(|_| m.hold(kept(core_attention)));
-                }
-                Keep::Input => m.hold(input),
-            }
-        }
-        for final_tensor in [input, input, logits, final_stats] {
-            m.hold(final_tensor);
-        }
-        let forward_end = m.held();
-        // Backward (`train_backward`): output layer, final norm, then the runs in reverse.
-        m.release(logits + input);
-        m.release(input + final_stats);
-        for run in runs.iter().rev() {
-            match run.keep {
-                Keep::Each { core_attention } => {
-                    for _ in run.layers.clone() {
-                        if !core_attention {
-                            m.hold(core);
-                            m.release(core);
-                        }
-                        m.release(kept(core_attention));
-                    }
-                }
-                Keep::Input => {
-                    m.release(input);
-                    run.layers.clone().for_each(|_| m.hold(kept(true)));
-                    run.layers.clone().for_each(|_| m.release(kept(true)));
-                }
-            }
-        }
-        m.release(positions);
-        m.release(embedding);
-        debug_assert_eq!(m.held(), 0);
+        let sizes = PassSizes::new(self, micro_batch as u128 * seq as u128, saved_dtype);
+        let (m, forward_end) = sizes.replay(&self.recompute_runs(0..self.num_layers));
+        let logits = sizes.logits;
         let to_u64 = |b: u128| {
             u64::try_from(b).map_err(|_| {
                 ModelError::Input(format!(
