@@ -5,8 +5,8 @@ use clap::{Args, ValueEnum};
 use ferrotron_data::Tokenizer;
 use ferrotron_data::indexed::{IndexedDataset, dataset_prefixes_in_dir, merge_datasets};
 use ferrotron_data::preprocess::{
-    EodToken, PreprocessConfig, TextMode, dataset_info, document_tokens, preprocess_data,
-    resolve_eod,
+    EodToken, PreprocessConfig, PreprocessReport, TextMode, dataset_info, document_tokens,
+    preprocess_data, resolve_eod,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -113,7 +113,12 @@ pub fn preprocess(a: PreprocessArgs) -> Result<ExitCode> {
         ));
     });
     bar.finish_and_clear();
-    let r = report?;
+    Ok(print_preprocess_report(&report?))
+}
+
+/// Prints what `preprocess` wrote and its throughput, and the skipped lines; exit code 3 when
+/// some lines were skipped.
+fn print_preprocess_report(r: &PreprocessReport) -> ExitCode {
     let secs = r.elapsed.as_secs_f64().max(1e-9);
     for o in &r.outputs {
         println!(
@@ -139,9 +144,9 @@ pub fn preprocess(a: PreprocessArgs) -> Result<ExitCode> {
         for s in &r.skipped_examples {
             eprintln!("  {}:{}: {}", s.path.display(), s.line, s.reason);
         }
-        return Ok(ExitCode::from(3));
+        return ExitCode::from(3);
     }
-    Ok(ExitCode::SUCCESS)
+    ExitCode::SUCCESS
 }
 
 #[derive(Args)]

@@ -8,7 +8,8 @@ use anyhow::{Context, Result, bail};
 use ferrotron_checkpoint::convert::{MODEL_PREFIX, stored_hf_config};
 use ferrotron_checkpoint::dist::CheckpointReader;
 use ferrotron_comm::{
-    Collectives, ParallelConfig, ParallelState, ProcessGroups, run_local, threads_per_rank,
+    Collectives, LocalComm, ParallelConfig, ParallelState, ProcessGroups, run_local,
+    threads_per_rank,
 };
 use ferrotron_data::Tokenizer;
 use ferrotron_model::families::{load_hf_model, parse_hf_config};
@@ -174,63 +175,21 @@ fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>
         .and_then(|v| v.as_u64())
         .unwrap_or(128) as usize;
     let vocab = config.vocab_size;
-    // The structure of the full model (its values are replaced by the checkpoint's).
     let skeleton = GptModel::init_random(config, InitConfig::default())?;
     eprintln!(
         "check: running the checkpoint at tp {t} x pp {p} ({} in-process ranks, {} threads each)",
         t * p,
         threads_per_rank(t * p)
     );
-    let traces = run_local(t * p, |comm| -> Result<Option<ForwardTrace>> {
-        let parallel = ParallelConfig {
-            tensor_model_parallel_size: t,
-            pipeline_model_parallel_size: p,
-            ..ParallelConfig::default()
-        };
-        let state = ParallelState::new(t * p, comm.world_rank(), parallel)?;
-        let stage = state.coords().pp;
-        let groups = ProcessGroups::new(state, Arc::new(comm))?;
-        let layout = ParallelizeOptions {
-            make_vocab_size_divisible_by: divisible_by,
-            ..ParallelizeOptions::default()
-        };
-        let mut shard = parallelize(Cow::Borrowed(&skeleton), &groups, &layout)?;
-        let infos = shard.parameters();
-        let values = infos
-            .iter()
-            .enumerate()
-            .map(|(i, info)| {
-                let boxes = shard.param_boxes(i, 0..info.numel());
-                reader.read_local(
-                    &format!("{MODEL_PREFIX}{}", info.name),
-                    &boxes,
-                    info.numel(),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let views: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
-        shard.load_parameters_from(&views)?;
-        let pipe = &groups.pipeline;
-        let input = if stage > 0 {
-            let mut x = vec![0f32; shard.activation_len(batch)?];
-            pipe.recv(&mut x, stage - 1)?;
-            Some(x)
-        } else {
-            None
-        };
-        let mut trace = shard.forward_trace(batch, input)?;
-        if stage + 1 < p {
-            let out = trace.layer_outputs.last().cloned().unwrap_or_default();
-            pipe.send(&out, stage + 1)?;
-        }
-        if let Some(local) = trace.logits.take() {
-            let mut all = vec![0f32; local.len() * t];
-            groups.tensor.all_gather(&local, &mut all)?;
-            trace.logits = Some(gather_vocab(&all, t, batch.tokens.len(), vocab));
-        }
-        Ok((groups.tensor.rank() == 0).then_some(trace))
-    })
-    .map_err(|e| anyhow::anyhow!("--check: {e}"))?;
+    let layout = CheckLayout {
+        t,
+        p,
+        divisible_by,
+        vocab,
+        skeleton: &skeleton,
+    };
+    let traces = run_local(t * p, |comm| rank_trace(comm, &layout, &reader, batch))
+        .map_err(|e| anyhow::anyhow!("--check: {e}"))?;
     let mut layers = Vec::new();
     let mut logits = Vec::new();
     for trace in traces.into_iter().flatten() {
@@ -240,6 +199,76 @@ fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>
         }
     }
     Ok((layers, logits))
+}
+
+/// The layout the checkpoint's model runs at, and what every rank builds its part from.
+struct CheckLayout<'a> {
+    /// Tensor-parallel size.
+    t: usize,
+    /// Pipeline-parallel size.
+    p: usize,
+    /// Megatron's `make_vocab_size_divisible_by` the checkpoint was written with.
+    divisible_by: usize,
+    /// The unpadded vocabulary.
+    vocab: usize,
+    /// The full model's structure (its values are replaced by the checkpoint's).
+    skeleton: &'a GptModel,
+}
+
+/// One rank's part of the check: its shard of the checkpoint's model, loaded from its own
+/// boxes, runs the prompt (receiving from / sending to the neighbouring pipeline stages);
+/// returns the trace on tensor-parallel rank 0, logits gathered over the vocabulary.
+fn rank_trace(
+    comm: LocalComm,
+    layout: &CheckLayout<'_>,
+    reader: &CheckpointReader,
+    batch: &TrainBatch,
+) -> Result<Option<ForwardTrace>> {
+    let (t, p) = (layout.t, layout.p);
+    let parallel = ParallelConfig {
+        tensor_model_parallel_size: t,
+        pipeline_model_parallel_size: p,
+        ..ParallelConfig::default()
+    };
+    let state = ParallelState::new(t * p, comm.world_rank(), parallel)?;
+    let stage = state.coords().pp;
+    let groups = ProcessGroups::new(state, Arc::new(comm))?;
+    let options = ParallelizeOptions {
+        make_vocab_size_divisible_by: layout.divisible_by,
+        ..ParallelizeOptions::default()
+    };
+    let mut shard = parallelize(Cow::Borrowed(layout.skeleton), &groups, &options)?;
+    let values = shard
+        .parameters()
+        .iter()
+        .enumerate()
+        .map(|(i, info)| {
+            let boxes = shard.param_boxes(i, 0..info.numel());
+            let name = format!("{MODEL_PREFIX}{}", info.name);
+            reader.read_local(&name, &boxes, info.numel())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let views: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
+    shard.load_parameters_from(&views)?;
+    let pipe = &groups.pipeline;
+    let input = if stage > 0 {
+        let mut x = vec![0f32; shard.activation_len(batch)?];
+        pipe.recv(&mut x, stage - 1)?;
+        Some(x)
+    } else {
+        None
+    };
+    let mut trace = shard.forward_trace(batch, input)?;
+    if stage + 1 < p {
+        let out = trace.layer_outputs.last().cloned().unwrap_or_default();
+        pipe.send(&out, stage + 1)?;
+    }
+    if let Some(local) = trace.logits.take() {
+        let mut all = vec![0f32; local.len() * t];
+        groups.tensor.all_gather(&local, &mut all)?;
+        trace.logits = Some(gather_vocab(&all, t, batch.tokens.len(), layout.vocab));
+    }
+    Ok((groups.tensor.rank() == 0).then_some(trace))
 }
 
 /// Full `[rows, v]` logits from the tensor-parallel ranks' `[rows, v'/t]` shards laid end
