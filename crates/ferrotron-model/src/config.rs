@@ -286,3 +286,33 @@ pub(crate) fn field_error(field: &str, message: impl Into<String>) -> ModelError
         message: message.into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ModelFamily;
+
+    /// `ModelFamily::ALL` names every variant once: the exhaustive match stops compiling when
+    /// a variant is added, and the positions catch a missing or repeated entry.
+    #[test]
+    fn all_lists_every_family_once() {
+        for (i, family) in ModelFamily::ALL.into_iter().enumerate() {
+            let position = match family {
+                ModelFamily::Llama => 0,
+                ModelFamily::Mistral => 1,
+                ModelFamily::Qwen2 => 2,
+                ModelFamily::Olmo => 3,
+                ModelFamily::Olmo2 => 4,
+                ModelFamily::Gemma => 5,
+                ModelFamily::Phi3 => 6,
+                ModelFamily::Starcoder2 => 7,
+                ModelFamily::Falcon => 8,
+                ModelFamily::Bloom => 9,
+            };
+            assert_eq!(position, i, "{family:?}");
+            assert_eq!(
+                ModelFamily::from_model_type(family.model_type()),
+                Some(family)
+            );
+        }
+    }
+}
