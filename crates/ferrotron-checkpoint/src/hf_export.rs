@@ -183,7 +183,7 @@ pub(crate) struct HfDirContents<'a> {
 /// index, and the tokenizer files of `opts.tokenizer_dir`.
 pub(crate) fn write_hf_dir(
     contents: &HfDirContents<'_>,
-    mut produce: impl FnMut(usize) -> Result<Vec<f32>, CheckpointError>,
+    produce: impl FnMut(usize) -> Result<Vec<f32>, CheckpointError>,
     output: &Path,
     opts: &HfExportOptions,
 ) -> Result<HfExportReport, CheckpointError> {
@@ -202,11 +202,53 @@ pub(crate) fn write_hf_dir(
         files.push("generation_config.json".into());
     }
 
+    let weights = write_weights(tensors, produce, &dir, opts, &mut files)?;
+    bytes_written += weights.bytes_written;
+    for src in &tokenizer_files {
+        let name = display_name(src);
+        let dst = dir.join(&name);
+        bytes_written += fs::copy(src, &dst).map_err(|e| CheckpointError::io(src, e))?;
+        files.push(name);
+    }
+
+    stage.commit()?;
+    Ok(HfExportReport {
+        output: output.to_path_buf(),
+        config: contents.config.clone(),
+        tensors_written: tensors.len(),
+        shards: weights.shards,
+        tensor_bytes: weights.tensor_bytes,
+        bytes_written,
+        files,
+    })
+}
+
+/// What [`write_weights`] wrote.
+struct WrittenWeights {
+    /// Number of safetensors files.
+    shards: usize,
+    /// Bytes of tensor data (at the output dtype).
+    tensor_bytes: u64,
+    /// Bytes of all files written (shards and index).
+    bytes_written: u64,
+}
+
+/// Writes `tensors` into `dir` as `model.safetensors`, or as shards of at most
+/// `opts.max_shard_size` bytes with `model.safetensors.index.json`, adding the file names to
+/// `files`.
+fn write_weights(
+    tensors: &[(String, Vec<usize>)],
+    mut produce: impl FnMut(usize) -> Result<Vec<f32>, CheckpointError>,
+    dir: &Path,
+    opts: &HfExportOptions,
+    files: &mut Vec<String>,
+) -> Result<WrittenWeights, CheckpointError> {
     let elem = opts.dtype.size();
     let numel = |t: &(String, Vec<usize>)| t.1.iter().product::<usize>();
     let bytes_of = |t: &(String, Vec<usize>)| numel(t) as u64 * elem;
     let shards = shard_ranges(tensors, opts.max_shard_size, bytes_of);
     let n = shards.len();
+    let mut bytes_written = 0u64;
     let mut weight_map = Map::new();
     for (i, range) in shards.iter().enumerate() {
         let name = if n == 1 {
@@ -242,25 +284,13 @@ pub(crate) fn write_hf_dir(
             "metadata": {"total_parameters": total_parameters, "total_size": tensor_bytes},
             "weight_map": weight_map,
         });
-        bytes_written += write_json(&dir, "model.safetensors.index.json", &index)?;
+        bytes_written += write_json(dir, "model.safetensors.index.json", &index)?;
         files.push("model.safetensors.index.json".into());
     }
-    for src in &tokenizer_files {
-        let name = display_name(src);
-        let dst = dir.join(&name);
-        bytes_written += fs::copy(src, &dst).map_err(|e| CheckpointError::io(src, e))?;
-        files.push(name);
-    }
-
-    stage.commit()?;
-    Ok(HfExportReport {
-        output: output.to_path_buf(),
-        config: contents.config.clone(),
-        tensors_written: tensors.len(),
+    Ok(WrittenWeights {
         shards: n,
         tensor_bytes,
         bytes_written,
-        files,
     })
 }
 

@@ -4,7 +4,6 @@
 //! to `model_tp{r}_pp{s}.safetensors`, exactly as a training run under that layout saves them.
 //! Streams one parameter at a time from the memory-mapped HF files.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -12,9 +11,10 @@ use ferrotron_model::families::{
     HfSafetensors, ParamDecl, WeightSource, param_mapping, parse_hf_config,
 };
 use ferrotron_model::{TpSplit, TransformerConfig, padded_vocab_size, stage_layers};
-use ferrotron_tensor::{DType, Storage};
+use ferrotron_tensor::DType;
 use serde_json::{Value, json};
 
+use super::assemble::{assemble, extract_box};
 use super::{ConvertReport, MODEL_PREFIX, TOKENIZER_SUBDIR, model_file};
 use crate::dist::{
     CheckpointWriter, ParallelLayout, ShardSpec, StoredDtype, iteration_dir, write_tracker,
@@ -116,7 +116,8 @@ impl HfToCkptPlan {
     }
 }
 
-fn err(dir: &Path, detail: impl Into<String>) -> CheckpointError {
+/// A [`CheckpointError::Format`] naming `dir`.
+pub(super) fn err(dir: &Path, detail: impl Into<String>) -> CheckpointError {
     CheckpointError::Format {
         file: dir.display().to_string(),
         detail: detail.into(),
@@ -162,6 +163,55 @@ pub(super) fn plan_layout(
         opts.tensor_model_parallel_size,
         opts.pipeline_model_parallel_size,
     );
+    let stages = layout_stages(origin, &config, opts)?;
+    let padded = padded_vocab_size(
+        config.vocab_size,
+        opts.make_vocab_size_divisible_by.max(1),
+        t,
+    );
+    let mapping = param_mapping(&config, padded).map_err(|e| err(origin, e.to_string()))?;
+    let (mut missing, mut shape_mismatches) = (Vec::new(), Vec::new());
+    let mut params = Vec::with_capacity(mapping.len());
+    let mut files = Vec::new();
+    for m in mapping {
+        check_hf_sources(&m, &mut available, &mut missing, &mut shape_mismatches);
+        let stage = (0..p)
+            .find(|&s| m.on_stage(s, p, &stages[s]))
+            .expect("every parameter has a stage");
+        let shards = plan_shards(&m, t, stage, &mut files);
+        params.push(PlannedParam {
+            mapping: m,
+            stage,
+            shards,
+        });
+    }
+    let (ignored, unused): (Vec<String>, Vec<String>) = available
+        .into_keys()
+        .partition(|n| n.ends_with("rotary_emb.inv_freq"));
+    files.sort();
+    Ok(HfToCkptPlan {
+        config,
+        hf_config,
+        params,
+        missing,
+        unused,
+        shape_mismatches,
+        ignored,
+        files,
+    })
+}
+
+/// Checks that `config` fits `opts`' layout and returns each pipeline stage's layers; every
+/// problem is named in the error.
+fn layout_stages(
+    origin: &Path,
+    config: &TransformerConfig,
+    opts: &HfToCkptOptions,
+) -> Result<Vec<std::ops::Range<usize>>, CheckpointError> {
+    let (t, p) = (
+        opts.tensor_model_parallel_size,
+        opts.pipeline_model_parallel_size,
+    );
     let mut problems = Vec::new();
     if t == 0 || p == 0 {
         problems.push(
@@ -196,65 +246,53 @@ pub(super) fn plan_layout(
     if !problems.is_empty() {
         return Err(err(origin, problems.join("; ")));
     }
-    let padded = padded_vocab_size(
-        config.vocab_size,
-        opts.make_vocab_size_divisible_by.max(1),
-        t,
-    );
-    let mapping = param_mapping(&config, padded).map_err(|e| err(origin, e.to_string()))?;
-    let (mut missing, mut shape_mismatches) = (Vec::new(), Vec::new());
-    let mut params = Vec::with_capacity(mapping.len());
-    let mut files = Vec::new();
-    for m in mapping {
-        for part in &m.hf {
-            match available.remove(&part.name) {
-                None => missing.push(part.name.clone()),
-                Some(shape) if shape != part.shape => shape_mismatches.push(format!(
-                    "{}: got {shape:?}, expected {:?}",
-                    part.name, part.shape
-                )),
-                Some(_) => {}
-            }
+    Ok(stages)
+}
+
+/// Takes `m`'s HF tensors out of `available`, recording the missing and misshapen ones.
+fn check_hf_sources(
+    m: &ParamDecl,
+    available: &mut BTreeMap<String, Vec<usize>>,
+    missing: &mut Vec<String>,
+    shape_mismatches: &mut Vec<String>,
+) {
+    for part in &m.hf {
+        match available.remove(&part.name) {
+            None => missing.push(part.name.clone()),
+            Some(shape) if shape != part.shape => shape_mismatches.push(format!(
+                "{}: got {shape:?}, expected {:?}",
+                part.name, part.shape
+            )),
+            Some(_) => {}
         }
-        let stage = (0..p)
-            .find(|&s| m.on_stage(s, p, &stages[s]))
-            .expect("every parameter has a stage");
-        let ranks = if m.split == TpSplit::Replicated { 1 } else { t };
-        let local = m.split.local_shape(&m.shape, t).iter().product::<usize>();
-        let mut shards = Vec::new();
-        for r in 0..ranks {
-            let file = model_file(r, stage);
-            if !files.contains(&file) {
-                files.push(file.clone());
-            }
-            for b in m.split.boxes(&m.shape, t, r, 0..local) {
-                shards.push(PlannedShard {
-                    file: file.clone(),
-                    global_offset: b.global_offset,
-                    shape: b.shape,
-                });
-            }
-        }
-        params.push(PlannedParam {
-            mapping: m,
-            stage,
-            shards,
-        });
     }
-    let (ignored, unused): (Vec<String>, Vec<String>) = available
-        .into_keys()
-        .partition(|n| n.ends_with("rotary_emb.inv_freq"));
-    files.sort();
-    Ok(HfToCkptPlan {
-        config,
-        hf_config,
-        params,
-        missing,
-        unused,
-        shape_mismatches,
-        ignored,
-        files,
-    })
+}
+
+/// The boxes of `m` on pipeline stage `stage` for each tensor-parallel rank of `t` (rank 0
+/// only when replicated), adding each rank's file to `files` on first use.
+fn plan_shards(
+    m: &ParamDecl,
+    t: usize,
+    stage: usize,
+    files: &mut Vec<String>,
+) -> Vec<PlannedShard> {
+    let ranks = if m.split == TpSplit::Replicated { 1 } else { t };
+    let local = m.split.local_shape(&m.shape, t).iter().product::<usize>();
+    let mut shards = Vec::new();
+    for r in 0..ranks {
+        let file = model_file(r, stage);
+        if !files.contains(&file) {
+            files.push(file.clone());
+        }
+        for b in m.split.boxes(&m.shape, t, r, 0..local) {
+            shards.push(PlannedShard {
+                file: file.clone(),
+                global_offset: b.global_offset,
+                shape: b.shape,
+            });
+        }
+    }
+    shards
 }
 
 /// Converts the HF directory `hf` into the checkpoint directory `output`
@@ -315,47 +353,7 @@ pub(super) fn write_layout(
     let mut writer = CheckpointWriter::create(&iter_dir, false)?;
     let mut bytes = 0u64;
     for stage in 0..opts.pipeline_model_parallel_size {
-        let on_stage: Vec<&PlannedParam> =
-            plan.params.iter().filter(|p| p.stage == stage).collect();
-        let mut files = Vec::new();
-        for r in 0..opts.tensor_model_parallel_size {
-            let name = model_file(r, stage);
-            let specs: Vec<ShardSpec> = on_stage
-                .iter()
-                .flat_map(|p| {
-                    p.shards
-                        .iter()
-                        .filter(|s| s.file == name)
-                        .map(|s| ShardSpec {
-                            key: format!("{MODEL_PREFIX}{}", p.mapping.name),
-                            global_shape: p.mapping.shape.clone(),
-                            global_offset: s.global_offset.clone(),
-                            local_shape: s.shape.clone(),
-                        })
-                })
-                .collect();
-            if !specs.is_empty() {
-                files.push((name.clone(), writer.open_file(&name, opts.dtype, &specs)?));
-            }
-        }
-        for p in &on_stage {
-            let full = assemble(src, &p.mapping, extras.origin)?;
-            for s in &p.shards {
-                let (_, file) = files
-                    .iter_mut()
-                    .find(|(n, _)| *n == s.file)
-                    .expect("a file per rank holding shards");
-                file.push(&extract_box(
-                    &full,
-                    &p.mapping.shape,
-                    &s.global_offset,
-                    &s.shape,
-                ))?;
-            }
-        }
-        for (_, file) in files {
-            bytes += file.finish()?;
-        }
+        bytes += write_stage(plan, src, extras.origin, &mut writer, stage, opts)?;
     }
     for path in extras.tokenizer_dir.iter().flat_map(|d| tokenizer_files(d)) {
         let name = crate::error::display_name(&path);
@@ -384,70 +382,66 @@ pub(super) fn write_layout(
     })
 }
 
+/// Writes every rank's file of pipeline stage `stage`, one parameter at a time; returns the
+/// bytes written.
+fn write_stage(
+    plan: &HfToCkptPlan,
+    src: &mut dyn WeightSource,
+    origin: &Path,
+    writer: &mut CheckpointWriter,
+    stage: usize,
+    opts: &HfToCkptOptions,
+) -> Result<u64, CheckpointError> {
+    let on_stage: Vec<&PlannedParam> = plan.params.iter().filter(|p| p.stage == stage).collect();
+    let mut files = Vec::new();
+    for r in 0..opts.tensor_model_parallel_size {
+        let name = model_file(r, stage);
+        let specs = shard_specs(&on_stage, &name);
+        if !specs.is_empty() {
+            files.push((name.clone(), writer.open_file(&name, opts.dtype, &specs)?));
+        }
+    }
+    for p in &on_stage {
+        let full = assemble(src, &p.mapping, origin)?;
+        for s in &p.shards {
+            let (_, file) = files
+                .iter_mut()
+                .find(|(n, _)| *n == s.file)
+                .expect("a file per rank holding shards");
+            file.push(&extract_box(
+                &full,
+                &p.mapping.shape,
+                &s.global_offset,
+                &s.shape,
+            ))?;
+        }
+    }
+    let mut bytes = 0u64;
+    for (_, file) in files {
+        bytes += file.finish()?;
+    }
+    Ok(bytes)
+}
+
+/// The shard specs of the `on_stage` parameters' boxes that go to the file `name`.
+fn shard_specs(on_stage: &[&PlannedParam], name: &str) -> Vec<ShardSpec> {
+    on_stage
+        .iter()
+        .flat_map(|p| {
+            p.shards
+                .iter()
+                .filter(|s| s.file == name)
+                .map(|s| ShardSpec {
+                    key: format!("{MODEL_PREFIX}{}", p.mapping.name),
+                    global_shape: p.mapping.shape.clone(),
+                    global_offset: s.global_offset.clone(),
+                    local_shape: s.shape.clone(),
+                })
+        })
+        .collect()
+}
+
 /// `path` made absolute (as given when that fails).
 fn absolute(path: &Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
-}
-
-/// The full Megatron parameter `m` (f32, row-major) from its HF tensors: a parameter that is
-/// one HF tensor is taken as is; packed ones get each HF tensor's rows placed.
-fn assemble(
-    src: &mut dyn WeightSource,
-    m: &ParamDecl,
-    hf: &Path,
-) -> Result<Vec<f32>, CheckpointError> {
-    let mut take = |name: &str| -> Result<Vec<f32>, CheckpointError> {
-        let t = src
-            .take(name)
-            .map_err(|e| err(hf, e.to_string()))?
-            .ok_or_else(|| err(hf, format!("missing HF tensor {name}")))?;
-        match t.into_storage() {
-            Storage::F32(v) => Ok(v),
-            other => Ok(ferrotron_tensor::Tensor::new(&[other.len()], other)
-                .map_err(|e| err(hf, e.to_string()))?
-                .to_f32_vec()),
-        }
-    };
-    if let [part] = m.hf.as_slice()
-        && let [rows] = part.rows.as_slice()
-        && *rows == (0..m.shape[0])
-    {
-        return take(&part.name);
-    }
-    let cols: usize = m.shape[1..].iter().product();
-    let mut full = vec![0f32; m.numel()];
-    for part in &m.hf {
-        let values = take(&part.name)?;
-        let mut cursor = 0;
-        for r in &part.rows {
-            let n = r.len() * cols;
-            full[r.start * cols..r.start * cols + n].copy_from_slice(&values[cursor..cursor + n]);
-            cursor += n;
-        }
-    }
-    Ok(full)
-}
-
-/// The box (`offset`, `shape`) of the row-major 1-D or 2-D tensor `full` of `full_shape`:
-/// borrowed when its rows are whole, gathered otherwise.
-pub(crate) fn extract_box<'a>(
-    full: &'a [f32],
-    full_shape: &[usize],
-    offset: &[usize],
-    shape: &[usize],
-) -> Cow<'a, [f32]> {
-    let cols: usize = full_shape[1..].iter().product();
-    let n: usize = shape.iter().product();
-    if full_shape.len() == 1 {
-        return Cow::Borrowed(&full[offset[0]..offset[0] + n]);
-    }
-    let (row0, col0, width) = (offset[0], offset[1], shape[1]);
-    if width == cols {
-        return Cow::Borrowed(&full[row0 * cols..row0 * cols + n]);
-    }
-    let mut out = Vec::with_capacity(n);
-    for r in row0..row0 + shape[0] {
-        out.extend_from_slice(&full[r * cols + col0..r * cols + col0 + width]);
-    }
-    Cow::Owned(out)
 }

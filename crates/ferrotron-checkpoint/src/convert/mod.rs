@@ -11,6 +11,7 @@
 //!
 //! HF -> checkpoint -> HF is bit-exact at any layout (f32 storage, or bf16 from bf16).
 
+mod assemble;
 mod ckpt_to_hf;
 mod hf_to_ckpt;
 mod reshard;

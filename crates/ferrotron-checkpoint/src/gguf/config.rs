@@ -100,109 +100,20 @@ impl LlamaGgufConfig {
     /// counts are zero or do not divide, the head dim disagrees between keys, the file is a
     /// mixture of experts (`llama.expert_count` > 0), or rope scaling is not `none`/`linear`.
     pub fn from_gguf(f: &GgufFile) -> Result<LlamaGgufConfig, CheckpointError> {
-        let err = |key: &str, detail: String| CheckpointError::Metadata {
-            file: f.file_name().to_string(),
-            key: key.to_string(),
-            detail,
-        };
-        let arch = f.opt_str("general.architecture")?.ok_or_else(|| {
-            err(
-                "general.architecture",
-                "missing (expected \"llama\")".into(),
-            )
-        })?;
-        if arch != "llama" {
-            return Err(err(
-                "general.architecture",
-                format!("{arch:?} is not supported (expected \"llama\")"),
-            ));
-        }
-        let hidden_size = f.require_u64("llama.embedding_length")?;
-        let num_attention_heads = f.require_u64("llama.attention.head_count")?;
-        let num_key_value_heads = f
-            .opt_u64("llama.attention.head_count_kv")?
-            .unwrap_or(num_attention_heads);
-        if hidden_size == 0 || num_attention_heads == 0 || num_key_value_heads == 0 {
-            return Err(err(
-                "llama.attention.head_count",
-                format!(
-                    "hidden {hidden_size}, heads {num_attention_heads}, kv heads {num_key_value_heads}: \
-                     expected all non-zero"
-                ),
-            ));
-        }
-        if !num_attention_heads.is_multiple_of(num_key_value_heads) {
-            return Err(err(
-                "llama.attention.head_count_kv",
-                format!(
-                    "{num_key_value_heads} does not divide the head count {num_attention_heads}"
-                ),
-            ));
-        }
-        let rope_dim = f.opt_u64("llama.rope.dimension_count")?;
-        let key_len = f.opt_u64("llama.attention.key_length")?;
-        let head_dim = match (rope_dim, key_len) {
-            (Some(r), Some(k)) if r != k => {
-                return Err(err(
-                    "llama.rope.dimension_count",
-                    format!(
-                        "{r} differs from llama.attention.key_length {k} (partial rotary is not supported)"
-                    ),
-                ));
-            }
-            (Some(d), _) | (None, Some(d)) => d,
-            (None, None) if hidden_size.is_multiple_of(num_attention_heads) => {
-                hidden_size / num_attention_heads
-            }
-            (None, None) => {
-                return Err(err(
-                    "llama.rope.dimension_count",
-                    format!(
-                        "missing, and hidden {hidden_size} is not divisible by {num_attention_heads} heads"
-                    ),
-                ));
-            }
-        };
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(err(
-                "llama.rope.dimension_count",
-                format!("{head_dim}: expected an even head dim"),
-            ));
-        }
-        if let Some(v) = f.opt_u64("llama.attention.value_length")?
-            && v != head_dim
-        {
-            return Err(err(
-                "llama.attention.value_length",
-                format!(
-                    "{v} differs from the head dim {head_dim} (not supported by LlamaForCausalLM)"
-                ),
-            ));
-        }
+        check_architecture(f)?;
+        let (hidden_size, num_attention_heads, num_key_value_heads) = attention_heads(f)?;
+        let head_dim = head_dim(f, hidden_size, num_attention_heads)?;
         if let Some(n) = f.opt_u64("llama.expert_count")?
             && n > 0
         {
-            return Err(err(
+            return Err(metadata_err(
+                f,
                 "llama.expert_count",
                 format!("{n}: mixture-of-experts files are not supported"),
             ));
         }
         let rope_linear_factor = rope_scaling(f)?;
-        let vocab_size = match f.opt_u64("llama.vocab_size")? {
-            Some(v) => v,
-            None => match f.opt_array("tokenizer.ggml.tokens")? {
-                Some(a) => a.len() as u64,
-                None => f
-                    .tensor_info("token_embd.weight")
-                    .and_then(|t| t.dims.get(1).copied())
-                    .ok_or_else(|| {
-                        err(
-                            "llama.vocab_size",
-                            "missing, and no tokens or token_embd.weight".into(),
-                        )
-                    })?,
-            },
-        };
+        let vocab_size = vocab_size(f)?;
         Ok(LlamaGgufConfig {
             hidden_size,
             intermediate_size: f.require_u64("llama.feed_forward_length")?,
@@ -213,7 +124,8 @@ impl LlamaGgufConfig {
             rms_norm_eps: f
                 .opt_f64("llama.attention.layer_norm_rms_epsilon")?
                 .ok_or_else(|| {
-                    err(
+                    metadata_err(
+                        f,
                         "llama.attention.layer_norm_rms_epsilon",
                         "missing (expected a float)".into(),
                     )
@@ -277,6 +189,134 @@ impl LlamaGgufConfig {
         }
         v
     }
+}
+
+/// A [`CheckpointError::Metadata`] for `key` of `f` with `detail`.
+fn metadata_err(f: &GgufFile, key: &str, detail: String) -> CheckpointError {
+    CheckpointError::Metadata {
+        file: f.file_name().to_string(),
+        key: key.to_string(),
+        detail,
+    }
+}
+
+/// Checks that `general.architecture` is present and `llama`.
+fn check_architecture(f: &GgufFile) -> Result<(), CheckpointError> {
+    let arch = f.opt_str("general.architecture")?.ok_or_else(|| {
+        metadata_err(
+            f,
+            "general.architecture",
+            "missing (expected \"llama\")".into(),
+        )
+    })?;
+    if arch != "llama" {
+        return Err(metadata_err(
+            f,
+            "general.architecture",
+            format!("{arch:?} is not supported (expected \"llama\")"),
+        ));
+    }
+    Ok(())
+}
+
+/// `(hidden_size, num_attention_heads, num_key_value_heads)`: all non-zero, kv heads dividing
+/// the heads.
+fn attention_heads(f: &GgufFile) -> Result<(u64, u64, u64), CheckpointError> {
+    let hidden_size = f.require_u64("llama.embedding_length")?;
+    let num_attention_heads = f.require_u64("llama.attention.head_count")?;
+    let num_key_value_heads = f
+        .opt_u64("llama.attention.head_count_kv")?
+        .unwrap_or(num_attention_heads);
+    if hidden_size == 0 || num_attention_heads == 0 || num_key_value_heads == 0 {
+        return Err(metadata_err(
+            f,
+            "llama.attention.head_count",
+            format!(
+                "hidden {hidden_size}, heads {num_attention_heads}, kv heads {num_key_value_heads}: \
+                 expected all non-zero"
+            ),
+        ));
+    }
+    if !num_attention_heads.is_multiple_of(num_key_value_heads) {
+        return Err(metadata_err(
+            f,
+            "llama.attention.head_count_kv",
+            format!("{num_key_value_heads} does not divide the head count {num_attention_heads}"),
+        ));
+    }
+    Ok((hidden_size, num_attention_heads, num_key_value_heads))
+}
+
+/// The head dim: rope dimension count or key length (which must agree), else hidden / heads;
+/// even, and equal to the value length when that is given.
+fn head_dim(
+    f: &GgufFile,
+    hidden_size: u64,
+    num_attention_heads: u64,
+) -> Result<u64, CheckpointError> {
+    let rope_dim = f.opt_u64("llama.rope.dimension_count")?;
+    let key_len = f.opt_u64("llama.attention.key_length")?;
+    let head_dim = match (rope_dim, key_len) {
+        (Some(r), Some(k)) if r != k => {
+            return Err(metadata_err(
+                f,
+                "llama.rope.dimension_count",
+                format!(
+                    "{r} differs from llama.attention.key_length {k} (partial rotary is not supported)"
+                ),
+            ));
+        }
+        (Some(d), _) | (None, Some(d)) => d,
+        (None, None) if hidden_size.is_multiple_of(num_attention_heads) => {
+            hidden_size / num_attention_heads
+        }
+        (None, None) => {
+            return Err(metadata_err(
+                f,
+                "llama.rope.dimension_count",
+                format!(
+                    "missing, and hidden {hidden_size} is not divisible by {num_attention_heads} heads"
+                ),
+            ));
+        }
+    };
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(metadata_err(
+            f,
+            "llama.rope.dimension_count",
+            format!("{head_dim}: expected an even head dim"),
+        ));
+    }
+    if let Some(v) = f.opt_u64("llama.attention.value_length")?
+        && v != head_dim
+    {
+        return Err(metadata_err(
+            f,
+            "llama.attention.value_length",
+            format!("{v} differs from the head dim {head_dim} (not supported by LlamaForCausalLM)"),
+        ));
+    }
+    Ok(head_dim)
+}
+
+/// `llama.vocab_size`, else the token count, else `token_embd.weight`'s row count.
+fn vocab_size(f: &GgufFile) -> Result<u64, CheckpointError> {
+    Ok(match f.opt_u64("llama.vocab_size")? {
+        Some(v) => v,
+        None => match f.opt_array("tokenizer.ggml.tokens")? {
+            Some(a) => a.len() as u64,
+            None => f
+                .tensor_info("token_embd.weight")
+                .and_then(|t| t.dims.get(1).copied())
+                .ok_or_else(|| {
+                    metadata_err(
+                        f,
+                        "llama.vocab_size",
+                        "missing, and no tokens or token_embd.weight".into(),
+                    )
+                })?,
+        },
+    })
 }
 
 /// `llama.rope.scaling.type` / `.factor` (or the older `llama.rope.scale_linear`): `None` for no

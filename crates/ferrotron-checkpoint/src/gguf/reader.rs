@@ -26,6 +26,9 @@ const MIN_KV_BYTES: u64 = 13;
 /// type (4) + offset (8).
 const MIN_TENSOR_INFO_BYTES: u64 = 32;
 
+/// Metadata entries in file order, with the index of each key.
+type MetadataTable = (Vec<(String, GgufValue)>, HashMap<String, usize>);
+
 /// One entry of the tensor table, validated against the file by [`GgufFile::open`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorInfo {
@@ -115,9 +118,41 @@ impl GgufFile {
         Self::parse(path.to_path_buf(), name, mmap)
     }
 
+    /// Parses and validates the mapped file: header, metadata, alignment, tensor table, data.
     fn parse(path: PathBuf, name: String, mmap: Mmap) -> Result<GgufFile, CheckpointError> {
         let file_len = mmap.len() as u64;
         let mut c = Cursor::new(&mmap, &name);
+        let (version, n_tensors, n_kv) = Self::read_header(&mut c)?;
+        let (metadata, metadata_index) = Self::read_metadata(&mut c, n_kv)?;
+        let alignment = Self::alignment_from(&name, &metadata, &metadata_index)?;
+        let (tensors, tensor_index) = Self::read_tensor_table(&mut c, &name, n_tensors)?;
+
+        let end_of_table = c.pos() as u64;
+        let data_offset = end_of_table
+            .checked_next_multiple_of(alignment)
+            .ok_or_else(|| {
+                c.err(format!(
+                    "data offset overflows aligning {end_of_table} to {alignment}"
+                ))
+            })?;
+        Self::check_tensor_data(&name, &tensors, alignment, data_offset, file_len)?;
+
+        Ok(GgufFile {
+            path,
+            name,
+            mmap,
+            version,
+            alignment,
+            data_offset,
+            metadata,
+            metadata_index,
+            tensors,
+            tensor_index,
+        })
+    }
+
+    /// Reads the magic, version and counts; returns `(version, n_tensors, n_kv)`.
+    fn read_header(c: &mut Cursor<'_>) -> Result<(u32, u64, u64), CheckpointError> {
         let magic = c.take(4, &|| "magic".into())?;
         if magic != b"GGUF" {
             return Err(c.err(format!(
@@ -150,7 +185,11 @@ impl GgufFile {
                  the {rem} bytes that follow"
             )));
         }
+        Ok((version, n_tensors, n_kv))
+    }
 
+    /// Reads `n_kv` metadata entries with their key index, rejecting duplicate keys.
+    fn read_metadata(c: &mut Cursor<'_>, n_kv: u64) -> Result<MetadataTable, CheckpointError> {
         let mut metadata = Vec::with_capacity(n_kv as usize);
         let mut metadata_index = HashMap::with_capacity(n_kv as usize);
         for i in 0..n_kv {
@@ -161,8 +200,16 @@ impl GgufFile {
             }
             metadata.push((key, value));
         }
+        Ok((metadata, metadata_index))
+    }
 
-        let alignment = match metadata_index.get("general.alignment") {
+    /// `general.alignment` (a non-zero power of two), or the default when absent.
+    fn alignment_from(
+        name: &str,
+        metadata: &[(String, GgufValue)],
+        metadata_index: &HashMap<String, usize>,
+    ) -> Result<u64, CheckpointError> {
+        Ok(match metadata_index.get("general.alignment") {
             None => GGUF_DEFAULT_ALIGNMENT,
             Some(&i) => {
                 let v = &metadata[i].1;
@@ -170,46 +217,54 @@ impl GgufFile {
                     Some(a) if a.is_power_of_two() => a,
                     _ => {
                         return Err(CheckpointError::Metadata {
-                            file: name.clone(),
+                            file: name.to_string(),
                             key: "general.alignment".into(),
                             detail: format!("expected a non-zero power of two, found {v:?}"),
                         });
                     }
                 }
             }
-        };
+        })
+    }
 
+    /// Reads `n_tensors` tensor-table entries with their name index, rejecting duplicate names.
+    fn read_tensor_table(
+        c: &mut Cursor<'_>,
+        name: &str,
+        n_tensors: u64,
+    ) -> Result<(Vec<TensorInfo>, HashMap<String, usize>), CheckpointError> {
         let mut tensors = Vec::with_capacity(n_tensors as usize);
         let mut tensor_index = HashMap::with_capacity(n_tensors as usize);
         for i in 0..n_tensors {
             let tname = c.string(&|| format!("tensor #{i} name"))?;
-            let info = read_tensor_info(&mut c, &name, tname)?;
+            let info = read_tensor_info(c, name, tname)?;
             if tensor_index
                 .insert(info.name.clone(), tensors.len())
                 .is_some()
             {
                 return Err(tensor_err(
-                    &name,
+                    name,
                     &info.name,
                     "appears twice in the tensor table".into(),
                 ));
             }
             tensors.push(info);
         }
+        Ok((tensors, tensor_index))
+    }
 
-        let end_of_table = c.pos() as u64;
-        let data_offset = end_of_table
-            .checked_next_multiple_of(alignment)
-            .ok_or_else(|| {
-                c.err(format!(
-                    "data offset overflows aligning {end_of_table} to {alignment}"
-                ))
-            })?;
-
-        for t in &tensors {
+    /// Checks every tensor's offset is aligned and its data lies inside the file.
+    fn check_tensor_data(
+        name: &str,
+        tensors: &[TensorInfo],
+        alignment: u64,
+        data_offset: u64,
+        file_len: u64,
+    ) -> Result<(), CheckpointError> {
+        for t in tensors {
             if !t.offset.is_multiple_of(alignment) {
                 return Err(tensor_err(
-                    &name,
+                    name,
                     &t.name,
                     format!(
                         "offset {} is not a multiple of the alignment {alignment}",
@@ -225,27 +280,15 @@ impl GgufFile {
                     "data offset {data_offset} + {} + {} bytes overflows",
                     t.offset, t.n_bytes
                 );
-                return Err(tensor_err(&name, &t.name, detail));
+                return Err(tensor_err(name, &t.name, detail));
             };
             if end > file_len {
                 let detail =
                     format!("data [{start}..{end}) lies past end of file ({file_len} bytes)");
-                return Err(tensor_err(&name, &t.name, detail));
+                return Err(tensor_err(name, &t.name, detail));
             }
         }
-
-        Ok(GgufFile {
-            path,
-            name,
-            mmap,
-            version,
-            alignment,
-            data_offset,
-            metadata,
-            metadata_index,
-            tensors,
-            tensor_index,
-        })
+        Ok(())
     }
 
     /// The path the file was opened from.

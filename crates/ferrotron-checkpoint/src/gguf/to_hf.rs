@@ -13,8 +13,8 @@ use serde_json::Value;
 
 use super::config::{LlamaGgufConfig, OutputDtype};
 use super::reader::{GgufFile, tensor_err};
-use super::tensors::{plan_llama_tensors, unpermute_qk_rows};
-use super::tokenizer::hf_tokenizer_from_gguf;
+use super::tensors::{TensorPlan, plan_llama_tensors, unpermute_qk_rows};
+use super::tokenizer::{HfTokenizerFiles, hf_tokenizer_from_gguf};
 use crate::CheckpointError;
 use crate::safetensors_writer::{TensorSpec, write_safetensors};
 use crate::staging::{StagingDir, write_json};
@@ -92,7 +92,36 @@ pub fn gguf_to_hf(
     let dir = stage.path().to_path_buf();
     let mut files = vec!["config.json".to_string()];
     let mut bytes_written = write_json(&dir, "config.json", &config)?;
+    let safetensors_bytes = write_model_safetensors(&f, &plans, &dir, opts.dtype)?;
+    files.push("model.safetensors".into());
+    bytes_written += safetensors_bytes;
+    if let Some(tok) = &tokenizer {
+        bytes_written += write_tokenizer(&f, &dir, tok)?;
+        files.push("tokenizer.json".into());
+        files.push("tokenizer_config.json".into());
+    }
 
+    stage.commit()?;
+    Ok(GgufToHfReport {
+        output: output.to_path_buf(),
+        source_type_counts: source_type_counts(&f),
+        tensors_written: plans.len(),
+        safetensors_bytes,
+        bytes_written,
+        config,
+        added_tokens: tokenizer.map(|t| t.added_tokens),
+        files,
+    })
+}
+
+/// Writes `dir/model.safetensors` from `plans`, dequantizing (and un-permuting q/k rows) one
+/// tensor at a time; returns its size in bytes.
+fn write_model_safetensors(
+    f: &GgufFile,
+    plans: &[TensorPlan],
+    dir: &Path,
+    dtype: OutputDtype,
+) -> Result<u64, CheckpointError> {
     let specs: Vec<TensorSpec> = plans
         .iter()
         .map(|p| TensorSpec {
@@ -120,39 +149,32 @@ pub fn gguf_to_hf(
         }
     };
     let st_path = dir.join("model.safetensors");
-    let safetensors_bytes =
-        write_safetensors(&st_path, &specs, opts.dtype, &[("format", "pt")], produce)?;
-    files.push("model.safetensors".into());
-    bytes_written += safetensors_bytes;
+    write_safetensors(&st_path, &specs, dtype, &[("format", "pt")], produce)
+}
 
-    if let Some(tok) = &tokenizer {
-        bytes_written += write_json(&dir, "tokenizer.json", &tok.tokenizer_json)?;
-        bytes_written += write_json(&dir, "tokenizer_config.json", &tok.tokenizer_config)?;
-        files.push("tokenizer.json".into());
-        files.push("tokenizer_config.json".into());
-        tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| {
-            CheckpointError::Tokenizer {
-                file: f.file_name().to_string(),
-                detail: format!("the tokenizer.json built from the metadata does not load: {e}"),
-            }
-        })?;
-    }
+/// Writes `tokenizer.json` and `tokenizer_config.json` into `dir` and checks the former loads;
+/// returns the bytes written.
+fn write_tokenizer(
+    f: &GgufFile,
+    dir: &Path,
+    tok: &HfTokenizerFiles,
+) -> Result<u64, CheckpointError> {
+    let mut bytes = write_json(dir, "tokenizer.json", &tok.tokenizer_json)?;
+    bytes += write_json(dir, "tokenizer_config.json", &tok.tokenizer_config)?;
+    tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| {
+        CheckpointError::Tokenizer {
+            file: f.file_name().to_string(),
+            detail: format!("the tokenizer.json built from the metadata does not load: {e}"),
+        }
+    })?;
+    Ok(bytes)
+}
 
-    stage.commit()?;
-    let mut source_type_counts = BTreeMap::new();
+/// Number of source tensors per ggml type name.
+fn source_type_counts(f: &GgufFile) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
     for t in f.tensors() {
-        *source_type_counts
-            .entry(t.ggml_type.to_string())
-            .or_insert(0) += 1;
+        *counts.entry(t.ggml_type.to_string()).or_insert(0) += 1;
     }
-    Ok(GgufToHfReport {
-        output: output.to_path_buf(),
-        source_type_counts,
-        tensors_written: plans.len(),
-        safetensors_bytes,
-        bytes_written,
-        config,
-        added_tokens: tokenizer.map(|t| t.added_tokens),
-        files,
-    })
+    counts
 }

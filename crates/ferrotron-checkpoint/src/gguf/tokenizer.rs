@@ -151,129 +151,30 @@ pub fn hf_tokenizer_from_gguf(
     f: &GgufFile,
     model_max_length: Option<u64>,
 ) -> Result<HfTokenizerFiles, CheckpointError> {
-    let err = |detail: String| CheckpointError::Tokenizer {
-        file: f.file_name().to_string(),
-        detail,
-    };
-    match f.opt_str("tokenizer.ggml.model")? {
-        Some("gpt2") => {}
-        Some(other) => {
-            return Err(err(format!(
-                "tokenizer.ggml.model {other:?} is not supported (expected \"gpt2\", byte-level BPE)"
-            )));
-        }
-        None => {
-            return Err(err(
-                "tokenizer.ggml.model is missing (expected \"gpt2\")".into()
-            ));
-        }
-    }
-    let strings = |key: &str| -> Result<&[String], CheckpointError> {
-        f.opt_array(key)?
-            .ok_or_else(|| err(format!("{key} is missing")))?
-            .as_strings()
-            .ok_or_else(|| err(format!("{key}: expected an array of strings")))
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges_raw = strings("tokenizer.ggml.merges")?;
-    let token_types = match f.opt_array("tokenizer.ggml.token_type")? {
-        Some(a) => a.to_i64_vec().ok_or_else(|| {
-            err("tokenizer.ggml.token_type: expected an array of integers".into())
-        })?,
-        None => Vec::new(),
-    };
+    check_tokenizer_model(f)?;
+    let tokens = string_array(f, "tokenizer.ggml.tokens")?;
+    let merges_raw = string_array(f, "tokenizer.ggml.merges")?;
+    let token_types = token_types(f)?;
     if u32::try_from(tokens.len()).is_err() {
-        return Err(err(format!(
-            "{} tokens do not fit 32-bit ids",
-            tokens.len()
-        )));
+        return Err(tokenizer_err(
+            f,
+            format!("{} tokens do not fit 32-bit ids", tokens.len()),
+        ));
     }
 
-    // Vocab: tokens in the byte alphabet as they are, others re-spelled; the last duplicate wins.
     let alphabet = bytes_to_unicode();
-    let in_alphabet = |t: &str| t.chars().all(|c| alphabet.contains(&c));
-    let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
-    for (i, t) in tokens.iter().enumerate() {
-        let key = if in_alphabet(t) {
-            t.clone()
-        } else {
-            t.bytes().map(|b| alphabet[b as usize]).collect()
-        };
-        vocab.insert(key, i as u32);
-    }
-    let mut merges = Vec::with_capacity(merges_raw.len());
-    for (i, m) in merges_raw.iter().enumerate() {
-        let parts: Vec<&str> = m.split(' ').collect();
-        if parts.len() != 2 {
-            return Err(err(format!(
-                "tokenizer.ggml.merges[{i}] = {m:?}: expected two parts separated by one space"
-            )));
-        }
-        merges.push(json!([parts[0], parts[1]]));
-    }
+    let vocab = build_vocab(tokens, &alphabet);
+    let merges = parse_merges(f, merges_raw)?;
 
     // Added tokens, in the order transformers adds them.
-    let typed = |ty: i64| {
-        tokens
-            .iter()
-            .zip(&token_types)
-            .filter(move |(_, t)| **t == ty)
-            .map(|(s, _)| s)
-    };
     let mut added = AddedVocab {
         vocab: &vocab,
         tokens: Vec::new(),
         by_content: HashMap::new(),
     };
-    added.add(&[("<|endoftext|>".to_string(), true)]);
-    let control: Vec<_> = typed(TOKEN_TYPE_CONTROL)
-        .filter(|s| in_alphabet(s))
-        .map(|s| (s.clone(), true))
-        .collect();
-    added.add(&control);
-    let user: Vec<_> = typed(TOKEN_TYPE_USER_DEFINED)
-        .filter(|s| added.id_of(s).is_some())
-        .map(|s| (s.clone(), false))
-        .collect();
-    added.add(&user);
-
-    let mut named: Vec<(&str, Option<String>)> = Vec::new();
-    for (name, key) in [
-        ("bos_token", "tokenizer.ggml.bos_token_id"),
-        ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("unk_token", "tokenizer.ggml.unknown_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id"),
-    ] {
-        let token = match f.opt_u64(key)? {
-            None => None,
-            Some(id) => {
-                let t = usize::try_from(id)
-                    .ok()
-                    .and_then(|i| tokens.get(i))
-                    .ok_or_else(|| {
-                        err(format!(
-                            "{key} = {id} is out of range ({} tokens)",
-                            tokens.len()
-                        ))
-                    })?;
-                if t.is_empty() {
-                    return Err(err(format!("{key} = {id} names an empty token")));
-                }
-                Some(t.clone())
-            }
-        };
-        named.push((name, token));
-    }
-    let mut missing: Vec<(String, bool)> = Vec::new();
-    for (_, t) in &named {
-        if let Some(t) = t
-            && !added.by_content.contains_key(t)
-            && !missing.iter().any(|(m, _)| m == t)
-        {
-            missing.push((t.clone(), true));
-        }
-    }
-    added.add(&missing);
+    add_typed_tokens(&mut added, tokens, &token_types, &alphabet);
+    let named = named_special_tokens(f, tokens)?;
+    add_missing_named(&mut added, &named);
 
     let named_token = |n: &str| {
         named
@@ -294,20 +195,204 @@ pub fn hf_tokenizer_from_gguf(
             .flatten()
             .map(|t| (added.id_of(&t), t)),
     );
+    let pre_tokenizer = pre_tokenizer_json(f)?;
+    let tokenizer_json = tokenizer_json(&added, merges, pre_tokenizer, post_processor);
+    let config = tokenizer_config(f, add_bos, add_eos, &named, model_max_length)?;
+    Ok(HfTokenizerFiles {
+        tokenizer_json,
+        tokenizer_config: config,
+        added_tokens: added.tokens.len(),
+    })
+}
 
-    let pre_tokenizer = match f
-        .opt_str("tokenizer.ggml.pre")?
-        .and_then(pre_tokenizer_split)
-    {
-        Some(regex) => json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
-        ]}),
-        None => {
-            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
+/// A [`CheckpointError::Tokenizer`] for `f` with `detail`.
+fn tokenizer_err(f: &GgufFile, detail: String) -> CheckpointError {
+    CheckpointError::Tokenizer {
+        file: f.file_name().to_string(),
+        detail,
+    }
+}
+
+/// Checks that `tokenizer.ggml.model` is `gpt2` (byte-level BPE), the only supported model.
+fn check_tokenizer_model(f: &GgufFile) -> Result<(), CheckpointError> {
+    match f.opt_str("tokenizer.ggml.model")? {
+        Some("gpt2") => Ok(()),
+        Some(other) => Err(tokenizer_err(
+            f,
+            format!(
+                "tokenizer.ggml.model {other:?} is not supported (expected \"gpt2\", byte-level BPE)"
+            ),
+        )),
+        None => Err(tokenizer_err(
+            f,
+            "tokenizer.ggml.model is missing (expected \"gpt2\")".into(),
+        )),
+    }
+}
+
+/// The required string-array metadata `key`.
+fn string_array<'a>(f: &'a GgufFile, key: &str) -> Result<&'a [String], CheckpointError> {
+    f.opt_array(key)?
+        .ok_or_else(|| tokenizer_err(f, format!("{key} is missing")))?
+        .as_strings()
+        .ok_or_else(|| tokenizer_err(f, format!("{key}: expected an array of strings")))
+}
+
+/// `tokenizer.ggml.token_type` as integers (empty when absent).
+fn token_types(f: &GgufFile) -> Result<Vec<i64>, CheckpointError> {
+    Ok(match f.opt_array("tokenizer.ggml.token_type")? {
+        Some(a) => a.to_i64_vec().ok_or_else(|| {
+            tokenizer_err(
+                f,
+                "tokenizer.ggml.token_type: expected an array of integers".into(),
+            )
+        })?,
+        None => Vec::new(),
+    })
+}
+
+/// Whether every character of `t` is in GPT-2's byte alphabet.
+fn in_alphabet(alphabet: &[char; 256], t: &str) -> bool {
+    t.chars().all(|c| alphabet.contains(&c))
+}
+
+/// Vocab: tokens in the byte alphabet as they are, others re-spelled; the last duplicate wins.
+fn build_vocab(tokens: &[String], alphabet: &[char; 256]) -> HashMap<String, u32> {
+    let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        let key = if in_alphabet(alphabet, t) {
+            t.clone()
+        } else {
+            t.bytes().map(|b| alphabet[b as usize]).collect()
+        };
+        vocab.insert(key, i as u32);
+    }
+    vocab
+}
+
+/// The merges as `[left, right]` pairs, each raw merge being two parts separated by one space.
+fn parse_merges(f: &GgufFile, merges_raw: &[String]) -> Result<Vec<Value>, CheckpointError> {
+    let mut merges = Vec::with_capacity(merges_raw.len());
+    for (i, m) in merges_raw.iter().enumerate() {
+        let parts: Vec<&str> = m.split(' ').collect();
+        if parts.len() != 2 {
+            return Err(tokenizer_err(
+                f,
+                format!(
+                    "tokenizer.ggml.merges[{i}] = {m:?}: expected two parts separated by one space"
+                ),
+            ));
         }
-    };
+        merges.push(json!([parts[0], parts[1]]));
+    }
+    Ok(merges)
+}
 
+/// Adds `<|endoftext|>`, then the CONTROL tokens in the byte alphabet (special), then the
+/// USER_DEFINED tokens already known (non-special), as transformers does.
+fn add_typed_tokens(
+    added: &mut AddedVocab<'_>,
+    tokens: &[String],
+    token_types: &[i64],
+    alphabet: &[char; 256],
+) {
+    let typed = |ty: i64| {
+        tokens
+            .iter()
+            .zip(token_types)
+            .filter(move |(_, t)| **t == ty)
+            .map(|(s, _)| s)
+    };
+    added.add(&[("<|endoftext|>".to_string(), true)]);
+    let control: Vec<_> = typed(TOKEN_TYPE_CONTROL)
+        .filter(|s| in_alphabet(alphabet, s))
+        .map(|s| (s.clone(), true))
+        .collect();
+    added.add(&control);
+    let user: Vec<_> = typed(TOKEN_TYPE_USER_DEFINED)
+        .filter(|s| added.id_of(s).is_some())
+        .map(|s| (s.clone(), false))
+        .collect();
+    added.add(&user);
+}
+
+/// The bos/eos/unk/pad token strings named by the `tokenizer.ggml.*_token_id` keys.
+fn named_special_tokens(
+    f: &GgufFile,
+    tokens: &[String],
+) -> Result<Vec<(&'static str, Option<String>)>, CheckpointError> {
+    let mut named: Vec<(&str, Option<String>)> = Vec::new();
+    for (name, key) in [
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("unk_token", "tokenizer.ggml.unknown_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ] {
+        let token = match f.opt_u64(key)? {
+            None => None,
+            Some(id) => {
+                let t = usize::try_from(id)
+                    .ok()
+                    .and_then(|i| tokens.get(i))
+                    .ok_or_else(|| {
+                        tokenizer_err(
+                            f,
+                            format!("{key} = {id} is out of range ({} tokens)", tokens.len()),
+                        )
+                    })?;
+                if t.is_empty() {
+                    return Err(tokenizer_err(
+                        f,
+                        format!("{key} = {id} names an empty token"),
+                    ));
+                }
+                Some(t.clone())
+            }
+        };
+        named.push((name, token));
+    }
+    Ok(named)
+}
+
+/// Adds the named special tokens not yet added, as special, in one batch.
+fn add_missing_named(added: &mut AddedVocab<'_>, named: &[(&str, Option<String>)]) {
+    let mut missing: Vec<(String, bool)> = Vec::new();
+    for (_, t) in named {
+        if let Some(t) = t
+            && !added.by_content.contains_key(t)
+            && !missing.iter().any(|(m, _)| m == t)
+        {
+            missing.push((t.clone(), true));
+        }
+    }
+    added.add(&missing);
+}
+
+/// The pre-tokenizer: the `tokenizer.ggml.pre` split regex then byte-level, or GPT-2's byte-level.
+fn pre_tokenizer_json(f: &GgufFile) -> Result<Value, CheckpointError> {
+    Ok(
+        match f
+            .opt_str("tokenizer.ggml.pre")?
+            .and_then(pre_tokenizer_split)
+        {
+            Some(regex) => json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false},
+            ]}),
+            None => {
+                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
+            }
+        },
+    )
+}
+
+/// The `tokenizer.json` value: added tokens sorted by id, byte-level BPE model over the vocab.
+fn tokenizer_json(
+    added: &AddedVocab<'_>,
+    merges: Vec<Value>,
+    pre_tokenizer: Value,
+    post_processor: Value,
+) -> Value {
     let mut added_sorted: Vec<&Added> = added.tokens.iter().collect();
     added_sorted.sort_by_key(|t| t.id);
     let added_json: Vec<Value> = added_sorted
@@ -317,9 +402,12 @@ pub fn hf_tokenizer_from_gguf(
                    "rstrip": false, "normalized": false, "special": t.special})
         })
         .collect();
-    let vocab_json: Map<String, Value> =
-        vocab.iter().map(|(k, &v)| (k.clone(), json!(v))).collect();
-    let tokenizer_json = json!({
+    let vocab_json: Map<String, Value> = added
+        .vocab
+        .iter()
+        .map(|(k, &v)| (k.clone(), json!(v)))
+        .collect();
+    json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
@@ -333,8 +421,17 @@ pub fn hf_tokenizer_from_gguf(
             "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
             "vocab": vocab_json, "merges": merges,
         },
-    });
+    })
+}
 
+/// The `tokenizer_config.json` value: add-bos/eos flags, named tokens, chat template, max length.
+fn tokenizer_config(
+    f: &GgufFile,
+    add_bos: bool,
+    add_eos: bool,
+    named: &[(&str, Option<String>)],
+    model_max_length: Option<u64>,
+) -> Result<Value, CheckpointError> {
     let mut config = json!({
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
@@ -342,7 +439,7 @@ pub fn hf_tokenizer_from_gguf(
         "tokenizer_class": "PreTrainedTokenizerFast",
     });
     if let Some(obj) = config.as_object_mut() {
-        for (name, t) in &named {
+        for (name, t) in named {
             obj.insert(name.to_string(), json!(t));
         }
         if let Some(tpl) = f.opt_str("tokenizer.chat_template")? {
@@ -352,11 +449,7 @@ pub fn hf_tokenizer_from_gguf(
             obj.insert("model_max_length".into(), json!(n));
         }
     }
-    Ok(HfTokenizerFiles {
-        tokenizer_json,
-        tokenizer_config: config,
-        added_tokens: added.tokens.len(),
-    })
+    Ok(config)
 }
 
 /// `update_post_processor`: `"[bos:0 ]$A:0[ eos:0]"` and
