@@ -169,24 +169,7 @@ impl BlendedDataset {
         split: Split,
         path_to_cache: Option<&Path>,
     ) -> Result<BlendedDataset, DatasetError> {
-        if datasets.is_empty() || datasets.len() != weights.len() || datasets.len() >= 32767 {
-            return Err(DatasetError::config(
-                "blend",
-                format!("{} datasets with {} weights", datasets.len(), weights.len()),
-            ));
-        }
-        if weights.iter().any(|w| !w.is_finite() || *w <= 0.0) {
-            return Err(DatasetError::config(
-                "blend",
-                format!("weights {weights:?} must be > 0"),
-            ));
-        }
-        if size.is_none() && weights.iter().any(|w| w.fract() != 0.0) {
-            return Err(DatasetError::config(
-                "blend",
-                "exhaustive blending needs whole-number weights",
-            ));
-        }
+        check_blend(datasets.len(), weights, size)?;
         let weights = if size.is_some() {
             normalize(weights)
         } else {
@@ -199,42 +182,15 @@ impl BlendedDataset {
             "weights": weights,
             "size": size,
         });
-        let build = || match size {
-            Some(n) => build_blending_indices(&weights, n),
-            None => build_exhaustive_blending_indices(
-                &weights.iter().map(|&w| w as usize).collect::<Vec<_>>(),
-            ),
-        };
-        let names = ["dataset_index", "dataset_sample_index"];
-        let (mut status, mut indices) = (CacheStatus::Disabled, None);
         let cache = path_to_cache
             .map(|dir| IndexCache::new(dir, "BlendedDataset", split.name(), &description));
-        if let Some(cache) = &cache {
-            status = match cache.load(&names) {
-                Ok(Some(a)) => match adopt(&a, datasets.len()) {
-                    Ok(i) => {
-                        indices = Some(i);
-                        CacheStatus::Hit
-                    }
-                    Err(why) => CacheStatus::Rebuilt(why),
-                },
-                Ok(None) => CacheStatus::Built,
-                Err(why) => CacheStatus::Rebuilt(why),
-            };
-        }
+        let (status, indices) = match &cache {
+            Some(cache) => load_cached(cache, datasets.len()),
+            None => (CacheStatus::Disabled, None),
+        };
         let (dataset_index, dataset_sample_index) = match indices {
             Some(i) => i,
-            None => {
-                let (di, dsi) = build();
-                check_oversampling(&datasets, &di, split)?;
-                if let Some(cache) = &cache {
-                    let a = NpyArray::from_i64("<i2", vec![di.len()], di.iter().map(|&v| v as i64));
-                    let b =
-                        NpyArray::from_i64("<i8", vec![dsi.len()], dsi.iter().map(|&v| v as i64));
-                    cache.store(&[(names[0], &a), (names[1], &b)])?;
-                }
-                (di, dsi)
-            }
+            None => build_and_store(&datasets, &weights, size, split, cache.as_ref())?,
         };
         check_oversampling(&datasets, &dataset_index, split)?;
         Ok(BlendedDataset {
@@ -289,6 +245,75 @@ impl BlendedDataset {
     pub fn cache_status(&self) -> &CacheStatus {
         &self.cache_status
     }
+}
+
+/// Names of the two cached blend indices.
+const INDEX_NAMES: [&str; 2] = ["dataset_index", "dataset_sample_index"];
+
+/// The blend indices: `(dataset_index, dataset_sample_index)`.
+type BlendIndices = (Vec<u16>, Vec<u64>);
+
+/// Checks `BlendedDataset::new`'s arguments: dataset and weight counts, weight values.
+fn check_blend(
+    num_datasets: usize,
+    weights: &[f64],
+    size: Option<usize>,
+) -> Result<(), DatasetError> {
+    if num_datasets == 0 || num_datasets != weights.len() || num_datasets >= 32767 {
+        return Err(DatasetError::config(
+            "blend",
+            format!("{} datasets with {} weights", num_datasets, weights.len()),
+        ));
+    }
+    if weights.iter().any(|w| !w.is_finite() || *w <= 0.0) {
+        return Err(DatasetError::config(
+            "blend",
+            format!("weights {weights:?} must be > 0"),
+        ));
+    }
+    if size.is_none() && weights.iter().any(|w| w.fract() != 0.0) {
+        return Err(DatasetError::config(
+            "blend",
+            "exhaustive blending needs whole-number weights",
+        ));
+    }
+    Ok(())
+}
+
+/// Loads the blend indices from `cache`; the status says why they are missing when they are.
+fn load_cached(cache: &IndexCache, num_datasets: usize) -> (CacheStatus, Option<BlendIndices>) {
+    match cache.load(&INDEX_NAMES) {
+        Ok(Some(a)) => match adopt(&a, num_datasets) {
+            Ok(i) => (CacheStatus::Hit, Some(i)),
+            Err(why) => (CacheStatus::Rebuilt(why), None),
+        },
+        Ok(None) => (CacheStatus::Built, None),
+        Err(why) => (CacheStatus::Rebuilt(why), None),
+    }
+}
+
+/// Builds the blend indices (exhaustive when `size` is `None`), checks them against the
+/// dataset lengths, and stores them in `cache` when given.
+fn build_and_store(
+    datasets: &[Arc<dyn Dataset>],
+    weights: &[f64],
+    size: Option<usize>,
+    split: Split,
+    cache: Option<&IndexCache>,
+) -> Result<BlendIndices, DatasetError> {
+    let (di, dsi) = match size {
+        Some(n) => build_blending_indices(weights, n),
+        None => build_exhaustive_blending_indices(
+            &weights.iter().map(|&w| w as usize).collect::<Vec<_>>(),
+        ),
+    };
+    check_oversampling(datasets, &di, split)?;
+    if let Some(cache) = cache {
+        let a = NpyArray::from_i64("<i2", vec![di.len()], di.iter().map(|&v| v as i64));
+        let b = NpyArray::from_i64("<i8", vec![dsi.len()], dsi.iter().map(|&v| v as i64));
+        cache.store(&[(INDEX_NAMES[0], &a), (INDEX_NAMES[1], &b)])?;
+    }
+    Ok((di, dsi))
 }
 
 fn adopt(arrays: &[NpyArray], num_datasets: usize) -> Result<(Vec<u16>, Vec<u64>), String> {

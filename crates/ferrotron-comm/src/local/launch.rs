@@ -63,17 +63,7 @@ where
             cause: FailureCause::Panic("run_local needs world_size >= 1".into()),
         });
     }
-    let world = Arc::new(World {
-        abort: Arc::default(),
-        groups: Mutex::default(),
-        next_group_id: AtomicU64::new(1),
-    });
-    let shared = Arc::new(GroupShared::new(
-        (0..world_size).collect(),
-        world.abort.clone(),
-    ));
-    // Registered (for abort wake-ups) under a key no split can produce.
-    lock(&world.groups).insert((u64::MAX, 0, 0), (0, shared.clone()));
+    let (world, shared) = new_world(world_size);
     let threads = threads_per_rank(world_size);
     let outcomes: Vec<std::result::Result<T, FailureCause<E>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)
@@ -88,28 +78,7 @@ where
                 let (f, world) = (&f, &world);
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
-                    .spawn_scoped(scope, move || {
-                        let pool = rayon::ThreadPoolBuilder::new()
-                            .num_threads(threads)
-                            .thread_name(move |i| format!("rank-{rank}-worker-{i}"))
-                            .build();
-                        let run = || match &pool {
-                            Ok(pool) => pool.install(|| f(comm)),
-                            // No pool (thread limit): run on the shared one.
-                            Err(_) => f(comm),
-                        };
-                        let outcome = match catch_unwind(AssertUnwindSafe(run)) {
-                            Ok(Ok(v)) => return Ok(v),
-                            Ok(Err(e)) => FailureCause::Error(e),
-                            Err(payload) => FailureCause::Panic(panic_message(payload.as_ref())),
-                        };
-                        let reason = match &outcome {
-                            FailureCause::Error(e) => e.to_string(),
-                            FailureCause::Panic(m) => format!("panicked: {m}"),
-                        };
-                        world.abort(rank, reason);
-                        Err(outcome)
-                    })
+                    .spawn_scoped(scope, move || run_rank(f, comm, world, rank, threads))
                     .expect("spawning a rank thread")
             })
             .collect();
@@ -121,8 +90,68 @@ where
             })
             .collect()
     });
-    let first = world.abort.first().map(|(rank, _)| rank);
-    let mut results = Vec::with_capacity(world_size);
+    collect_outcomes(outcomes, world.abort.first().map(|(rank, _)| rank))
+}
+
+/// A fresh world of `world_size` ranks and its world group, registered for abort wake-ups.
+fn new_world(world_size: usize) -> (Arc<World>, Arc<GroupShared>) {
+    let world = Arc::new(World {
+        abort: Arc::default(),
+        groups: Mutex::default(),
+        next_group_id: AtomicU64::new(1),
+    });
+    let shared = Arc::new(GroupShared::new(
+        (0..world_size).collect(),
+        world.abort.clone(),
+    ));
+    // Registered (for abort wake-ups) under a key no split can produce.
+    lock(&world.groups).insert((u64::MAX, 0, 0), (0, shared.clone()));
+    (world, shared)
+}
+
+/// The body of rank thread `rank`: runs `f` in the rank's own rayon pool of `threads`
+/// threads and, on an error or panic, aborts the world with the reason.
+fn run_rank<T, E, F>(
+    f: &F,
+    comm: LocalComm,
+    world: &World,
+    rank: usize,
+    threads: usize,
+) -> std::result::Result<T, FailureCause<E>>
+where
+    T: Send,
+    E: Send + fmt::Display,
+    F: Fn(LocalComm) -> std::result::Result<T, E> + Sync,
+{
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(move |i| format!("rank-{rank}-worker-{i}"))
+        .build();
+    let run = || match &pool {
+        Ok(pool) => pool.install(|| f(comm)),
+        // No pool (thread limit): run on the shared one.
+        Err(_) => f(comm),
+    };
+    let outcome = match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(Ok(v)) => return Ok(v),
+        Ok(Err(e)) => FailureCause::Error(e),
+        Err(payload) => FailureCause::Panic(panic_message(payload.as_ref())),
+    };
+    let reason = match &outcome {
+        FailureCause::Error(e) => e.to_string(),
+        FailureCause::Panic(m) => format!("panicked: {m}"),
+    };
+    world.abort(rank, reason);
+    Err(outcome)
+}
+
+/// The results in rank order, or the failure of rank `first` (the first to abort the world;
+/// the lowest failed rank when none did).
+fn collect_outcomes<T, E>(
+    outcomes: Vec<std::result::Result<T, FailureCause<E>>>,
+    first: Option<usize>,
+) -> std::result::Result<Vec<T>, RankFailure<E>> {
+    let mut results = Vec::with_capacity(outcomes.len());
     let mut failures: Vec<(usize, FailureCause<E>)> = Vec::new();
     for (rank, o) in outcomes.into_iter().enumerate() {
         match o {

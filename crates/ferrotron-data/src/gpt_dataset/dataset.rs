@@ -30,6 +30,42 @@ pub struct GptDataset {
 
 const NAMES: [&str; 3] = ["document_index", "sample_index", "shuffle_index"];
 
+/// The sequence ids of `split`: an error when the split has weight 0, is empty, or ends past
+/// 2^31 documents.
+fn split_documents(
+    indexed: &IndexedDataset,
+    split: Split,
+    config: &GptDatasetConfig,
+) -> Result<Range<usize>, DatasetError> {
+    let matrix = config.split_matrix()?;
+    let n = indexed.len();
+    let documents = split_range(&matrix, split, n).ok_or_else(|| {
+        DatasetError::config(
+            "split",
+            format!(
+                "the {} split has weight 0 in {:?}",
+                split.name(),
+                config.split
+            ),
+        )
+    })?;
+    if documents.is_empty() {
+        return Err(DatasetError::config(
+            "split",
+            format!(
+                "the {} split of {:?} over {n} sequences of {} is empty ({documents:?})",
+                split.name(),
+                config.split,
+                indexed.bin_path().display()
+            ),
+        ));
+    }
+    if documents.end > i32::MAX as usize {
+        return Err(DatasetError::config("split", "more than 2^31 documents"));
+    }
+    Ok(documents)
+}
+
 impl GptDataset {
     /// Builds (or loads from `config.path_to_cache`) the indices for `split` of `indexed`.
     ///
@@ -45,32 +81,7 @@ impl GptDataset {
         config: &GptDatasetConfig,
     ) -> Result<GptDataset, DatasetError> {
         config.validate()?;
-        let matrix = config.split_matrix()?;
-        let n = indexed.len();
-        let documents = split_range(&matrix, split, n).ok_or_else(|| {
-            DatasetError::config(
-                "split",
-                format!(
-                    "the {} split has weight 0 in {:?}",
-                    split.name(),
-                    config.split
-                ),
-            )
-        })?;
-        if documents.is_empty() {
-            return Err(DatasetError::config(
-                "split",
-                format!(
-                    "the {} split of {:?} over {n} sequences of {} is empty ({documents:?})",
-                    split.name(),
-                    config.split,
-                    indexed.bin_path().display()
-                ),
-            ));
-        }
-        if documents.end > i32::MAX as usize {
-            return Err(DatasetError::config("split", "more than 2^31 documents"));
-        }
+        let documents = split_documents(&indexed, split, config)?;
         let tokens_per_epoch: u64 = indexed.sequence_lengths()[documents.clone()]
             .iter()
             .map(|&l| l as u64)
@@ -96,29 +107,40 @@ impl GptDataset {
             description,
             cache_status: CacheStatus::Disabled,
         };
-        let Some(dir) = config.path_to_cache.as_deref() else {
-            (ds.document_index, ds.sample_index, ds.shuffle_index) =
-                ds.build_indices(tokens_per_epoch, drop_last)?;
-            return Ok(ds);
+        ds.load_or_build_indices(tokens_per_epoch, drop_last)?;
+        Ok(ds)
+    }
+
+    /// Fills the indices from the cache when it holds them, else builds them (and caches them
+    /// when a cache directory is set), recording which in `cache_status`.
+    fn load_or_build_indices(
+        &mut self,
+        tokens_per_epoch: u64,
+        drop_last: bool,
+    ) -> Result<(), DatasetError> {
+        let Some(dir) = self.config.path_to_cache.as_deref() else {
+            (self.document_index, self.sample_index, self.shuffle_index) =
+                self.build_indices(tokens_per_epoch, drop_last)?;
+            return Ok(());
         };
-        let cache = IndexCache::new(dir, "GptDataset", split.name(), &ds.description);
+        let cache = IndexCache::new(dir, "GptDataset", self.split.name(), &self.description);
         let reason = match cache.load(&NAMES) {
-            Ok(Some(arrays)) => match ds.adopt(&arrays) {
+            Ok(Some(arrays)) => match self.adopt(&arrays) {
                 Ok(()) => {
-                    ds.cache_status = CacheStatus::Hit;
-                    return Ok(ds);
+                    self.cache_status = CacheStatus::Hit;
+                    return Ok(());
                 }
                 Err(why) => Some(why),
             },
             Ok(None) => None,
             Err(why) => Some(why),
         };
-        (ds.document_index, ds.sample_index, ds.shuffle_index) =
-            ds.build_indices(tokens_per_epoch, drop_last)?;
-        let (d, s, sh) = ds.to_arrays();
+        (self.document_index, self.sample_index, self.shuffle_index) =
+            self.build_indices(tokens_per_epoch, drop_last)?;
+        let (d, s, sh) = self.to_arrays();
         cache.store(&[(NAMES[0], &d), (NAMES[1], &s), (NAMES[2], &sh)])?;
-        ds.cache_status = reason.map_or(CacheStatus::Built, CacheStatus::Rebuilt);
-        Ok(ds)
+        self.cache_status = reason.map_or(CacheStatus::Built, CacheStatus::Rebuilt);
+        Ok(())
     }
 
     /// Builds every split with weight > 0, like Megatron's builder for a single prefix:

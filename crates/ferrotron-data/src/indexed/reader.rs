@@ -102,91 +102,146 @@ impl Cursor<'_> {
     }
 }
 
+/// The `.idx` contents as stored, before they are checked against `.bin`.
+struct RawIndex {
+    dtype: TokenDtype,
+    sequence_count: u64,
+    sequence_lengths: Vec<i32>,
+    sequence_pointers: Vec<i64>,
+    document_indices: Vec<i64>,
+}
+
+/// Reads the magic, version and dtype code at the start of the `.idx`.
+fn read_header(c: &mut Cursor) -> Result<TokenDtype, IndexedDatasetError> {
+    let path = c.path;
+    if c.take(9, "magic")? != INDEX_MAGIC {
+        return Err(corrupt(
+            path,
+            "bad magic: not a Megatron index (expected MMIDIDX\\x00\\x00)",
+        ));
+    }
+    let version = c.u64("version")?;
+    if version != INDEX_VERSION {
+        return Err(corrupt(
+            path,
+            format!("version {version}, expected {INDEX_VERSION}"),
+        ));
+    }
+    let code = c.take(1, "dtype code")?[0];
+    TokenDtype::from_code(code).ok_or_else(|| {
+        corrupt(
+            path,
+            format!("dtype code {code} is not an integer token type (1-5, 8)"),
+        )
+    })
+}
+
+/// Parses the whole `.idx`: header, counts, the three arrays, and the allowed trailer.
+fn parse_index(idx: &[u8], idx_path: &Path) -> Result<RawIndex, IndexedDatasetError> {
+    let mut c = Cursor {
+        bytes: idx,
+        pos: 0,
+        path: idx_path,
+    };
+    let dtype = read_header(&mut c)?;
+    let sequence_count = c.u64("sequence_count")?;
+    let document_count = c.u64("document_count")?;
+    let sequence_lengths = c.array(sequence_count, 4, "sequence_lengths", |b| {
+        i32::from_le_bytes(b.try_into().expect("4"))
+    })?;
+    let sequence_pointers = c.array(sequence_count, 8, "sequence_pointers", |b| {
+        i64::from_le_bytes(b.try_into().expect("8"))
+    })?;
+    let document_indices = c.array(document_count, 8, "document_indices", |b| {
+        i64::from_le_bytes(b.try_into().expect("8"))
+    })?;
+    // Megatron may append per-sequence modes (multimodal); anything else is corruption.
+    let rest = idx.len() - c.pos;
+    if rest != 0 && rest as u64 != sequence_count {
+        return Err(corrupt(
+            idx_path,
+            format!("{rest} unexpected trailing bytes after document_indices"),
+        ));
+    }
+    Ok(RawIndex {
+        dtype,
+        sequence_count,
+        sequence_lengths,
+        sequence_pointers,
+        document_indices,
+    })
+}
+
+/// Checks that every sequence lies inside the `bin_len`-byte `.bin`; returns the lengths and
+/// pointers unsigned.
+fn check_sequences(
+    raw: &RawIndex,
+    bin_path: &Path,
+    bin_len: u64,
+) -> Result<(Vec<u32>, Vec<u64>), IndexedDatasetError> {
+    let dtype = raw.dtype;
+    let mut lengths = Vec::with_capacity(raw.sequence_lengths.len());
+    let mut pointers = Vec::with_capacity(raw.sequence_pointers.len());
+    for (i, (&len, &ptr)) in raw
+        .sequence_lengths
+        .iter()
+        .zip(&raw.sequence_pointers)
+        .enumerate()
+    {
+        let end = u64::try_from(len)
+            .ok()
+            .zip(u64::try_from(ptr).ok())
+            .and_then(|(l, p)| p.checked_add(l.checked_mul(dtype.size() as u64)?));
+        match end {
+            Some(e) if e <= bin_len => {}
+            _ => {
+                return Err(corrupt(
+                    bin_path,
+                    format!(
+                        "sequence {i} (pointer {ptr}, {len} tokens of {}) lies outside the {bin_len}-byte file",
+                        dtype.name()
+                    ),
+                ));
+            }
+        }
+        lengths.push(len as u32);
+        pointers.push(ptr as u64);
+    }
+    Ok((lengths, pointers))
+}
+
+/// Checks that the document indices rise from 0 to the sequence count; returns them unsigned.
+fn check_documents(raw: &RawIndex, idx_path: &Path) -> Result<Vec<u64>, IndexedDatasetError> {
+    let sequence_count = raw.sequence_count;
+    let docs: Vec<u64> = raw
+        .document_indices
+        .iter()
+        .map(|&d| d.max(0) as u64)
+        .collect();
+    let monotone = docs.windows(2).all(|w| w[0] <= w[1]);
+    if docs.first() != Some(&0)
+        || docs.last() != Some(&sequence_count)
+        || !monotone
+        || raw.document_indices.iter().any(|&d| d < 0)
+    {
+        return Err(corrupt(
+            idx_path,
+            format!("document_indices must rise from 0 to sequence_count {sequence_count}"),
+        ));
+    }
+    Ok(docs)
+}
+
 impl IndexedDataset {
     /// Opens `PREFIX.bin` and `PREFIX.idx`.
     pub fn open(prefix: &Path) -> Result<IndexedDataset, IndexedDatasetError> {
         let (bin_path, idx_path) = data_paths(prefix);
         let idx = std::fs::read(&idx_path).map_err(io(&idx_path))?;
-        let mut c = Cursor {
-            bytes: &idx,
-            pos: 0,
-            path: &idx_path,
-        };
-        if c.take(9, "magic")? != INDEX_MAGIC {
-            return Err(corrupt(
-                &idx_path,
-                "bad magic: not a Megatron index (expected MMIDIDX\\x00\\x00)",
-            ));
-        }
-        let version = c.u64("version")?;
-        if version != INDEX_VERSION {
-            return Err(corrupt(
-                &idx_path,
-                format!("version {version}, expected {INDEX_VERSION}"),
-            ));
-        }
-        let code = c.take(1, "dtype code")?[0];
-        let dtype = TokenDtype::from_code(code).ok_or_else(|| {
-            corrupt(
-                &idx_path,
-                format!("dtype code {code} is not an integer token type (1-5, 8)"),
-            )
-        })?;
-        let sequence_count = c.u64("sequence_count")?;
-        let document_count = c.u64("document_count")?;
-        let sequence_lengths = c.array(sequence_count, 4, "sequence_lengths", |b| {
-            i32::from_le_bytes(b.try_into().expect("4"))
-        })?;
-        let sequence_pointers = c.array(sequence_count, 8, "sequence_pointers", |b| {
-            i64::from_le_bytes(b.try_into().expect("8"))
-        })?;
-        let document_indices = c.array(document_count, 8, "document_indices", |b| {
-            i64::from_le_bytes(b.try_into().expect("8"))
-        })?;
-        // Megatron may append per-sequence modes (multimodal); anything else is corruption.
-        let rest = idx.len() - c.pos;
-        if rest != 0 && rest as u64 != sequence_count {
-            return Err(corrupt(
-                &idx_path,
-                format!("{rest} unexpected trailing bytes after document_indices"),
-            ));
-        }
+        let raw = parse_index(&idx, &idx_path)?;
         let bin_file = File::open(&bin_path).map_err(io(&bin_path))?;
         let bin_len = bin_file.metadata().map_err(io(&bin_path))?.len();
-        let mut lengths = Vec::with_capacity(sequence_lengths.len());
-        let mut pointers = Vec::with_capacity(sequence_pointers.len());
-        for (i, (&len, &ptr)) in sequence_lengths.iter().zip(&sequence_pointers).enumerate() {
-            let end = u64::try_from(len)
-                .ok()
-                .zip(u64::try_from(ptr).ok())
-                .and_then(|(l, p)| p.checked_add(l.checked_mul(dtype.size() as u64)?));
-            match end {
-                Some(e) if e <= bin_len => {}
-                _ => {
-                    return Err(corrupt(
-                        &bin_path,
-                        format!(
-                            "sequence {i} (pointer {ptr}, {len} tokens of {}) lies outside the {bin_len}-byte file",
-                            dtype.name()
-                        ),
-                    ));
-                }
-            }
-            lengths.push(len as u32);
-            pointers.push(ptr as u64);
-        }
-        let docs: Vec<u64> = document_indices.iter().map(|&d| d.max(0) as u64).collect();
-        let monotone = docs.windows(2).all(|w| w[0] <= w[1]);
-        if docs.first() != Some(&0)
-            || docs.last() != Some(&sequence_count)
-            || !monotone
-            || document_indices.iter().any(|&d| d < 0)
-        {
-            return Err(corrupt(
-                &idx_path,
-                format!("document_indices must rise from 0 to sequence_count {sequence_count}"),
-            ));
-        }
+        let (lengths, pointers) = check_sequences(&raw, &bin_path, bin_len)?;
+        let docs = check_documents(&raw, &idx_path)?;
         let bin = if bin_len == 0 {
             None
         } else {
@@ -195,7 +250,7 @@ impl IndexedDataset {
         };
         Ok(IndexedDataset {
             bin_path,
-            dtype,
+            dtype: raw.dtype,
             sequence_lengths: lengths,
             sequence_pointers: pointers,
             document_indices: docs,

@@ -64,18 +64,10 @@ pub fn preprocess_data(
 ) -> Result<PreprocessReport, PreprocessError> {
     let start = Instant::now();
     let formats = validate(cfg)?;
-    let workers = cfg.workers.max(1);
     let dtype = cfg
         .dtype
         .unwrap_or_else(|| TokenDtype::optimal(tokenizer.vocab_size()));
-    let mut input_bytes_total = 0;
-    for p in &cfg.inputs {
-        let meta = std::fs::metadata(p).map_err(|source| PreprocessError::Io {
-            path: p.clone(),
-            source,
-        })?;
-        input_bytes_total += meta.len();
-    }
+    let input_bytes_total = total_input_bytes(&cfg.inputs)?;
     let prefixes: Vec<PathBuf> = cfg
         .json_keys
         .iter()
@@ -91,10 +83,53 @@ pub fn preprocess_data(
         add_special_tokens: cfg.add_special_tokens,
         eod: cfg.append_eod,
     };
-    let mut report = PreprocessReport {
+    let mut report = empty_report(dtype, cfg.append_eod);
+    run_threads(
+        cfg,
+        &settings,
+        &formats,
+        &mut builders,
+        &mut report,
+        &mut |p: &mut Progress| {
+            p.input_bytes_total = input_bytes_total;
+            p.elapsed = start.elapsed();
+            progress(p)
+        },
+    )?;
+    if is_cancelled(cfg) {
+        return Err(PreprocessError::Cancelled);
+    }
+    commit_outputs(cfg, builders, prefixes, &mut report)?;
+    report.elapsed = start.elapsed();
+    Ok(report)
+}
+
+/// Whether the caller has asked the run to stop.
+fn is_cancelled(cfg: &PreprocessConfig) -> bool {
+    cfg.cancel
+        .as_ref()
+        .is_some_and(|c| c.load(Ordering::Relaxed))
+}
+
+/// The summed size of the input files, for progress reports.
+fn total_input_bytes(inputs: &[PathBuf]) -> Result<u64, PreprocessError> {
+    let mut total = 0;
+    for p in inputs {
+        let meta = std::fs::metadata(p).map_err(|source| PreprocessError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        total += meta.len();
+    }
+    Ok(total)
+}
+
+/// A report with nothing counted yet.
+fn empty_report(dtype: TokenDtype, eod: Option<u32>) -> PreprocessReport {
+    PreprocessReport {
         outputs: Vec::new(),
         dtype,
-        eod: cfg.append_eod,
+        eod,
         documents: 0,
         empty_documents: 0,
         tokens: 0,
@@ -104,7 +139,19 @@ pub fn preprocess_data(
         skipped: 0,
         skipped_examples: Vec::new(),
         elapsed: Default::default(),
-    };
+    }
+}
+
+/// Runs the reader and worker threads and writes their batches in order on this thread.
+fn run_threads(
+    cfg: &PreprocessConfig,
+    settings: &EncodeSettings,
+    formats: &[InputFormat],
+    builders: &mut [IndexedDatasetBuilder],
+    report: &mut PreprocessReport,
+    progress: &mut dyn FnMut(&mut Progress),
+) -> Result<(), PreprocessError> {
+    let workers = cfg.workers.max(1);
     let in_flight = workers * 4;
     let (batch_tx, batch_rx) = sync_channel::<Batch>(workers * 2);
     let (out_tx, out_rx) = sync_channel::<Result<Encoded, PreprocessError>>(workers * 2);
@@ -113,53 +160,49 @@ pub fn preprocess_data(
         permit_tx.send(()).expect("receiver alive");
     }
     let batch_rx = Arc::new(Mutex::new(batch_rx));
-    let cancelled = || {
-        cfg.cancel
-            .as_ref()
-            .is_some_and(|c| c.load(Ordering::Relaxed))
-    };
 
-    let written = std::thread::scope(|s| {
-        let reader = s.spawn(|| {
-            let (batch_tx, permit_rx) = (batch_tx, permit_rx);
-            let mut emit =
-                |b: Batch| !cancelled() && permit_rx.recv().is_ok() && batch_tx.send(b).is_ok();
-            let mut seq = 0;
-            let mut pos = 0;
-            for (i, path) in cfg.inputs.iter().enumerate() {
-                pos += read_file(path, i, formats[i], cfg.text_mode, pos, &mut seq, &mut emit)?;
-            }
-            Ok::<(), PreprocessError>(())
-        });
+    std::thread::scope(|s| {
+        let reader = s.spawn(|| read_inputs(cfg, formats, batch_tx, permit_rx));
         for _ in 0..workers {
             let (rx, tx) = (Arc::clone(&batch_rx), out_tx.clone());
-            let (settings, formats) = (&settings, &formats);
             s.spawn(move || worker(&rx, tx, settings, cfg, formats));
         }
         // Only workers hold the channel ends now: when they stop, the reader's sends fail
         // and the writer's receive loop ends.
         drop(batch_rx);
         drop(out_tx);
-        let written = write_in_order(
-            cfg,
-            &mut builders,
-            &mut report,
-            out_rx,
-            permit_tx,
-            &mut |p: &mut Progress| {
-                p.input_bytes_total = input_bytes_total;
-                p.elapsed = start.elapsed();
-                progress(p)
-            },
-        );
+        let written = write_in_order(cfg, builders, report, out_rx, permit_tx, progress);
         let read = reader.join().expect("reader thread panicked");
         // A reader error explains a short write; a writer error stops the reader.
         written.and(read)
-    });
-    written?;
-    if cancelled() {
-        return Err(PreprocessError::Cancelled);
+    })
+}
+
+/// The reader: batches every input in order, each batch taking a permit; stops early when
+/// cancelled or when the workers are gone.
+fn read_inputs(
+    cfg: &PreprocessConfig,
+    formats: &[InputFormat],
+    batch_tx: SyncSender<Batch>,
+    permit_rx: Receiver<()>,
+) -> Result<(), PreprocessError> {
+    let mut emit =
+        |b: Batch| !is_cancelled(cfg) && permit_rx.recv().is_ok() && batch_tx.send(b).is_ok();
+    let mut seq = 0;
+    let mut pos = 0;
+    for (i, path) in cfg.inputs.iter().enumerate() {
+        pos += read_file(path, i, formats[i], cfg.text_mode, pos, &mut seq, &mut emit)?;
     }
+    Ok(())
+}
+
+/// Completes every output under temp names, then renames them all, recording each in the report.
+fn commit_outputs(
+    cfg: &PreprocessConfig,
+    builders: Vec<IndexedDatasetBuilder>,
+    prefixes: Vec<PathBuf>,
+    report: &mut PreprocessReport,
+) -> Result<(), PreprocessError> {
     // Two phases: complete every output under temp names, then rename them all.
     let finished = builders
         .into_iter()
@@ -175,8 +218,7 @@ pub fn preprocess_data(
             tokens: s.tokens,
         });
     }
-    report.elapsed = start.elapsed();
-    Ok(report)
+    Ok(())
 }
 
 /// A worker: takes batches until the reader is done, sends each result to the writer.
@@ -220,11 +262,7 @@ fn write_in_order(
         let enc = result?;
         pending.insert(enc.seq, enc);
         while let Some(enc) = pending.remove(&next) {
-            if cfg
-                .cancel
-                .as_ref()
-                .is_some_and(|c| c.load(Ordering::Relaxed))
-            {
+            if is_cancelled(cfg) {
                 return Err(PreprocessError::Cancelled);
             }
             write_batch(cfg, builders, report, &enc)?;

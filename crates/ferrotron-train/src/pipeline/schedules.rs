@@ -14,7 +14,7 @@
 //! backwards mirror that. Sends never wait for the receiver (the communicator buffers them),
 //! receives block. [`simulate`] runs all ranks' programs against each other and checks them.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// One step of a pipeline rank's program; `mb` is the micro-batch, `chunk` the model chunk
 /// on this rank (always 0 without interleaving).
@@ -205,104 +205,187 @@ pub fn simulate(
     vp: usize,
     num_microbatches: usize,
 ) -> Result<Simulation, String> {
-    let pp = programs.len();
-    // link (from, to) -> messages in sending order
-    let mut links: HashMap<(usize, usize), VecDeque<Message>> = HashMap::new();
-    let mut pc = vec![0usize; pp];
-    let mut alive: Vec<HashMap<(usize, usize), ()>> = vec![HashMap::new(); pp];
-    let mut peak = vec![0usize; pp];
-    let mut done: Vec<HashMap<(bool, usize, usize), usize>> = vec![HashMap::new(); pp];
+    let mut sim = Sim::new(programs);
     let mut rounds = 0;
-    while pc.iter().zip(programs).any(|(&i, p)| i < p.len()) {
+    while sim.running() {
         rounds += 1;
         let mut progressed = false;
-        for r in 0..pp {
-            // Run this rank until it blocks on a receive or finishes.
-            while let Some(&a) = programs[r].get(pc[r]) {
-                match a {
-                    Action::RecvForward { mb, chunk } | Action::RecvBackward { mb, chunk } => {
-                        let backward = matches!(a, Action::RecvBackward { .. });
-                        let from = if backward {
-                            (r + 1) % pp
-                        } else {
-                            (r + pp - 1) % pp
-                        };
-                        let Some(&got) = links.get(&(from, r)).and_then(VecDeque::front) else {
-                            break;
-                        };
-                        if got != (u8::from(backward), mb, chunk) {
-                            return Err(format!(
-                                "rank {r}: {a:?} finds (kind, mb, chunk) {got:?} first on the \
-                                 link from rank {from}"
-                            ));
-                        }
-                        links.get_mut(&(from, r)).map(VecDeque::pop_front);
-                    }
-                    Action::SendForward { mb, chunk } => {
-                        // next virtual stage: rank + 1 same chunk, or rank 0 next chunk
-                        let (to, c) = if r + 1 < pp {
-                            (r + 1, chunk)
-                        } else {
-                            (0, chunk + 1)
-                        };
-                        links.entry((r, to)).or_default().push_back((0, mb, c));
-                    }
-                    Action::SendBackward { mb, chunk } => {
-                        let (to, c) = if r > 0 {
-                            (r - 1, chunk)
-                        } else {
-                            (pp - 1, chunk.wrapping_sub(1))
-                        };
-                        links.entry((r, to)).or_default().push_back((1, mb, c));
-                    }
-                    Action::Forward { mb, chunk } => {
-                        if alive[r].insert((mb, chunk), ()).is_some() {
-                            return Err(format!("rank {r}: second forward of {a:?}"));
-                        }
-                        peak[r] = peak[r].max(alive[r].len());
-                        *done[r].entry((true, mb, chunk)).or_default() += 1;
-                    }
-                    Action::Backward { mb, chunk } => {
-                        if alive[r].remove(&(mb, chunk)).is_none() {
-                            return Err(format!("rank {r}: {a:?} before its forward"));
-                        }
-                        *done[r].entry((false, mb, chunk)).or_default() += 1;
-                    }
-                }
-                pc[r] += 1;
-                progressed = true;
-            }
+        for r in 0..programs.len() {
+            progressed |= sim.run_rank(r)?;
         }
         if !progressed {
-            let stuck: Vec<String> = (0..pp)
-                .filter(|&r| pc[r] < programs[r].len())
-                .map(|r| format!("rank {r} at {:?}", programs[r][pc[r]]))
-                .collect();
-            return Err(format!("deadlock: {}", stuck.join(", ")));
+            return Err(sim.deadlock());
         }
     }
-    if let Some(((from, to), q)) = links.iter().find(|(_, q)| !q.is_empty()) {
-        return Err(format!(
-            "message (kind, mb, chunk) {:?} from rank {from} to rank {to} never received",
-            q.front()
-        ));
+    sim.check_drained()?;
+    sim.check_complete(vp, num_microbatches)?;
+    Ok(Simulation {
+        peak_in_flight: sim.peak,
+        rounds,
+    })
+}
+
+/// The state of a [`simulate`] run: where each rank is in its program, the links between
+/// ranks, and what each rank has run.
+struct Sim<'a> {
+    programs: &'a [Vec<Action>],
+    /// link (from, to) -> messages in sending order
+    links: HashMap<(usize, usize), VecDeque<Message>>,
+    /// Per rank, the index of the next action to run.
+    pc: Vec<usize>,
+    /// Per rank, the (micro-batch, chunk)s forwarded and not yet backwarded.
+    alive: Vec<HashSet<(usize, usize)>>,
+    /// Per rank, the most entries `alive` has held.
+    peak: Vec<usize>,
+    /// Per rank, how often each (forward?, micro-batch, chunk) ran.
+    done: Vec<HashMap<(bool, usize, usize), usize>>,
+}
+
+impl<'a> Sim<'a> {
+    /// Every rank at the start of its program, no message sent.
+    fn new(programs: &'a [Vec<Action>]) -> Sim<'a> {
+        let pp = programs.len();
+        Sim {
+            programs,
+            links: HashMap::new(),
+            pc: vec![0; pp],
+            alive: vec![HashSet::new(); pp],
+            peak: vec![0; pp],
+            done: vec![HashMap::new(); pp],
+        }
     }
-    for (r, d) in done.iter().enumerate() {
-        for mb in 0..num_microbatches {
-            for chunk in 0..vp {
-                for fwd in [true, false] {
-                    if d.get(&(fwd, mb, chunk)) != Some(&1) {
-                        let what = if fwd { "forward" } else { "backward" };
-                        return Err(format!(
-                            "rank {r}: micro-batch {mb} chunk {chunk} has no single {what}"
-                        ));
+
+    /// Whether some rank has actions left.
+    fn running(&self) -> bool {
+        self.pc.iter().zip(self.programs).any(|(&i, p)| i < p.len())
+    }
+
+    /// Runs rank `r` until it blocks on a receive or finishes; returns whether it ran anything.
+    fn run_rank(&mut self, r: usize) -> Result<bool, String> {
+        let mut progressed = false;
+        while let Some(&a) = self.programs[r].get(self.pc[r]) {
+            if !self.step(r, a)? {
+                break;
+            }
+            self.pc[r] += 1;
+            progressed = true;
+        }
+        Ok(progressed)
+    }
+
+    /// Runs action `a` on rank `r`; false when it is a receive whose message has not arrived.
+    fn step(&mut self, r: usize, a: Action) -> Result<bool, String> {
+        match a {
+            Action::RecvForward { mb, chunk } => return self.receive(r, a, (0, mb, chunk)),
+            Action::RecvBackward { mb, chunk } => return self.receive(r, a, (1, mb, chunk)),
+            Action::SendForward { mb, chunk } => self.send_forward(r, mb, chunk),
+            Action::SendBackward { mb, chunk } => self.send_backward(r, mb, chunk),
+            Action::Forward { mb, chunk } => self.forward(r, a, mb, chunk)?,
+            Action::Backward { mb, chunk } => self.backward(r, a, mb, chunk)?,
+        }
+        Ok(true)
+    }
+
+    /// Takes `expected` off the link from the previous (activation) or next (gradient) rank;
+    /// false when the link is empty, an error when another message is first.
+    fn receive(&mut self, r: usize, a: Action, expected: Message) -> Result<bool, String> {
+        let pp = self.programs.len();
+        let from = if expected.0 == 1 {
+            (r + 1) % pp
+        } else {
+            (r + pp - 1) % pp
+        };
+        let Some(&got) = self.links.get(&(from, r)).and_then(VecDeque::front) else {
+            return Ok(false);
+        };
+        if got != expected {
+            return Err(format!(
+                "rank {r}: {a:?} finds (kind, mb, chunk) {got:?} first on the link from rank \
+                 {from}"
+            ));
+        }
+        self.links.get_mut(&(from, r)).map(VecDeque::pop_front);
+        Ok(true)
+    }
+
+    /// Sends an activation to the next virtual stage: rank + 1 same chunk, or rank 0 next
+    /// chunk.
+    fn send_forward(&mut self, r: usize, mb: usize, chunk: usize) {
+        let (to, c) = if r + 1 < self.programs.len() {
+            (r + 1, chunk)
+        } else {
+            (0, chunk + 1)
+        };
+        self.links.entry((r, to)).or_default().push_back((0, mb, c));
+    }
+
+    /// Sends a gradient to the previous virtual stage: rank - 1 same chunk, or the last rank
+    /// previous chunk.
+    fn send_backward(&mut self, r: usize, mb: usize, chunk: usize) {
+        let (to, c) = if r > 0 {
+            (r - 1, chunk)
+        } else {
+            (self.programs.len() - 1, chunk.wrapping_sub(1))
+        };
+        self.links.entry((r, to)).or_default().push_back((1, mb, c));
+    }
+
+    /// Records a forward on rank `r`: its activations are now held.
+    fn forward(&mut self, r: usize, a: Action, mb: usize, chunk: usize) -> Result<(), String> {
+        if !self.alive[r].insert((mb, chunk)) {
+            return Err(format!("rank {r}: second forward of {a:?}"));
+        }
+        self.peak[r] = self.peak[r].max(self.alive[r].len());
+        *self.done[r].entry((true, mb, chunk)).or_default() += 1;
+        Ok(())
+    }
+
+    /// Records a backward on rank `r`: the activations of its forward are released.
+    fn backward(&mut self, r: usize, a: Action, mb: usize, chunk: usize) -> Result<(), String> {
+        if !self.alive[r].remove(&(mb, chunk)) {
+            return Err(format!("rank {r}: {a:?} before its forward"));
+        }
+        *self.done[r].entry((false, mb, chunk)).or_default() += 1;
+        Ok(())
+    }
+
+    /// The deadlock error: where each unfinished rank is stuck.
+    fn deadlock(&self) -> String {
+        let stuck: Vec<String> = (0..self.programs.len())
+            .filter(|&r| self.pc[r] < self.programs[r].len())
+            .map(|r| format!("rank {r} at {:?}", self.programs[r][self.pc[r]]))
+            .collect();
+        format!("deadlock: {}", stuck.join(", "))
+    }
+
+    /// Checks that every message sent was received.
+    fn check_drained(&self) -> Result<(), String> {
+        if let Some(((from, to), q)) = self.links.iter().find(|(_, q)| !q.is_empty()) {
+            return Err(format!(
+                "message (kind, mb, chunk) {:?} from rank {from} to rank {to} never received",
+                q.front()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks that every (micro-batch, chunk) ran exactly one forward and one backward on
+    /// every rank.
+    fn check_complete(&self, vp: usize, num_microbatches: usize) -> Result<(), String> {
+        for (r, d) in self.done.iter().enumerate() {
+            for mb in 0..num_microbatches {
+                for chunk in 0..vp {
+                    for fwd in [true, false] {
+                        if d.get(&(fwd, mb, chunk)) != Some(&1) {
+                            let what = if fwd { "forward" } else { "backward" };
+                            return Err(format!(
+                                "rank {r}: micro-batch {mb} chunk {chunk} has no single {what}"
+                            ));
+                        }
                     }
                 }
             }
         }
+        Ok(())
     }
-    Ok(Simulation {
-        peak_in_flight: peak,
-        rounds,
-    })
 }
