@@ -54,9 +54,9 @@ fn config(dir: &Path, out: &str, sets: &[&str]) -> RunConfig {
     RunConfig::from_toml_str(&text, &sets).unwrap()
 }
 
-/// What one rank's run gave: its summary, its (is a training line, loss) reports and its
-/// notes.
-type RankRun = (TrainSummary, Vec<(bool, f64)>, Vec<RunNote>);
+/// What one rank's run gave: its summary, its (is a training line, loss) reports, the
+/// TFLOP/s · ms of each training line (teraflops per iteration and rank) and its notes.
+type RankRun = (TrainSummary, Vec<(bool, f64)>, Vec<f64>, Vec<RunNote>);
 
 /// One rank's whole run.
 fn run_rank(rc: &RunConfig, groups: &ProcessGroups) -> Result<RankRun, RunError> {
@@ -64,13 +64,17 @@ fn run_rank(rc: &RunConfig, groups: &ProcessGroups) -> Result<RankRun, RunError>
     let mut sink = |n: &RunNote| notes.push(n.clone());
     let mut run = Run::setup(rc, groups, &mut sink)?;
     let mut losses = Vec::new();
+    let mut work = Vec::new();
     let summary = run.train(&mut |log: &TrainLog| match log {
-        TrainLog::Train(l) => losses.push((true, l.lm_loss)),
+        TrainLog::Train(l) => {
+            losses.push((true, l.lm_loss));
+            work.push(l.tflops * l.elapsed_ms_per_iteration);
+        }
         TrainLog::Valid(l) => losses.push((false, l.lm_loss)),
         TrainLog::Saved(_) => {}
     })?;
     run.finish(&summary, &mut sink)?;
-    Ok((summary, losses, notes))
+    Ok((summary, losses, work, notes))
 }
 
 #[test]
@@ -78,7 +82,7 @@ fn a_library_run_trains_validates_and_exports() {
     let tmp = tempfile::tempdir().unwrap();
     let rc = config(tmp.path(), "one", &[]);
     let groups = ProcessGroups::new(ParallelState::single(), Arc::new(SingleRankComm)).unwrap();
-    let (summary, want, notes) = run_rank(&rc, &groups).unwrap();
+    let (summary, want, one_work, notes) = run_rank(&rc, &groups).unwrap();
     assert_eq!(summary.iterations, 4);
     assert_eq!(want.iter().filter(|l| !l.0).count(), 2, "{want:?}");
     assert!(matches!(notes.last(), Some(RunNote::Exported { tensors, .. }) if *tensors > 0));
@@ -94,7 +98,14 @@ fn a_library_run_trains_validates_and_exports() {
         run_rank(&rc, &groups)
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    for (rank, (_, got, notes)) in runs.iter().enumerate() {
+    for (rank, (_, got, work, notes)) in runs.iter().enumerate() {
+        // `throughput per GPU` divides the job's FLOPs by the world size, as Megatron's.
+        for (w2, w1) in work.iter().zip(&one_work) {
+            assert!(
+                (2.0 * w2 - w1).abs() <= 1e-9 * w1,
+                "rank {rank}: {work:?} vs {one_work:?}"
+            );
+        }
         assert_eq!(got.len(), want.len());
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.0, w.0);

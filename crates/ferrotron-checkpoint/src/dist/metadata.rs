@@ -63,6 +63,13 @@ impl ParallelLayout {
         pipeline_model_parallel_size: 1,
         data_parallel_size: 1,
     };
+
+    /// Ranks in the grid: `tp · pp · dp` (Megatron's `world_size`).
+    pub fn world_size(&self) -> usize {
+        self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.data_parallel_size
+    }
 }
 
 /// Where one shard of a tensor lives and which box of the global tensor it covers.

@@ -182,7 +182,7 @@ impl Trainer {
     }
 
     /// The layout this trainer runs under.
-    fn parallel_layout(&self) -> ParallelLayout {
+    pub(super) fn parallel_layout(&self) -> ParallelLayout {
         ParallelLayout {
             data_parallel_size: self.dp.size(),
             tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),

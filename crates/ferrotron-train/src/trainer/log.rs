@@ -16,8 +16,9 @@ pub struct LogLine {
     pub consumed_samples: u64,
     /// Mean wall time per iteration over the interval, milliseconds.
     pub elapsed_ms_per_iteration: f64,
-    /// Model TFLOP/s ([`num_floating_point_operations`](super::num_floating_point_operations)
-    /// per iteration / time per iteration), one rank.
+    /// Model TFLOP/s per rank: [`num_floating_point_operations`](super::num_floating_point_operations)
+    /// of the global batch / time per iteration / world size (`tp · pp · dp`), as Megatron's
+    /// `throughput per GPU` (`megatron/training/training.py`, `training_log`).
     pub tflops: f64,
     /// Input tokens per second over the interval.
     pub tokens_per_second: f64,

@@ -227,7 +227,7 @@ impl Trainer {
             train_iters: opts.train_iters,
             consumed_samples: self.consumed_samples,
             elapsed_ms_per_iteration: per_iter * 1e3,
-            tflops: flops / per_iter / 1e12,
+            tflops: flops / per_iter / 1e12 / self.parallel_layout().world_size() as f64,
             tokens_per_second: acc.tokens as f64 / secs,
             learning_rate: self.scheduler.lr(),
             global_batch_size: opts.global_batch_size,
