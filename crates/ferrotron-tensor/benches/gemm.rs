@@ -16,13 +16,17 @@
 //! - `f32_dx`:  `dX[m, k] = dY[m, n] · W[n, k]` (`sgemm(dY, N, W, N)`);
 //! - `f32_dw`:  `dW[n, k] = dY[m, n]ᵀ · X[m, k]` (`sgemm(dY, T, X, N)`);
 //! - `bf16_fwd`: `matmul_weight_t` with `WeightRef::BF16` (bf16 weights widened to f32 in
-//!   blocks, then f32 GEMM).
+//!   blocks, then f32 GEMM);
+//! - `{kernel}_{fwd,dx,dw}`: the same three products as bf16 GEMMs (f32 activations rounded
+//!   to bf16, bf16 weights, f32 results) on every `Bf16Kernel` this machine runs
+//!   (`amx-bf16`, `avx512-bf16`, `f32-widened`).
 //!
 //! GEMV cases (GB/s of weight bytes read, `y[n] = W[n, k] · x[k]`): each call reads the next of
 //! several copies of `W` (at least 96 MiB in all, three times the 32 MiB L3), so the weights
 //! stream from DRAM as they do in decode, where a whole model's layers do not fit in cache.
 
 use ferrotron_tensor::gemm::{Op, WeightRef, matmul_weight_t, sgemm};
+use ferrotron_tensor::gemm_bf16::{Bf16Kernel, Operand, bf16_gemm_with};
 use ferrotron_tensor::gemv::gemv;
 use half::bf16;
 use std::hint::black_box;
@@ -170,6 +174,36 @@ fn gemm_cases(bench: &mut Bench, pool: &rayon::ThreadPool, t: usize) {
                 matmul_weight_t(&x, WeightRef::BF16(&wb), &mut y, m, n, k, false);
                 black_box(&mut y);
             });
+        }
+        for kernel in Bf16Kernel::available() {
+            let kname = |op: &str| name(&format!("{}_{op}", kernel.name()));
+            type Case<'a> = (usize, usize, usize, Operand<'a>, Op, Operand<'a>, Op);
+            let cases: [(&str, Case, &mut [f32]); 3] = [
+                (
+                    "fwd",
+                    (m, n, k, Operand::F32(&x), Op::N, Operand::Bf16(&wb), Op::T),
+                    &mut y,
+                ),
+                (
+                    "dx",
+                    (m, k, n, Operand::F32(&dy), Op::N, Operand::Bf16(&wb), Op::N),
+                    &mut dx,
+                ),
+                (
+                    "dw",
+                    (n, k, m, Operand::F32(&dy), Op::T, Operand::F32(&x), Op::N),
+                    &mut dw,
+                ),
+            ];
+            for (op, (cm, cn, ck, a, op_a, b, op_b), out) in cases {
+                let case = kname(op);
+                if bench.wants(&case) {
+                    bench.run(pool, case, flops, "GF/s", || {
+                        bf16_gemm_with(kernel, cm, cn, ck, a, op_a, b, op_b, out, false);
+                        black_box(&mut *out);
+                    });
+                }
+            }
         }
     }
 }

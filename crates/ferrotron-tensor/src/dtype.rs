@@ -91,3 +91,17 @@ impl Element for f16 {
         f16::from_f32(x)
     }
 }
+
+/// The bits of the bf16 nearest to `v` (ties to even; NaN stays a quiet NaN). Branch-free so
+/// conversion loops vectorize; agrees with `half::bf16::from_f32`.
+#[inline(always)]
+pub fn round_to_bf16_bits(v: f32) -> u16 {
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    if nan {
+        ((bits >> 16) | 0x0040) as u16
+    } else {
+        rounded as u16
+    }
+}

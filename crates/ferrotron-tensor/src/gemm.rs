@@ -1,7 +1,9 @@
 //! Matrix multiplication: f32 GEMM through the `gemm` crate (its `x86-v4` AVX-512 kernels are
-//! selected at run time, so the binary still runs on CPUs without AVX-512), and
-//! weight-times-activation products for f32/bf16/f16 weights.
+//! selected at run time, so the binary still runs on CPUs without AVX-512), and a linear
+//! layer's three products for f32/bf16/f16 weights (bf16 weights compute in bf16 through
+//! [`crate::gemm_bf16`]).
 
+use crate::gemm_bf16::{Operand::Bf16, Operand::F32, bf16_gemm};
 use crate::gemv;
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -58,7 +60,7 @@ pub fn sgemm(
 /// # Safety
 /// The pointers must address the ranges implied by `m, n, k, op_a, op_b, ldc`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn sgemm_raw(
+pub(crate) unsafe fn sgemm_raw(
     m: usize,
     n: usize,
     k: usize,
@@ -156,8 +158,9 @@ pub const GEMV_MAX_ROWS: usize = 2;
 const CONVERT_ROWS: usize = 512;
 
 /// `y[m, n] = x[m, k] · wᵀ` (or `+=` when `accumulate`) for a weight `w[n, k]` in any storage
-/// dtype. Few rows use the GEMV kernels; otherwise f32 weights go straight to GEMM and
-/// bf16/f16 weights are widened to f32 in blocks of rows first.
+/// dtype. Few rows use the GEMV kernels; otherwise f32 weights go straight to GEMM, bf16
+/// weights compute in bf16 ([`bf16_gemm`]: `x` rounded to bf16, f32 sums) and f16 weights are
+/// widened to f32 in blocks of rows first.
 pub fn matmul_weight_t(
     x: &[f32],
     w: WeightRef<'_>,
@@ -181,7 +184,7 @@ pub fn matmul_weight_t(
     }
     match w {
         WeightRef::F32(w) => sgemm(m, n, k, x, Op::N, w, Op::T, y, accumulate),
-        WeightRef::BF16(w) => blocked_narrow(x, w, y, m, n, k, accumulate),
+        WeightRef::BF16(w) => bf16_gemm(m, n, k, F32(x), Op::N, Bf16(w), Op::T, y, accumulate),
         WeightRef::F16(w) => blocked_narrow(x, w, y, m, n, k, accumulate),
     }
 }
@@ -220,7 +223,8 @@ fn blocked_narrow<W: crate::Element>(
 
 /// `dx[m, k] = dy[m, n] · w` (or `+=` when `accumulate`) for a weight `w[n, k]` in any
 /// storage dtype: the input gradient of a linear layer. f32 weights go straight to GEMM;
-/// bf16/f16 weights are widened `CONVERT_ROWS` rows at a time, each block adding its part
+/// bf16 weights compute in bf16 ([`bf16_gemm`], `dy` rounded to bf16); f16 weights are
+/// widened `CONVERT_ROWS` rows at a time, each block adding its part
 /// (`dy[:, j0..j1] · w[j0..j1, :]`), so no f32 copy of the whole weight is ever made.
 pub fn matmul_weight(
     dy: &[f32],
@@ -234,8 +238,28 @@ pub fn matmul_weight(
     assert!(dy.len() >= m * n && dx.len() >= m * k);
     match w {
         WeightRef::F32(w) => sgemm(m, k, n, dy, Op::N, w, Op::N, dx, accumulate),
-        WeightRef::BF16(w) => blocked_narrow_n(dy, w, dx, m, n, k, accumulate),
+        WeightRef::BF16(w) => bf16_gemm(m, k, n, F32(dy), Op::N, Bf16(w), Op::N, dx, accumulate),
         WeightRef::F16(w) => blocked_narrow_n(dy, w, dx, m, n, k, accumulate),
+    }
+}
+
+/// `dw[n, k] += dy[m, n]ᵀ · x[m, k]`: the weight gradient of a linear layer whose weight `w`
+/// is stored as given, accumulated in f32 (Megatron's `gradient_accumulation_fusion` into the
+/// f32 main gradient). A bf16 weight trains in bf16: `dy` and `x` are rounded to bf16 and
+/// multiplied by [`bf16_gemm`], as autocast's backward multiplies bf16 tensors; f32 and f16
+/// weights use the f32 GEMM.
+pub fn weight_grad(
+    dy: &[f32],
+    x: &[f32],
+    w: WeightRef<'_>,
+    dw: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    match w {
+        WeightRef::BF16(_) => bf16_gemm(n, k, m, F32(dy), Op::T, F32(x), Op::N, dw, true),
+        WeightRef::F32(_) | WeightRef::F16(_) => sgemm(n, k, m, dy, Op::T, x, Op::N, dw, true),
     }
 }
 
@@ -343,22 +367,46 @@ mod tests {
         }
     }
 
+    /// `v` rounded to bf16 (as the bf16 GEMM reads an f32 operand).
+    fn rounded(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+    }
+
+    /// The three dtypes of one weight: `(weight, its values, whether activations round)`.
+    fn weights<'a>(
+        w: &'a [f32],
+        wb: &'a [bf16],
+        wh: &'a [f16],
+        (wide_b, wide_h): &'a (Vec<f32>, Vec<f32>),
+    ) -> [(WeightRef<'a>, &'a [f32], bool); 3] {
+        [
+            (WeightRef::F32(w), w, false),
+            (WeightRef::BF16(wb), wide_b, true),
+            (WeightRef::F16(wh), wide_h, false),
+        ]
+    }
+
     #[test]
     fn input_gradient_products_agree_across_dtypes() {
         // n spans several conversion blocks
         let (m, n, k) = (7, 2 * CONVERT_ROWS + 5, 33);
         let w = data(n * k, 5);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-        let wb_f32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let wide = (rounded(&w), wh.iter().map(|v| v.to_f32()).collect());
         let dy = data(m * n, 6);
         for accumulate in [false, true] {
             let base = if accumulate { 1.0 } else { 0.0 };
-            for (weight, wide) in [(WeightRef::BF16(&wb), &wb_f32), (WeightRef::F32(&w), &w)] {
-                let want = naive(m, k, n, &dy, Op::N, wide, Op::N);
+            for (weight, values, round) in weights(&w, &wb, &wh, &wide) {
+                let dy_used = if round { rounded(&dy) } else { dy.clone() };
+                let want = naive(m, k, n, &dy_used, Op::N, values, Op::N);
                 let mut dx = vec![1.0; m * k];
                 matmul_weight(&dy, weight, &mut dx, m, n, k, accumulate);
                 for (g, w) in dx.iter().zip(&want) {
-                    assert!((g - (w + base)).abs() < 1e-3, "{g} vs {w} + {base}");
+                    assert!(
+                        (g - (w + base)).abs() < 1e-3,
+                        "{weight:?}: {g} vs {w} + {base}"
+                    );
                 }
             }
         }
@@ -369,19 +417,46 @@ mod tests {
         let (n, k) = (1030, 80);
         let w = data(n * k, 3);
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-        let wb_f32: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let wide = (rounded(&w), wh.iter().map(|v| v.to_f32()).collect());
         for m in [1, 2, 5] {
             let x = data(m * k, 4);
-            let want = naive(m, n, k, &x, Op::N, &wb_f32, Op::T);
-            let mut y = vec![0f32; m * n];
-            matmul_weight_t(&x, WeightRef::BF16(&wb), &mut y, m, n, k, false);
-            for (g, w) in y.iter().zip(&want) {
-                assert!((g - w).abs() < 1e-4, "m={m}: {g} vs {w}");
+            for (weight, values, round) in weights(&w, &wb, &wh, &wide) {
+                // Decode (m <= GEMV_MAX_ROWS) keeps f32 activations.
+                let x_used = if round && m > GEMV_MAX_ROWS {
+                    rounded(&x)
+                } else {
+                    x.clone()
+                };
+                let want = naive(m, n, k, &x_used, Op::N, values, Op::T);
+                let mut y = vec![0f32; m * n];
+                matmul_weight_t(&x, weight, &mut y, m, n, k, false);
+                for (g, w) in y.iter().zip(&want) {
+                    assert!((g - w).abs() < 1e-4, "m={m} {weight:?}: {g} vs {w}");
+                }
             }
-            let want = naive(m, n, k, &x, Op::N, &w, Op::T);
-            matmul_weight_t(&x, WeightRef::F32(&w), &mut y, m, n, k, false);
-            for (g, w) in y.iter().zip(&want) {
-                assert!((g - w).abs() < 1e-4, "m={m}: {g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn weight_gradients_compute_in_the_weights_precision() {
+        let (m, n, k) = (37, 70, 45);
+        let (dy, x) = (data(m * n, 7), data(m * k, 8));
+        let w = data(n * k, 9);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let wide = (rounded(&w), wh.iter().map(|v| v.to_f32()).collect());
+        for (weight, _, round) in weights(&w, &wb, &wh, &wide) {
+            let (dy_used, x_used) = if round {
+                (rounded(&dy), rounded(&x))
+            } else {
+                (dy.clone(), x.clone())
+            };
+            let want = naive(n, k, m, &dy_used, Op::T, &x_used, Op::N);
+            let mut dw = vec![0.5f32; n * k];
+            weight_grad(&dy, &x, weight, &mut dw, m, n, k);
+            for (g, w) in dw.iter().zip(&want) {
+                assert!((g - (w + 0.5)).abs() < 1e-4, "{weight:?}: {g} vs {w} + 0.5");
             }
         }
     }

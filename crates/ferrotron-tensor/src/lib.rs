@@ -9,12 +9,13 @@ mod buffer;
 mod dtype;
 mod error;
 pub mod gemm;
+pub mod gemm_bf16;
 pub mod gemv;
 pub mod ops;
 mod tensor;
 
 pub use buffer::Buffer;
-pub use dtype::{DType, Element};
+pub use dtype::{DType, Element, round_to_bf16_bits};
 pub use error::TensorError;
 pub use tensor::{Device, Storage, Tensor, convert_slice};
 

@@ -14,7 +14,7 @@ use super::{GradReady, TrainBatch};
 use crate::module::{LinearParams, Norm, TransformerLayer};
 use crate::{GptModel, Result};
 use ferrotron_tensor::Buffer;
-use ferrotron_tensor::gemm::{Op, matmul_weight, sgemm};
+use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
 use ferrotron_tensor::ops::{add_bias_backward, add_inplace};
 
 /// The running state of one backward pass, shared by every layer.
@@ -172,7 +172,7 @@ impl GptModel {
         matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);
         let dnormed = column_input_backward(self.tp.as_ref(), dnormed_all)?;
         let (normed, dw) = (normed_final.host(), &mut *grads[out_slot]);
-        sgemm(v, h, rows, dl, Op::T, normed, Op::N, dw, true);
+        weight_grad(dl, normed, w, dw, rows, v, h);
         ledger.release(dlogits.bytes() + normed_final.bytes());
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
@@ -342,18 +342,9 @@ pub(super) fn linear_backward(
     let l = model.linear(p);
     let (n, k) = (l.out_features(), l.in_features());
     let rows = dy.len() / n;
-    matmul_weight(dy, l.weight().weight_ref(), dx, rows, n, k, false);
-    sgemm(
-        n,
-        k,
-        rows,
-        dy,
-        Op::T,
-        x,
-        Op::N,
-        grads[p.weight.index()],
-        true,
-    );
+    let w = l.weight().weight_ref();
+    matmul_weight(dy, w, dx, rows, n, k, false);
+    weight_grad(dy, x, w, grads[p.weight.index()], rows, n, k);
     if let Some(b) = p.bias {
         add_bias_backward(dy, grads[b.index()]);
     }

@@ -11,7 +11,7 @@
 
 use std::borrow::Cow;
 
-use ferrotron_tensor::{Buffer, DType};
+use ferrotron_tensor::{Buffer, DType, round_to_bf16_bits};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -80,7 +80,7 @@ impl Stored {
             .zip(x.par_chunks_mut(CHUNK))
             .for_each(|(o, i)| {
                 for (o, v) in o.iter_mut().zip(i.iter_mut()) {
-                    let b = to_bf16_bits(*v);
+                    let b = round_to_bf16_bits(*v);
                     *o = bf16::from_bits(b);
                     *v = f32::from_bits(u32::from(b) << 16);
                 }
@@ -112,20 +112,6 @@ impl Stored {
             Stored::F32(v) => v.bytes(),
             Stored::Bf16(v) => v.bytes(),
         }
-    }
-}
-
-/// The bits of the bf16 nearest to `v` (ties to even; NaN stays a quiet NaN), branch-free
-/// so the loops above vectorize. Agrees with `half::bf16::from_f32`.
-#[inline(always)]
-fn to_bf16_bits(v: f32) -> u16 {
-    let bits = v.to_bits();
-    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1));
-    let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
-    if nan {
-        ((bits >> 16) | 0x0040) as u16
-    } else {
-        (rounded >> 16) as u16
     }
 }
 
@@ -175,6 +161,6 @@ mod tests {
         assert_eq!(kept.stored.f32().as_ref(), rounded);
         let wide = Kept::new(Buffer::from_host(x.clone()), false);
         assert!(matches!(wide.stored, Stored::F32(_)));
-        assert!(to_bf16_bits(f32::NAN) & 0x7fc0 == 0x7fc0);
+        assert!(round_to_bf16_bits(f32::NAN) & 0x7fc0 == 0x7fc0);
     }
 }
