@@ -21,6 +21,9 @@
 //!   to bf16, bf16 weights, f32 results) on every `Bf16Kernel` this machine runs
 //!   (`amx-bf16`, `avx512-bf16`, `f32-widened`).
 //!
+//! `peak/{f32-fma-*,bf16-dot-avx512,bf16-amx}/t{1,2}`: the machine's measured peaks
+//! ([`ferrotron_tensor::peak`], best of 5 rounds of register-only multiply-adds).
+//!
 //! GEMV cases (GB/s of weight bytes read, `y[n] = W[n, k] · x[k]`): each call reads the next of
 //! several copies of `W` (at least 96 MiB in all, three times the 32 MiB L3), so the weights
 //! stream from DRAM as they do in decode, where a whole model's layers do not fit in cache.
@@ -28,6 +31,7 @@
 use ferrotron_tensor::gemm::{Op, WeightRef, matmul_weight_t, sgemm};
 use ferrotron_tensor::gemm_bf16::{Bf16Kernel, Operand, bf16_gemm_with};
 use ferrotron_tensor::gemv::gemv;
+use ferrotron_tensor::peak::bf16_dot;
 use half::bf16;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -239,6 +243,30 @@ fn gemv_case<W: ferrotron_tensor::Element + ferrotron_tensor::gemv::Widen + Send
     });
 }
 
+/// The machine's measured f32 FMA and bf16 dot peaks on `t` threads (`peak/...` rows), so the
+/// GEMM rows read as a fraction of what this CPU can do.
+fn peak_rows(bench: &mut Bench, pool: &rayon::ThreadPool, t: usize) {
+    let peaks = pool.install(|| {
+        ferrotron_tensor::peak::f32_fma()
+            .into_iter()
+            .chain(Bf16Kernel::available().into_iter().filter_map(bf16_dot))
+            .collect::<Vec<_>>()
+    });
+    for p in peaks {
+        let case = format!("peak/{}/t{t}", p.name);
+        if bench.wants(&case) {
+            eprintln!("{case:<34} {:>8.1} {:>8.1}  GF/s", p.gflops, p.gflops);
+            bench.rows.push(Row {
+                case,
+                median: p.gflops,
+                best: p.gflops,
+                unit: "GF/s",
+                samples: 5,
+            });
+        }
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; any other bare argument is a case-name filter.
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
@@ -257,6 +285,7 @@ fn main() {
             .num_threads(t)
             .build()
             .expect("rayon pool");
+        peak_rows(&mut bench, &pool, t);
         gemm_cases(&mut bench, &pool, t);
         for (n, k) in GEMV_SHAPES {
             gemv_case(

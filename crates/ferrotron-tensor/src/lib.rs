@@ -12,6 +12,7 @@ pub mod gemm;
 pub mod gemm_bf16;
 pub mod gemv;
 pub mod ops;
+pub mod peak;
 mod tensor;
 
 pub use buffer::Buffer;

@@ -170,6 +170,33 @@ impl Tiles {
     }
 }
 
+/// `trips` × 8 `tdpbf16ps` on register tiles only (the AMX peak, [`crate::peak`]); returns
+/// the FLOPs done (16·16·32 multiply-adds per instruction).
+///
+/// # Safety
+/// [`available`] returned true in this process.
+pub unsafe fn peak_loop(trips: u64) -> f64 {
+    // SAFETY: AMX is available (caller); configuring zeroes every tile.
+    let _tiles = unsafe { Tiles::configure() };
+    for _ in 0..trips {
+        // SAFETY: tiles configured above; no memory is touched.
+        unsafe {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                options(nostack, nomem),
+            )
+        };
+    }
+    (trips * 8 * 16 * 16 * 32 * 2) as f64
+}
+
 impl Drop for Tiles {
     fn drop(&mut self) {
         // SAFETY: tiles were configured by `configure`; releasing returns them to init state.

@@ -10,9 +10,11 @@
 //! 32-column panels and runs the `32 × 32` block kernel over them (see [`pack`] for the
 //! layouts).
 
-mod amx;
+pub(crate) mod amx;
 mod avx512;
 pub mod pack;
+#[cfg(target_arch = "x86_64")]
+mod pack_x86;
 
 use crate::gemm::Op;
 use half::bf16;
@@ -101,7 +103,7 @@ impl Bf16Kernel {
 }
 
 /// Depth of one packed slice of the reduction dimension.
-const KC: usize = 512;
+const KC: usize = 1024;
 /// Widest column block one task packs (`KC × NC` bf16 = 512 KiB, resident in L2).
 const NC: usize = 512;
 /// Rows of A run against one B panel before moving to the next panel (A block in L2).

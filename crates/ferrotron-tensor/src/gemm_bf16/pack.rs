@@ -90,6 +90,42 @@ pub fn pack_a(
     kcp: usize,
     dst: &mut [u16],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if super::pack_x86::available() {
+        use super::pack_x86::{Stored, pack_a_n, pack_a_t};
+        // SAFETY: the AVX-512 packers are available (checked); they assert dst's size.
+        unsafe {
+            match (a, op) {
+                (Operand::F32(data), Op::N) => {
+                    pack_a_n(Stored { data, cols: k }, rows, cols, kcp, dst)
+                }
+                (Operand::Bf16(data), Op::N) => {
+                    pack_a_n(Stored { data, cols: k }, rows, cols, kcp, dst)
+                }
+                (Operand::F32(data), Op::T) => {
+                    pack_a_t(Stored { data, cols: m }, rows, cols, kcp, dst)
+                }
+                (Operand::Bf16(data), Op::T) => {
+                    pack_a_t(Stored { data, cols: m }, rows, cols, kcp, dst)
+                }
+            }
+        }
+        return;
+    }
+    pack_a_scalar(a, op, (m, k), rows, cols, kcp, dst);
+}
+
+/// [`pack_a`] one element at a time (the reference the vector packers are tested against, and
+/// the packer on CPUs without AVX512BW).
+pub fn pack_a_scalar(
+    a: Operand<'_>,
+    op: Op,
+    (m, k): (usize, usize),
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    kcp: usize,
+    dst: &mut [u16],
+) {
     match a {
         Operand::F32(d) => pack_a_view(view(d, op, m, k), rows, cols, kcp, dst),
         Operand::Bf16(d) => pack_a_view(view(d, op, m, k), rows, cols, kcp, dst),
@@ -121,6 +157,42 @@ fn pack_a_view<T: ToBits>(
 /// # Panics
 /// When `dst` is shorter than the panels need (a caller bug).
 pub fn pack_b(
+    b: Operand<'_>,
+    op: Op,
+    (k, n): (usize, usize),
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    kcp: usize,
+    dst: &mut [u16],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if super::pack_x86::available() {
+        use super::pack_x86::{Stored, pack_b_n, pack_b_t};
+        // SAFETY: the AVX-512 packers are available (checked); they assert dst's size.
+        unsafe {
+            match (b, op) {
+                (Operand::F32(data), Op::N) => {
+                    pack_b_n(Stored { data, cols: n }, rows, cols, kcp, dst)
+                }
+                (Operand::Bf16(data), Op::N) => {
+                    pack_b_n(Stored { data, cols: n }, rows, cols, kcp, dst)
+                }
+                (Operand::F32(data), Op::T) => {
+                    pack_b_t(Stored { data, cols: k }, rows, cols, kcp, dst)
+                }
+                (Operand::Bf16(data), Op::T) => {
+                    pack_b_t(Stored { data, cols: k }, rows, cols, kcp, dst)
+                }
+            }
+        }
+        return;
+    }
+    pack_b_scalar(b, op, (k, n), rows, cols, kcp, dst);
+}
+
+/// [`pack_b`] one element at a time (the reference the vector packers are tested against, and
+/// the packer on CPUs without AVX512BW).
+pub fn pack_b_scalar(
     b: Operand<'_>,
     op: Op,
     (k, n): (usize, usize),
@@ -245,6 +317,96 @@ mod tests {
                         0
                     };
                     assert_eq!(dst[i * kcp + p], want, "{op:?} ({i}, {p})");
+                }
+            }
+        }
+    }
+
+    /// The packers every GEMM uses (vector ones where the CPU has them) write exactly what the
+    /// element-by-element reference writes: every transpose, f32 and bf16, edge panels, special
+    /// values (ties, denormals, NaN, infinities); garbage in `dst` beforehand.
+    #[test]
+    fn packers_match_the_scalar_reference() {
+        let (d0, d1) = (45, 70);
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1.0e-40,
+            -3.0e-39,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            -0.0,
+        ];
+        let stored: Vec<f32> = (0..d0 * d1)
+            .map(|i| match specials.get(i % 37) {
+                Some(&v) => v,
+                None => ((i as u32).wrapping_mul(2_654_435_761) >> 9) as f32 / 1e6 - 3.0,
+            })
+            .collect();
+        let stored_bf16: Vec<bf16> = stored.iter().map(|&v| bf16::from_f32(v)).collect();
+        let operands = [Operand::F32(&stored), Operand::Bf16(&stored_bf16)];
+        let cases = [(0..45, 0..70, 96), (3..40, 5..67, 64), (10..11, 33..34, 32)];
+        for op in [Op::N, Op::T] {
+            for operand in operands {
+                for (rows, cols, kcp) in cases.clone() {
+                    let (rows, cols) = match op {
+                        Op::N => (rows, cols),
+                        Op::T => (cols, rows),
+                    };
+                    let a_len = rows.len().next_multiple_of(MR)
+                        * cols.len().next_multiple_of(K_ALIGN).max(kcp);
+                    let (mut fast, mut slow) = (vec![0xabcdu16; a_len], vec![0x1234u16; a_len]);
+                    let dims = match op {
+                        Op::N => (d0, d1),
+                        Op::T => (d1, d0),
+                    };
+                    if cols.len() <= kcp {
+                        pack_a(
+                            operand,
+                            op,
+                            dims,
+                            rows.clone(),
+                            cols.clone(),
+                            kcp,
+                            &mut fast,
+                        );
+                        pack_a_scalar(
+                            operand,
+                            op,
+                            dims,
+                            rows.clone(),
+                            cols.clone(),
+                            kcp,
+                            &mut slow,
+                        );
+                        assert_eq!(fast, slow, "A {op:?} {rows:?} {cols:?}");
+                    }
+                    // B: `rows` is the depth, `cols` the columns.
+                    if rows.len() <= kcp {
+                        let b_len = cols.len().next_multiple_of(NR) * kcp;
+                        let (mut fast, mut slow) = (vec![0xabcdu16; b_len], vec![0x1234u16; b_len]);
+                        pack_b(
+                            operand,
+                            op,
+                            dims,
+                            rows.clone(),
+                            cols.clone(),
+                            kcp,
+                            &mut fast,
+                        );
+                        pack_b_scalar(
+                            operand,
+                            op,
+                            dims,
+                            rows.clone(),
+                            cols.clone(),
+                            kcp,
+                            &mut slow,
+                        );
+                        assert_eq!(fast, slow, "B {op:?} {rows:?} {cols:?}");
+                    }
                 }
             }
         }
