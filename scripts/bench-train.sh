@@ -4,8 +4,10 @@
 # seq 512, fwd + bwd + clip + AdamW, 2 threads; f32 and bf16 (torch autocast), micro-batch 1/2/4.
 # Every configuration runs in a fresh process per side (peak RSS is that configuration's), the two
 # sides back to back and alternating which goes first, so background load hits both.
-# Prints a table: config, tokens/s of each side, ratio (ours / torch), peak RSS of each side, and
-# the step-1 loss of each side (same tokens and weights, so f32 losses should agree).
+# Prints the machine's measured f32 FMA and bf16 dot peaks and a table: config, tokens/s of each
+# side, ratio (ours / torch), model GFLOP/s of each side (Megatron's FLOPs count) with the MFU
+# against each peak, peak RSS of each side, and the step-1 loss of each side (same tokens and
+# weights, so f32 losses should agree).
 #
 #   bash scripts/bench-train.sh                  # all configs: warmup 2, 5 timed steps
 #   bash scripts/bench-train.sh --quick          # micro-batch 1 only, warmup 1, 2 timed steps
@@ -118,13 +120,33 @@ def side(impl, cfg):
     rss = max(r["peak_rss_mib"] or 0 for r in ok) / 1024
     return tps, f"{tps:.1f}", f"{rss:.2f} GiB", f"{ok[0]['loss_first']:.4f}"
 
-head = ["config", "ours tok/s", "torch tok/s", "ratio", "ours peak RSS", "torch peak RSS",
-        "step-1 loss ours / torch"]
+# Model FLOPs (Megatron's count) and the machine's measured peaks come from our rows; the same
+# count per token applies to torch (same model, same tokens).
+ours_ok = [r for r in rows if r["impl"] == "ferrotron" and "model_flops_per_step" in r]
+flops_per_token = (ours_ok[0]["model_flops_per_step"] / (ours_ok[0]["micro_batch"] * ours_ok[0]["seq"])
+                   if ours_ok else None)
+peak = lambda key: max((r[key] for r in ours_ok if r.get(key)), default=None)
+p32, p16 = peak("peak_f32_gflops"), peak("peak_bf16_gflops")
+
+def mfu(tps):
+    if tps is None or flops_per_token is None:
+        return "-"
+    gf = tps * flops_per_token / 1e9
+    f = lambda p: f"{100 * gf / p:.0f}%" if p else "-"
+    return f"{gf:.0f} ({f(p32)} / {f(p16)})"
+
+head = ["config", "ours tok/s", "torch tok/s", "ratio", "ours GF/s (MFU f32 / bf16 peak)",
+        "torch GF/s (MFU)", "ours peak RSS", "torch peak RSS", "step-1 loss ours / torch"]
 table = []
 for cfg in configs:
     o, t = side("ferrotron", cfg), side("torch", cfg)
     ratio = f"{o[0] / t[0]:.2f}x" if o[0] and t[0] else "-"
-    table.append([f"{cfg[0]} b={cfg[1]}", o[1], t[1], ratio, o[2], t[2], f"{o[3]} / {t[3]}"])
+    table.append([f"{cfg[0]} b={cfg[1]}", o[1], t[1], ratio, mfu(o[0]), mfu(t[0]), o[2], t[2],
+                  f"{o[3]} / {t[3]}"])
+if ours_ok:
+    kernel = ours_ok[0]["bf16_kernel"]
+    print(f"measured peaks on these threads: f32 FMA {p32} GF/s, bf16 dot ({kernel}) {p16} GF/s;"
+          " MFU = model FLOPs (Megatron's count) per second / peak")
 w = [max(len(r[i]) for r in [head] + table) for i in range(len(head))]
 for r in [head, ["-" * n for n in w]] + table:
     print("| " + " | ".join(c.ljust(n) for c, n in zip(r, w)) + " |")

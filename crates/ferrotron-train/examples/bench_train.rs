@@ -12,9 +12,12 @@
 //! last `s`, every label counted.
 //!
 //! Prints one JSON line on stdout (tokens/s = `b·s` / median step time, ms/step, peak RSS from
-//! `/proc/self/status` `VmHWM` in MiB, first/last loss). `--precision bf16` trains as
-//! `ferrotron train` with `precision.bf16`: bf16 weights, f32 gradients, master weights and
-//! Adam moments, f32 compute.
+//! `/proc/self/status` `VmHWM` in MiB, first/last loss; the model FLOPs per step by Megatron's
+//! count ([`num_floating_point_operations`]), the achieved GFLOP/s, the machine's measured f32
+//! FMA and bf16 dot peaks after the timed steps ([`ferrotron_tensor::peak`]) and the MFU
+//! against each). `--precision bf16` trains as `ferrotron train` with `precision.bf16`: bf16
+//! weights, f32 gradients, master weights and Adam moments, matmuls on bf16 operands with f32
+//! accumulation ([`ferrotron_tensor::gemm_bf16`]).
 //!
 //! `cargo run --release -p ferrotron-train --example bench_train -- MODEL_DIR --micro-batch 1`
 
@@ -24,7 +27,11 @@ use ferrotron_data::MicroBatch;
 use ferrotron_model::families::load_hf_model;
 use ferrotron_optim::{LrDecayStyle, Precision as OptimPrecision};
 use ferrotron_tensor::DType;
-use ferrotron_train::trainer::{Trainer, TrainerOptions};
+use ferrotron_tensor::gemm_bf16::Bf16Kernel;
+use ferrotron_tensor::peak;
+use ferrotron_train::trainer::{
+    FlopsModel, Trainer, TrainerOptions, num_floating_point_operations,
+};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -116,6 +123,11 @@ fn run(a: &Args) -> Result<()> {
     };
     let (model, _) = load_hf_model(&a.model_dir, dtype)
         .with_context(|| format!("loading {}", a.model_dir.display()))?;
+    let flops_per_step = num_floating_point_operations(
+        &FlopsModel::from(model.config()),
+        b as u64,
+        s as u64,
+    );
     let vocab = model.config().vocab_size;
     let total = a.warmup + a.steps;
     let stream = match &a.tokens {
@@ -171,6 +183,9 @@ fn run(a: &Args) -> Result<()> {
         }
     }
     let med = median(&mut times);
+    let peaks = Peaks::measure();
+    let gflops = flops_per_step / med / 1e9;
+    let mfu = |peak: Option<f64>| peak.map(|p| round(gflops / p, 4));
     let line = json!({
         "impl": "ferrotron",
         "mode": mode,
@@ -186,9 +201,36 @@ fn run(a: &Args) -> Result<()> {
         "peak_rss_mib": peak_rss_mib().map(|m| round(m, 1)),
         "loss_first": round(losses[0], 5),
         "loss_last": round(losses[losses.len() - 1], 5),
+        "model_flops_per_step": flops_per_step,
+        "model_gflops_per_s": round(gflops, 1),
+        "bf16_kernel": peaks.bf16_kernel,
+        "peak_f32_gflops": peaks.f32_fma.map(|p| round(p, 1)),
+        "peak_bf16_gflops": peaks.bf16_dot.map(|p| round(p, 1)),
+        "mfu_f32_peak": mfu(peaks.f32_fma),
+        "mfu_bf16_peak": mfu(peaks.bf16_dot),
     });
     println!("{line}");
     Ok(())
+}
+
+/// The machine's measured arithmetic peaks on the bench's thread pool
+/// ([`ferrotron_tensor::peak`]), in GFLOP/s: the f32 FMA peak and the bf16 dot-product peak of
+/// the kernel the bf16 GEMMs dispatch to (none where that kernel is the widened f32 one).
+struct Peaks {
+    f32_fma: Option<f64>,
+    bf16_dot: Option<f64>,
+    bf16_kernel: &'static str,
+}
+
+impl Peaks {
+    fn measure() -> Peaks {
+        let kernel = Bf16Kernel::detect();
+        Peaks {
+            f32_fma: peak::f32_fma().map(|p| p.gflops),
+            bf16_dot: peak::bf16_dot(kernel).map(|p| p.gflops),
+            bf16_kernel: kernel.name(),
+        }
+    }
 }
 
 /// The first `n` ids of the LCG stream from `seed`: `x ← x·LCG_MUL + LCG_INC (mod 2^64)`,
