@@ -3,7 +3,7 @@
 //! layer's three products for f32/bf16/f16 weights (bf16 weights compute in bf16 through
 //! [`crate::gemm_bf16`]).
 
-use crate::gemm_bf16::{Operand::Bf16, Operand::F32, bf16_gemm};
+use crate::gemm_bf16::{Operand, Operand::Bf16, Operand::F32, bf16_gemm};
 use crate::gemv;
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -246,11 +246,12 @@ pub fn matmul_weight(
 /// `dw[n, k] += dy[m, n]ᵀ · x[m, k]`: the weight gradient of a linear layer whose weight `w`
 /// is stored as given, accumulated in f32 (Megatron's `gradient_accumulation_fusion` into the
 /// f32 main gradient). A bf16 weight trains in bf16: `dy` and `x` are rounded to bf16 and
-/// multiplied by [`bf16_gemm`], as autocast's backward multiplies bf16 tensors; f32 and f16
-/// weights use the f32 GEMM.
+/// multiplied by [`bf16_gemm`], as autocast's backward multiplies bf16 tensors (`x` may be
+/// the bf16 activation the forward kept, read as it is); f32 and f16 weights use the f32 GEMM
+/// (a bf16 `x` widened first).
 pub fn weight_grad(
     dy: &[f32],
-    x: &[f32],
+    x: Operand<'_>,
     w: WeightRef<'_>,
     dw: &mut [f32],
     m: usize,
@@ -258,8 +259,11 @@ pub fn weight_grad(
     k: usize,
 ) {
     match w {
-        WeightRef::BF16(_) => bf16_gemm(n, k, m, F32(dy), Op::T, F32(x), Op::N, dw, true),
-        WeightRef::F32(_) | WeightRef::F16(_) => sgemm(n, k, m, dy, Op::T, x, Op::N, dw, true),
+        WeightRef::BF16(_) => bf16_gemm(n, k, m, F32(dy), Op::T, x, Op::N, dw, true),
+        WeightRef::F32(_) | WeightRef::F16(_) => {
+            let x = x.to_f32();
+            sgemm(n, k, m, dy, Op::T, &x, Op::N, dw, true)
+        }
     }
 }
 
@@ -454,7 +458,7 @@ mod tests {
             };
             let want = naive(n, k, m, &dy_used, Op::T, &x_used, Op::N);
             let mut dw = vec![0.5f32; n * k];
-            weight_grad(&dy, &x, weight, &mut dw, m, n, k);
+            weight_grad(&dy, F32(&x), weight, &mut dw, m, n, k);
             for (g, w) in dw.iter().zip(&want) {
                 assert!((g - (w + 0.5)).abs() < 1e-4, "{weight:?}: {g} vs {w} + 0.5");
             }

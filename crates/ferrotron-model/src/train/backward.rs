@@ -15,6 +15,7 @@ use crate::module::{LinearParams, Norm, TransformerLayer};
 use crate::{GptModel, Result};
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
+use ferrotron_tensor::gemm_bf16::Operand;
 use ferrotron_tensor::ops::{add_bias_backward, add_inplace};
 
 /// The running state of one backward pass, shared by every layer.
@@ -172,7 +173,7 @@ impl GptModel {
         matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);
         let dnormed = column_input_backward(self.tp.as_ref(), dnormed_all)?;
         let (normed, dw) = (normed_final.host(), &mut *grads[out_slot]);
-        weight_grad(dl, normed, w, dw, rows, v, h);
+        weight_grad(dl, Operand::F32(normed), w, dw, rows, v, h);
         ledger.release(dlogits.bytes() + normed_final.bytes());
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
@@ -229,7 +230,7 @@ pub(crate) fn layer_backward(
     let dmlp_out = post_norm_backward(pass, layer.post_mlp_layernorm, &la.post_mlp, dres, grads)?;
     let mlp_in = la.mlp_in.as_ref().unwrap_or(&la.attn_in);
     let dout = dmlp_out.as_ref().map_or(&*dres, Buffer::host);
-    let dmlp_in = mlp_backward(layer, la, &mlp_in.f32(), pass, dout, grads)?;
+    let dmlp_in = mlp_backward(layer, la, mlp_in.operand(), pass, dout, grads)?;
     drop(dmlp_out);
     let dattn_in_extra = if pass.c.parallel_attention_mlp {
         Some(dmlp_in)
@@ -334,7 +335,7 @@ fn input_norm_backward(
 pub(super) fn linear_backward(
     model: &GptModel,
     p: LinearParams,
-    x: &[f32],
+    x: Operand<'_>,
     dy: &[f32],
     dx: &mut [f32],
     grads: &mut [&mut [f32]],

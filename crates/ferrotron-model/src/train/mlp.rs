@@ -8,6 +8,7 @@ use super::tp_ops::{row_parallel_forward, row_parallel_output_grad};
 use crate::Result;
 use crate::module::TransformerLayer;
 use ferrotron_tensor::Buffer;
+use ferrotron_tensor::gemm_bf16::Operand;
 use ferrotron_tensor::ops::{
     activation, activation_backward, add_bias_backward, glu_packed, glu_packed_backward,
 };
@@ -44,7 +45,7 @@ pub(super) fn mlp_forward(
 pub(super) fn mlp_backward(
     layer: &TransformerLayer,
     la: &LayerActs,
-    mlp_in: &[f32],
+    mlp_in: Operand<'_>,
     pass: &Pass<'_>,
     dout: &[f32],
     grads: &mut [&mut [f32]],
@@ -56,8 +57,8 @@ pub(super) fn mlp_backward(
     let dy = row_parallel_output_grad(pass.tp, dout)?;
     let mut dact = Buffer::zeros(dev, rows * f);
     let fc2 = layer.mlp.linear_fc2;
-    let act = la.act.f32();
-    linear_backward(model, fc2.without_bias(), &act, &dy, dact.host_mut(), grads);
+    let act = la.act.operand();
+    linear_backward(model, fc2.without_bias(), act, &dy, dact.host_mut(), grads);
     if let Some(b) = fc2.bias {
         add_bias_backward(dout, grads[b.index()]);
     }

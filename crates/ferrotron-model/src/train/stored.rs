@@ -11,6 +11,7 @@
 
 use std::borrow::Cow;
 
+use ferrotron_tensor::gemm_bf16::Operand;
 use ferrotron_tensor::{Buffer, DType, round_to_bf16_bits};
 use half::bf16;
 use rayon::prelude::*;
@@ -86,6 +87,15 @@ impl Stored {
                 }
             });
         out
+    }
+
+    /// The values as a GEMM operand, as kept (no copy): a bf16 activation feeds the bf16 GEMM
+    /// of its weight gradient directly.
+    pub(crate) fn operand(&self) -> Operand<'_> {
+        match self {
+            Stored::F32(v) => Operand::F32(v.host()),
+            Stored::Bf16(v) => Operand::Bf16(v.host()),
+        }
     }
 
     /// The values as f32 (borrowed when kept in f32, widened otherwise).

@@ -31,6 +31,14 @@ pub enum Operand<'a> {
 }
 
 impl Operand<'_> {
+    /// The values as f32: borrowed when stored in f32, widened (exactly) from bf16.
+    pub fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            Operand::F32(v) => std::borrow::Cow::Borrowed(v),
+            Operand::Bf16(v) => std::borrow::Cow::Owned(self.rounded_f32(0, 1, v.len(), 0)),
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             Operand::F32(v) => v.len(),
