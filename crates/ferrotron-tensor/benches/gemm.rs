@@ -179,7 +179,7 @@ fn gemm_cases(bench: &mut Bench, pool: &rayon::ThreadPool, t: usize) {
                 black_box(&mut y);
             });
         }
-        for kernel in Bf16Kernel::available() {
+        for &kernel in Bf16Kernel::available() {
             let kname = |op: &str| name(&format!("{}_{op}", kernel.name()));
             type Case<'a> = (usize, usize, usize, Operand<'a>, Op, Operand<'a>, Op);
             let cases: [(&str, Case, &mut [f32]); 3] = [
@@ -249,7 +249,7 @@ fn peak_rows(bench: &mut Bench, pool: &rayon::ThreadPool, t: usize) {
     let peaks = pool.install(|| {
         ferrotron_tensor::peak::f32_fma()
             .into_iter()
-            .chain(Bf16Kernel::available().into_iter().filter_map(bf16_dot))
+            .chain(Bf16Kernel::available().iter().copied().filter_map(bf16_dot))
             .collect::<Vec<_>>()
     });
     for p in peaks {

@@ -1,7 +1,8 @@
 use half::{bf16, f16};
 use std::fmt;
 
-/// Element type of a tensor's storage. Compute is f32; bf16 and f16 are storage formats.
+/// Element type of a tensor's storage. Accumulation is f32; bf16 weights multiply through the
+/// bf16 GEMM ([`crate::gemm_bf16`]), f16 is widened to f32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,

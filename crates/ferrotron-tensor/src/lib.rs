@@ -2,8 +2,10 @@
 //! GEMM through the `gemm` crate (AVX-512 `x86-v4` kernels, runtime-dispatched),
 //! memory-bound GEMV kernels for decode, and the fused rayon kernels the transformer needs.
 //!
-//! Compute is always f32 (design.md: on this CPU the bf16 dot-product peak is half the f32
-//! FMA peak); bf16/f16 are storage formats that halve memory traffic.
+//! Accumulation is always f32. bf16 weights multiply through bf16 × bf16 → f32 GEMM kernels
+//! ([`gemm_bf16`]: AMX tiles, AVX512-BF16 `vdpbf16ps`, or the operands widened to f32 where
+//! the CPU has neither), dispatched at run time by CPU feature; [`peak`] measures the
+//! machine's own f32 and bf16 peaks. f16 is a storage format (widened to f32).
 
 mod buffer;
 mod dtype;

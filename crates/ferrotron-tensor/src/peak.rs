@@ -153,11 +153,11 @@ mod tests {
         pool.install(|| {
             let peaks = f32_fma()
                 .into_iter()
-                .chain(Bf16Kernel::available().into_iter().filter_map(bf16_dot));
+                .chain(Bf16Kernel::available().iter().copied().filter_map(bf16_dot));
             for peak in peaks {
                 assert!(peak.gflops.is_finite() && peak.gflops > 0.1, "{peak:?}");
             }
-            for kernel in Bf16Kernel::available() {
+            for &kernel in Bf16Kernel::available() {
                 assert_eq!(
                     bf16_dot(kernel).is_some(),
                     kernel != Bf16Kernel::Widened,

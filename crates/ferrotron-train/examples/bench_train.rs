@@ -123,11 +123,8 @@ fn run(a: &Args) -> Result<()> {
     };
     let (model, _) = load_hf_model(&a.model_dir, dtype)
         .with_context(|| format!("loading {}", a.model_dir.display()))?;
-    let flops_per_step = num_floating_point_operations(
-        &FlopsModel::from(model.config()),
-        b as u64,
-        s as u64,
-    );
+    let flops_per_step =
+        num_floating_point_operations(&FlopsModel::from(model.config()), b as u64, s as u64);
     let vocab = model.config().vocab_size;
     let total = a.warmup + a.steps;
     let stream = match &a.tokens {

@@ -2,7 +2,7 @@
 //! rope, core attention and the row-parallel `linear_proj`, and its backward beside it.
 
 use super::backward::linear_backward;
-use super::core_attention::{CoreAttnOut, KeysValues, attention_dims};
+use super::core_attention::{CoreAttnOut, KeysValues, attention_dims, attention_precision};
 use super::forward::{LayerActs, Pass, QkNormActs};
 use super::memory::Ledger;
 use super::norm::NormLayer;
@@ -172,14 +172,24 @@ fn core_attention_and_proj_backward(
     let ctx = core.ctx.f32();
     let mut dctx = Buffer::zeros(dev, rows * a * d);
     let proj = layer.self_attention.linear_proj.without_bias();
-    linear_backward(pass.model, proj, core.ctx.operand(), dres, dctx.host_mut(), grads);
+    linear_backward(
+        pass.model,
+        proj,
+        core.ctx.operand(),
+        dres,
+        dctx.host_mut(),
+        grads,
+    );
     let mut dq = Buffer::zeros(dev, rows * a * d);
     let mut dk = Buffer::zeros(dev, rows * g * d);
     let mut dv = Buffer::zeros(dev, rows * g * d);
     let (dims, mask) = attention_dims(pass);
     let (dctx, lse) = (dctx.host(), core.lse.host());
     let (dqs, dks, dvs) = (dq.host_mut(), dk.host_mut(), dv.host_mut());
-    core_attention_backward(&q, &k, &v, &ctx, dctx, lse, dqs, dks, dvs, dims, mask);
+    let precision = attention_precision(pass);
+    core_attention_backward(
+        &q, &k, &v, &ctx, dctx, lse, dqs, dks, dvs, dims, mask, precision,
+    );
     if la.core_attn.is_none() {
         ledger.release(core.bytes());
     }

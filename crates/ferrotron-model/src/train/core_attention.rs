@@ -6,7 +6,7 @@ use super::forward::Pass;
 use super::stored::{Kept, Stored, element_bytes};
 use crate::{KvCache, TransformerConfig};
 use ferrotron_nn::attention::{
-    AttentionDims, AttentionMask, core_attention, core_attention_forward_train,
+    AttentionDims, AttentionMask, AttentionPrecision, core_attention, core_attention_forward_train,
 };
 use ferrotron_tensor::Buffer;
 
@@ -42,7 +42,7 @@ impl CoreAttnOut {
         let mut lse = Buffer::zeros(pass.device, rows * c.num_attention_heads);
         let (dims, mask) = attention_dims(pass);
         let (o, l) = (ctx.host_mut(), lse.host_mut());
-        core_attention_forward_train(q, k, v, o, l, dims, mask);
+        core_attention_forward_train(q, k, v, o, l, dims, mask, attention_precision(pass));
         (Kept::new(ctx, pass.narrow), lse)
     }
 
@@ -70,7 +70,8 @@ impl CoreAttnOut {
             // Prefill: the register-tiled kernel is ~3x faster on many query rows.
             lse = Buffer::zeros(pass.device, rows * c.num_attention_heads);
             let (o, l) = (ctx.host_mut(), lse.host_mut());
-            core_attention_forward_train(q, keys, values, o, l, dims, mask);
+            let precision = attention_precision(pass);
+            core_attention_forward_train(q, keys, values, o, l, dims, mask, precision);
         } else {
             core_attention(q, keys, values, ctx.host_mut(), dims, mask);
         }
@@ -87,6 +88,16 @@ impl CoreAttnOut {
     pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
         let a = c.num_attention_heads as u128;
         a * c.kv_channels as u128 * element_bytes(narrow) + a * 4
+    }
+}
+
+/// bf16 products (PyTorch's flash attention under autocast) when the pass keeps bf16
+/// activations (bf16 training), f32 otherwise.
+pub(crate) fn attention_precision(pass: &Pass<'_>) -> AttentionPrecision {
+    if pass.narrow {
+        AttentionPrecision::Bf16
+    } else {
+        AttentionPrecision::F32
     }
 }
 

@@ -7,7 +7,9 @@
 //! What is narrowed (see `forward::layer_forward`): the inputs of the linear layers
 //! (`norm1`, core attention's output, `norm2`, the SwiGLU output), `q`/`k`/`v` and the
 //! `linear_fc1` output. The residual stream, the norms' `1/rms` and the softmax statistics
-//! stay f32. Compute is f32 throughout.
+//! stay f32. The weight-gradient GEMMs read the bf16 copies directly ([`Stored::operand`]);
+//! core attention multiplies the (widened) q/k/v in bf16 with f32 accumulation
+//! (`AttentionPrecision::Bf16`, as PyTorch's flash attention under autocast).
 
 use std::borrow::Cow;
 

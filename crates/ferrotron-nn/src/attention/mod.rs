@@ -2,8 +2,9 @@
 //! an optional sliding window, optional per-document masking of packed rows and an optional
 //! ALiBi bias (Vaswani et al. 2017; GQA: Ainslie et al. 2023; Mistral's window; Megatron's
 //! `reset_attention_mask`; ALiBi: Press et al. 2022). Mirrors HF `eager_attention_forward` in
-//! f32. The training forward (saving the logsumexp) and its backward live in `train.rs`;
-//! document starts in `documents.rs`; ALiBi slopes in `alibi.rs`.
+//! f32. The training forward (saving the logsumexp) and its backward live in `train.rs`, with
+//! f32 or bf16 products (`train_bf16.rs`, [`AttentionPrecision`]); document starts in
+//! `documents.rs`; ALiBi slopes in `alibi.rs`.
 
 use ferrotron_tensor::ops::dot;
 use rayon::prelude::*;
@@ -11,10 +12,12 @@ use rayon::prelude::*;
 mod alibi;
 mod documents;
 mod train;
+mod train_bf16;
 use alibi::alibi_bias;
 pub use alibi::alibi_slopes;
 pub use documents::{DocumentStarts, document_starts};
 pub use train::{core_attention_backward, core_attention_forward_train};
+pub use train_bf16::AttentionPrecision;
 
 /// Which keys each query sees: keys at positions `j <= i` (causal); with a window `w`, only
 /// `i - j < w` (query `i` attends key `j` iff `0 <= i - j < w`, HF Mistral semantics); with

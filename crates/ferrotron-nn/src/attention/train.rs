@@ -2,8 +2,10 @@
 //! deterministic FlashAttention-2-style backward (Dao 2023), over the same shapes and masks as
 //! [`super::core_attention`].
 
+use super::train_bf16::{AttentionPrecision, Kv, Need, PairedKv, bf16_bits, paired_product};
 use super::{AttentionDims, AttentionMask, alibi_bias, check_dims};
 use ferrotron_tensor::multiversion;
+use ferrotron_tensor::ops::tile_bf16::pair_rows;
 use ferrotron_tensor::ops::{
     dot, exp_in_place_normalizer, fast_exp, tile_rows_product, tile_update,
 };
@@ -27,10 +29,15 @@ struct Transposed {
     skv_pad: usize,
 }
 
+/// Key positions padded to whole key blocks.
+fn padded_keys(skv: usize) -> usize {
+    skv.div_ceil(KB) * KB
+}
+
 impl Transposed {
     fn new(k: &[f32], v: &[f32], dims: &AttentionDims) -> Transposed {
         let (skv, bg, d) = (dims.skv, dims.batch * dims.groups, dims.head_dim);
-        let skv_pad = skv.div_ceil(KB) * KB;
+        let skv_pad = padded_keys(skv);
         let transpose = |src: &[f32]| {
             let mut t = vec![0f32; bg * d * skv_pad];
             t.par_chunks_mut(d * skv_pad)
@@ -53,6 +60,76 @@ impl Transposed {
         let n = d * self.skv_pad;
         (&self.kt[jg * n..][..n], &self.vt[jg * n..][..n])
     }
+}
+
+/// The operands of the tiled products in the call's [`AttentionPrecision`]: f32 keys and
+/// values transposed, or bf16 pair layouts with the query-side rows (`q`, and `dO` in the
+/// backward) as bf16 bits.
+enum Operands {
+    F32(Transposed),
+    Bf16 {
+        kv: PairedKv,
+        q: Vec<u16>,
+        dout: Vec<u16>,
+    },
+}
+
+impl Operands {
+    /// `need`: the bf16 key/value layouts the pass uses; `dout` only for the backward.
+    fn new(
+        (q, k, v, dout): (&[f32], &[f32], &[f32], Option<&[f32]>),
+        dims: &AttentionDims,
+        precision: AttentionPrecision,
+        need: Need,
+    ) -> Operands {
+        if !precision.runs_bf16(dims.head_dim) {
+            return Operands::F32(Transposed::new(k, v, dims));
+        }
+        Operands::Bf16 {
+            kv: PairedKv::new(k, v, dims, padded_keys(dims.skv), need),
+            q: bf16_bits(q),
+            dout: dout.map(bf16_bits).unwrap_or_default(),
+        }
+    }
+
+    /// Unscaled dots of the tile's rows of `x` (`q` or `dO`, f32 `x_f32` or the bf16 bits
+    /// held here) with keys `p0..p0 + KB` of `which` (keys or values) of group `jg`.
+    fn dots(
+        &self,
+        which: Kv,
+        jg: usize,
+        tile: &Tile,
+        x_f32: &[f32],
+        p0: usize,
+        d: usize,
+    ) -> [[f32; KB]; RQ] {
+        match self {
+            Operands::F32(tr) => {
+                let (kt, vt) = tr.group(jg, d);
+                let t = match which {
+                    Kv::K => kt,
+                    Kv::V => vt,
+                };
+                block_dots(&tile.rows(x_f32, d), t, tr.skv_pad, p0)
+            }
+            Operands::Bf16 { kv, q, dout } => {
+                let bits = match which {
+                    Kv::K => q,
+                    Kv::V => dout,
+                };
+                kv.dots(which, jg, tile.rows(bits, d), p0)
+            }
+        }
+    }
+}
+
+/// Per-task scratch of the passes.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    pairs: Vec<u32>,
+    prod: Vec<f32>,
+    paired: [Vec<u16>; 2],
 }
 
 /// Up to [`RQ`] query rows of one `(batch j, group gh)`: the rows `i0..i0 + n` of the list
@@ -135,7 +212,7 @@ impl Tile {
     }
 
     /// `d`-long rows of `x` (`[rows, d]`) for the tile.
-    fn rows<'a>(&self, x: &'a [f32], d: usize) -> [&'a [f32]; RQ] {
+    fn rows<'a, T>(&self, x: &'a [T], d: usize) -> [&'a [T]; RQ] {
         std::array::from_fn(|r| &x[self.row[r] * d..][..d])
     }
 }
@@ -161,10 +238,12 @@ fn block_dots(x: &[&[f32]; RQ], t: &[f32], skv_pad: usize, p0: usize) -> [[f32; 
 /// Dao 2023). Deterministic. Tiles of 4 query rows (of one batch and group) times 64 keys are
 /// register-tiled products, so each key and value row read serves four query rows; each tile
 /// only visits the key blocks its rows see (so packed documents cost their own span).
+/// `precision` chooses f32 or bf16 products ([`AttentionPrecision`]).
 ///
 /// # Panics
 /// On inconsistent dims, slice lengths or document starts (caller bugs), as
 /// [`core_attention`](super::core_attention).
+#[allow(clippy::too_many_arguments)]
 pub fn core_attention_forward_train(
     q: &[f32],
     k: &[f32],
@@ -173,16 +252,23 @@ pub fn core_attention_forward_train(
     lse: &mut [f32],
     dims: AttentionDims,
     mask: AttentionMask,
+    precision: AttentionPrecision,
 ) {
     check_dims(q, k, v, &dims, &mask);
     assert!(out.len() == q.len() && lse.len() * dims.head_dim == q.len());
-    let tr = Transposed::new(k, v, &dims);
+    let need = Need {
+        kt: true,
+        vt: false,
+        kn: false,
+        vn: true,
+    };
+    let ops = Operands::new((q, k, v, None), &dims, precision, need);
     let rows = dims.batch * dims.heads;
     out.par_chunks_mut(TQ * rows * dims.head_dim)
         .zip(lse.par_chunks_mut(TQ * rows))
         .enumerate()
-        .for_each_init(Vec::new, |scores, (ci, (o, l))| {
-            forward_chunk(q, v, &tr, ci * TQ, o, l, scores, &dims, mask);
+        .for_each_init(Scratch::default, |scratch, (ci, (o, l))| {
+            forward_chunk(q, v, &ops, ci * TQ, o, l, scratch, &dims, mask);
         });
 }
 
@@ -191,19 +277,19 @@ multiversion! {
     fn forward_chunk(
         q: &[f32],
         v: &[f32],
-        tr: &Transposed,
+        ops: &Operands,
         t0: usize,
         out: &mut [f32],
         lse: &mut [f32],
-        scores: &mut Vec<f32>,
+        scratch: &mut Scratch,
         dims: &AttentionDims,
         mask: AttentionMask,
     ) {
         let AttentionDims { batch: b, heads: a, groups: g, head_dim: d, .. } = *dims;
         let (row0, n_rows) = (t0 * b * a, lse.len() / (b * a) * (a / g));
         let scale = 1.0 / (d as f32).sqrt();
+        let Scratch { scores, pairs, prod, .. } = scratch;
         for jg in 0..b * g {
-            let (kt, _) = tr.group(jg, d);
             let v_row = |p: usize| &v[(p * b * g + jg) * d..][..d];
             for i0 in (0..n_rows).step_by(RQ) {
                 let tile = Tile::new(t0, i0, RQ.min(n_rows - i0), jg, dims, mask);
@@ -211,9 +297,8 @@ multiversion! {
                 let b0 = keys.start / KB * KB;
                 let width = keys.end.div_ceil(KB) * KB - b0;
                 scores.resize(RQ * width, 0.0);
-                let x = tile.rows(q, d);
                 for p0 in (b0..b0 + width).step_by(KB) {
-                    let s = block_dots(&x, kt, tr.skv_pad, p0);
+                    let s = ops.dots(Kv::K, jg, &tile, q, p0, d);
                     for (r, s) in s.iter().enumerate() {
                         tile.scores(r, s, scale, p0, &mut scores[r * width + p0 - b0..][..KB]);
                     }
@@ -231,18 +316,27 @@ multiversion! {
                     lse[tile.row[r] - row0] = max + sum.ln();
                 }
                 let off = keys.start - b0;
-                tile_rows_product::<RQ>(
-                    d,
-                    keys.len(),
-                    |r, i| scores[r * width + off + i],
-                    |i| v_row(keys.start + i),
-                    |r, c0, vals| {
-                        if r < tile.n {
-                            let o = &mut out[(tile.row[r] - row0) * d + c0..][..vals.len()];
-                            o.iter_mut().zip(vals).for_each(|(o, &x)| *o = x * inv[r]);
-                        }
-                    },
-                );
+                let mut emit = |r: usize, c0: usize, vals: &[f32]| {
+                    if r < tile.n {
+                        let o = &mut out[(tile.row[r] - row0) * d + c0..][..vals.len()];
+                        o.iter_mut().zip(vals).for_each(|(o, &x)| *o = x * inv[r]);
+                    }
+                };
+                match ops {
+                    Operands::F32(_) => tile_rows_product::<RQ>(
+                        d,
+                        keys.len(),
+                        |r, i| scores[r * width + off + i],
+                        |i| v_row(keys.start + i),
+                        emit,
+                    ),
+                    Operands::Bf16 { kv, .. } => {
+                        prod.resize(RQ * d, 0.0);
+                        let coef = |r: usize, key: usize| scores[r * width + key - b0];
+                        kv.product(Kv::V, jg, keys.clone(), coef, pairs, prod);
+                        (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
+                    }
+                }
             }
         }
     }
@@ -263,7 +357,8 @@ multiversion! {
 /// second pass computes `dK, dV` per (batch, group, block of 64 keys), recomputing `P` and `dS`
 /// for the queries that may see the block (bounded by causality, the window and the
 /// document of its last key), in a fixed order. Results are bitwise reproducible for
-/// any thread count. Products are register-tiled as in the forward.
+/// any thread count. Products are register-tiled as in the forward, in `precision`
+/// ([`AttentionPrecision`]; `δ` is always the f32 dot of `dO` and `O`).
 ///
 /// # Panics
 /// On inconsistent dims, slice lengths, document starts or ALiBi slopes (caller bugs).
@@ -280,6 +375,7 @@ pub fn core_attention_backward(
     dv: &mut [f32],
     dims: AttentionDims,
     mask: AttentionMask,
+    precision: AttentionPrecision,
 ) {
     check_dims(q, k, v, &dims, &mask);
     let AttentionDims {
@@ -297,13 +393,19 @@ pub fn core_attention_backward(
         dk.len() == kv_len && dv.len() == kv_len,
         "attention: dk/dv are not [skv, b, g, d]"
     );
-    let tr = Transposed::new(k, v, &dims);
+    let need = Need {
+        kt: true,
+        vt: true,
+        kn: true,
+        vn: false,
+    };
+    let ops = Operands::new((q, k, v, Some(dout)), &dims, precision, need);
     let io = BackwardInputs {
         q,
         k,
         dout,
         lse,
-        tr: &tr,
+        ops: &ops,
     };
 
     // Pass 1: δ, then dQ for tiles of query rows.
@@ -313,7 +415,9 @@ pub fn core_attention_backward(
     });
     dq.par_chunks_mut(TQ * b * a * d)
         .enumerate()
-        .for_each(|(ci, dqc)| dq_chunk(&io, &delta, ci * TQ, dqc, &dims, mask));
+        .for_each_init(Scratch::default, |scratch, (ci, dqc)| {
+            dq_chunk(&io, &delta, ci * TQ, dqc, scratch, &dims, mask)
+        });
 
     // Pass 2: dK, dV per (batch, group, key block), into [b, g, skv, d] scratch.
     let mut dk_s = vec![0f32; kv_len];
@@ -325,8 +429,8 @@ pub fn core_attention_backward(
             dkg.par_chunks_mut(KB * d)
                 .zip(dvg.par_chunks_mut(KB * d))
                 .enumerate()
-                .for_each_init(Vec::new, |buf, (blk, (dkb, dvb))| {
-                    dkv_block(&io, &delta, jg, blk * KB, dkb, dvb, buf, &dims, mask);
+                .for_each_init(Scratch::default, |scratch, (blk, (dkb, dvb))| {
+                    dkv_block(&io, &delta, jg, blk * KB, dkb, dvb, scratch, &dims, mask);
                 });
         });
 
@@ -344,7 +448,7 @@ struct BackwardInputs<'a> {
     k: &'a [f32],
     dout: &'a [f32],
     lse: &'a [f32],
-    tr: &'a Transposed,
+    ops: &'a Operands,
 }
 
 /// `P` and `dS = P ⊙ (dP − δ)` of a tile against keys `p0..p0 + KB` (0 where not visible);
@@ -358,9 +462,8 @@ fn probs_and_dscores<const ALIBI: bool>(
     p0: usize,
     d: usize,
 ) -> ([[f32; KB]; RQ], [[f32; KB]; RQ]) {
-    let (kt, vt) = io.tr.group(jg, d);
-    let mut p = block_dots(&tile.rows(io.q, d), kt, io.tr.skv_pad, p0);
-    let mut ds = block_dots(&tile.rows(io.dout, d), vt, io.tr.skv_pad, p0);
+    let mut p = io.ops.dots(Kv::K, jg, tile, io.q, p0, d);
+    let mut ds = io.ops.dots(Kv::V, jg, tile, io.dout, p0, d);
     let scale = 1.0 / (d as f32).sqrt();
     for r in 0..RQ {
         let (lse, dl) = (io.lse[tile.row[r]], delta[tile.row[r]]);
@@ -383,7 +486,7 @@ fn probs_and_dscores<const ALIBI: bool>(
 
 multiversion! {
     /// `dq` rows of time steps `t0..` (as many as `dq` holds).
-    fn dq_chunk(io: &BackwardInputs, delta: &[f32], t0: usize, dq: &mut [f32], dims: &AttentionDims, mask: AttentionMask) {
+    fn dq_chunk(io: &BackwardInputs, delta: &[f32], t0: usize, dq: &mut [f32], scratch: &mut Scratch, dims: &AttentionDims, mask: AttentionMask) {
         let AttentionDims { batch: b, heads: a, groups: g, head_dim: d, .. } = *dims;
         let (row0, n_rows) = (t0 * b * a, dq.len() / (b * a * d) * (a / g));
         dq.fill(0.0);
@@ -398,12 +501,21 @@ multiversion! {
                         false => probs_and_dscores::<false>(io, delta, &tile, jg, p0, d),
                     };
                     let (lo, hi) = (p0.max(keys.start), (p0 + KB).min(keys.end));
-                    tile_rows_product::<RQ>(d, hi - lo, |r, i| ds[r][lo - p0 + i], |i| k_row(lo + i), |r, c0, vals| {
+                    let mut emit = |r: usize, c0: usize, vals: &[f32]| {
                         if r < tile.n {
                             let o = &mut dq[(tile.row[r] - row0) * d + c0..][..vals.len()];
                             o.iter_mut().zip(vals).for_each(|(o, &x)| *o += x);
                         }
-                    });
+                    };
+                    match io.ops {
+                        Operands::F32(_) => tile_rows_product::<RQ>(d, hi - lo, |r, i| ds[r][lo - p0 + i], |i| k_row(lo + i), emit),
+                        Operands::Bf16 { kv, .. } => {
+                            let Scratch { pairs, prod, .. } = &mut *scratch;
+                            prod.resize(RQ * d, 0.0);
+                            kv.product(Kv::K, jg, lo..hi, |r, key| ds[r][key - p0], pairs, prod);
+                            (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
+                        }
+                    }
                 }
             }
         }
@@ -421,7 +533,7 @@ multiversion! {
         p0: usize,
         dk: &mut [f32],
         dv: &mut [f32],
-        buf: &mut Vec<f32>,
+        scratch: &mut Scratch,
         dims: &AttentionDims,
         mask: AttentionMask,
     ) {
@@ -435,7 +547,9 @@ multiversion! {
         let first_t = p0.saturating_sub(q_offset);
         let end_t = last_pos.checked_sub(q_offset).map_or(0, |t| sq.min(t.saturating_add(1)));
         let n_rows = end_t.saturating_sub(first_t) * hpg;
+        let Scratch { scores: buf, pairs, prod, paired } = scratch;
         buf.resize(2 * QC * KB, 0.0);
+        prod.resize(RQ * d, 0.0);
         let (pbuf, dsbuf) = buf.split_at_mut(QC * KB);
         let mut rows = [0usize; QC];
         for c0 in (0..n_rows).step_by(QC) {
@@ -452,14 +566,28 @@ multiversion! {
                     dsbuf[(i0 + r) * KB..][..KB].copy_from_slice(&ds[r]);
                 }
             }
+            let bf16 = matches!(io.ops, Operands::Bf16 { .. });
+            if bf16 {
+                for (paired, x) in paired.iter_mut().zip([io.dout, io.q]) {
+                    pair_rows(nc, d, |i| &x[rows[i] * d..][..d], paired);
+                }
+            }
             for k0 in (0..nk).step_by(RQ) {
-                for (dst, coef, x) in [(&mut *dv, &*pbuf, io.dout), (&mut *dk, &*dsbuf, io.q)] {
-                    tile_rows_product::<RQ>(d, nc, |r, i| coef[i * KB + k0 + r], |i| &x[rows[i] * d..][..d], |r, c, vals| {
+                let sources = [(&mut *dv, &*pbuf, io.dout, &paired[0]), (&mut *dk, &*dsbuf, io.q, &paired[1])];
+                for (dst, coef, x, paired) in sources {
+                    let mut emit = |r: usize, c: usize, vals: &[f32]| {
                         if k0 + r < nk {
                             let o = &mut dst[(k0 + r) * d + c..][..vals.len()];
                             o.iter_mut().zip(vals).for_each(|(o, &x)| *o += x);
                         }
-                    });
+                    };
+                    let coef = |r: usize, i: usize| coef[i * KB + k0 + r];
+                    if bf16 {
+                        paired_product(nc, d, coef, paired, pairs, prod);
+                        (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
+                    } else {
+                        tile_rows_product::<RQ>(d, nc, coef, |i| &x[rows[i] * d..][..d], emit);
+                    }
                 }
             }
         }

@@ -77,15 +77,20 @@ pub enum Bf16Kernel {
 }
 
 impl Bf16Kernel {
-    /// The fastest kernel this CPU and OS support (detected on the first call).
+    /// The fastest kernel this CPU and OS support.
     pub fn detect() -> Bf16Kernel {
-        static DETECTED: OnceLock<Bf16Kernel> = OnceLock::new();
-        *DETECTED.get_or_init(|| Self::available()[0])
+        Self::available()[0]
     }
 
     /// Every kernel this machine can run, fastest first ([`Bf16Kernel::Widened`] always
-    /// last).
-    pub fn available() -> Vec<Bf16Kernel> {
+    /// last). Detected once per process (CPUID, and Linux's AMX permission request), then
+    /// cached: every GEMM checks its kernel against it.
+    pub fn available() -> &'static [Bf16Kernel] {
+        static AVAILABLE: OnceLock<Vec<Bf16Kernel>> = OnceLock::new();
+        AVAILABLE.get_or_init(Self::detect_all)
+    }
+
+    fn detect_all() -> Vec<Bf16Kernel> {
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {

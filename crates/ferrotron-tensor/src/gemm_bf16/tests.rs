@@ -99,7 +99,7 @@ fn every_kernel_matches_the_rounded_f64_product() {
     let kernels = Bf16Kernel::available();
     assert_eq!(kernels.last(), Some(&Bf16Kernel::Widened));
     eprintln!("bf16 kernels on this machine: {kernels:?}");
-    for kernel in kernels {
+    for &kernel in kernels {
         for shape in [
             (1, 1, 1),
             (3, 5, 7),
@@ -117,7 +117,7 @@ fn every_kernel_matches_the_rounded_f64_product() {
 fn many_column_blocks_split_over_threads() {
     // n spans several NC blocks and a partial panel; m several MC blocks.
     let (m, n, k) = (2 * MC + 5, 2 * NC + 40, 64);
-    for kernel in Bf16Kernel::available() {
+    for &kernel in Bf16Kernel::available() {
         let (a, b) = (data(m * k, 3), data(n * k, 4));
         let want = reference(m, n, k, &a, Op::N, &b, Op::T);
         let mut c = vec![0f32; m * n];

@@ -15,6 +15,7 @@ mod reduce;
 mod rope;
 mod softmax;
 mod tile;
+pub mod tile_bf16;
 
 pub use activation::{
     ActivationFunc, activation, activation_backward, glu_packed, glu_packed_backward, swiglu,

@@ -218,7 +218,8 @@ section! {
 section! {
     /// `[precision]`: compute dtype and the fp16 loss scaler.
     PrecisionSection, "precision" {
-        /// bf16 storage/traffic with f32 compute and f32 master weights. Default: false.
+        /// bf16 weights and saved activations, bf16 x bf16 -> f32 matmuls, f32 gradients,
+        /// master weights and Adam state. Default: false.
         /// Megatron: `--bf16`.
         bf16: bool = false,
         /// fp16 with dynamic loss scaling. Default: false. Megatron: `--fp16`.

@@ -66,7 +66,7 @@ pub enum LrDecayStyle {
 pub enum Precision {
     /// f32 everywhere (default).
     Fp32,
-    /// bf16 storage, f32 compute.
+    /// bf16 weights and matmuls (f32 accumulation), f32 master weights and gradients.
     Bf16,
     /// fp16 with loss scaling.
     Fp16,

@@ -13,8 +13,9 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-/// The font family name the embedded font is registered under (plotters' default family).
-const FONT: &str = "sans-serif";
+/// The font family name the embedded font is registered under (plotters' default family);
+/// usable in any plotters chart once [`register_font`] succeeded.
+pub const FONT: &str = "sans-serif";
 const TRAIN_COLOR: RGBColor = RGBColor(31, 119, 180);
 const VALID_COLOR: RGBColor = RGBColor(214, 39, 40);
 
@@ -212,8 +213,11 @@ impl LossPlot {
     }
 }
 
-/// Registers the embedded font with plotters once per process.
-fn register_font() -> io::Result<()> {
+/// Registers the embedded font with plotters (as [`FONT`]) once per process.
+///
+/// # Errors
+/// When the embedded font does not parse.
+pub fn register_font() -> io::Result<()> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     let ok = *REGISTERED.get_or_init(|| {
         plotters::style::register_font(FONT, FontStyle::Normal, epaint_default_fonts::UBUNTU_LIGHT)
