@@ -3,14 +3,15 @@
 //! ALiBi bias (Vaswani et al. 2017; GQA: Ainslie et al. 2023; Mistral's window; Megatron's
 //! `reset_attention_mask`; ALiBi: Press et al. 2022). Mirrors HF `eager_attention_forward` in
 //! f32. The training forward (saving the logsumexp) and its backward live in `train.rs`, with
-//! f32 or bf16 products (`train_bf16.rs`, [`AttentionPrecision`]); document starts in
-//! `documents.rs`; ALiBi slopes in `alibi.rs`.
+//! f32 or bf16 products (`train_bf16.rs`, [`AttentionPrecision`]) on the operands and tiles of
+//! `tiles.rs`; document starts in `documents.rs`; ALiBi slopes in `alibi.rs`.
 
 use ferrotron_tensor::ops::dot;
 use rayon::prelude::*;
 
 mod alibi;
 mod documents;
+mod tiles;
 mod train;
 mod train_bf16;
 use alibi::alibi_bias;
