@@ -2,7 +2,7 @@
 //! values laid out for f32 or bf16 products ([`Operands`]), tiles of query rows with their
 //! visible keys ([`Tile`]), and per-task scratch.
 
-use super::train_bf16::{AttentionPrecision, Kv, Need, PairedKv, bf16_bits};
+use super::train_bf16::{AttentionPrecision, Kv, Need, PairedKv, PairedRows, bf16_bits};
 use super::{AttentionDims, AttentionMask, alibi_bias};
 use ferrotron_tensor::ops::tile_update;
 use rayon::prelude::*;
@@ -63,6 +63,8 @@ pub(super) enum Operands {
         kv: PairedKv,
         q: Vec<u16>,
         dout: Vec<u16>,
+        /// The backward's query-side rows for the key-block pass.
+        rows: Option<PairedRows>,
     },
 }
 
@@ -82,11 +84,14 @@ impl Operands {
             kv: PairedKv::new(k, v, dims, padded_keys(dims.skv), need),
             q: bf16_bits(q),
             dout: dout.map(bf16_bits).unwrap_or_default(),
+            rows: dout.map(|dout| PairedRows::new(dout, q, dims)),
         }
     }
 
     /// Unscaled dots of the tile's rows of `x` (`q` or `dO`, f32 `x_f32` or the bf16 bits
-    /// held here) with keys `p0..p0 + KB` of `which` (keys or values) of group `jg`.
+    /// held here) with keys `p0..p0 + KB` of `which` (keys or values) of group `jg`. Inlined
+    /// into the passes' `multiversion!` kernels, so the f32 tile compiles for AVX-512/AVX2.
+    #[inline(always)]
     pub(super) fn dots(
         &self,
         which: Kv,
@@ -105,7 +110,7 @@ impl Operands {
                 };
                 block_dots(&tile.rows(x_f32, d), t, tr.skv_pad, p0)
             }
-            Operands::Bf16 { kv, q, dout } => {
+            Operands::Bf16 { kv, q, dout, .. } => {
                 let bits = match which {
                     Kv::K => q,
                     Kv::V => dout,
@@ -122,7 +127,6 @@ pub(super) struct Scratch {
     pub(super) scores: Vec<f32>,
     pub(super) pairs: Vec<u32>,
     pub(super) prod: Vec<f32>,
-    pub(super) paired: [Vec<u16>; 2],
 }
 
 /// Up to [`RQ`] query rows of one `(batch j, group gh)`: the rows `i0..i0 + n` of the list

@@ -3,10 +3,9 @@
 //! [`super::core_attention`].
 
 use super::tiles::{KB, Operands, RQ, Scratch, Tile};
-use super::train_bf16::{AttentionPrecision, Kv, Need, paired_product};
+use super::train_bf16::{AttentionPrecision, Kv, Need, Side, paired_product};
 use super::{AttentionDims, AttentionMask, alibi_bias, check_dims};
 use ferrotron_tensor::multiversion;
-use ferrotron_tensor::ops::tile_bf16::pair_rows;
 use ferrotron_tensor::ops::{dot, exp_in_place_normalizer, fast_exp, tile_rows_product};
 use rayon::prelude::*;
 
@@ -332,7 +331,7 @@ multiversion! {
         let first_t = p0.saturating_sub(q_offset);
         let end_t = last_pos.checked_sub(q_offset).map_or(0, |t| sq.min(t.saturating_add(1)));
         let n_rows = end_t.saturating_sub(first_t) * hpg;
-        let Scratch { scores: buf, pairs, prod, paired } = scratch;
+        let Scratch { scores: buf, pairs, prod } = scratch;
         buf.resize(2 * QC * KB, 0.0);
         prod.resize(RQ * d, 0.0);
         let (pbuf, dsbuf) = buf.split_at_mut(QC * KB);
@@ -351,15 +350,13 @@ multiversion! {
                     dsbuf[(i0 + r) * KB..][..KB].copy_from_slice(&ds[r]);
                 }
             }
-            let bf16 = matches!(io.ops, Operands::Bf16 { .. });
-            if bf16 {
-                for (paired, x) in paired.iter_mut().zip([io.dout, io.q]) {
-                    pair_rows(nc, d, |i| &x[rows[i] * d..][..d], paired);
-                }
-            }
+            let paired_rows = match io.ops {
+                Operands::Bf16 { rows, .. } => rows.as_ref(),
+                Operands::F32(_) => None,
+            };
             for k0 in (0..nk).step_by(RQ) {
-                let sources = [(&mut *dv, &*pbuf, io.dout, &paired[0]), (&mut *dk, &*dsbuf, io.q, &paired[1])];
-                for (dst, coef, x, paired) in sources {
+                let sources = [(&mut *dv, &*pbuf, io.dout, Side::Dout), (&mut *dk, &*dsbuf, io.q, Side::Q)];
+                for (dst, coef, x, side) in sources {
                     let mut emit = |r: usize, c: usize, vals: &[f32]| {
                         if k0 + r < nk {
                             let o = &mut dst[(k0 + r) * d + c..][..vals.len()];
@@ -367,11 +364,13 @@ multiversion! {
                         }
                     };
                     let coef = |r: usize, i: usize| coef[i * KB + k0 + r];
-                    if bf16 {
-                        paired_product(nc, d, coef, paired, pairs, prod);
-                        (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
-                    } else {
-                        tile_rows_product::<RQ>(d, nc, coef, |i| &x[rows[i] * d..][..d], emit);
+                    match paired_rows {
+                        Some(paired) => {
+                            let (rows, lead) = paired.from(side, jg, first_t * hpg + c0);
+                            paired_product((nc, lead), d, coef, rows, pairs, prod);
+                            (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
+                        }
+                        None => tile_rows_product::<RQ>(d, nc, coef, |i| &x[rows[i] * d..][..d], emit),
                     }
                 }
             }

@@ -182,19 +182,85 @@ pub(super) fn bf16_bits(x: &[f32]) -> Vec<u16> {
     out
 }
 
-/// `out[r·d + c] = Σ_{i < n} coef(r, i) · row i` with the rows already paired along `i`
-/// (`paired`, [`pair_rows`] of `n` rows of `d`), `coef` rounded pairwise into `pairs`
-/// (scratch): the key-block pass's `Pᵀ·dO` and `dSᵀ·q`.
+/// The query-side rows of the key-block pass (`dO` for `dV`, `q` for `dK`) of every
+/// `(batch, group)`, rounded to bf16 and paired along the group's row list
+/// `n = t·(a/g) + hh` (time step `t`, head `hh` within the group) — the order the pass visits
+/// them in: `[b·g][ceil(sq·a/g / 2)][d][2]`, built once per backward.
+pub(super) struct PairedRows {
+    dout: Vec<u16>,
+    q: Vec<u16>,
+    /// Elements per group.
+    group_len: usize,
+    d: usize,
+}
+
+/// Which query-side rows.
+#[derive(Clone, Copy)]
+pub(super) enum Side {
+    Dout,
+    Q,
+}
+
+impl PairedRows {
+    /// Pairs `dout` and `q` (`[sq, b, a, d]`).
+    pub(super) fn new(dout: &[f32], q: &[f32], dims: &AttentionDims) -> PairedRows {
+        let (b, a, g, d) = (dims.batch, dims.heads, dims.groups, dims.head_dim);
+        let hpg = a / g;
+        let n = dims.sq * hpg;
+        let group_len = n.div_ceil(2) * 2 * d;
+        let pair = |x: &[f32]| {
+            let mut out = vec![0u16; b * g * group_len];
+            out.par_chunks_mut(group_len)
+                .enumerate()
+                .for_each(|(jg, out)| {
+                    let (j, gh) = (jg / g, jg % g);
+                    let row = |i: usize| {
+                        let (t, hh) = (i / hpg, i % hpg);
+                        &x[((t * b + j) * a + gh * hpg + hh) * d..][..d]
+                    };
+                    let mut paired = Vec::new();
+                    pair_rows(n, d, row, &mut paired);
+                    out.copy_from_slice(&paired);
+                });
+            out
+        };
+        PairedRows {
+            dout: pair(dout),
+            q: pair(q),
+            group_len,
+            d,
+        }
+    }
+
+    /// The pair rows of `side` for group `jg` from row-list index `n0` on, starting at the
+    /// pair holding `n0`, and `n0 % 2` (the rows before `n0` in that first pair).
+    pub(super) fn from(&self, side: Side, jg: usize, n0: usize) -> (&[u16], usize) {
+        let all = match side {
+            Side::Dout => &self.dout,
+            Side::Q => &self.q,
+        };
+        let group = &all[jg * self.group_len..][..self.group_len];
+        (&group[(n0 / 2) * 2 * self.d..], n0 % 2)
+    }
+}
+
+/// `out[r·d + c] = Σ_{i < n} coef(r, i) · row i` over rows paired along `i` with `lead` rows
+/// before row 0 in the first pair (`paired`, from [`PairedRows::from`]; those rows get
+/// coefficient 0), `coef` rounded pairwise into `pairs` (scratch): the key-block pass's
+/// `Pᵀ·dO` and `dSᵀ·q`.
 pub(super) fn paired_product(
-    n: usize,
+    (n, lead): (usize, usize),
     d: usize,
     coef: impl Fn(usize, usize) -> f32,
     paired: &[u16],
     pairs: &mut Vec<u32>,
     out: &mut [f32],
 ) {
-    let count = n.div_ceil(2);
-    let at = |r: usize, i: usize| if i < n { coef(r, i) } else { 0.0 };
+    let count = (lead + n).div_ceil(2);
+    let at = |r: usize, e: usize| match e.checked_sub(lead) {
+        Some(i) if i < n => coef(r, i),
+        _ => 0.0,
+    };
     pairs.clear();
     for r in 0..TILE_R {
         pairs.extend((0..count).map(|p| coef_pair(at(r, 2 * p), at(r, 2 * p + 1))));
