@@ -463,16 +463,18 @@ fn bf16_products_match_the_rounded_f64_reference() {
             },
             None,
         ),
-        // d = 80: a 64-wide and a 16-wide column tile; odd key counts.
+        // d = 80: a 64-wide and a 16-wide column tile; odd key counts; 3 heads per group and
+        // an odd offset, so a key block's first query row has an odd index in its group's
+        // row list (the bf16 key-block pass starts one row early).
         (
             AttentionDims {
                 sq: 71,
-                skv: 71,
+                skv: 84,
                 batch: 1,
                 heads: 3,
-                groups: 3,
+                groups: 1,
                 head_dim: 80,
-                q_offset: 0,
+                q_offset: 13,
             },
             Some(33),
         ),

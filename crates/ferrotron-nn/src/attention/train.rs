@@ -3,9 +3,10 @@
 //! [`super::core_attention`].
 
 use super::tiles::{KB, Operands, RQ, Scratch, Tile};
-use super::train_bf16::{AttentionPrecision, Kv, Need, Side, paired_product};
+use super::train_bf16::{AttentionPrecision, Kv, Need, Side, tile_pair_words};
 use super::{AttentionDims, AttentionMask, alibi_bias, check_dims};
 use ferrotron_tensor::multiversion;
+use ferrotron_tensor::ops::tile_bf16::{Coefs, rows_product_bf16};
 use ferrotron_tensor::ops::{dot, exp_in_place_normalizer, fast_exp, tile_rows_product};
 use rayon::prelude::*;
 
@@ -116,8 +117,8 @@ multiversion! {
                     ),
                     Operands::Bf16 { kv, .. } => {
                         prod.resize(RQ * d, 0.0);
-                        let coef = |r: usize, key: usize| scores[r * width + key - b0];
-                        kv.product(Kv::V, jg, keys.clone(), coef, pairs, prod);
+                        let coef = std::array::from_fn(|r| &scores[r * width..][..width]);
+                        kv.product(Kv::V, jg, keys.clone(), (coef, b0), pairs, prod);
                         (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
                     }
                 }
@@ -296,7 +297,8 @@ multiversion! {
                         Operands::Bf16 { kv, .. } => {
                             let Scratch { pairs, prod, .. } = &mut *scratch;
                             prod.resize(RQ * d, 0.0);
-                            kv.product(Kv::K, jg, lo..hi, |r, key| ds[r][key - p0], pairs, prod);
+                            let coef = std::array::from_fn(|r| &ds[r][..]);
+                            kv.product(Kv::K, jg, lo..hi, (coef, p0), pairs, prod);
                             (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
                         }
                     }
@@ -330,47 +332,67 @@ multiversion! {
         let last_pos = mask.last_query(p0 + nk - 1, jg / g);
         let first_t = p0.saturating_sub(q_offset);
         let end_t = last_pos.checked_sub(q_offset).map_or(0, |t| sq.min(t.saturating_add(1)));
-        let n_rows = end_t.saturating_sub(first_t) * hpg;
-        let Scratch { scores: buf, pairs, prod } = scratch;
+        let paired_rows = match io.ops {
+            Operands::Bf16 { rows, .. } => rows.as_ref(),
+            Operands::F32(_) => None,
+        };
+        // The group's row list `n = t·hpg + hh` from `n_begin`; the bf16 products pair rows
+        // `(2m, 2m + 1)`, so they start at an even index (an extra earlier row, which sees no
+        // key of this block: its coefficients are 0).
+        let n_begin = match paired_rows {
+            Some(_) => first_t * hpg / 2 * 2,
+            None => first_t * hpg,
+        };
+        let n_rows = (end_t * hpg).saturating_sub(n_begin) * usize::from(end_t > first_t);
+        let Scratch { scores: buf, pairs: words, prod } = scratch;
         buf.resize(2 * QC * KB, 0.0);
+        words.resize(QC * KB, 0);
         prod.resize(RQ * d, 0.0);
         let (pbuf, dsbuf) = buf.split_at_mut(QC * KB);
+        let (pwords, dswords) = words.split_at_mut(QC / 2 * KB);
         let mut rows = [0usize; QC];
         for c0 in (0..n_rows).step_by(QC) {
             let nc = QC.min(n_rows - c0);
             for i0 in (0..nc).step_by(RQ) {
-                let tile = Tile::new(first_t, c0 + i0, RQ.min(nc - i0), jg, dims, mask);
+                let tile = Tile::new(0, n_begin + c0 + i0, RQ.min(nc - i0), jg, dims, mask);
                 let (p, ds) = match tile.alibi {
                     true => probs_and_dscores::<true>(io, delta, &tile, jg, p0, d),
                     false => probs_and_dscores::<false>(io, delta, &tile, jg, p0, d),
                 };
+                if paired_rows.is_some() {
+                    tile_pair_words(&p, i0, pwords);
+                    tile_pair_words(&ds, i0, dswords);
+                    continue;
+                }
                 for r in 0..tile.n {
                     rows[i0 + r] = tile.row[r];
                     pbuf[(i0 + r) * KB..][..KB].copy_from_slice(&p[r]);
                     dsbuf[(i0 + r) * KB..][..KB].copy_from_slice(&ds[r]);
                 }
             }
-            let paired_rows = match io.ops {
-                Operands::Bf16 { rows, .. } => rows.as_ref(),
-                Operands::F32(_) => None,
-            };
             for k0 in (0..nk).step_by(RQ) {
-                let sources = [(&mut *dv, &*pbuf, io.dout, Side::Dout), (&mut *dk, &*dsbuf, io.q, Side::Q)];
-                for (dst, coef, x, side) in sources {
+                let sources = [
+                    (&mut *dv, &*pbuf, &*pwords, io.dout, Side::Dout),
+                    (&mut *dk, &*dsbuf, &*dswords, io.q, Side::Q),
+                ];
+                for (dst, coef, words, x, side) in sources {
                     let mut emit = |r: usize, c: usize, vals: &[f32]| {
                         if k0 + r < nk {
                             let o = &mut dst[(k0 + r) * d + c..][..vals.len()];
                             o.iter_mut().zip(vals).for_each(|(o, &x)| *o += x);
                         }
                     };
-                    let coef = |r: usize, i: usize| coef[i * KB + k0 + r];
                     match paired_rows {
                         Some(paired) => {
-                            let (rows, lead) = paired.from(side, jg, first_t * hpg + c0);
-                            paired_product((nc, lead), d, coef, rows, pairs, prod);
+                            let coefs = Coefs { data: words, row: std::array::from_fn(|r| k0 + r), stride: KB };
+                            let rows = paired.from(side, jg, n_begin + c0);
+                            rows_product_bf16(coefs, nc.div_ceil(2), rows, d, prod);
                             (0..RQ).for_each(|r| emit(r, 0, &prod[r * d..][..d]));
                         }
-                        None => tile_rows_product::<RQ>(d, nc, coef, |i| &x[rows[i] * d..][..d], emit),
+                        None => {
+                            let coef = |r: usize, i: usize| coef[i * KB + k0 + r];
+                            tile_rows_product::<RQ>(d, nc, coef, |i| &x[rows[i] * d..][..d], emit)
+                        }
                     }
                 }
             }

@@ -11,7 +11,7 @@
 
 use super::AttentionDims;
 use ferrotron_tensor::ops::tile_bf16::{
-    TILE_R, TILE_W, coef_pair, dots_bf16, pair_rows, rows_product_bf16,
+    Coefs, TILE_R, TILE_W, coef_pair, dots_bf16, pair_rows, rows_product_bf16,
 };
 use ferrotron_tensor::round_to_bf16_bits;
 use rayon::prelude::*;
@@ -129,15 +129,15 @@ impl PairedKv {
         dots_bf16(x, &group[2 * p0..], 2 * self.skv_pad, self.d)
     }
 
-    /// `out[r·d + c] = Σ_{key in keys} coef(r, key) · kv(key)[c]` over group `jg`'s keys
-    /// (`coef` must be 0 where row `r` does not see the key; it is not called outside
-    /// `keys`), rounded to bf16 pairwise. `pairs` is scratch.
+    /// `out[r·d + c] = Σ_{key in keys} coef[r][key − base] · kv(key)[c]` over group `jg`'s
+    /// keys, the coefficient rows rounded to bf16 pairwise into `pairs` (scratch; keys outside
+    /// `keys` in the first and last pair get 0).
     pub(super) fn product(
         &self,
         which: Kv,
         jg: usize,
         keys: std::ops::Range<usize>,
-        coef: impl Fn(usize, usize) -> f32,
+        (coef, base): ([&[f32]; TILE_R], usize),
         pairs: &mut Vec<u32>,
         out: &mut [f32],
     ) {
@@ -148,18 +148,26 @@ impl PairedKv {
         let group = &n[jg * self.skv_pad * self.d..][..self.skv_pad * self.d];
         let first = keys.start / 2;
         let count = keys.end.div_ceil(2) - first;
-        let at = |r: usize, key: usize| {
-            if keys.contains(&key) {
-                coef(r, key)
-            } else {
-                0.0
-            }
-        };
         pairs.clear();
-        for r in 0..TILE_R {
-            pairs.extend((first..first + count).map(|p| coef_pair(at(r, 2 * p), at(r, 2 * p + 1))));
+        pairs.resize(TILE_R * count, 0);
+        for (row, out) in coef.iter().zip(pairs.chunks_exact_mut(count)) {
+            let src = &row[2 * first - base..];
+            for (p, o) in out.iter_mut().enumerate() {
+                let hi = src.get(2 * p + 1).copied().unwrap_or(0.0);
+                *o = coef_pair(src[2 * p], hi);
+            }
+            if !keys.start.is_multiple_of(2) {
+                out[0] &= 0xffff_0000;
+            }
+            if !keys.end.is_multiple_of(2) {
+                out[count - 1] &= 0x0000_ffff;
+            }
         }
-        let coefs = std::array::from_fn(|r| &pairs[r * count..][..count]);
+        let coefs = Coefs {
+            data: pairs,
+            row: std::array::from_fn(|r| r * count),
+            stride: 1,
+        };
         rows_product_bf16(coefs, count, &group[first * 2 * self.d..], self.d, out);
     }
 }
@@ -232,39 +240,33 @@ impl PairedRows {
         }
     }
 
-    /// The pair rows of `side` for group `jg` from row-list index `n0` on, starting at the
-    /// pair holding `n0`, and `n0 % 2` (the rows before `n0` in that first pair).
-    pub(super) fn from(&self, side: Side, jg: usize, n0: usize) -> (&[u16], usize) {
+    /// The pair rows of `side` for group `jg` from the even row-list index `n0` on.
+    pub(super) fn from(&self, side: Side, jg: usize, n0: usize) -> &[u16] {
+        debug_assert!(n0.is_multiple_of(2));
         let all = match side {
             Side::Dout => &self.dout,
             Side::Q => &self.q,
         };
         let group = &all[jg * self.group_len..][..self.group_len];
-        (&group[(n0 / 2) * 2 * self.d..], n0 % 2)
+        &group[(n0 / 2) * 2 * self.d..]
     }
 }
 
-/// `out[r·d + c] = Σ_{i < n} coef(r, i) · row i` over rows paired along `i` with `lead` rows
-/// before row 0 in the first pair (`paired`, from [`PairedRows::from`]; those rows get
-/// coefficient 0), `coef` rounded pairwise into `pairs` (scratch): the key-block pass's
-/// `Pᵀ·dO` and `dSᵀ·q`.
-pub(super) fn paired_product(
-    (n, lead): (usize, usize),
-    d: usize,
-    coef: impl Fn(usize, usize) -> f32,
-    paired: &[u16],
-    pairs: &mut Vec<u32>,
-    out: &mut [f32],
+/// Writes the coefficient pairs of a tile of query rows `i0..i0 + 4` (`i0` even) of the
+/// key-block pass: `coef[r][l]` (tile row `r`, key `l`) rounded to bf16, rows `(i0 + 2q,
+/// i0 + 2q + 1)` paired, into `words[(i0/2 + q)·KB + l]` — the `[pairs][KB]` layout
+/// [`Coefs`] reads with stride `KB` (one column per key).
+#[inline(always)]
+pub(super) fn tile_pair_words<const KB: usize>(
+    coef: &[[f32; KB]; TILE_R],
+    i0: usize,
+    words: &mut [u32],
 ) {
-    let count = (lead + n).div_ceil(2);
-    let at = |r: usize, e: usize| match e.checked_sub(lead) {
-        Some(i) if i < n => coef(r, i),
-        _ => 0.0,
-    };
-    pairs.clear();
-    for r in 0..TILE_R {
-        pairs.extend((0..count).map(|p| coef_pair(at(r, 2 * p), at(r, 2 * p + 1))));
+    for q in 0..TILE_R / 2 {
+        let out = &mut words[(i0 / 2 + q) * KB..][..KB];
+        let (lo, hi) = (&coef[2 * q], &coef[2 * q + 1]);
+        for ((o, &a), &b) in out.iter_mut().zip(lo).zip(hi) {
+            *o = coef_pair(a, b);
+        }
     }
-    let coefs = std::array::from_fn(|r| &pairs[r * count..][..count]);
-    rows_product_bf16(coefs, count, paired, d, out);
 }

@@ -68,34 +68,39 @@ pub fn dots_bf16(x: [&[u16]; TILE_R], t: &[u16], ld2: usize, d: usize) -> [[f32;
     acc
 }
 
-/// `out[r·d + c] = Σ_{p < pairs} coef[r][p] · (rows pair-row p)(c)` for `r <` [`TILE_R`],
-/// `c < d`: coefficient pairs (see the module docs) times a pair-row matrix `rows`
-/// (`[pairs][d][2]`), summed in f32; `d` a multiple of 16. `out` is `[TILE_R, d]`,
-/// overwritten.
+/// Where the coefficient pairs of a [`rows_product_bf16`] lie: pair `p` of tile row `r` is
+/// `data[row[r] + p·stride]` (stride 1: each row's pairs contiguous; stride `w`: a
+/// `[pairs][w]` matrix whose columns are the tile rows).
+#[derive(Clone, Copy, Debug)]
+pub struct Coefs<'a> {
+    pub data: &'a [u32],
+    pub row: [usize; TILE_R],
+    pub stride: usize,
+}
+
+/// `out[r·d + c] = Σ_{p < pairs} coef(r, p) · (rows pair-row p)(c)` for `r <` [`TILE_R`],
+/// `c < d`: coefficient pairs (see the module docs, laid out as [`Coefs`] says) times a
+/// pair-row matrix `rows` (`[pairs][d][2]`), summed in f32; `d` a multiple of 16. `out` is
+/// `[TILE_R, d]`, overwritten.
 ///
 /// # Panics
 /// When [`bf16_tiles_available`] is false, `d` is not a multiple of 16, or a slice is too
 /// short.
-pub fn rows_product_bf16(
-    coef: [&[u32]; TILE_R],
-    pairs: usize,
-    rows: &[u16],
-    d: usize,
-    out: &mut [f32],
-) {
+pub fn rows_product_bf16(coef: Coefs<'_>, pairs: usize, rows: &[u16], d: usize, out: &mut [f32]) {
     assert!(bf16_tiles_available() && d.is_multiple_of(16));
-    assert!(coef.iter().all(|c| c.len() >= pairs));
+    let last = pairs.saturating_sub(1) * coef.stride;
+    assert!(pairs == 0 || coef.row.iter().all(|&r| r + last < coef.data.len()));
     assert!(rows.len() >= pairs * 2 * d && out.len() >= TILE_R * d);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: features checked; every access is inside the slices (asserted above).
     unsafe {
-        x86::rows_product(&coef, pairs, rows, d, out)
+        x86::rows_product(coef, pairs, rows, d, out)
     };
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{TILE_R, TILE_W};
+    use super::{Coefs, TILE_R, TILE_W};
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -140,7 +145,7 @@ mod x86 {
     /// See [`super::rows_product_bf16`].
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub unsafe fn rows_product(
-        coef: &[&[u32]; TILE_R],
+        coef: Coefs<'_>,
         pairs: usize,
         rows: &[u16],
         d: usize,
@@ -165,7 +170,7 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn columns<const V: usize>(
-        coef: &[&[u32]; TILE_R],
+        coef: Coefs<'_>,
         pairs: usize,
         rows: &[u16],
         d: usize,
@@ -180,7 +185,8 @@ mod x86 {
                 let b: [__m512bh; V] =
                     std::array::from_fn(|v| bh(_mm512_loadu_si512(rp.add(32 * v).cast())));
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let a = bh(_mm512_set1_epi32(*coef[r].get_unchecked(p) as i32));
+                    let at = coef.row[r] + p * coef.stride;
+                    let a = bh(_mm512_set1_epi32(*coef.data.get_unchecked(at) as i32));
                     for (v, acc) in row.iter_mut().enumerate() {
                         *acc = _mm512_dpbf16_ps(*acc, a, b[v]);
                     }
@@ -264,8 +270,26 @@ mod tests {
                 })
                 .collect();
             let mut out = vec![f32::NAN; TILE_R * d];
-            let coef = std::array::from_fn(|r| &pairs[r][..]);
-            rows_product_bf16(coef, n.div_ceil(2), &packed, d, &mut out);
+            let count = n.div_ceil(2);
+            let flat: Vec<u32> = pairs.concat();
+            // Row-major (stride 1) and the same pairs as a [count][TILE_R] matrix (stride 4).
+            let by_row = Coefs {
+                data: &flat,
+                row: std::array::from_fn(|r| r * count),
+                stride: 1,
+            };
+            let by_col: Vec<u32> = (0..count * TILE_R)
+                .map(|i| pairs[i % TILE_R][i / TILE_R])
+                .collect();
+            let by_col = Coefs {
+                data: &by_col,
+                row: std::array::from_fn(|r| r),
+                stride: TILE_R,
+            };
+            let mut again = vec![f32::NAN; TILE_R * d];
+            rows_product_bf16(by_row, count, &packed, d, &mut out);
+            rows_product_bf16(by_col, count, &packed, d, &mut again);
+            assert_eq!(out, again);
             for r in 0..TILE_R {
                 for c in 0..d {
                     let want: f64 = (0..n)
