@@ -202,20 +202,8 @@ fn run_f32(
     dims: AttentionDims,
     mask: AttentionMask,
 ) -> Run {
-    let (q, k, v, dout) = (f32s(q), f32s(k), f32s(v), f32s(dout));
-    let mut out = vec![0f32; q.len()];
-    let mut lse = vec![0f32; q.len() / dims.head_dim];
-    core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask, F32);
-    let mut dq = vec![f32::NAN; q.len()];
-    let (mut dk, mut dv) = (vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]);
-    core_attention_backward(
-        &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv, dims, mask, F32,
-    );
-    Run {
-        out,
-        lse,
-        grads: [dq, dk, dv],
-    }
+    let x = [q, k, v, dout].map(<[f64]>::to_vec);
+    run(&x, dims, mask, F32)
 }
 
 fn inputs(dims: &AttentionDims, seed: u64) -> [Vec<f64>; 4] {

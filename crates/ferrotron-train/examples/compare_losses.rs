@@ -11,7 +11,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use ferrotron_train::metrics::{FONT, register_font};
+use ferrotron_train::metrics::{FONT, register_font, write_png};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -237,25 +237,5 @@ fn draw(runs: &[Run], path: &Path) -> Result<()> {
         Ok(())
     })();
     result.map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))?;
-    write_png(path, width, height, &rgb)
-}
-
-/// Encodes `rgb` as a PNG at `path` (through `<path>.tmp` and a rename).
-fn write_png(path: &Path, width: u32, height: u32, rgb: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("png.tmp");
-    let encode = || -> Result<()> {
-        let file = std::fs::File::create(&tmp)?;
-        let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), width, height);
-        encoder.set_color(png::ColorType::Rgb);
-        encoder.set_depth(png::BitDepth::Eight);
-        let mut writer = encoder.write_header()?;
-        writer.write_image_data(rgb)?;
-        writer.finish()?;
-        std::fs::rename(&tmp, path)?;
-        Ok(())
-    };
-    encode().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        e.context(format!("writing {}", path.display()))
-    })
+    Ok(write_png(path, (width, height), &rgb)?)
 }

@@ -92,22 +92,11 @@ pub fn pack_a(
 ) {
     #[cfg(target_arch = "x86_64")]
     if super::pack_x86::available() {
-        use super::pack_x86::{Stored, pack_a_n, pack_a_t};
         // SAFETY: the AVX-512 packers are available (checked); they assert dst's size.
         unsafe {
-            match (a, op) {
-                (Operand::F32(data), Op::N) => {
-                    pack_a_n(Stored { data, cols: k }, rows, cols, kcp, dst)
-                }
-                (Operand::Bf16(data), Op::N) => {
-                    pack_a_n(Stored { data, cols: k }, rows, cols, kcp, dst)
-                }
-                (Operand::F32(data), Op::T) => {
-                    pack_a_t(Stored { data, cols: m }, rows, cols, kcp, dst)
-                }
-                (Operand::Bf16(data), Op::T) => {
-                    pack_a_t(Stored { data, cols: m }, rows, cols, kcp, dst)
-                }
+            match a {
+                Operand::F32(d) => super::pack_x86::pack_a(d, op, (m, k), rows, cols, kcp, dst),
+                Operand::Bf16(d) => super::pack_x86::pack_a(d, op, (m, k), rows, cols, kcp, dst),
             }
         }
         return;
@@ -167,22 +156,11 @@ pub fn pack_b(
 ) {
     #[cfg(target_arch = "x86_64")]
     if super::pack_x86::available() {
-        use super::pack_x86::{Stored, pack_b_n, pack_b_t};
         // SAFETY: the AVX-512 packers are available (checked); they assert dst's size.
         unsafe {
-            match (b, op) {
-                (Operand::F32(data), Op::N) => {
-                    pack_b_n(Stored { data, cols: n }, rows, cols, kcp, dst)
-                }
-                (Operand::Bf16(data), Op::N) => {
-                    pack_b_n(Stored { data, cols: n }, rows, cols, kcp, dst)
-                }
-                (Operand::F32(data), Op::T) => {
-                    pack_b_t(Stored { data, cols: k }, rows, cols, kcp, dst)
-                }
-                (Operand::Bf16(data), Op::T) => {
-                    pack_b_t(Stored { data, cols: k }, rows, cols, kcp, dst)
-                }
+            match b {
+                Operand::F32(d) => super::pack_x86::pack_b(d, op, (k, n), rows, cols, kcp, dst),
+                Operand::Bf16(d) => super::pack_x86::pack_b(d, op, (k, n), rows, cols, kcp, dst),
             }
         }
         return;

@@ -12,6 +12,7 @@
 //!   columns).
 
 use super::pack::{MR, NR};
+use crate::gemm::Op;
 use half::bf16;
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -139,9 +140,9 @@ fn transpose16(r: &mut [__m512i; 16]) {
 
 /// A row-major stored matrix of `cols` columns.
 #[derive(Clone, Copy)]
-pub struct Stored<'a, T> {
-    pub data: &'a [T],
-    pub cols: usize,
+struct Stored<'a, T> {
+    data: &'a [T],
+    cols: usize,
 }
 
 impl<T: Load32> Stored<'_, T> {
@@ -163,6 +164,50 @@ impl<T: Load32> Stored<'_, T> {
     }
 }
 
+/// [`super::pack::pack_a`] of `op(a)`, `a` stored `[m, k]` (`Op::N`) or `[k, m]` (`Op::T`).
+///
+/// # Safety
+/// [`available`]; `dst` holds the panels.
+pub unsafe fn pack_a<T: Load32>(
+    data: &[T],
+    op: Op,
+    (m, k): (usize, usize),
+    rows: Range<usize>,
+    cols: Range<usize>,
+    kcp: usize,
+    dst: &mut [u16],
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match op {
+            Op::N => pack_a_n(Stored { data, cols: k }, rows, cols, kcp, dst),
+            Op::T => pack_a_t(Stored { data, cols: m }, rows, cols, kcp, dst),
+        }
+    }
+}
+
+/// [`super::pack::pack_b`] of `op(b)`, `b` stored `[k, n]` (`Op::N`) or `[n, k]` (`Op::T`).
+///
+/// # Safety
+/// [`available`]; `dst` holds the panels.
+pub unsafe fn pack_b<T: Load32>(
+    data: &[T],
+    op: Op,
+    (k, n): (usize, usize),
+    rows: Range<usize>,
+    cols: Range<usize>,
+    kcp: usize,
+    dst: &mut [u16],
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match op {
+            Op::N => pack_b_n(Stored { data, cols: n }, rows, cols, kcp, dst),
+            Op::T => pack_b_t(Stored { data, cols: k }, rows, cols, kcp, dst),
+        }
+    }
+}
+
 /// How many of the 32 positions from `start` fall before `end`.
 fn valid(start: usize, end: usize) -> usize {
     end.saturating_sub(start).min(32)
@@ -174,7 +219,7 @@ fn valid(start: usize, end: usize) -> usize {
 /// # Safety
 /// [`available`]; `dst` holds the panels.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn pack_a_n<T: Load32>(
+unsafe fn pack_a_n<T: Load32>(
     a: Stored<'_, T>,
     rows: Range<usize>,
     cols: Range<usize>,
@@ -206,7 +251,7 @@ pub unsafe fn pack_a_n<T: Load32>(
 /// # Safety
 /// [`available`]; `dst` holds the panels.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn pack_a_t<T: Load32>(
+unsafe fn pack_a_t<T: Load32>(
     a: Stored<'_, T>,
     rows: Range<usize>,
     depth: Range<usize>,
@@ -251,7 +296,7 @@ pub unsafe fn pack_a_t<T: Load32>(
 /// # Safety
 /// [`available`]; `dst` holds the panels.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn pack_b_n<T: Load32>(
+unsafe fn pack_b_n<T: Load32>(
     b: Stored<'_, T>,
     depth: Range<usize>,
     cols: Range<usize>,
@@ -284,7 +329,7 @@ pub unsafe fn pack_b_n<T: Load32>(
 /// # Safety
 /// [`available`]; `dst` holds the panels.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub unsafe fn pack_b_t<T: Load32>(
+unsafe fn pack_b_t<T: Load32>(
     b: Stored<'_, T>,
     depth: Range<usize>,
     cols: Range<usize>,

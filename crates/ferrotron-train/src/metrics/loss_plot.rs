@@ -115,16 +115,7 @@ impl LossPlot {
         let mut rgb = vec![0u8; self.width as usize * self.height as usize * 3];
         self.render(&mut rgb, xs, ys)
             .map_err(|e| io::Error::other(format!("drawing {}: {e}", self.path.display())))?;
-        let mut tmp = OsString::from(self.path.as_os_str());
-        tmp.push(".tmp");
-        let tmp = PathBuf::from(tmp);
-        let written = self
-            .encode_png(&tmp, &rgb)
-            .and_then(|()| std::fs::rename(&tmp, &self.path));
-        written.map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            io::Error::new(e.kind(), format!("writing {}: {e}", self.path.display()))
-        })
+        write_png(&self.path, (self.width, self.height), &rgb)
     }
 
     /// Axis ranges covering all points with a margin; `None` without points.
@@ -201,16 +192,33 @@ impl LossPlot {
         root.present()?;
         Ok(())
     }
+}
 
-    fn encode_png(&self, path: &Path, rgb: &[u8]) -> io::Result<()> {
-        let file = File::create(path)?;
-        let mut encoder = png::Encoder::new(BufWriter::new(file), self.width, self.height);
+/// Writes an RGB image (`width × height`, 3 bytes per pixel, row-major) as a PNG at `path`:
+/// encoded into `<path>.tmp`, then renamed over `path`, so a reader never sees a partial image
+/// (the temporary file is removed on failure).
+///
+/// # Errors
+/// An encoding, write or rename error with the path in its message.
+pub fn write_png(path: &Path, (width, height): (u32, u32), rgb: &[u8]) -> io::Result<()> {
+    let mut tmp = OsString::from(path.as_os_str());
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let encode = || -> io::Result<()> {
+        let file = File::create(&tmp)?;
+        let mut encoder = png::Encoder::new(BufWriter::new(file), width, height);
         encoder.set_color(png::ColorType::Rgb);
         encoder.set_depth(png::BitDepth::Eight);
         let mut writer = encoder.write_header().map_err(io::Error::other)?;
         writer.write_image_data(rgb).map_err(io::Error::other)?;
         writer.finish().map_err(io::Error::other)
-    }
+    };
+    encode()
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io::Error::new(e.kind(), format!("writing {}: {e}", path.display()))
+        })
 }
 
 /// Registers the embedded font with plotters (as [`FONT`]) once per process.

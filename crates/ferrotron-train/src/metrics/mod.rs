@@ -19,7 +19,7 @@ mod tensorboard;
 pub mod tfrecord;
 
 pub use event::{Event, EventData, Scalar};
-pub use loss_plot::{FONT, LossPlot, register_font};
+pub use loss_plot::{FONT, LossPlot, register_font, write_png};
 pub use tensorboard::{
     FILE_VERSION, TensorBoardWriter, event_file_name, megatron_scalars, read_event_file,
 };
