@@ -1,4 +1,5 @@
 use crate::module::{LinearParams, ModelLayout, ModelPart, ParamDecl, ParamId, TransformerLayer};
+use crate::param_table::ParamTable;
 use crate::train::core_attention::KeysValues;
 use crate::train::forward::{Pass, layer_forward};
 use crate::{
@@ -9,7 +10,8 @@ use ferrotron_nn::attention::alibi_slopes;
 use ferrotron_nn::{Embedding, Linear, NnError};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::RopeTable;
-use ferrotron_tensor::{DType, Device, Tensor};
+use ferrotron_tensor::{DType, Device, Tensor, TensorView};
+use std::borrow::Cow;
 
 /// Which positions get logits from [`GptModel::forward`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,10 +37,9 @@ pub struct GptModel {
     /// vocabulary divided by the tensor-parallel size, `num_layers` the layers held.
     local: TransformerConfig,
     layout: ModelLayout,
-    /// Parameter values in table order, each of its declaration's local shape.
-    params: Vec<Tensor>,
-    /// Storage dtype of the embedding and matmul weights (norms and biases are f32).
-    dtype: DType,
+    /// Parameter values in table order, each of its declaration's local shape, in one
+    /// flat storage of one dtype.
+    params: ParamTable,
     /// Rotary tables (`position_embedding_type` rope).
     rope: Option<RopeTable>,
     /// ALiBi slopes of this rank's query heads `[a/t]` (`position_embedding_type` alibi).
@@ -51,12 +52,9 @@ pub struct GptModel {
 
 /// Checks `params` (this rank's values, table order) against their declarations over `t`
 /// tensor-parallel ranks: count, local shapes, one storage dtype for the embedding and matmul
-/// weights; widens norm gains and biases to f32. Returns them with that dtype.
-fn check_params(
-    decls: &[ParamDecl],
-    params: Vec<Tensor>,
-    t: usize,
-) -> Result<(Vec<Tensor>, DType)> {
+/// weights. Returns them packed in a table of that dtype: norm gains and biases in another
+/// dtype are converted to it (as HF's `model.to(dtype)` and Megatron's bf16 params do).
+fn check_params(decls: &[ParamDecl], params: Vec<Tensor>, t: usize) -> Result<ParamTable> {
     if params.len() != decls.len() {
         return Err(ModelError::Input(format!(
             "{} parameter tensors given, the model declares {}",
@@ -69,8 +67,7 @@ fn check_params(
         .zip(&params)
         .find(|(d, _)| d.role.uses_params_dtype())
         .map_or(DType::F32, |(_, p)| p.dtype());
-    let mut checked = Vec::with_capacity(params.len());
-    for (decl, p) in decls.iter().zip(params) {
+    for (decl, p) in decls.iter().zip(&params) {
         let want = decl.local_shape(t);
         if p.shape() != want.as_slice() {
             return Err(NnError::ParamShape {
@@ -80,19 +77,15 @@ fn check_params(
             }
             .into());
         }
-        let p = match (decl.role.uses_params_dtype(), p.dtype()) {
-            (true, dt) if dt != dtype => {
-                return Err(ModelError::Input(format!(
-                    "{}: stored as {dt:?}, the model's other weights as {dtype:?}",
-                    decl.name
-                )));
-            }
-            (false, dt) if dt != DType::F32 => p.to_dtype(DType::F32),
-            _ => p,
-        };
-        checked.push(p);
+        if decl.role.uses_params_dtype() && p.dtype() != dtype {
+            return Err(ModelError::Input(format!(
+                "{}: stored as {:?}, the model's other weights as {dtype:?}",
+                decl.name,
+                p.dtype()
+            )));
+        }
     }
-    Ok((checked, dtype))
+    Ok(ParamTable::packed(&params, dtype))
 }
 
 impl GptModel {
@@ -123,7 +116,7 @@ impl GptModel {
         stage: Option<StageInfo>,
     ) -> Result<GptModel> {
         let t = tp.as_ref().map_or(1, |tp| tp.group.size());
-        let (checked, dtype) = check_params(layout.decls(), params, t)?;
+        let params = check_params(layout.decls(), params, t)?;
         let mut local = config.clone();
         if let Some(tp) = &tp {
             local.num_attention_heads /= t;
@@ -155,8 +148,7 @@ impl GptModel {
             config,
             local,
             layout,
-            params: checked,
-            dtype,
+            params,
             rope,
             alibi_slopes,
             tp,
@@ -199,36 +191,36 @@ impl GptModel {
         &self.layout.layers
     }
 
-    /// Storage dtype of the embedding and matmul weights (norm gains and biases are f32).
+    /// Storage dtype of every parameter (norm gains and biases too; the kernels widen them
+    /// to f32 where they are used).
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.params.dtype()
     }
 
     /// Where the parameters, and so the activations, live.
     pub fn device(&self) -> Device {
-        self.params.first().map_or(Device::Cpu, Tensor::device)
+        Device::Cpu
     }
 
     /// This rank's values of parameter `id`.
-    pub fn param(&self, id: ParamId) -> &Tensor {
-        &self.params[id.index()]
+    pub fn param(&self, id: ParamId) -> TensorView<'_> {
+        self.params.view(id.index())
     }
 
-    /// Every parameter's values, in table order.
-    pub(crate) fn param_tensors(&self) -> &[Tensor] {
+    /// The parameter table (this rank's values in table order).
+    pub fn param_table(&self) -> &ParamTable {
         &self.params
     }
 
-    /// Every parameter's values, mutable (shapes and dtypes must stay).
-    pub(crate) fn param_tensors_mut(&mut self) -> &mut [Tensor] {
+    /// The parameter table, mutable: re-homing it into the optimizer's buffer and lending
+    /// its storage ([`ParamTable::rehome`], [`ParamTable::take_storage`]).
+    pub fn param_table_mut(&mut self) -> &mut ParamTable {
         &mut self.params
     }
 
-    /// An f32 parameter (a norm gain or a bias).
-    pub(crate) fn f32_param(&self, id: ParamId) -> &[f32] {
-        self.params[id.index()]
-            .as_f32()
-            .expect("norm gains and biases are stored in f32")
+    /// A norm gain or a bias as f32 (widened when the table is narrower).
+    pub(crate) fn f32_param(&self, id: ParamId) -> Cow<'_, [f32]> {
+        self.params.f32_values(id.index())
     }
 
     /// The linear layer `p` over this rank's values.
@@ -245,7 +237,7 @@ impl GptModel {
     }
 
     /// The logits' weight `[v, h]` (the embedding table when tied): last stage only.
-    pub(crate) fn output_weight(&self) -> Result<&Tensor> {
+    pub(crate) fn output_weight(&self) -> Result<TensorView<'_>> {
         let id = self.layout.output_weight().ok_or_else(|| {
             ModelError::Input("only the last pipeline stage computes logits".into())
         })?;

@@ -37,8 +37,8 @@ pub struct InitConfig {
     /// `σ`, the std of the normal init (Megatron `init_method_std`, default 0.02); the output
     /// projections use `σ / √(2·num_layers)`. Must be finite and > 0.
     pub init_method_std: f32,
-    /// Storage dtype of the embedding, linear weights and output layer (values are drawn in
-    /// f32, then rounded to nearest even). Norm gains and biases are always f32.
+    /// Storage dtype of every parameter (values are drawn in f32, then rounded to nearest
+    /// even; the gains 1 and biases 0 are exact in every dtype).
     pub params_dtype: DType,
 }
 
@@ -168,7 +168,8 @@ impl GptModel {
 }
 
 /// Parameter `d` drawn as its declaration says: normals from the stream of its name (`σ`, or
-/// `scaled` = `σ/√(2L)`) in `init.params_dtype`, gains 1 and biases 0 in f32.
+/// `scaled` = `σ/√(2L)`) in `init.params_dtype`, gains 1 and biases 0 (the model's table
+/// converts them to its dtype).
 fn init_param(d: &ParamDecl, init: &InitConfig, scaled: f32) -> Result<Tensor> {
     let n = d.numel();
     let values = match d.init {

@@ -12,6 +12,7 @@ mod gpt_model;
 mod init;
 mod kv_cache;
 pub mod module;
+mod param_table;
 mod pipeline_stage;
 pub mod tensor_parallel;
 pub mod train;
@@ -25,6 +26,7 @@ pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
 pub use module::{ModelLayout, ParamDecl, ParamId, TransformerLayer};
+pub use param_table::ParamTable;
 pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{

@@ -190,7 +190,7 @@ impl GptModel {
         let params = layout
             .decls()
             .iter()
-            .map(|d| self.param_tensors()[index[d.name.as_str()]].clone())
+            .map(|d| self.param_table().view(index[d.name.as_str()]).to_tensor())
             .collect();
         let mut start = 0;
         let local_chunks = chunks

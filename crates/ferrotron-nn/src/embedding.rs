@@ -1,11 +1,11 @@
 use crate::Result;
-use ferrotron_tensor::{Tensor, ops::embedding_lookup};
+use ferrotron_tensor::{TensorView, ops::embedding_lookup};
 
 /// Token embedding table `[v, h]` over a borrowed parameter (Megatron `VocabParallelEmbedding`
 /// at tp 1).
 #[derive(Clone, Copy, Debug)]
 pub struct Embedding<'a> {
-    weight: &'a Tensor,
+    weight: TensorView<'a>,
 }
 
 impl<'a> Embedding<'a> {
@@ -13,13 +13,13 @@ impl<'a> Embedding<'a> {
     ///
     /// # Panics
     /// When the table is not 2-D (the model's declarations guarantee it).
-    pub fn new(weight: &'a Tensor) -> Embedding<'a> {
+    pub fn new(weight: TensorView<'a>) -> Embedding<'a> {
         assert_eq!(weight.shape().len(), 2, "an embedding table is [v, h]");
         Embedding { weight }
     }
 
     /// The `[v, h]` table (also the output layer's weight when embeddings are tied).
-    pub fn weight(&self) -> &'a Tensor {
+    pub fn weight(&self) -> TensorView<'a> {
         self.weight
     }
 

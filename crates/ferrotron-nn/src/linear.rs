@@ -1,14 +1,16 @@
-use ferrotron_tensor::{Tensor, gemm::matmul_weight_t, ops::add_bias};
+use ferrotron_tensor::{TensorView, gemm::matmul_weight_t, ops::add_bias};
+use std::borrow::Cow;
 
 /// A dense layer `y = x·Wᵀ + b` over borrowed parameters (Megatron `ColumnParallelLinear` /
 /// `RowParallelLinear` on one rank's shard).
 ///
-/// `weight: [out, in]` in any storage dtype; `bias: [out]` in f32. The parameters live in the
-/// model's parameter table; a `Linear` is a view built where it is used.
-#[derive(Clone, Copy, Debug)]
+/// `weight: [out, in]` in any storage dtype; `bias: [out]` in f32 (borrowed from an f32
+/// table, widened from a narrower one). The parameters live in the model's parameter table;
+/// a `Linear` is a view built where it is used.
+#[derive(Clone, Debug)]
 pub struct Linear<'a> {
-    weight: &'a Tensor,
-    bias: Option<&'a [f32]>,
+    weight: TensorView<'a>,
+    bias: Option<Cow<'a, [f32]>>,
 }
 
 impl<'a> Linear<'a> {
@@ -17,9 +19,9 @@ impl<'a> Linear<'a> {
     /// # Panics
     /// When the weight is not 2-D or the bias length is not `out` (the model's parameter
     /// declarations guarantee both; a mismatch is a bug).
-    pub fn new(weight: &'a Tensor, bias: Option<&'a [f32]>) -> Linear<'a> {
+    pub fn new(weight: TensorView<'a>, bias: Option<Cow<'a, [f32]>>) -> Linear<'a> {
         assert_eq!(weight.shape().len(), 2, "a linear weight is [out, in]");
-        if let Some(b) = bias {
+        if let Some(b) = &bias {
             assert_eq!(b.len(), weight.shape()[0], "a linear bias is [out]");
         }
         Linear { weight, bias }
@@ -36,19 +38,19 @@ impl<'a> Linear<'a> {
     }
 
     /// The `[out, in]` weight.
-    pub fn weight(&self) -> &'a Tensor {
+    pub fn weight(&self) -> TensorView<'a> {
         self.weight
     }
 
     /// The `[out]` bias, if any.
-    pub fn bias(&self) -> Option<&'a [f32]> {
-        self.bias
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
     }
 
     /// `y[rows, out] = x[rows, in]·Wᵀ + b`. Backward needs `x` (for dW) and `W` (for dx).
     pub fn forward(&self, x: &[f32], y: &mut [f32]) {
         self.forward_without_bias(x, y);
-        if let Some(b) = self.bias {
+        if let Some(b) = &self.bias {
             add_bias(y, b);
         }
     }

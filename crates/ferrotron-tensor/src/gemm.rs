@@ -142,12 +142,47 @@ fn widen_rows<'s, W: crate::Element>(
     block
 }
 
-/// A linear layer's weight `[n, k]` (HF `[out, in]`), borrowed in its storage dtype.
+/// Elements borrowed in their storage dtype: a linear layer's weight `[n, k]` (HF
+/// `[out, in]`), or any range of a [`Storage`](crate::Storage).
 #[derive(Clone, Copy, Debug)]
 pub enum WeightRef<'a> {
     F32(&'a [f32]),
     BF16(&'a [bf16]),
     F16(&'a [f16]),
+}
+
+impl<'a> WeightRef<'a> {
+    /// Element count.
+    pub fn len(&self) -> usize {
+        match self {
+            WeightRef::F32(v) => v.len(),
+            WeightRef::BF16(v) => v.len(),
+            WeightRef::F16(v) => v.len(),
+        }
+    }
+
+    /// True when no elements are borrowed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The storage dtype.
+    pub fn dtype(&self) -> crate::DType {
+        match self {
+            WeightRef::F32(_) => crate::DType::F32,
+            WeightRef::BF16(_) => crate::DType::BF16,
+            WeightRef::F16(_) => crate::DType::F16,
+        }
+    }
+
+    /// The elements as f32: borrowed when stored in f32, widened (exactly) otherwise.
+    pub fn to_f32(&self) -> std::borrow::Cow<'a, [f32]> {
+        match *self {
+            WeightRef::F32(v) => std::borrow::Cow::Borrowed(v),
+            WeightRef::BF16(v) => std::borrow::Cow::Owned(crate::convert_slice(v)),
+            WeightRef::F16(v) => std::borrow::Cow::Owned(crate::convert_slice(v)),
+        }
+    }
 }
 
 /// Activations with at most this many rows use the memory-bound GEMV kernels (decode);

@@ -15,12 +15,14 @@ pub mod gemm_bf16;
 pub mod gemv;
 pub mod ops;
 pub mod peak;
+mod storage;
 mod tensor;
 
 pub use buffer::Buffer;
 pub use dtype::{DType, Element, round_to_bf16_bits};
 pub use error::TensorError;
-pub use tensor::{Device, Storage, Tensor, convert_slice};
+pub use storage::Storage;
+pub use tensor::{Device, Tensor, TensorView, convert_slice};
 
 /// Result alias for tensor operations.
 pub type Result<T> = std::result::Result<T, TensorError>;

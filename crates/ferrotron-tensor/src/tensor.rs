@@ -1,7 +1,8 @@
 use crate::gemm::WeightRef;
-use crate::{DType, Element, Result, TensorError};
+use crate::{DType, Element, Result, Storage, TensorError};
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// Where a tensor's storage lives. Only the CPU exists today; CUDA comes later
 /// (design.md: everything must build and pass tests without a GPU).
@@ -9,39 +10,6 @@ use rayon::prelude::*;
 pub enum Device {
     #[default]
     Cpu,
-}
-
-/// Contiguous, row-major element storage of one dtype.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Storage {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
-    F16(Vec<f16>),
-}
-
-impl Storage {
-    /// Element count.
-    pub fn len(&self) -> usize {
-        match self {
-            Storage::F32(v) => v.len(),
-            Storage::BF16(v) => v.len(),
-            Storage::F16(v) => v.len(),
-        }
-    }
-
-    /// True when the storage holds no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The dtype of the elements.
-    pub fn dtype(&self) -> DType {
-        match self {
-            Storage::F32(_) => DType::F32,
-            Storage::BF16(_) => DType::BF16,
-            Storage::F16(_) => DType::F16,
-        }
-    }
 }
 
 /// A dense row-major tensor on the CPU: a shape and contiguous storage.
@@ -85,15 +53,9 @@ impl Tensor {
 
     /// A zero-filled tensor.
     pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let n = numel_of(shape)?;
-        let storage = match dtype {
-            DType::F32 => Storage::F32(vec![0.0; n]),
-            DType::BF16 => Storage::BF16(vec![bf16::ZERO; n]),
-            DType::F16 => Storage::F16(vec![f16::ZERO; n]),
-        };
         Ok(Tensor {
             shape: shape.to_vec(),
-            storage,
+            storage: Storage::zeros(dtype, numel_of(shape)?),
         })
     }
 
@@ -162,25 +124,20 @@ impl Tensor {
                 actual: src.len(),
             });
         }
-        fn narrow<D: Element>(dst: &mut [D], src: &[f32]) {
-            dst.par_chunks_mut(1 << 14)
-                .zip(src.par_chunks(1 << 14))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = D::from_f32(s)));
-        }
-        match &mut self.storage {
-            Storage::F32(v) => v.copy_from_slice(src),
-            Storage::BF16(v) => narrow(v, src),
-            Storage::F16(v) => narrow(v, src),
-        }
+        self.storage.set_from_f32(0..src.len(), src);
         Ok(())
     }
 
     /// Borrows the elements as a GEMM operand in their storage dtype.
     pub fn weight_ref(&self) -> WeightRef<'_> {
-        match &self.storage {
-            Storage::F32(v) => WeightRef::F32(v),
-            Storage::BF16(v) => WeightRef::BF16(v),
-            Storage::F16(v) => WeightRef::F16(v),
+        self.storage.view(0..self.numel())
+    }
+
+    /// Borrows the whole tensor as a [`TensorView`].
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            shape: &self.shape,
+            data: self.weight_ref(),
         }
     }
 
@@ -265,11 +222,7 @@ impl Tensor {
 
     /// All elements converted to f32 (a copy, rayon-parallel).
     pub fn to_f32_vec(&self) -> Vec<f32> {
-        match &self.storage {
-            Storage::F32(v) => v.clone(),
-            Storage::BF16(v) => convert_slice(v),
-            Storage::F16(v) => convert_slice(v),
-        }
+        self.storage.to_f32_range(0..self.numel())
     }
 
     /// Converts to another storage dtype (round-to-nearest-even for narrowing).
@@ -285,6 +238,71 @@ impl Tensor {
         };
         Tensor {
             shape: self.shape.clone(),
+            storage,
+        }
+    }
+}
+
+/// A borrowed tensor: a shape over elements in their storage dtype, e.g. one parameter of
+/// a model's flat parameter table (`ferrotron_model::ParamTable`) or a whole [`Tensor`]
+/// ([`Tensor::view`]).
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    shape: &'a [usize],
+    data: WeightRef<'a>,
+}
+
+impl<'a> TensorView<'a> {
+    /// `data` viewed with `shape`.
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when `data` does not hold exactly the shape's element count.
+    pub fn new(shape: &'a [usize], data: WeightRef<'a>) -> Result<TensorView<'a>> {
+        let expected = numel_of(shape)?;
+        if expected != data.len() {
+            return Err(TensorError::ShapeMismatch {
+                shape: shape.to_vec(),
+                expected,
+                actual: data.len(),
+            });
+        }
+        Ok(TensorView { shape, data })
+    }
+
+    /// The shape, outermost dimension first.
+    pub fn shape(&self) -> &'a [usize] {
+        self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Storage dtype.
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    /// The elements as a GEMM operand in their storage dtype.
+    pub fn weight_ref(&self) -> WeightRef<'a> {
+        self.data
+    }
+
+    /// The elements as f32: borrowed when stored in f32, widened (exactly) otherwise.
+    pub fn to_f32(&self) -> Cow<'a, [f32]> {
+        self.data.to_f32()
+    }
+
+    /// An owned copy.
+    pub fn to_tensor(&self) -> Tensor {
+        let storage = match self.data {
+            WeightRef::F32(v) => Storage::F32(v.to_vec()),
+            WeightRef::BF16(v) => Storage::BF16(v.to_vec()),
+            WeightRef::F16(v) => Storage::F16(v.to_vec()),
+        };
+        Tensor {
+            shape: self.shape.to_vec(),
             storage,
         }
     }

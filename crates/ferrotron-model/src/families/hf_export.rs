@@ -7,8 +7,9 @@ use super::schema::{Biases, ConfigSchema, KvHeads, activation_from_hf, activatio
 use super::{HfModelInfo, parse_hf_config};
 use crate::config::field_error;
 use crate::{GptModel, ModelError, ModelFamily, PositionEmbedding, Result, TransformerConfig};
+use ferrotron_tensor::gemm::WeightRef;
 use ferrotron_tensor::ops::RopeScaling;
-use ferrotron_tensor::{DType, Storage, Tensor};
+use ferrotron_tensor::{DType, TensorView};
 use serde_json::{Map, Value, json};
 use std::ops::Range;
 
@@ -357,7 +358,7 @@ pub struct HfTensor<'a> {
     /// HF shape: `[out, in]` for linear weights, `[v, h]` for embeddings, `[n]` for norms and
     /// biases.
     pub shape: Vec<usize>,
-    src: &'a Tensor,
+    src: TensorView<'a>,
     /// Ranges of the source's rows (`shape[1..]` elements each), concatenated in order.
     rows: Vec<Range<usize>>,
 }
@@ -375,10 +376,10 @@ impl HfTensor<'_> {
         let mut out = Vec::with_capacity(self.numel());
         for r in &self.rows {
             let span = r.start * cols..r.end * cols;
-            match self.src.storage() {
-                Storage::F32(v) => out.extend_from_slice(&v[span]),
-                Storage::BF16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
-                Storage::F16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
+            match self.src.weight_ref() {
+                WeightRef::F32(v) => out.extend_from_slice(&v[span]),
+                WeightRef::BF16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
+                WeightRef::F16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
             }
         }
         out
@@ -403,7 +404,8 @@ pub fn hf_tensors(model: &GptModel) -> Result<Vec<HfTensor<'_>>> {
         ));
     }
     let mut out = Vec::new();
-    for (d, src) in model.layout().decls().iter().zip(model.param_tensors()) {
+    for (i, d) in model.layout().decls().iter().enumerate() {
+        let src = model.param_table().view(i);
         for part in &d.hf {
             out.push(HfTensor {
                 name: part.name.clone(),

@@ -29,9 +29,10 @@ pub enum ParamRole {
     Embedding,
     /// A matmul weight (`[out, in]`). Stored in the model's params dtype.
     Weight,
-    /// A norm gain. Always f32; no weight decay by default.
+    /// A norm gain, stored in the model's params dtype too (converted to it when loaded in
+    /// another); widened to f32 where used. No weight decay by default.
     Norm,
-    /// A bias. Always f32; no weight decay by default.
+    /// A bias, stored and used as a norm gain. No weight decay by default.
     Bias,
 }
 
@@ -41,7 +42,8 @@ impl ParamRole {
         matches!(self, ParamRole::Norm | ParamRole::Bias)
     }
 
-    /// Stored in the model's params dtype (bf16 under bf16 training); the others are f32.
+    /// Decides the model's params dtype (bf16 under bf16 training): these must all come in
+    /// one dtype, and the norm gains and biases are converted to it.
     pub fn uses_params_dtype(self) -> bool {
         matches!(self, ParamRole::Embedding | ParamRole::Weight)
     }

@@ -22,7 +22,6 @@ use ferrotron_nn::TensorParallel;
 use ferrotron_tensor::Tensor;
 
 use crate::module::ModelLayout;
-use crate::train::params::f32_values;
 use crate::{GptModel, ModelError, Result};
 
 mod split;
@@ -86,9 +85,10 @@ impl GptModel {
         let params = layout
             .decls()
             .iter()
-            .zip(self.param_tensors())
-            .map(|(d, full)| {
-                let shard = d.split.shard(&f32_values(full), &d.shape, t, r);
+            .enumerate()
+            .map(|(i, d)| {
+                let full = self.param_table().view(i);
+                let shard = d.split.shard(&full.to_f32(), &d.shape, t, r);
                 Ok(Tensor::from_f32(&d.local_shape(t), shard)?.to_dtype(full.dtype()))
             })
             .collect::<Result<Vec<_>>>()?;

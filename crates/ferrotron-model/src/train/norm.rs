@@ -41,7 +41,7 @@ pub(crate) struct NormLayer<'m> {
     kind: Normalization,
     eps: f32,
     weight: Option<Cow<'m, [f32]>>,
-    bias: Option<&'m [f32]>,
+    bias: Option<Cow<'m, [f32]>>,
     /// Set for a q/k norm on a tensor-parallel shard: its rows span every rank's features
     /// (`full_width` in all), so the row statistics are all-reduced.
     split: Option<(&'m TpInfo, usize)>,
@@ -56,7 +56,7 @@ impl<'m> NormLayer<'m> {
             if c.apply_layernorm_1p {
                 Cow::Owned(w.iter().map(|w| 1.0 + w).collect())
             } else {
-                Cow::Borrowed(w)
+                w
             }
         });
         NormLayer {
@@ -113,7 +113,7 @@ impl<'m> NormLayer<'m> {
                 mean = Buffer::zeros(self.device, rows);
                 let stats = Some((mean.host_mut(), r));
                 let w = self.weight.as_deref();
-                layer_norm(x, n, w, self.bias, self.eps, o, stats);
+                layer_norm(x, n, w, self.bias.as_deref(), self.eps, o, stats);
             }
         }
         Ok((out, NormStats { rstd, mean }))

@@ -4,7 +4,6 @@
 //! optimizer's buffers.
 
 use crate::{GptModel, ModelError, Result};
-use ferrotron_tensor::{Storage, Tensor};
 use std::borrow::Cow;
 
 /// One trainable parameter as this rank holds it: its Megatron name, local shape and the
@@ -30,14 +29,6 @@ impl ParamInfo {
     }
 }
 
-/// The values of `t` as f32: borrowed when stored in f32, widened (exactly) otherwise.
-pub(crate) fn f32_values(t: &Tensor) -> Cow<'_, [f32]> {
-    match t.storage() {
-        Storage::F32(v) => Cow::Borrowed(v),
-        _ => Cow::Owned(t.to_f32_vec()),
-    }
-}
-
 impl GptModel {
     /// Every trainable parameter in table order: the embedding, then per layer
     /// `input_layernorm`, `linear_qkv` (weight, bias), `linear_proj` (weight, bias),
@@ -45,13 +36,14 @@ impl GptModel {
     /// `final_layernorm` and, when untied, `output_layer`. Biases appear only where the model
     /// has them; a pipeline stage lists what it holds.
     pub fn parameters(&self) -> Vec<ParamInfo> {
+        let table = self.param_table();
         self.layout()
             .decls()
             .iter()
-            .zip(self.param_tensors())
-            .map(|(d, t)| ParamInfo {
+            .enumerate()
+            .map(|(i, d)| ParamInfo {
                 name: d.name.clone(),
-                shape: t.shape().to_vec(),
+                shape: table.shape(i).to_vec(),
                 is_norm_or_bias: d.role.is_norm_or_bias(),
                 is_embedding: d.role == crate::module::ParamRole::Embedding,
             })
@@ -61,17 +53,17 @@ impl GptModel {
     /// One zeroed f32 vector per parameter, in table order, each [`ParamInfo::numel`] long:
     /// gradient storage for [`GptModel::forward_backward`].
     pub fn zero_grads(&self) -> Vec<Vec<f32>> {
-        self.param_tensors()
-            .iter()
-            .map(|t| vec![0f32; t.numel()])
+        let table = self.param_table();
+        (0..table.len())
+            .map(|i| vec![0f32; table.numel(i)])
             .collect()
     }
 
     /// Every parameter's values widened to f32 (exact), in table order.
     pub fn parameters_f32(&self) -> Vec<Vec<f32>> {
-        self.param_tensors()
-            .iter()
-            .map(Tensor::to_f32_vec)
+        let table = self.param_table();
+        (0..table.len())
+            .map(|i| table.f32_values(i).into_owned())
             .collect()
     }
 
@@ -82,27 +74,22 @@ impl GptModel {
     /// A count or length mismatch.
     pub fn copy_parameters_to(&self, dst: &mut [&mut [f32]]) -> Result<()> {
         self.check_slices(dst.iter().map(|d| d.len()))?;
-        for (t, d) in self.param_tensors().iter().zip(dst.iter_mut()) {
-            d.copy_from_slice(&f32_values(t));
+        for (i, d) in dst.iter_mut().enumerate() {
+            d.copy_from_slice(&self.param_table().f32_values(i));
         }
         Ok(())
     }
 
     /// Writes every parameter from `src` (f32, same order and lengths as
-    /// [`GptModel::copy_parameters_to`]), rounded to its storage dtype (round-to-nearest-even
-    /// for bf16/f16; norms and biases are f32).
-    ///
-    /// The optimizer keeps the f32 master weights in its own flat buffer and, after each
-    /// step, copies them into the model with this function.
+    /// [`GptModel::copy_parameters_to`]), rounded to the table's dtype (round-to-nearest-even
+    /// for bf16/f16).
     ///
     /// # Errors
     /// A count or length mismatch (nothing is written then).
     pub fn load_parameters_from(&mut self, src: &[&[f32]]) -> Result<()> {
         self.check_slices(src.iter().map(|s| s.len()))?;
-        for (t, s) in self.param_tensors_mut().iter_mut().zip(src) {
-            t.copy_from_f32(s)?;
-        }
-        Ok(())
+        let all: Vec<usize> = (0..src.len()).collect();
+        self.load_parameters_with(&all, |i| Cow::Borrowed(src[i]))
     }
 
     /// Parameter `index` (table order) widened to f32 (exact).
@@ -110,14 +97,14 @@ impl GptModel {
     /// # Errors
     /// No such parameter.
     pub fn parameter_f32(&self, index: usize) -> Result<Vec<f32>> {
-        self.param_tensors()
-            .get(index)
-            .map(Tensor::to_f32_vec)
-            .ok_or_else(|| self.no_such_param(index))
+        if index >= self.param_table().len() {
+            return Err(self.no_such_param(index));
+        }
+        Ok(self.param_table().f32_values(index).into_owned())
     }
 
     /// Writes the parameters `indices` (table order) from `src(i)` (f32, rounded to the
-    /// storage dtype as [`GptModel::load_parameters_from`]).
+    /// table's dtype as [`GptModel::load_parameters_from`]).
     ///
     /// # Errors
     /// An index beyond the parameters, or a source of the wrong length; the parameters
@@ -128,21 +115,12 @@ impl GptModel {
         mut src: impl FnMut(usize) -> Cow<'s, [f32]>,
     ) -> Result<()> {
         for &i in indices {
-            if i >= self.param_tensors().len() {
+            if i >= self.param_table().len() {
                 return Err(self.no_such_param(i));
             }
             let values = src(i);
-            let name = &self.layout().decls()[i].name;
-            let t = &self.param_tensors()[i];
-            if values.len() != t.numel() {
-                return Err(ModelError::Input(format!(
-                    "{name}: slice of {} elements, the parameter has {} ({:?})",
-                    values.len(),
-                    t.numel(),
-                    t.shape()
-                )));
-            }
-            self.param_tensors_mut()[i].copy_from_f32(&values)?;
+            let name = self.layout().decls()[i].name.clone();
+            self.param_table_mut().set_from_f32(i, &name, &values)?;
         }
         Ok(())
     }
@@ -150,27 +128,27 @@ impl GptModel {
     fn no_such_param(&self, index: usize) -> ModelError {
         ModelError::Input(format!(
             "parameter {index} of a model with {} parameters",
-            self.param_tensors().len()
+            self.param_table().len()
         ))
     }
 
     /// Checks one slice length per parameter, naming the first that disagrees.
     pub(crate) fn check_slices(&self, lens: impl ExactSizeIterator<Item = usize>) -> Result<()> {
-        let tensors = self.param_tensors();
-        if lens.len() != tensors.len() {
+        let table = self.param_table();
+        if lens.len() != table.len() {
             return Err(ModelError::Input(format!(
                 "{} parameter slices given, the model has {} parameters",
                 lens.len(),
-                tensors.len()
+                table.len()
             )));
         }
-        for ((t, got), d) in tensors.iter().zip(lens).zip(self.layout().decls()) {
-            if t.numel() != got {
+        for ((i, got), d) in lens.enumerate().zip(self.layout().decls()) {
+            if table.numel(i) != got {
                 return Err(ModelError::Input(format!(
                     "{}: slice of {got} elements, the parameter has {} ({:?})",
                     d.name,
-                    t.numel(),
-                    t.shape()
+                    table.numel(i),
+                    table.shape(i)
                 )));
             }
         }

@@ -7,11 +7,15 @@
 //! parameter `p` occupies `p.offset..p.offset + p.numel` in both. The layout (order, padding,
 //! buckets) is described at [`BufferConfig`].
 //!
-//! The model's layers read their weights from [`ParamAndGradBuffer::param`] slices (row-major,
-//! the registered shape) and accumulate their gradients into [`ParamAndGradBuffer::grad_mut`]
-//! slices; [`ParamAndGradBuffer::views`] hands out all weights (shared) and all gradients
-//! (exclusive) at once for a backward pass. The optimizer only ever sees the flat buffers; DDP
-//! communicates per bucket ([`ParamAndGradBuffer::bucket_grads_mut`]).
+//! In training the param storage is the model's own: the trainer moves it into the model's
+//! parameter table, laid out as here (`ferrotron_model::ParamTable::rehome`), and lends it
+//! back for the optimizer step and the parameter collectives
+//! ([`ParamAndGradBuffer::take_params`] / [`ParamAndGradBuffer::put_params`]) — one copy of
+//! the weights, as Megatron's module parameters are views of `param_data`. Backward
+//! accumulates gradients into [`ParamAndGradBuffer::grad_slices_mut`] slices (row-major, the
+//! registered shape); [`ParamAndGradBuffer::views`] hands out all weights (shared) and all
+//! gradients (exclusive) at once where the buffer holds both. The optimizer only ever sees
+//! the flat buffers; DDP communicates per bucket ([`ParamAndGradBuffer::bucket_grads_mut`]).
 
 mod layout;
 mod state;
@@ -108,7 +112,7 @@ impl ParamAndGradBufferBuilder {
         let mut order: Vec<ParamId> = (0..params.len()).map(ParamId).collect();
         order.sort_by_key(|id| params[id.0].offset);
         Ok(ParamAndGradBuffer {
-            param_data: ParamStorage::zeros(self.config.param_dtype, layout.numel),
+            param_data: Some(ParamStorage::zeros(self.config.param_dtype, layout.numel)),
             grad_data: vec![0.0; layout.numel],
             config: self.config,
             params,
@@ -138,9 +142,14 @@ pub struct ParamAndGradBuffer {
     buckets: Vec<BucketInfo>,
     /// Param ids sorted by offset.
     order: Vec<ParamId>,
-    param_data: ParamStorage,
+    /// `None` while lent out ([`ParamAndGradBuffer::take_params`]).
+    param_data: Option<ParamStorage>,
     grad_data: Vec<f32>,
 }
+
+/// The panic message of a parameter access while the storage is lent out: a bug in the
+/// owner of the buffer, which must [`ParamAndGradBuffer::put_params`] first.
+const LENT: &str = "parameter values accessed while the buffer's param storage is lent out";
 
 impl ParamAndGradBuffer {
     /// The layout configuration.
@@ -186,31 +195,81 @@ impl ParamAndGradBuffer {
         &self.buckets
     }
 
+    /// Moves the param storage out — to the model's parameter table, which reads it in place
+    /// (Megatron's module parameters are views into `param_data`; a Rust value has one owner,
+    /// so the storage moves between the two instead, a move of the vector, never a copy). Until [`put_params`](Self::put_params)
+    /// every parameter accessor panics; gradients stay usable.
+    ///
+    /// # Errors
+    /// [`OptimError::State`] when the storage is already out.
+    pub fn take_params(&mut self) -> Result<ParamStorage> {
+        self.param_data.take().ok_or_else(|| {
+            OptimError::State("the buffer's param storage is already lent out".into())
+        })
+    }
+
+    /// Puts the param storage back after [`take_params`](Self::take_params).
+    ///
+    /// # Errors
+    /// [`OptimError::State`] when the buffer holds a storage already, or `storage` is not
+    /// `numel` elements of the param dtype (it is dropped then).
+    pub fn put_params(&mut self, storage: ParamStorage) -> Result<()> {
+        if self.param_data.is_some() {
+            return Err(OptimError::State(
+                "the buffer's param storage was not lent out".into(),
+            ));
+        }
+        if storage.dtype() != self.config.param_dtype || storage.len() != self.numel() {
+            return Err(OptimError::State(format!(
+                "param storage of {} {:?} elements returned to a buffer of {} {:?}",
+                storage.len(),
+                storage.dtype(),
+                self.numel(),
+                self.config.param_dtype
+            )));
+        }
+        self.param_data = Some(storage);
+        Ok(())
+    }
+
+    /// True unless the param storage is lent out.
+    pub fn holds_params(&self) -> bool {
+        self.param_data.is_some()
+    }
+
+    fn storage(&self) -> &ParamStorage {
+        self.param_data.as_ref().expect(LENT)
+    }
+
+    fn storage_mut(&mut self) -> &mut ParamStorage {
+        self.param_data.as_mut().expect(LENT)
+    }
+
     /// The whole param buffer, typed. Errors with [`OptimError::DTypeMismatch`] when `T` is
     /// not the buffer's dtype (also for every typed accessor below).
     ///
     /// # Errors
     /// [`OptimError::DTypeMismatch`].
     pub fn params_flat<T: ParamElement>(&self) -> Result<&[T]> {
-        T::slice(&self.param_data)
+        T::slice(self.storage())
     }
     /// The whole param buffer, typed, mutable.
     ///
     /// # Errors
     /// [`OptimError::DTypeMismatch`].
     pub fn params_flat_mut<T: ParamElement>(&mut self) -> Result<&mut [T]> {
-        T::slice_mut(&mut self.param_data)
+        T::slice_mut(self.storage_mut())
     }
     /// The untyped param storage.
     pub fn param_storage(&self) -> &ParamStorage {
-        &self.param_data
+        self.storage()
     }
     /// The weight of parameter `id` (`numel` elements, row-major in its shape).
     ///
     /// # Errors
     /// [`OptimError::DTypeMismatch`].
     pub fn param<T: ParamElement>(&self, id: ParamId) -> Result<&[T]> {
-        Ok(&T::slice(&self.param_data)?[self.params[id.0].range()])
+        Ok(&T::slice(self.storage())?[self.params[id.0].range()])
     }
     /// The weight of parameter `id`, mutable.
     ///
@@ -218,11 +277,11 @@ impl ParamAndGradBuffer {
     /// [`OptimError::DTypeMismatch`].
     pub fn param_mut<T: ParamElement>(&mut self, id: ParamId) -> Result<&mut [T]> {
         let range = self.params[id.0].range();
-        Ok(&mut T::slice_mut(&mut self.param_data)?[range])
+        Ok(&mut T::slice_mut(self.storage_mut())?[range])
     }
     /// Parameter `id` converted to f32 (exact for bf16/f16).
     pub fn param_to_f32(&self, id: ParamId) -> Vec<f32> {
-        self.param_data.to_f32_range(self.params[id.0].range())
+        self.storage().to_f32_range(self.params[id.0].range())
     }
     /// Sets parameter `id` from f32 values (rounded to nearest-even for bf16/f16), e.g. when
     /// loading weights. Call [`Optimizer::reload_model_params`](crate::Optimizer) afterwards
@@ -239,7 +298,8 @@ impl ParamAndGradBuffer {
                 actual: values.len(),
             });
         }
-        self.param_data.set_from_f32(info.range(), values);
+        let range = info.range();
+        self.storage_mut().set_from_f32(range, values);
         Ok(())
     }
 
@@ -263,7 +323,7 @@ impl ParamAndGradBuffer {
     /// Both flat buffers at once, mutable (param storage, grads): for optimizers and
     /// communication that touch both.
     pub fn data_mut(&mut self) -> (&mut ParamStorage, &mut [f32]) {
-        (&mut self.param_data, &mut self.grad_data)
+        (self.param_data.as_mut().expect(LENT), &mut self.grad_data)
     }
 
     /// Every weight (shared) and every gradient (exclusive), indexed by param id.
@@ -271,7 +331,7 @@ impl ParamAndGradBuffer {
     /// # Errors
     /// [`OptimError::DTypeMismatch`].
     pub fn views<T: ParamElement>(&mut self) -> Result<BufferViews<'_, T>> {
-        let data = T::slice(&self.param_data)?;
+        let data = T::slice(self.param_data.as_ref().expect(LENT))?;
         let params = self.params.iter().map(|p| &data[p.range()]).collect();
         let grads = split_disjoint(&mut self.grad_data, &self.params, &self.order);
         Ok(BufferViews { params, grads })
@@ -281,7 +341,7 @@ impl ParamAndGradBuffer {
     /// # Errors
     /// [`OptimError::DTypeMismatch`].
     pub fn param_slices_mut<T: ParamElement>(&mut self) -> Result<Vec<&mut [T]>> {
-        let data = T::slice_mut(&mut self.param_data)?;
+        let data = T::slice_mut(self.param_data.as_mut().expect(LENT))?;
         Ok(split_disjoint(data, &self.params, &self.order))
     }
     /// Every gradient, mutable, indexed by param id.
@@ -294,7 +354,7 @@ impl ParamAndGradBuffer {
     /// # Errors
     /// [`OptimError::DTypeMismatch`].
     pub fn bucket_params<T: ParamElement>(&self, b: usize) -> Result<&[T]> {
-        Ok(&T::slice(&self.param_data)?[self.buckets[b].range()])
+        Ok(&T::slice(self.storage())?[self.buckets[b].range()])
     }
     /// Bucket `b`'s params, mutable.
     ///
@@ -302,7 +362,7 @@ impl ParamAndGradBuffer {
     /// [`OptimError::DTypeMismatch`].
     pub fn bucket_params_mut<T: ParamElement>(&mut self, b: usize) -> Result<&mut [T]> {
         let range = self.buckets[b].range();
-        Ok(&mut T::slice_mut(&mut self.param_data)?[range])
+        Ok(&mut T::slice_mut(self.storage_mut())?[range])
     }
     /// Bucket `b`'s gradients, padding included (what DDP all-reduces / reduce-scatters).
     pub fn bucket_grads(&self, b: usize) -> &[f32] {

@@ -20,20 +20,28 @@ pub struct BufferMeta {
 /// Name of the array holding the whole param buffer as f32 (`numel` elements).
 pub const PARAMS_ARRAY: &str = "params";
 
+impl ParamAndGradBuffer {
+    /// The layout fingerprint [`Stateful::export_state`] stores (no values: usable while the
+    /// param storage is lent out).
+    pub fn meta(&self) -> BufferMeta {
+        BufferMeta {
+            config: self.config.clone(),
+            params: self.params.clone(),
+            numel: self.numel(),
+        }
+    }
+}
+
 impl Stateful for ParamAndGradBuffer {
     type Meta = BufferMeta;
 
     /// Exports the layout and the whole param buffer as f32 (exact for bf16/f16). Gradients
     /// are transient (zeroed every iteration) and are not exported.
     fn export_state(&self) -> StateDict<BufferMeta> {
-        let mut state = StateDict::meta_only(BufferMeta {
-            config: self.config.clone(),
-            params: self.params.clone(),
-            numel: self.numel(),
-        });
+        let mut state = StateDict::meta_only(self.meta());
         state.arrays.insert(
             PARAMS_ARRAY.to_string(),
-            StateArray::F32(self.param_data.to_f32_range(0..self.numel())),
+            StateArray::F32(self.storage().to_f32_range(0..self.numel())),
         );
         state
     }
@@ -70,7 +78,7 @@ impl Stateful for ParamAndGradBuffer {
         }
         let values = state.take_f32(PARAMS_ARRAY, self.numel())?;
         let n = self.numel();
-        self.param_data.set_from_f32(0..n, &values);
+        self.storage_mut().set_from_f32(0..n, &values);
         self.zero_grad();
         Ok(())
     }

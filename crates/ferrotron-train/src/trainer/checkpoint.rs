@@ -16,6 +16,7 @@
 //! validation samples, the scheduler and optimizer scalars, the seed, and whatever the caller
 //! adds (the run config, the model's HF config).
 
+use super::step::{new_optimizer, with_params_in_buffer};
 use super::{Result, TrainError, Trainer};
 use ferrotron_checkpoint::dist::{
     CheckpointReader, CheckpointWriter, ParallelLayout, StoredDtype, iteration_dir,
@@ -230,7 +231,7 @@ impl Trainer {
         } else {
             reader.check_tensors(MODEL, &expected).map_err(ckpt_err)?;
         }
-        let mut buffer_state = self.buffer.export_state();
+        let mut buffer_state = StateDict::meta_only(self.buffer.meta());
         let mut flat = vec![0f32; self.buffer.numel()];
         for (i, p) in params.iter().enumerate() {
             let values = self.read_local(&reader, &format!("{MODEL}{}", p.name), i, 0..p.numel)?;
@@ -239,7 +240,9 @@ impl Trainer {
         buffer_state
             .arrays
             .insert("params".into(), StateArray::F32(flat));
-        self.buffer.import_state(buffer_state)?;
+        with_params_in_buffer(&mut self.model, &mut self.buffer, |buffer| {
+            Ok(buffer.import_state(buffer_state)?)
+        })?;
         let state = match (mode, stored_state) {
             (LoadMode::Resume, Some(state)) => {
                 self.load_optimizer(&reader, &params, &state)?;
@@ -252,11 +255,13 @@ impl Trainer {
             }
             (_, stored) => {
                 // Fresh optimizer state over the loaded weights (the master copy included).
-                self.optimizer = super::step::new_optimizer(&self.options, &self.buffer, &self.dp)?;
+                self.optimizer =
+                    with_params_in_buffer(&mut self.model, &mut self.buffer, |buffer| {
+                        new_optimizer(&self.options, buffer, &self.dp)
+                    })?;
                 stored.unwrap_or_else(|| self.current_state())
             }
         };
-        self.sync_model_from_buffer()?;
         Ok(state)
     }
 

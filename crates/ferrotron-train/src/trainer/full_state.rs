@@ -4,7 +4,6 @@
 
 use super::data_parallel::comm_err;
 use super::{Result, TrainError, Trainer};
-use ferrotron_optim::ParamId;
 
 /// Full-model parameters in the order of [`ferrotron_model::GptModel::parameters`] (pipeline
 /// stages after one another, the tied embedding's second copy dropped).
@@ -48,9 +47,7 @@ impl Trainer {
     pub fn gather_model_parameters(&self) -> Result<Option<NamedParams>> {
         self.require_params_current("gather_model_parameters")?;
         let infos = self.buffer.params();
-        let local: Vec<Vec<f32>> = (0..infos.len())
-            .map(|i| self.buffer.param_to_f32(ParamId(i)))
-            .collect();
+        let local = self.model.parameters_f32();
         let mut state = FullParams {
             names: infos.iter().map(|p| p.name.clone()).collect(),
             shapes: (0..infos.len())

@@ -19,15 +19,13 @@ use ferrotron_model::GptModel;
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 
 use super::data_parallel::{comm_err, storage_bytes};
-use super::step::load_model_params;
+use super::step::with_params_in_buffer;
 use super::{Result, TrainError};
 
 /// The in-flight parameter all-gathers of one optimizer step.
 pub(super) struct ParamGather {
     /// Per bucket: its gather, until installed.
     pending: Vec<Option<CommHandle<Vec<u8>>>>,
-    /// Per bucket: the parameters (indices) it holds.
-    bucket_params: Vec<Vec<usize>>,
     /// Per parameter: its bucket.
     param_bucket: Vec<usize>,
     /// Time spent waiting for gathers so far.
@@ -41,10 +39,6 @@ impl ParamGather {
         let ranges: Vec<_> = buffer.buckets().iter().map(|b| b.start..b.end).collect();
         let n = buffer.params().len();
         let param_bucket: Vec<usize> = (0..n).map(|i| buffer.info(ParamId(i)).bucket_id).collect();
-        let mut bucket_params = vec![Vec::new(); ranges.len()];
-        for (i, &b) in param_bucket.iter().enumerate() {
-            bucket_params[b].push(i);
-        }
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
         let bytes = storage_bytes(params);
@@ -56,7 +50,6 @@ impl ParamGather {
         }
         ParamGather {
             pending,
-            bucket_params,
             param_bucket,
             waited: Duration::ZERO,
         }
@@ -64,7 +57,7 @@ impl ParamGather {
 
     /// Makes parameters `0..end` (order of [`GptModel::parameters`]) current in `buffer`
     /// and `model`: waits for every bucket holding one of them that has not arrived yet,
-    /// then writes its parameters into the buffer and the model.
+    /// then writes its parameters into the storage the model reads.
     ///
     /// # Errors
     /// A failed all-gather, or a gathered bucket of the wrong size.
@@ -88,7 +81,7 @@ impl ParamGather {
             let start = Instant::now();
             let gathered = handle.wait().map_err(comm_err)?;
             self.waited += start.elapsed();
-            install_bucket(buffer, model, b, &gathered, &self.bucket_params[b])?;
+            install_bucket(buffer, model, b, &gathered)?;
         }
         Ok(())
     }
@@ -107,25 +100,27 @@ impl ParamGather {
     }
 }
 
-/// Writes gathered bucket `b` into the buffer, then its parameters into the model.
+/// Writes gathered bucket `b` into the parameter storage (the model's, lent to the buffer
+/// for the copy).
 fn install_bucket(
     buffer: &mut ParamAndGradBuffer,
     model: &mut GptModel,
     b: usize,
     gathered: &[u8],
-    params: &[usize],
 ) -> Result<()> {
     let range = buffer.buckets()[b].start..buffer.buckets()[b].end;
-    let (storage, _) = buffer.data_mut();
-    let elem = storage.dtype().size_in_bytes();
-    let dst = &mut storage_bytes(storage)[range.start * elem..range.end * elem];
-    if dst.len() != gathered.len() {
-        return Err(TrainError::Comm(format!(
-            "parameter bucket {b}: gathered {} bytes, expected {}",
-            gathered.len(),
-            dst.len()
-        )));
-    }
-    dst.copy_from_slice(gathered);
-    load_model_params(model, buffer, params)
+    with_params_in_buffer(model, buffer, |buffer| {
+        let (storage, _) = buffer.data_mut();
+        let elem = storage.dtype().size_in_bytes();
+        let dst = &mut storage_bytes(storage)[range.start * elem..range.end * elem];
+        if dst.len() != gathered.len() {
+            return Err(TrainError::Comm(format!(
+                "parameter bucket {b}: gathered {} bytes, expected {}",
+                gathered.len(),
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(gathered);
+        Ok(())
+    })
 }

@@ -6,6 +6,7 @@
 
 use super::overlap::BucketOverlap;
 use super::param_gather::ParamGather;
+use super::step::with_params_in_buffer;
 use super::{PipelineParallel, Result, TrainError, Trainer};
 use ferrotron_data::MicroBatch;
 use ferrotron_model::{GptModel, GradReady, LossStats, NoGradHook, TrainBatch};
@@ -137,31 +138,34 @@ impl Trainer {
     }
 
     /// AdamW at `lr` with the scheduled weight decay over the reduced gradients (grad-norm
-    /// and overflow statistics reduced over the tensor, pipeline and data-parallel ranks).
-    /// On success the updated weights reach the model — all-gathered now, or, with
-    /// `overlap_param_gather`, launched to arrive during the next forward — and the schedule
+    /// and overflow statistics reduced over the tensor, pipeline and data-parallel ranks),
+    /// in place in the parameter storage the model reads. On success, with the distributed
+    /// optimizer, the other ranks' updated shards are all-gathered now or, with
+    /// `overlap_param_gather`, launched to arrive during the next forward; the schedule
     /// advances one iteration. Returns the outcome and the time waited for the gather.
     pub(super) fn update(&mut self, lr: f64) -> Result<(StepOutcome, Duration)> {
-        let out = self.optimizer.step_with(
-            &mut self.buffer,
-            lr,
-            self.scheduler.weight_decay(),
-            &mut self.dp.stats_reduce(
-                self.model.tensor_parallel().map(|t| &**t.group.comm()),
-                self.pp.as_ref().map(|p| &**p.comm()),
-            ),
-        )?;
-        let mut gather_wait = Duration::ZERO;
-        if out.update_successful {
-            match self.dp.param_gather_comm() {
-                Some(comm) => self.param_gather = Some(ParamGather::launch(comm, &mut self.buffer)),
-                None => {
-                    let wait = Instant::now();
-                    self.dp.gather_params(&mut self.buffer)?;
-                    gather_wait = wait.elapsed();
-                    self.sync_model_from_buffer()?;
+        let tp = self.model.tensor_parallel().map(|t| t.group.comm().clone());
+        let (optimizer, dp, pp) = (&mut self.optimizer, &self.dp, &self.pp);
+        let weight_decay = self.scheduler.weight_decay();
+        let (out, gather, gather_wait) =
+            with_params_in_buffer(&mut self.model, &mut self.buffer, |buffer| {
+                let mut reduce = dp.stats_reduce(tp.as_deref(), pp.as_ref().map(|p| &**p.comm()));
+                let out = optimizer.step_with(buffer, lr, weight_decay, &mut reduce)?;
+                let (mut gather, mut waited) = (None, Duration::ZERO);
+                if out.update_successful {
+                    match dp.param_gather_comm() {
+                        Some(comm) => gather = Some(ParamGather::launch(comm, buffer)),
+                        None => {
+                            let start = Instant::now();
+                            dp.gather_params(buffer)?;
+                            waited = start.elapsed();
+                        }
+                    }
                 }
-            }
+                Ok((out, gather, waited))
+            })?;
+        if out.update_successful {
+            self.param_gather = gather;
             self.scheduler.step(1);
         }
         Ok((out, gather_wait))

@@ -22,7 +22,7 @@ use ferrotron_checkpoint::dist::{
 };
 use ferrotron_comm::{Collectives, Communicator};
 use ferrotron_model::ParamBox;
-use ferrotron_optim::{OwnedRanges, ParamId, StateArray, Stateful};
+use ferrotron_optim::{OwnedRanges, StateArray, Stateful};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -65,7 +65,7 @@ impl Trainer {
             let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
             // A parameter's boxes are consecutive: widen it to f32 once for all of them.
             for boxes in planned.chunk_by(|a, b| a.param == b.param) {
-                let values = self.buffer.param_to_f32(ParamId(boxes[0].param));
+                let values = self.model.parameter_f32(boxes[0].param)?;
                 push_boxes(&mut out, boxes, &values)?;
             }
             out.finish().map_err(ckpt_err)?;

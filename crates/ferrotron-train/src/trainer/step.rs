@@ -10,10 +10,8 @@ use ferrotron_data::MicroBatch;
 use ferrotron_model::GptModel;
 use ferrotron_optim::{
     BufferConfig, Optimizer, OptimizerParamScheduler, OwnedRanges, ParamAndGradBuffer,
-    ParamAndGradBufferBuilder, ParamFlags, ParamId,
+    ParamAndGradBufferBuilder, ParamFlags,
 };
-use ferrotron_tensor::DType;
-use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 /// What one [`Trainer::train_step`] did.
@@ -116,19 +114,19 @@ impl Trainer {
             builder.register(&p.name, &p.shape, flags)?;
         }
         let mut buffer = builder.build()?;
-        if dtype == DType::F32 {
-            model.copy_parameters_to(&mut buffer.param_slices_mut::<f32>()?)?;
-        } else {
-            // Exact: the model's bf16/f16 weights widen to f32 and round back unchanged (one
-            // parameter at a time, as in `sync_model_from_buffer`).
-            for i in 0..buffer.params().len() {
-                buffer.set_param_from_f32(ParamId(i), &model.parameter_f32(i)?)?;
-            }
-        }
-        dp.broadcast_params(&mut buffer)?;
-        let optimizer = new_optimizer(&options, &buffer, &dp)?;
+        // The model's values move into the buffer's zeroed storage, laid out as the buffer
+        // says; the model's table reads them there from now on (one copy of the weights).
+        let offsets: Vec<usize> = buffer.params().iter().map(|p| p.offset).collect();
+        let mut model = model;
+        model
+            .param_table_mut()
+            .rehome(buffer.take_params()?, &offsets)?;
+        let optimizer = with_params_in_buffer(&mut model, &mut buffer, |buffer| {
+            dp.broadcast_params(buffer)?;
+            new_optimizer(&options, buffer, &dp)
+        })?;
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
-        let mut trainer = Trainer {
+        Ok(Trainer {
             model,
             options,
             buffer,
@@ -141,11 +139,7 @@ impl Trainer {
             dp,
             pp: None,
             param_gather: None,
-        };
-        if trainer.dp.size() > 1 {
-            trainer.sync_model_from_buffer()?;
-        }
-        Ok(trainer)
+        })
     }
 
     /// The data-parallel group.
@@ -174,15 +168,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// Bytes of model state this rank holds: the parameter buffer (2 bytes per element in
-    /// bf16/fp16, 4 in fp32), the f32 gradient buffer (4) and the optimizer state (Adam
-    /// moments and fp32 master weights: 12 per owned element with 16-bit params, 8 in fp32).
-    /// Megatron's formula: `6 + 12/dp` bytes per parameter with bf16 params, fp32 grads and
-    /// the distributed optimizer (`18` without it); buffer padding adds a little.
+    /// Bytes of model state this rank holds, counted from the allocations: the parameter
+    /// storage the model and the buffer share (2 bytes per element in bf16/fp16, 4 in fp32),
+    /// the f32 gradient buffer (4) and the optimizer state (Adam moments and fp32 master
+    /// weights: 12 per owned element with 16-bit params, 8 in fp32). Megatron's formula:
+    /// `6 + 12/dp` bytes per parameter with bf16 params, fp32 grads and the distributed
+    /// optimizer (`18` without it; `16` in fp32); buffer padding adds a little.
     pub fn model_state_bytes(&self) -> usize {
-        let numel = self.buffer.numel();
-        numel * self.buffer.param_dtype().size_in_bytes()
-            + 4 * numel
+        self.model.param_table().storage_bytes()
+            + std::mem::size_of_val(self.buffer.grads())
             + self.optimizer.adam().state_bytes()
     }
 
@@ -221,11 +215,13 @@ impl Trainer {
         self.optimizer.skipped_iterations()
     }
 
-    /// Parameter `i` (order of `model.parameters()`) as held by the optimizer buffer,
-    /// widened to f32 (exact) when the buffer holds bf16/f16; a tensor-parallel shard's
-    /// local part.
+    /// Parameter `i` (order of `model.parameters()`) widened to f32 (exact) when the
+    /// parameters are bf16/f16; a tensor-parallel shard's local part.
+    ///
+    /// # Panics
+    /// `i` beyond the parameters.
     pub fn param(&self, i: usize) -> Vec<f32> {
-        self.buffer.param_to_f32(ParamId(i))
+        self.model.param_table().f32_values(i).into_owned()
     }
 
     /// One optimizer step over a global batch: this rank's `num_microbatches` micro-batches
@@ -304,12 +300,6 @@ impl Trainer {
         }
         Ok(())
     }
-
-    /// Copies the buffer's parameters into the model (after a step or a checkpoint load).
-    pub(super) fn sync_model_from_buffer(&mut self) -> Result<()> {
-        let all: Vec<usize> = (0..self.buffer.params().len()).collect();
-        load_model_params(&mut self.model, &self.buffer, &all)
-    }
 }
 
 /// AdamW over the whole buffer, or over this rank's shards with the distributed optimizer.
@@ -330,18 +320,23 @@ pub(super) fn new_optimizer(
     )?)
 }
 
-/// Writes the buffer's parameters `ids` into the model: borrowed when the buffer is f32,
-/// widened one parameter at a time otherwise (a widened copy of the whole model would be a 4
-/// bytes/parameter spike on top of the training state).
-pub(super) fn load_model_params(
+/// Runs `f` with the parameter storage in `buffer`: the optimizer step, the data-parallel
+/// broadcast and gathers, checkpoint import. The model's table and the buffer share one
+/// storage in the buffer's layout ([`ferrotron_model::ParamTable::rehome`]); it lives in the
+/// model between these calls, where forward and backward read it, and moves (never a copy)
+/// into the buffer for `f` — Megatron's module parameters being views of `param_data`. It
+/// goes back to the model whether `f` succeeds or fails.
+///
+/// # Errors
+/// What `f` returns; or the storage is already in the buffer (a nested call).
+pub(super) fn with_params_in_buffer<R>(
     model: &mut GptModel,
-    buffer: &ParamAndGradBuffer,
-    ids: &[usize],
-) -> Result<()> {
-    model.load_parameters_with(ids, |i| match buffer.param::<f32>(ParamId(i)) {
-        Ok(values) => Cow::Borrowed(values),
-        // a bf16/f16 buffer
-        Err(_) => Cow::Owned(buffer.param_to_f32(ParamId(i))),
-    })?;
-    Ok(())
+    buffer: &mut ParamAndGradBuffer,
+    f: impl FnOnce(&mut ParamAndGradBuffer) -> Result<R>,
+) -> Result<R> {
+    let table = model.param_table_mut();
+    buffer.put_params(table.take_storage()?)?;
+    let out = f(buffer);
+    table.restore_storage(buffer.take_params()?)?;
+    out
 }

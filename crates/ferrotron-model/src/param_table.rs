@@ -1,0 +1,260 @@
+//! [`ParamTable`]: a model's parameter values in ONE flat [`Storage`] of one dtype, each
+//! parameter a row-major range of it.
+//!
+//! Packed (parameters back to back in table order) when a model is built; re-homed into the
+//! optimizer's flat buffer for training ([`ParamTable::rehome`], the buffer's layout: its
+//! order, padding and bucket alignment), after which the model and Megatron-Core's
+//! `_ParamAndGradBuffer.param_data` (`megatron/core/distributed/param_and_grad_buffer.py`,
+//! whose module parameters are views into it) are the same memory: the trainer moves the
+//! storage to the buffer for the optimizer step and back ([`ParamTable::take_storage`],
+//! [`ParamTable::restore_storage`]) — a move, never a copy, so model state is Megatron's
+//! 18 bytes per parameter in bf16 (2 bf16 weights, 4 f32 grad, 12 f32 master + Adam moments)
+//! instead of a second weight copy beside the buffer.
+
+use crate::{ModelError, Result};
+use ferrotron_tensor::{DType, Storage, Tensor, TensorView};
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// Where one parameter sits in the storage.
+#[derive(Clone, Debug, PartialEq)]
+struct Slot {
+    offset: usize,
+    shape: Vec<usize>,
+    numel: usize,
+}
+
+impl Slot {
+    fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.numel
+    }
+}
+
+/// Parameter values in table order over one flat storage (see the module doc).
+#[derive(Clone, Debug)]
+pub struct ParamTable {
+    /// `None` while the storage is lent to the optimizer's buffer.
+    storage: Option<Storage>,
+    dtype: DType,
+    slots: Vec<Slot>,
+}
+
+impl ParamTable {
+    /// The values of `tensors` converted to `dtype` (round-to-nearest-even when narrowing)
+    /// and packed back to back in order.
+    pub fn packed(tensors: &[Tensor], dtype: DType) -> ParamTable {
+        let mut slots = Vec::with_capacity(tensors.len());
+        let mut offset = 0;
+        for t in tensors {
+            slots.push(Slot {
+                offset,
+                shape: t.shape().to_vec(),
+                numel: t.numel(),
+            });
+            offset += t.numel();
+        }
+        let mut storage = Storage::zeros(dtype, offset);
+        for (t, slot) in tensors.iter().zip(&slots) {
+            write_tensor(&mut storage, slot.range(), t);
+        }
+        ParamTable {
+            storage: Some(storage),
+            dtype,
+            slots,
+        }
+    }
+
+    /// Number of parameters.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// True when the table holds no parameters.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The storage dtype of every parameter.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Parameter `i`'s shape.
+    ///
+    /// # Panics
+    /// `i >= len()`.
+    pub fn shape(&self, i: usize) -> &[usize] {
+        &self.slots[i].shape
+    }
+
+    /// Parameter `i`'s element count.
+    ///
+    /// # Panics
+    /// `i >= len()`.
+    pub fn numel(&self, i: usize) -> usize {
+        self.slots[i].numel
+    }
+
+    /// The storage, which the table holds except while the trainer has lent it to the
+    /// optimizer's buffer; reading values then is a bug in the trainer, not an input error.
+    fn storage(&self) -> &Storage {
+        self.storage
+            .as_ref()
+            .expect("parameter values read while the storage is lent to the optimizer buffer")
+    }
+
+    /// Parameter `i` borrowed in the storage dtype.
+    ///
+    /// # Panics
+    /// `i >= len()`, or the storage is lent out.
+    pub fn view(&self, i: usize) -> TensorView<'_> {
+        let slot = &self.slots[i];
+        TensorView::new(&slot.shape, self.storage().view(slot.range()))
+            .expect("a slot's range matches its shape")
+    }
+
+    /// Parameter `i` as f32: borrowed from an f32 table, widened (exactly) otherwise.
+    ///
+    /// # Panics
+    /// As [`ParamTable::view`].
+    pub fn f32_values(&self, i: usize) -> Cow<'_, [f32]> {
+        self.view(i).to_f32()
+    }
+
+    /// Overwrites parameter `i` from f32 `values` (rounded to nearest-even for bf16/f16).
+    ///
+    /// # Errors
+    /// `values` not `numel(i)` long (nothing written), naming `name`.
+    ///
+    /// # Panics
+    /// As [`ParamTable::view`].
+    pub fn set_from_f32(&mut self, i: usize, name: &str, values: &[f32]) -> Result<()> {
+        let slot = &self.slots[i];
+        if values.len() != slot.numel {
+            return Err(ModelError::Input(format!(
+                "{name}: slice of {} elements, the parameter has {} ({:?})",
+                values.len(),
+                slot.numel,
+                slot.shape
+            )));
+        }
+        let range = slot.range();
+        self.storage
+            .as_mut()
+            .expect("parameter values written while the storage is lent to the optimizer buffer")
+            .set_from_f32(range, values);
+        Ok(())
+    }
+
+    /// Moves every parameter into `storage` at `offsets` (one per parameter, table order;
+    /// the storage's other elements — the buffer's padding — are left as they are) and makes
+    /// it the table's storage; the old storage is freed.
+    ///
+    /// # Errors
+    /// A count, dtype or range that does not fit (overlapping or out of bounds ranges);
+    /// the table is unchanged then.
+    pub fn rehome(&mut self, mut storage: Storage, offsets: &[usize]) -> Result<()> {
+        if offsets.len() != self.slots.len() || storage.dtype() != self.dtype {
+            return Err(ModelError::Input(format!(
+                "re-homing {} {:?} parameters into {} offsets of {:?} storage",
+                self.slots.len(),
+                self.dtype,
+                offsets.len(),
+                storage.dtype()
+            )));
+        }
+        let mut slots = self.slots.clone();
+        for (slot, &offset) in slots.iter_mut().zip(offsets) {
+            slot.offset = offset;
+        }
+        check_disjoint(&slots, storage.len())?;
+        let old = self.storage();
+        for (new, old_slot) in slots.iter().zip(&self.slots) {
+            copy_range(old, old_slot.range(), &mut storage, new.offset);
+        }
+        self.storage = Some(storage);
+        self.slots = slots;
+        Ok(())
+    }
+
+    /// Moves the storage out (to the optimizer's buffer, which shares the layout after
+    /// [`ParamTable::rehome`]); the table holds no values until
+    /// [`ParamTable::restore_storage`].
+    ///
+    /// # Errors
+    /// The storage is already lent out.
+    pub fn take_storage(&mut self) -> Result<Storage> {
+        self.storage.take().ok_or_else(|| {
+            ModelError::Input("the parameter storage is already lent to the optimizer".into())
+        })
+    }
+
+    /// Takes `storage` back after [`ParamTable::take_storage`].
+    ///
+    /// # Errors
+    /// The table holds a storage already, or `storage` has another dtype or is too short for
+    /// the slots (it is dropped then, and the table stays without values).
+    pub fn restore_storage(&mut self, storage: Storage) -> Result<()> {
+        if self.storage.is_some() {
+            return Err(ModelError::Input(
+                "the parameter storage was not lent out: nothing to restore".into(),
+            ));
+        }
+        let end = self.slots.iter().map(|s| s.offset + s.numel).max();
+        if storage.dtype() != self.dtype || end.is_some_and(|end| end > storage.len()) {
+            return Err(ModelError::Input(format!(
+                "restored parameter storage is {} elements of {:?}; the table needs {:?} up \
+                 to element {}",
+                storage.len(),
+                storage.dtype(),
+                self.dtype,
+                end.unwrap_or(0)
+            )));
+        }
+        self.storage = Some(storage);
+        Ok(())
+    }
+
+    /// Bytes of the storage (padding included; 0 while lent out).
+    pub fn storage_bytes(&self) -> usize {
+        self.storage
+            .as_ref()
+            .map_or(0, |s| s.len() * s.dtype().size_in_bytes())
+    }
+}
+
+/// Errors unless the slots' ranges are disjoint and inside `len` elements.
+fn check_disjoint(slots: &[Slot], len: usize) -> Result<()> {
+    let mut ranges: Vec<Range<usize>> = slots.iter().map(Slot::range).collect();
+    ranges.sort_by_key(|r| r.start);
+    let mut end = 0;
+    for r in ranges {
+        if r.start < end || r.end > len {
+            return Err(ModelError::Input(format!(
+                "parameter range {r:?} overlaps another or leaves the {len}-element storage"
+            )));
+        }
+        end = r.end;
+    }
+    Ok(())
+}
+
+/// Writes tensor `t` (any dtype) into `dst[range]` in `dst`'s dtype.
+fn write_tensor(dst: &mut Storage, range: Range<usize>, t: &Tensor) {
+    if t.dtype() == dst.dtype() {
+        copy_range(t.storage(), 0..t.numel(), dst, range.start);
+    } else {
+        dst.set_from_f32(range, &t.to_f32_vec());
+    }
+}
+
+/// Copies `src[range]` to `dst[at..]` (same dtype).
+fn copy_range(src: &Storage, range: Range<usize>, dst: &mut Storage, at: usize) {
+    let n = range.len();
+    match (src, dst) {
+        (Storage::F32(s), Storage::F32(d)) => d[at..at + n].copy_from_slice(&s[range]),
+        (Storage::BF16(s), Storage::BF16(d)) => d[at..at + n].copy_from_slice(&s[range]),
+        (Storage::F16(s), Storage::F16(d)) => d[at..at + n].copy_from_slice(&s[range]),
+        _ => unreachable!("copy_range between storages of one dtype"),
+    }
+}

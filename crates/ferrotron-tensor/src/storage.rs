@@ -1,0 +1,110 @@
+//! [`Storage`]: contiguous elements of one dtype — the data of a [`Tensor`](crate::Tensor),
+//! and the flat parameter storage that a model's parameter table and the optimizer's
+//! `ParamAndGradBuffer` hand to each other (Megatron-Core's `param_data`).
+
+use crate::gemm::WeightRef;
+use crate::{DType, Element};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::ops::Range;
+
+/// Contiguous, row-major element storage of one dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Storage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+/// Elements converted per rayon task by the f32 copies below.
+const CHUNK: usize = 1 << 14;
+
+impl Storage {
+    /// Zero-filled storage of `numel` elements of `dtype`.
+    pub fn zeros(dtype: DType, numel: usize) -> Storage {
+        match dtype {
+            DType::F32 => Storage::F32(vec![0.0; numel]),
+            DType::BF16 => Storage::BF16(vec![bf16::ZERO; numel]),
+            DType::F16 => Storage::F16(vec![f16::ZERO; numel]),
+        }
+    }
+
+    /// Element count.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::F32(v) => v.len(),
+            Storage::BF16(v) => v.len(),
+            Storage::F16(v) => v.len(),
+        }
+    }
+
+    /// True when the storage holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::F32(_) => DType::F32,
+            Storage::BF16(_) => DType::BF16,
+            Storage::F16(_) => DType::F16,
+        }
+    }
+
+    /// Borrows `range` in the storage dtype.
+    ///
+    /// # Panics
+    /// When `range` leaves the storage (callers check first).
+    pub fn view(&self, range: Range<usize>) -> WeightRef<'_> {
+        match self {
+            Storage::F32(v) => WeightRef::F32(&v[range]),
+            Storage::BF16(v) => WeightRef::BF16(&v[range]),
+            Storage::F16(v) => WeightRef::F16(&v[range]),
+        }
+    }
+
+    /// Copies `range` out as f32 (exact for every dtype).
+    ///
+    /// # Panics
+    /// When `range` leaves the storage.
+    pub fn to_f32_range(&self, range: Range<usize>) -> Vec<f32> {
+        let mut out = vec![0.0; range.len()];
+        self.copy_to_f32(range, &mut out);
+        out
+    }
+
+    /// Converts `range` to f32 into `out` (same length) without allocating.
+    ///
+    /// # Panics
+    /// When `out.len() != range.len()` or `range` leaves the storage.
+    pub fn copy_to_f32(&self, range: Range<usize>, out: &mut [f32]) {
+        fn widen<T: Element>(s: &[T], d: &mut [f32]) {
+            d.par_chunks_mut(CHUNK)
+                .zip(s.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32()));
+        }
+        match self {
+            Storage::F32(v) => out.copy_from_slice(&v[range]),
+            Storage::BF16(v) => widen(&v[range], out),
+            Storage::F16(v) => widen(&v[range], out),
+        }
+    }
+
+    /// Writes f32 values into `range`, rounding to nearest-even for bf16/f16.
+    ///
+    /// # Panics
+    /// When `values.len() != range.len()` or `range` leaves the storage.
+    pub fn set_from_f32(&mut self, range: Range<usize>, values: &[f32]) {
+        fn narrow<T: Element>(d: &mut [T], s: &[f32]) {
+            d.par_chunks_mut(CHUNK)
+                .zip(s.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = T::from_f32(s)));
+        }
+        match self {
+            Storage::F32(v) => v[range].copy_from_slice(values),
+            Storage::BF16(v) => narrow(&mut v[range], values),
+            Storage::F16(v) => narrow(&mut v[range], values),
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Model-state memory per data-parallel rank, measured, against Megatron's formula.
+//!
+//! Megatron-Core's "distributed optimizer" docs count the bytes per parameter each rank holds
+//! for the model state: bf16 params (2) + f32 grads (4) + f32 master weights and Adam moments
+//! (12) = **18**, or **6 + 12/dp** when the distributed optimizer shards the last 12 over `dp`
+//! ranks; in fp32 16, or 8 + 8/dp.
+//!
+//! This example loads an HF model on `--data-parallel-size` in-process ranks (each rank its
+//! own copy, as separate processes would), builds a [`Trainer`] on each and runs one step
+//! (so every gradient, master weight and moment has been written), and measures the **live
+//! heap bytes** with a counting global allocator: those in use with every rank's trainer
+//! alive minus those in use before the first model was loaded, divided by the ranks. So the
+//! measurement includes everything a rank keeps (model, buffers, optimizer, communicator,
+//! config) and nothing the step freed (activations). It prints one JSON line: the measured
+//! bytes per parameter per rank, what [`Trainer::model_state_bytes`] counts from the
+//! allocations, and the formula; plus the peak live bytes per rank during the step and the
+//! process's `VmRSS`.
+//!
+//! `cargo run --release -p ferrotron-train --example model_state_memory -- MODEL_DIR \
+//!   --precision bf16 --data-parallel-size 2 --use-distributed-optimizer`
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::{Parser, ValueEnum};
+use ferrotron_comm::run_local;
+use ferrotron_data::MicroBatch;
+use ferrotron_model::families::load_hf_model;
+use ferrotron_optim::Precision as OptimPrecision;
+use ferrotron_tensor::DType;
+use ferrotron_train::trainer::{DataParallel, Trainer, TrainerOptions};
+use serde_json::json;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The system allocator, counting the bytes in use and their high-water mark.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to `System` unchanged; the counters are only statistics.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is `System::alloc`'s.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as `alloc`.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator with `layout`.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Precision {
+    F32,
+    Bf16,
+}
+
+/// Measures the model state one data-parallel rank holds (see the module doc).
+#[derive(Parser)]
+struct Args {
+    /// HF model directory (config.json + safetensors).
+    model_dir: PathBuf,
+    /// Training precision: bf16 params with f32 grads/master/moments, or f32 throughout.
+    #[arg(long, value_enum, default_value = "bf16")]
+    precision: Precision,
+    /// In-process data-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: usize,
+    /// Shard the master weights and Adam moments over the ranks (ZeRO-1).
+    #[arg(long)]
+    use_distributed_optimizer: bool,
+    /// Tokens per sequence of the one training step (one sequence per rank).
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+}
+
+fn main() -> ExitCode {
+    match run(&Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(a: &Args) -> Result<()> {
+    let dp = a.data_parallel_size;
+    if dp == 0 || a.seq == 0 {
+        bail!("--data-parallel-size and --seq must be >= 1");
+    }
+    let (dtype, precision, mode, formula) = match a.precision {
+        Precision::F32 => (DType::F32, OptimPrecision::Fp32, "f32", (8.0, 8.0)),
+        Precision::Bf16 => (DType::BF16, OptimPrecision::Bf16, "bf16", (6.0, 12.0)),
+    };
+    let sharded = a.use_distributed_optimizer;
+    let formula = formula.0 + formula.1 / if sharded { dp as f64 } else { 1.0 };
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let trainers = run_local(dp, |comm| -> Result<Trainer> {
+        let (model, _) = load_hf_model(&a.model_dir, dtype)
+            .with_context(|| format!("loading {}", a.model_dir.display()))?;
+        let vocab = model.config().vocab_size as u64;
+        let options = TrainerOptions {
+            micro_batch_size: 1,
+            global_batch_size: dp,
+            data_parallel_size: dp,
+            train_iters: 1,
+            precision,
+            ..TrainerOptions::default()
+        };
+        let group = DataParallel::new(Arc::new(comm), sharded);
+        let mut trainer = Trainer::new_data_parallel(model, options, group)?;
+        let s = a.seq;
+        let tokens: Vec<u32> = (0..=s as u64).map(|i| (i * 7919 % vocab) as u32).collect();
+        let batch = MicroBatch {
+            micro_batch_size: 1,
+            seq_length: s,
+            tokens: tokens[..s].to_vec(),
+            labels: tokens[1..].to_vec(),
+            loss_mask: vec![1.0; s],
+            position_ids: (0..s as u32).collect(),
+            segment_ids: vec![0; s],
+            sample_indices: vec![0],
+            consumed_samples: 1,
+        };
+        trainer.train_step(&[batch])?;
+        Ok(trainer)
+    })
+    .map_err(|e| anyhow!("{e}"))?;
+    let live = LIVE.load(Ordering::Relaxed) - before;
+    let peak = PEAK.load(Ordering::Relaxed) - before;
+    let numel: usize = trainers[0]
+        .model()
+        .parameters()
+        .iter()
+        .map(|p| p.numel())
+        .sum();
+    let per_param = |bytes: usize| bytes as f64 / (dp * numel) as f64;
+    let counted: usize = trainers.iter().map(Trainer::model_state_bytes).sum();
+    let line = json!({
+        "mode": mode,
+        "data_parallel_size": dp,
+        "use_distributed_optimizer": sharded,
+        "parameters": numel,
+        "measured_bytes_per_param_per_rank": round(per_param(live)),
+        "counted_bytes_per_param_per_rank": round(per_param(counted)),
+        "formula_bytes_per_param": round(formula),
+        "measured_mib_per_rank": round(live as f64 / dp as f64 / (1 << 20) as f64),
+        "peak_live_mib_per_rank": round(peak as f64 / dp as f64 / (1 << 20) as f64),
+        "vm_rss_mib": vm_rss_mib(),
+    });
+    println!("{line}");
+    Ok(())
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// The process's resident set (`VmRSS` of `/proc/self/status`) in MiB, where readable.
+fn vm_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(round(kib / 1024.0))
+}
