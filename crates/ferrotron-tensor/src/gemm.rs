@@ -211,7 +211,7 @@ pub fn matmul_weight_t(
             let (xr, yr) = (&x[r * k..(r + 1) * k], &mut y[r * n..(r + 1) * n]);
             match w {
                 WeightRef::F32(w) => gemv::gemv(w, xr, yr, accumulate),
-                WeightRef::BF16(w) => gemv::gemv(w, xr, yr, accumulate),
+                WeightRef::BF16(w) => gemv::gemv_bf16(w, xr, yr, accumulate),
                 WeightRef::F16(w) => gemv::gemv(w, xr, yr, accumulate),
             }
         }
@@ -461,17 +461,14 @@ mod tests {
         for m in [1, 2, 5] {
             let x = data(m * k, 4);
             for (weight, values, round) in weights(&w, &wb, &wh, &wide) {
-                // Decode (m <= GEMV_MAX_ROWS) keeps f32 activations.
-                let x_used = if round && m > GEMV_MAX_ROWS {
-                    rounded(&x)
-                } else {
-                    x.clone()
-                };
+                // bf16 weights round the activations on every path, decode's GEMV included.
+                let x_used = if round { rounded(&x) } else { x.clone() };
                 let want = naive(m, n, k, &x_used, Op::N, values, Op::T);
                 let mut y = vec![0f32; m * n];
                 matmul_weight_t(&x, weight, &mut y, m, n, k, false);
                 for (g, w) in y.iter().zip(&want) {
-                    assert!((g - w).abs() < 1e-4, "m={m} {weight:?}: {g} vs {w}");
+                    let dtype = weight.dtype();
+                    assert!((g - w).abs() < 1e-4, "m={m} {dtype:?}: {g} vs {w}");
                 }
             }
         }

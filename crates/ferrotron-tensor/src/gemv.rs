@@ -1,9 +1,12 @@
 //! Matrix-vector products `y[n] = w[n, k] · x[k]` for decode, where every weight byte is read
-//! once per token: memory bandwidth, not FLOPs, sets the speed, so bf16/f16 weights (half the
-//! bytes of f32) are widened to f32 in registers. AVX-512 kernels are chosen at run time;
-//! other CPUs use a portable loop.
+//! once per token: memory bandwidth, not FLOPs, sets the speed. f16 weights (half the bytes
+//! of f32) are widened to f32 in registers ([`gemv`]); bf16 weights multiply in bf16 as the
+//! bf16 GEMM does ([`gemv_bf16`]: `x` rounded to bf16, `vdpbf16ps` where the CPU has
+//! AVX512-BF16). AVX-512 kernels are chosen at run time; other CPUs use a portable loop.
 
-use crate::Element;
+use crate::gemm_bf16::Bf16Kernel;
+use crate::{Element, round_to_bf16_bits};
+use half::bf16;
 use rayon::prelude::*;
 
 /// Output rows handled by one rayon task.
@@ -23,6 +26,38 @@ pub fn gemv<W: Element + Widen>(w: &[W], x: &[f32], y: &mut [f32], accumulate: b
             let w_chunk = &w[row0 * k..(row0 + y_chunk.len()) * k];
             dot_rows(w_chunk, x, y_chunk, accumulate);
         });
+}
+
+/// `y[n] = w[n, k] · x[k]` (`+=` when `accumulate`) for bf16 weights, as bf16 x bf16 -> f32:
+/// `x` is rounded to bf16 (nearest-even, as [`crate::gemm_bf16`] packs a matmul's activations
+/// and as autocast casts them), every product is exact and the sums are f32 — so one token
+/// decodes to the values a prefill of more rows computes, up to the order of the f32 sums.
+/// AVX512-BF16 `vdpbf16ps` does 32 products per instruction (llama.cpp's BF16 `vec_dot`
+/// does the same); without it the rounded `x` goes through the widening kernel of [`gemv`].
+///
+/// # Panics
+/// When `w.len() < y.len() * x.len()` (a caller bug).
+pub fn gemv_bf16(w: &[bf16], x: &[f32], y: &mut [f32], accumulate: bool) {
+    let k = x.len();
+    assert!(w.len() >= y.len() * k);
+    let xb: Vec<bf16> = x
+        .iter()
+        .map(|&v| bf16::from_bits(round_to_bf16_bits(v)))
+        .collect();
+    #[cfg(target_arch = "x86_64")]
+    if Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16) {
+        y.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(t, y_chunk)| {
+                let row0 = t * ROWS_PER_TASK;
+                let w_chunk = &w[row0 * k..(row0 + y_chunk.len()) * k];
+                // SAFETY: the CPU has AVX512F and AVX512-BF16 (checked above).
+                unsafe { avx512::dot_rows_bf16(w_chunk, &xb, y_chunk, accumulate) };
+            });
+        return;
+    }
+    let rounded: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+    gemv(w, &rounded, y, accumulate);
 }
 
 fn dot_rows<W: Element + Widen>(w: &[W], x: &[f32], y: &mut [f32], accumulate: bool) {
@@ -145,6 +180,55 @@ mod avx512 {
             *yj = if accumulate { *yj + s } else { s };
         }
     }
+
+    /// [`dot_rows`] for bf16 rows and a bf16 `x`: `vdpbf16ps` multiplies 32 consecutive
+    /// elements of a row by those of `x` (pairs `(2i, 2i+1)` add into f32 lane `i`), four
+    /// accumulators (128 weights per step); the tail in scalar f32 (exact products).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn dot_rows_bf16(w: &[bf16], x: &[bf16], y: &mut [f32], accumulate: bool) {
+        let k = x.len();
+        let k128 = k / 128 * 128;
+        let k32 = k / 32 * 32;
+        assert!(w.len() >= y.len() * k);
+        let xp = x.as_ptr();
+        for (j, yj) in y.iter_mut().enumerate() {
+            let row = &w[j * k..(j + 1) * k];
+            let rp = row.as_ptr();
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut p = 0;
+            // SAFETY: every load below reads 32 elements at p + o < k32 <= k of row and x.
+            unsafe {
+                while p < k128 {
+                    for (o, a) in acc.iter_mut().enumerate() {
+                        let q = p + 32 * o;
+                        *a = _mm512_dpbf16_ps(*a, load32(rp.add(q)), load32(xp.add(q)));
+                    }
+                    p += 128;
+                }
+                while p < k32 {
+                    acc[0] = _mm512_dpbf16_ps(acc[0], load32(rp.add(p)), load32(xp.add(p)));
+                    p += 32;
+                }
+            }
+            let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            let mut s = _mm512_reduce_add_ps(sum);
+            for q in k32..k {
+                s += row[q].to_f32() * x[q].to_f32();
+            }
+            *yj = if accumulate { *yj + s } else { s };
+        }
+    }
+
+    /// 32 bf16 at `p` as a `vdpbf16ps` operand.
+    ///
+    /// # Safety
+    /// `p..p+32` is readable and the CPU has AVX512F and AVX512-BF16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn load32(p: *const bf16) -> __m512bh {
+        // SAFETY: 32 readable bf16 (caller) are the 512 bits of a __m512bh.
+        unsafe { std::mem::transmute(_mm512_loadu_si512(p.cast())) }
+    }
 }
 
 #[cfg(test)]
@@ -179,6 +263,31 @@ mod tests {
             gemv(&wh, &x, &mut got, false);
             for (g, w) in got.iter().zip(&want_h) {
                 assert!((g - w).abs() < 1e-4 * (1.0 + w.abs()));
+            }
+        }
+    }
+
+    /// bf16 weights: `x` rounded to bf16, exact products, f32 sums — within f32 summation
+    /// error of the f64 sum of the rounded products, for lengths with and without a tail.
+    #[test]
+    fn bf16_gemv_multiplies_the_rounded_activations() {
+        for (n, k) in [(1, 1), (7, 33), (130, 576), (5, 100), (3, 1536)] {
+            let w: Vec<bf16> = (0..n * k)
+                .map(|i| bf16::from_f32(((i * 7919) % 211) as f32 / 100.0 - 1.0))
+                .collect();
+            let x: Vec<f32> = (0..k).map(|i| ((i * 31) % 17) as f32 / 7.0 - 1.1).collect();
+            let mut got = vec![0.25f32; n];
+            gemv_bf16(&w, &x, &mut got, true);
+            for (j, g) in got.iter().enumerate() {
+                let (mut want, mut scale) = (0.25f64, 0.25f64);
+                for q in 0..k {
+                    let xr = bf16::from_f32(x[q]).to_f32() as f64;
+                    let prod = w[j * k + q].to_f32() as f64 * xr;
+                    want += prod;
+                    scale += prod.abs();
+                }
+                let err = (*g as f64 - want).abs();
+                assert!(err <= 1e-6 * scale, "n {n} k {k} row {j}: {g} vs {want}");
             }
         }
     }

