@@ -258,3 +258,58 @@ fn copy_range(src: &Storage, range: Range<usize>, dst: &mut Storage, at: usize) 
         _ => unreachable!("copy_range between storages of one dtype"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> ParamTable {
+        let a = Tensor::from_f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let b = Tensor::from_f32(&[2], vec![1.0 + 1.0 / 512.0, -7.0]).unwrap();
+        ParamTable::packed(&[a, b], DType::BF16)
+    }
+
+    #[test]
+    fn packing_rounds_to_the_table_dtype() {
+        let t = table();
+        assert_eq!(t.dtype(), DType::BF16);
+        assert_eq!(t.view(0).shape(), &[2, 3]);
+        // 1 + 2^-9 is a quarter of a bf16 ulp above 1: it rounds to 1.
+        assert_eq!(&*t.f32_values(1), &[1.0, -7.0]);
+        assert_eq!(t.storage_bytes(), 8 * 2);
+    }
+
+    #[test]
+    fn rehome_moves_values_to_the_offsets_and_keeps_the_padding() {
+        let mut t = table();
+        let mut dst = Storage::zeros(DType::BF16, 12);
+        dst.set_from_f32(10..12, &[9.0, 9.0]);
+        t.rehome(dst, &[3, 0]).unwrap();
+        assert_eq!(&*t.f32_values(0), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(&*t.f32_values(1), &[1.0, -7.0]);
+        let storage = t.take_storage().unwrap();
+        let all = storage.to_f32_range(0..12);
+        assert_eq!(all, [1., -7., 0., 1., 2., 3., 4., 5., 6., 0., 9., 9.]);
+        t.restore_storage(storage).unwrap();
+        assert_eq!(t.view(0).numel(), 6);
+    }
+
+    #[test]
+    fn bad_layouts_and_lending_errors_leave_the_table_usable() {
+        let mut t = table();
+        let overlap = t.rehome(Storage::zeros(DType::BF16, 12), &[0, 5]);
+        assert!(format!("{}", overlap.unwrap_err()).contains("overlaps"));
+        let short = t.rehome(Storage::zeros(DType::BF16, 7), &[0, 6]);
+        assert!(format!("{}", short.unwrap_err()).contains("leaves the 7-element storage"));
+        let dtype = t.rehome(Storage::zeros(DType::F32, 8), &[0, 6]);
+        assert!(dtype.is_err());
+        assert_eq!(&*t.f32_values(1), &[1.0, -7.0]);
+        let storage = t.take_storage().unwrap();
+        assert!(t.take_storage().is_err());
+        assert!(t.restore_storage(Storage::zeros(DType::BF16, 3)).is_err());
+        t.restore_storage(storage).unwrap();
+        assert!(t.restore_storage(Storage::zeros(DType::BF16, 8)).is_err());
+        let err = t.set_from_f32(1, "b", &[1.0]).unwrap_err();
+        assert!(format!("{err}").contains("b: slice of 1 elements"));
+    }
+}

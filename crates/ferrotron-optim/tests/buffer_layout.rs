@@ -198,3 +198,26 @@ fn flags_follow_megatrons_no_decay_rule() {
     assert!(ParamFlags::from_name_and_shape("l.linear_qkv.bias", &[8]).is_norm_or_bias);
     assert!(!ParamFlags::from_name_and_shape("l.linear_qkv.weight", &[8, 8]).is_norm_or_bias);
 }
+
+/// The param storage can be lent out (to a model's table) and put back; gradients stay usable
+/// meanwhile, and a storage of the wrong size or dtype is refused.
+#[test]
+fn param_storage_is_lent_and_put_back() {
+    let mut buf = four_params(BufferConfig::new(DType::BF16, 1));
+    let a = buf.id("a.weight").unwrap();
+    buf.set_param_from_f32(a, &[0.5; 170]).unwrap();
+    let storage = buf.take_params().unwrap();
+    assert!(!buf.holds_params());
+    assert!(buf.take_params().is_err());
+    buf.grad_mut(a)[0] = 3.0;
+    let wrong_len = ParamStorage::zeros(DType::BF16, buf.numel() - 1);
+    assert!(buf.put_params(wrong_len).is_err());
+    let wrong_dtype = ParamStorage::zeros(DType::F32, buf.numel());
+    assert!(buf.put_params(wrong_dtype).is_err());
+    buf.put_params(storage).unwrap();
+    assert!(buf.holds_params());
+    assert_eq!(buf.param_to_f32(a), vec![0.5; 170]);
+    assert_eq!(buf.grad(a)[0], 3.0);
+    let again = ParamStorage::zeros(DType::BF16, buf.numel());
+    assert!(buf.put_params(again).is_err());
+}
