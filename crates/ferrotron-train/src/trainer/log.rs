@@ -109,8 +109,9 @@ pub fn format_sci(x: f64, prec: usize) -> String {
 
 impl fmt::Display for LogLine {
     /// Megatron's field formats: `iteration {:8d}/{:8d}`, `consumed samples: {:12d}`,
-    /// `elapsed time per iteration (ms): {:.1f}`, `throughput per GPU (TFLOP/s/GPU): {:.1f}`,
-    /// then tokens per second (Ferrotron), `learning rate: {:.6E}`,
+    /// `elapsed time per iteration (ms): {:.1f}`, `throughput per GPU (TFLOP/s/GPU)` (`{:.1f}`
+    /// in Megatron; three decimals here, where a CPU rank does hundredths of a TFLOP/s and one
+    /// decimal printed 0.0), then tokens per second (Ferrotron), `learning rate: {:.6E}`,
     /// `global batch size: {:5d}`, `lm loss: {:.6E}`, `loss scale: {:.1f}` (fp16 only),
     /// `grad norm: {:.3f}`, `number of skipped iterations: {:3d}`,
     /// `number of nan iterations: {:3d}`, each closed by ` |`.
@@ -126,7 +127,7 @@ impl fmt::Display for LogLine {
             " elapsed time per iteration (ms): {:.1} |",
             self.elapsed_ms_per_iteration
         )?;
-        write!(f, " throughput per GPU (TFLOP/s/GPU): {:.1} |", self.tflops)?;
+        write!(f, " throughput per GPU (TFLOP/s/GPU): {:.3} |", self.tflops)?;
         write!(f, " tokens per second: {:.1} |", self.tokens_per_second)?;
         write!(f, " learning rate: {} |", format_sci(self.learning_rate, 6))?;
         write!(f, " global batch size: {:5} |", self.global_batch_size)?;
@@ -212,7 +213,7 @@ mod tests {
         assert_eq!(
             line().to_string(),
             " iteration       10/     200 | consumed samples:           80 | \
-             elapsed time per iteration (ms): 1234.5 | throughput per GPU (TFLOP/s/GPU): 1.2 | \
+             elapsed time per iteration (ms): 1234.5 | throughput per GPU (TFLOP/s/GPU): 1.234 | \
              tokens per second: 3317.6 | learning rate: 3.000000E-04 | \
              global batch size:     8 | lm loss: 3.210000E+00 | grad norm: 1.234 | \
              number of skipped iterations:   0 | number of nan iterations:   0 |"
