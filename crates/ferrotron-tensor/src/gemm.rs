@@ -175,12 +175,46 @@ impl<'a> WeightRef<'a> {
         }
     }
 
+    /// Elements `range` of these.
+    ///
+    /// # Panics
+    /// When `range` leaves them.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> WeightRef<'a> {
+        match *self {
+            WeightRef::F32(v) => WeightRef::F32(&v[range]),
+            WeightRef::BF16(v) => WeightRef::BF16(&v[range]),
+            WeightRef::F16(v) => WeightRef::F16(&v[range]),
+        }
+    }
+
+    /// Widens the elements (exactly) into `out` (same length), rayon-parallel.
+    ///
+    /// # Panics
+    /// When `out.len() != self.len()`.
+    pub fn copy_to_f32(&self, out: &mut [f32]) {
+        fn widen<T: crate::Element>(s: &[T], d: &mut [f32]) {
+            assert_eq!(s.len(), d.len());
+            let chunk = crate::storage::CHUNK;
+            d.par_chunks_mut(chunk)
+                .zip(s.par_chunks(chunk))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32()));
+        }
+        match *self {
+            WeightRef::F32(v) => out.copy_from_slice(v),
+            WeightRef::BF16(v) => widen(v, out),
+            WeightRef::F16(v) => widen(v, out),
+        }
+    }
+
     /// The elements as f32: borrowed when stored in f32, widened (exactly) otherwise.
     pub fn to_f32(&self) -> std::borrow::Cow<'a, [f32]> {
         match *self {
             WeightRef::F32(v) => std::borrow::Cow::Borrowed(v),
-            WeightRef::BF16(v) => std::borrow::Cow::Owned(crate::convert_slice(v)),
-            WeightRef::F16(v) => std::borrow::Cow::Owned(crate::convert_slice(v)),
+            narrow => {
+                let mut out = vec![0.0; narrow.len()];
+                narrow.copy_to_f32(&mut out);
+                std::borrow::Cow::Owned(out)
+            }
         }
     }
 }

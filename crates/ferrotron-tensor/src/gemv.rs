@@ -17,15 +17,7 @@ const ROWS_PER_TASK: usize = 64;
 /// # Panics
 /// When `w.len() < y.len() * x.len()` (a caller bug).
 pub fn gemv<W: Element + Widen>(w: &[W], x: &[f32], y: &mut [f32], accumulate: bool) {
-    let k = x.len();
-    assert!(w.len() >= y.len() * k);
-    y.par_chunks_mut(ROWS_PER_TASK)
-        .enumerate()
-        .for_each(|(t, y_chunk)| {
-            let row0 = t * ROWS_PER_TASK;
-            let w_chunk = &w[row0 * k..(row0 + y_chunk.len()) * k];
-            dot_rows(w_chunk, x, y_chunk, accumulate);
-        });
+    row_chunks(w, x.len(), y, |w, y| dot_rows(w, x, y, accumulate));
 }
 
 /// `y[n] = w[n, k] · x[k]` (`+=` when `accumulate`) for bf16 weights, as bf16 x bf16 -> f32:
@@ -38,26 +30,35 @@ pub fn gemv<W: Element + Widen>(w: &[W], x: &[f32], y: &mut [f32], accumulate: b
 /// # Panics
 /// When `w.len() < y.len() * x.len()` (a caller bug).
 pub fn gemv_bf16(w: &[bf16], x: &[f32], y: &mut [f32], accumulate: bool) {
-    let k = x.len();
-    assert!(w.len() >= y.len() * k);
-    let xb: Vec<bf16> = x
-        .iter()
-        .map(|&v| bf16::from_bits(round_to_bf16_bits(v)))
-        .collect();
+    let rounded = x.iter().map(|&v| round_to_bf16_bits(v));
     #[cfg(target_arch = "x86_64")]
     if Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16) {
-        y.par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(t, y_chunk)| {
-                let row0 = t * ROWS_PER_TASK;
-                let w_chunk = &w[row0 * k..(row0 + y_chunk.len()) * k];
-                // SAFETY: the CPU has AVX512F and AVX512-BF16 (checked above).
-                unsafe { avx512::dot_rows_bf16(w_chunk, &xb, y_chunk, accumulate) };
-            });
+        let xb: Vec<bf16> = rounded.map(bf16::from_bits).collect();
+        row_chunks(w, x.len(), y, |w, y| {
+            // SAFETY: the CPU has AVX512F and AVX512-BF16 (checked above).
+            unsafe { avx512::dot_rows_bf16(w, &xb, y, accumulate) }
+        });
         return;
     }
-    let rounded: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
-    gemv(w, &rounded, y, accumulate);
+    let xr: Vec<f32> = rounded
+        .map(|b| f32::from_bits(u32::from(b) << 16))
+        .collect();
+    gemv(w, &xr, y, accumulate);
+}
+
+/// Runs `rows(w_chunk, y_chunk)` on rayon tasks of [`ROWS_PER_TASK`] output rows, each with
+/// its rows of `w` (`k` elements each).
+///
+/// # Panics
+/// When `w.len() < y.len() * k` (a caller bug).
+fn row_chunks<W: Sync>(w: &[W], k: usize, y: &mut [f32], rows: impl Fn(&[W], &mut [f32]) + Sync) {
+    assert!(w.len() >= y.len() * k);
+    y.par_chunks_mut(ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(t, y_chunk)| {
+            let row0 = t * ROWS_PER_TASK;
+            rows(&w[row0 * k..(row0 + y_chunk.len()) * k], y_chunk);
+        });
 }
 
 fn dot_rows<W: Element + Widen>(w: &[W], x: &[f32], y: &mut [f32], accumulate: bool) {
@@ -172,12 +173,8 @@ mod avx512 {
                     p += 16;
                 }
             }
-            let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-            let mut s = _mm512_reduce_add_ps(sum);
-            for q in k16..k {
-                s += row[q].to_f32() * x[q];
-            }
-            *yj = if accumulate { *yj + s } else { s };
+            let tail = (k16..k).map(|q| row[q].to_f32() * x[q]).sum();
+            finish(acc, tail, yj, accumulate);
         }
     }
 
@@ -210,13 +207,19 @@ mod avx512 {
                     p += 32;
                 }
             }
-            let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-            let mut s = _mm512_reduce_add_ps(sum);
-            for q in k32..k {
-                s += row[q].to_f32() * x[q].to_f32();
-            }
-            *yj = if accumulate { *yj + s } else { s };
+            let tail = (k32..k).map(|q| row[q].to_f32() * x[q].to_f32()).sum();
+            finish(acc, tail, yj, accumulate);
         }
+    }
+
+    /// The row's dot product — the four accumulators' lanes plus the scalar `tail` — into
+    /// `y` (`+=` when `accumulate`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn finish(acc: [__m512; 4], tail: f32, y: &mut f32, accumulate: bool) {
+        let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        let s = _mm512_reduce_add_ps(sum) + tail;
+        *y = if accumulate { *y + s } else { s };
     }
 
     /// 32 bf16 at `p` as a `vdpbf16ps` operand.

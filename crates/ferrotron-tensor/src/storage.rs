@@ -16,8 +16,8 @@ pub enum Storage {
     F16(Vec<f16>),
 }
 
-/// Elements converted per rayon task by the f32 copies below.
-const CHUNK: usize = 1 << 14;
+/// Elements converted per rayon task by the f32 conversions of [`Storage`] and [`WeightRef`].
+pub(crate) const CHUNK: usize = 1 << 14;
 
 impl Storage {
     /// Zero-filled storage of `numel` elements of `dtype`.
@@ -29,13 +29,18 @@ impl Storage {
         }
     }
 
+    /// All elements, borrowed in the storage dtype.
+    pub fn as_view(&self) -> WeightRef<'_> {
+        match self {
+            Storage::F32(v) => WeightRef::F32(v),
+            Storage::BF16(v) => WeightRef::BF16(v),
+            Storage::F16(v) => WeightRef::F16(v),
+        }
+    }
+
     /// Element count.
     pub fn len(&self) -> usize {
-        match self {
-            Storage::F32(v) => v.len(),
-            Storage::BF16(v) => v.len(),
-            Storage::F16(v) => v.len(),
-        }
+        self.as_view().len()
     }
 
     /// True when the storage holds no elements.
@@ -45,11 +50,7 @@ impl Storage {
 
     /// The dtype of the elements.
     pub fn dtype(&self) -> DType {
-        match self {
-            Storage::F32(_) => DType::F32,
-            Storage::BF16(_) => DType::BF16,
-            Storage::F16(_) => DType::F16,
-        }
+        self.as_view().dtype()
     }
 
     /// Borrows `range` in the storage dtype.
@@ -57,11 +58,7 @@ impl Storage {
     /// # Panics
     /// When `range` leaves the storage (callers check first).
     pub fn view(&self, range: Range<usize>) -> WeightRef<'_> {
-        match self {
-            Storage::F32(v) => WeightRef::F32(&v[range]),
-            Storage::BF16(v) => WeightRef::BF16(&v[range]),
-            Storage::F16(v) => WeightRef::F16(&v[range]),
-        }
+        self.as_view().slice(range)
     }
 
     /// Copies `range` out as f32 (exact for every dtype).
@@ -69,9 +66,7 @@ impl Storage {
     /// # Panics
     /// When `range` leaves the storage.
     pub fn to_f32_range(&self, range: Range<usize>) -> Vec<f32> {
-        let mut out = vec![0.0; range.len()];
-        self.copy_to_f32(range, &mut out);
-        out
+        self.view(range).to_f32().into_owned()
     }
 
     /// Converts `range` to f32 into `out` (same length) without allocating.
@@ -79,16 +74,7 @@ impl Storage {
     /// # Panics
     /// When `out.len() != range.len()` or `range` leaves the storage.
     pub fn copy_to_f32(&self, range: Range<usize>, out: &mut [f32]) {
-        fn widen<T: Element>(s: &[T], d: &mut [f32]) {
-            d.par_chunks_mut(CHUNK)
-                .zip(s.par_chunks(CHUNK))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32()));
-        }
-        match self {
-            Storage::F32(v) => out.copy_from_slice(&v[range]),
-            Storage::BF16(v) => widen(&v[range], out),
-            Storage::F16(v) => widen(&v[range], out),
-        }
+        self.view(range).copy_to_f32(out);
     }
 
     /// Writes f32 values into `range`, rounding to nearest-even for bf16/f16.

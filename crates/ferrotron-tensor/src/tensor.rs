@@ -130,7 +130,7 @@ impl Tensor {
 
     /// Borrows the elements as a GEMM operand in their storage dtype.
     pub fn weight_ref(&self) -> WeightRef<'_> {
-        self.storage.view(0..self.numel())
+        self.storage.as_view()
     }
 
     /// Borrows the whole tensor as a [`TensorView`].

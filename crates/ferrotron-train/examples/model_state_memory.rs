@@ -20,11 +20,11 @@
 //!   --precision bf16 --data-parallel-size 2 --use-distributed-optimizer`
 
 use anyhow::{Context, Result, anyhow, bail};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use ferrotron_comm::run_local;
 use ferrotron_data::MicroBatch;
 use ferrotron_model::families::load_hf_model;
-use ferrotron_optim::Precision as OptimPrecision;
+use ferrotron_optim::Precision;
 use ferrotron_tensor::DType;
 use ferrotron_train::trainer::{DataParallel, Trainer, TrainerOptions};
 use serde_json::json;
@@ -40,25 +40,24 @@ struct Counting;
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 
+/// Counts `size` bytes as allocated when the allocation `p` succeeded; returns `p`.
+fn counted(p: *mut u8, size: usize) -> *mut u8 {
+    if !p.is_null() {
+        let now = LIVE.fetch_add(size, Ordering::Relaxed) + size;
+        PEAK.fetch_max(now, Ordering::Relaxed);
+    }
+    p
+}
+
 // SAFETY: every call is forwarded to `System` unchanged; the counters are only statistics.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: the caller's contract is `System::alloc`'s.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
+        counted(unsafe { System.alloc(layout) }, layout.size())
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: as `alloc`.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
+        counted(unsafe { System.alloc_zeroed(layout) }, layout.size())
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: `ptr` came from this allocator with `layout`.
@@ -70,19 +69,14 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Precision {
-    F32,
-    Bf16,
-}
-
 /// Measures the model state one data-parallel rank holds (see the module doc).
 #[derive(Parser)]
 struct Args {
     /// HF model directory (config.json + safetensors).
     model_dir: PathBuf,
-    /// Training precision: bf16 params with f32 grads/master/moments, or f32 throughout.
-    #[arg(long, value_enum, default_value = "bf16")]
+    /// Training precision: `bf16` (or `fp16`) params with f32 grads, master weights and Adam
+    /// moments, or `fp32` throughout.
+    #[arg(long, default_value = "bf16", value_parser = parse_precision)]
     precision: Precision,
     /// In-process data-parallel ranks.
     #[arg(long, default_value_t = 1)]
@@ -110,12 +104,9 @@ fn run(a: &Args) -> Result<()> {
     if dp == 0 || a.seq == 0 {
         bail!("--data-parallel-size and --seq must be >= 1");
     }
-    let (dtype, precision, mode, formula) = match a.precision {
-        Precision::F32 => (DType::F32, OptimPrecision::Fp32, "f32", (8.0, 8.0)),
-        Precision::Bf16 => (DType::BF16, OptimPrecision::Bf16, "bf16", (6.0, 12.0)),
-    };
-    let sharded = a.use_distributed_optimizer;
-    let formula = formula.0 + formula.1 / if sharded { dp as f64 } else { 1.0 };
+    let (precision, sharded) = (a.precision, a.use_distributed_optimizer);
+    let dtype = precision.param_dtype();
+    let formula = megatron_bytes_per_param(dtype, if sharded { dp } else { 1 });
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
     let trainers = run_local(dp, |comm| -> Result<Trainer> {
@@ -160,7 +151,7 @@ fn run(a: &Args) -> Result<()> {
     let per_param = |bytes: usize| bytes as f64 / (dp * numel) as f64;
     let counted: usize = trainers.iter().map(Trainer::model_state_bytes).sum();
     let line = json!({
-        "mode": mode,
+        "mode": dtype.to_string(),
         "data_parallel_size": dp,
         "use_distributed_optimizer": sharded,
         "parameters": numel,
@@ -173,6 +164,19 @@ fn run(a: &Args) -> Result<()> {
     });
     println!("{line}");
     Ok(())
+}
+
+/// Megatron-Core's model state per parameter and rank: params in `dtype` and f32 grads on
+/// every rank; Adam's two f32 moments, plus f32 master weights when the params are 16-bit,
+/// divided over the `shards` ranks of the distributed optimizer.
+fn megatron_bytes_per_param(dtype: DType, shards: usize) -> f64 {
+    let param = dtype.size_in_bytes();
+    let optimizer = 8 + if param < 4 { 4 } else { 0 };
+    (param + 4) as f64 + optimizer as f64 / shards as f64
+}
+
+fn parse_precision(name: &str) -> Result<Precision, String> {
+    Precision::parse(name).ok_or_else(|| format!("`{name}`: expected fp32, bf16 or fp16"))
 }
 
 fn round(x: f64) -> f64 {

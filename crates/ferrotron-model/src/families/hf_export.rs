@@ -7,7 +7,6 @@ use super::schema::{Biases, ConfigSchema, KvHeads, activation_from_hf, activatio
 use super::{HfModelInfo, parse_hf_config};
 use crate::config::field_error;
 use crate::{GptModel, ModelError, ModelFamily, PositionEmbedding, Result, TransformerConfig};
-use ferrotron_tensor::gemm::WeightRef;
 use ferrotron_tensor::ops::RopeScaling;
 use ferrotron_tensor::{DType, TensorView};
 use serde_json::{Map, Value, json};
@@ -376,11 +375,7 @@ impl HfTensor<'_> {
         let mut out = Vec::with_capacity(self.numel());
         for r in &self.rows {
             let span = r.start * cols..r.end * cols;
-            match self.src.weight_ref() {
-                WeightRef::F32(v) => out.extend_from_slice(&v[span]),
-                WeightRef::BF16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
-                WeightRef::F16(v) => out.extend(v[span].iter().map(|x| x.to_f32())),
-            }
+            out.extend_from_slice(&self.src.weight_ref().slice(span).to_f32());
         }
         out
     }

@@ -197,8 +197,9 @@ impl ParamAndGradBuffer {
 
     /// Moves the param storage out — to the model's parameter table, which reads it in place
     /// (Megatron's module parameters are views into `param_data`; a Rust value has one owner,
-    /// so the storage moves between the two instead, a move of the vector, never a copy). Until [`put_params`](Self::put_params)
-    /// every parameter accessor panics; gradients stay usable.
+    /// so the storage moves between the two instead, a move of the vector, never a copy).
+    /// Until [`put_params`](Self::put_params) every parameter accessor panics; gradients stay
+    /// usable.
     ///
     /// # Errors
     /// [`OptimError::State`] when the storage is already out.

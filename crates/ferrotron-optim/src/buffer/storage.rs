@@ -8,7 +8,7 @@ use crate::error::{OptimError, Result};
 /// The flat parameter storage of a [`ParamAndGradBuffer`](crate::ParamAndGradBuffer): one
 /// contiguous [`Storage`] in the buffer's param dtype (padding elements are zero). It is the
 /// same type as a model's parameter table storage, so the two can hand it to each other
-/// ([`ParamAndGradBuffer::lend_params`](crate::ParamAndGradBuffer::lend_params)).
+/// ([`ParamAndGradBuffer::take_params`](crate::ParamAndGradBuffer::take_params)).
 pub type ParamStorage = Storage;
 
 mod sealed {
