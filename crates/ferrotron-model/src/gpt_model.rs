@@ -3,8 +3,8 @@ use crate::param_table::ParamTable;
 use crate::train::core_attention::KeysValues;
 use crate::train::forward::{Pass, layer_forward};
 use crate::{
-    KvCache, ModelError, PositionEmbedding, RecomputeGranularity, Result, StageInfo, TpInfo,
-    TransformerConfig,
+    KvCache, ModelError, PagedKvCache, PositionEmbedding, RaggedBatch, RecomputeGranularity,
+    Result, StageInfo, TpInfo, TransformerConfig,
 };
 use ferrotron_nn::attention::alibi_slopes;
 use ferrotron_nn::{Embedding, Linear, NnError};
@@ -282,7 +282,6 @@ impl GptModel {
         cache: &mut KvCache,
         mode: LogitsMode,
     ) -> Result<Vec<f32>> {
-        let c = &self.local;
         let b = cache.batch();
         if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
             return Err(ModelError::Input(format!(
@@ -299,7 +298,6 @@ impl GptModel {
                 cache.capacity()
             )));
         }
-        let h = c.hidden_size;
         let mut x = self.embed_forward(tokens)?.0;
         let positions: Vec<usize> = (start..start + s)
             .flat_map(|p| std::iter::repeat_n(p, b))
@@ -318,15 +316,61 @@ impl GptModel {
             LogitsMode::All => 0..s * b,
             LogitsMode::Last => (s - 1) * b..s * b,
         };
-        let hidden = &x.host()[rows.start * h..rows.end * h];
-        let normed = self.final_norm(hidden)?.0;
-        let v = c.vocab_size;
-        let mut logits = vec![0f32; rows.len() * v];
+        self.logits_of_rows(x.host(), rows)
+    }
+
+    /// Runs a ragged batch (new tokens of several sequences, each after its own cached
+    /// tokens in `cache`; see [`RaggedBatch`]) through the layers, writing the new keys and
+    /// values into the sequences' blocks. Returns logits `[n, v]` of the last new token of
+    /// each of the `n` sequences with [`RaggedSeq::logits`](crate::RaggedSeq::logits), in
+    /// batch order.
+    ///
+    /// A batch of one sequence computes exactly what [`GptModel::forward`] computes for the
+    /// same tokens (same kernels on the same rows).
+    ///
+    /// # Errors
+    /// A batch [`RaggedBatch::validate`] rejects, or a model that is a shard or stage.
+    pub fn forward_paged(&self, batch: &RaggedBatch, cache: &mut PagedKvCache) -> Result<Vec<f32>> {
+        if self.tp.is_some() || self.stage.is_some() {
+            return Err(ModelError::Input(
+                "the paged forward runs the whole model (not a shard or a stage)".into(),
+            ));
+        }
+        batch.validate(&self.local, cache)?;
+        rayon::scope(|_| {
+            let mut x = self.embed_forward(&batch.tokens)?.0;
+            let positions = batch.positions();
+            let pass = Pass::generation(self, &positions, positions.len(), 1);
+            for (layer_index, layer) in self.layers().iter().enumerate() {
+                let kv = KeysValues::Paged {
+                    cache: &mut *cache,
+                    layer: layer_index,
+                    batch,
+                };
+                x = layer_forward(layer, &pass, x, false, kv)?.1;
+            }
+            let last_rows = batch
+                .row_ranges()
+                .filter(|(_, s)| s.logits)
+                .map(|(r, _)| r.end - 1);
+            self.logits_of_rows(x.host(), last_rows)
+        })
+    }
+
+    /// The final norm and the output layer over the rows `rows` of `x: [rows, h]`: logits
+    /// `[n, v]` in the order given.
+    fn logits_of_rows(&self, x: &[f32], rows: impl Iterator<Item = usize>) -> Result<Vec<f32>> {
+        let h = self.local.hidden_size;
+        let hidden: Vec<f32> = rows.flat_map(|r| &x[r * h..(r + 1) * h]).copied().collect();
+        let n = hidden.len() / h;
+        let normed = self.final_norm(&hidden)?.0;
+        let v = self.local.vocab_size;
+        let mut logits = vec![0f32; n * v];
         matmul_weight_t(
             normed.host(),
             self.output_weight()?.weight_ref(),
             &mut logits,
-            rows.len(),
+            n,
             v,
             h,
             false,

@@ -2,7 +2,8 @@
 //! switches on the same skeleton (OLMo, OLMo2, Gemma, Phi-3, StarCoder2, Falcon, Bloom): [`TransformerConfig`] with
 //! Megatron's names, the module tree whose kinds declare their parameters once
 //! ([`module`]), [`GptModel`] (a parameter table in that layout, with the KV-cached forward
-//! and the training passes), the per-layer [`KvCache`], tensor-parallel shards and pipeline
+//! and the training passes), the per-layer [`KvCache`], the paged cache and ragged batches a
+//! serving engine runs ([`PagedKvCache`], [`RaggedBatch`]), tensor-parallel shards and pipeline
 //! stages, and `families/` mapping HuggingFace configs and weight names onto them.
 
 mod config;
@@ -12,6 +13,7 @@ mod gpt_model;
 mod init;
 mod kv_cache;
 pub mod module;
+mod paged_kv;
 mod param_table;
 mod pipeline_stage;
 pub mod tensor_parallel;
@@ -26,6 +28,7 @@ pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
 pub use module::{ModelLayout, ParamDecl, ParamId, TransformerLayer};
+pub use paged_kv::{PagedKvCache, RaggedBatch, RaggedSeq};
 pub use param_table::ParamTable;
 pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};

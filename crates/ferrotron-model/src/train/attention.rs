@@ -72,6 +72,17 @@ pub(super) fn attention_forward(
         KeysValues::Cached { cache, layer } => {
             CoreAttnOut::compute_cached(q.values(), k.values(), v.values(), cache, layer, pass)
         }
+        KeysValues::Paged {
+            cache,
+            layer,
+            batch,
+        } => CoreAttnOut::compute_paged(
+            q.values(),
+            k.values(),
+            v.values(),
+            (cache, layer, batch),
+            pass,
+        ),
     };
     let proj = model.linear(sa.linear_proj);
     let out = row_parallel_forward(pass, &proj, ctx.values())?;

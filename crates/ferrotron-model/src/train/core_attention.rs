@@ -4,9 +4,10 @@
 
 use super::forward::Pass;
 use super::stored::{Kept, Stored, element_bytes};
-use crate::{KvCache, TransformerConfig};
+use crate::{KvCache, PagedKvCache, RaggedBatch, TransformerConfig};
 use ferrotron_nn::attention::{
-    AttentionDims, AttentionMask, AttentionPrecision, core_attention, core_attention_forward_train,
+    AttentionDims, AttentionMask, AttentionPrecision, PagedKv, PagedQuery, core_attention,
+    core_attention_forward_train, paged_decode_attention,
 };
 use ferrotron_tensor::Buffer;
 
@@ -19,6 +20,14 @@ pub(crate) enum KeysValues<'c> {
     Cached {
         cache: &'c mut KvCache,
         layer: usize,
+    },
+    /// After each sequence's cached tokens in the paged `cache` (serving): the rows are
+    /// `batch`'s sequences' new tokens, whose keys and values are written into their blocks;
+    /// each sequence's queries attend to its own tokens only.
+    Paged {
+        cache: &'c mut PagedKvCache,
+        layer: usize,
+        batch: &'c RaggedBatch,
     },
 }
 
@@ -76,6 +85,82 @@ impl CoreAttnOut {
             core_attention(q, keys, values, ctx.host_mut(), dims, mask);
         }
         (Kept::new(ctx, pass.narrow), lse)
+    }
+
+    /// [`CoreAttnOut::compute_cached`] over a ragged batch and the paged `cache`: writes every
+    /// sequence's new `k, v` (`[rows, g, d]`) into its blocks of `layer`, then attends. A
+    /// sequence with one new token reads its blocks in place ([`paged_decode_attention`], the
+    /// arithmetic of a contiguous cache's decode); a prompt chunk gathers its keys and values
+    /// and runs the tiled kernel, as a contiguous cache's prefill does. No log-sum-exp.
+    pub(crate) fn compute_paged(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        (cache, layer, batch): (&mut PagedKvCache, usize, &RaggedBatch),
+        pass: &Pass<'_>,
+    ) -> (Kept, Buffer<f32>) {
+        let c = pass.c;
+        let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
+        let rows = pass.positions.len();
+        let mut ctx = Buffer::zeros(pass.device, rows * a * d);
+        let (_, mask) = attention_dims(pass);
+        for (r, s) in batch.row_ranges() {
+            let (k, v) = (
+                &k[r.start * g * d..r.end * g * d],
+                &v[r.start * g * d..r.end * g * d],
+            );
+            cache.write(layer, &s.block_table, s.context_len, k, v);
+        }
+        let out = ctx.host_mut();
+        let mut decode_rows = Vec::new();
+        let mut decode_queries = Vec::new();
+        for (r, s) in batch.row_ranges() {
+            if s.num_tokens == 1 {
+                decode_rows.push(r.start);
+                let (block_table, pos) = (&s.block_table[..], s.context_len);
+                decode_queries.push(PagedQuery { block_table, pos });
+                continue;
+            }
+            let skv = s.context_len + s.num_tokens;
+            let (keys, values) = cache.gather(layer, &s.block_table, skv);
+            let dims = AttentionDims {
+                sq: s.num_tokens,
+                skv,
+                batch: 1,
+                heads: a,
+                groups: g,
+                head_dim: d,
+                q_offset: s.context_len,
+            };
+            let mut lse = vec![0f32; s.num_tokens * a];
+            let (q, o) = (
+                &q[r.start * a * d..r.end * a * d],
+                &mut out[r.start * a * d..r.end * a * d],
+            );
+            let precision = attention_precision(pass);
+            core_attention_forward_train(q, &keys, &values, o, &mut lse, dims, mask, precision);
+        }
+        if !decode_rows.is_empty() {
+            let qs: Vec<f32> = decode_rows
+                .iter()
+                .flat_map(|&r| &q[r * a * d..(r + 1) * a * d])
+                .copied()
+                .collect();
+            let mut os = vec![0f32; qs.len()];
+            let (keys, values) = cache.layer(layer);
+            let kv = PagedKv {
+                k: keys,
+                v: values,
+                block_size: cache.block_size(),
+                groups: g,
+                head_dim: d,
+            };
+            paged_decode_attention(&qs, kv, &decode_queries, a, &mut os, mask);
+            for (&r, o) in decode_rows.iter().zip(os.chunks_exact(a * d)) {
+                out[r * a * d..(r + 1) * a * d].copy_from_slice(o);
+            }
+        }
+        (Kept::new(ctx, pass.narrow), Buffer::default())
     }
 
     /// Bytes held.

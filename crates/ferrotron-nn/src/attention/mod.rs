@@ -131,34 +131,158 @@ pub fn core_attention(
             let (t, j, h) = (row / (b * a), (row / a) % b, row % a);
             let gh = h / heads_per_group;
             let q_pos = q_offset + t;
-            let keys = mask.key_range(q_pos, j);
+            let query = Query {
+                row: qr,
+                pos: q_pos,
+                keys: mask.key_range(q_pos, j),
+                alibi_slope: mask.alibi_slopes.map(|s| s[h]),
+                scale,
+            };
             let kv_row = |pos: usize| ((pos * b + j) * g + gh) * d;
-            let slope = mask.alibi_slopes.map(|s| s[h]);
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for pos in keys.clone() {
-                let kr = &k[kv_row(pos)..][..d];
-                let mut s = dot(qr, kr) * scale;
-                if let Some(slope) = slope {
-                    s += alibi_bias(slope, pos as i32 - q_pos as i32);
-                }
-                max = max.max(s);
-                scores.push(s);
-            }
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            o.fill(0.0);
-            for (pos, &p) in keys.zip(scores.iter()) {
-                let vr = &v[kv_row(pos)..][..d];
-                let w = p * inv;
-                for (o, &x) in o.iter_mut().zip(vr) {
-                    *o += w * x;
-                }
-            }
+            attend_row(&query, k, v, kv_row, o, scores);
+        });
+}
+
+/// One query row of [`core_attention`]: its values `[d]`, absolute position, visible keys,
+/// ALiBi slope and score scale.
+struct Query<'a> {
+    row: &'a [f32],
+    pos: usize,
+    keys: std::ops::Range<usize>,
+    alibi_slope: Option<f32>,
+    scale: f32,
+}
+
+/// `o = softmax(q·kᵀ·scale + alibi)·v` for one query row over its visible keys, key/value
+/// rows `[d]` at `kv_row(position)` in `k` and `v`; `scores` is scratch. The one arithmetic of
+/// [`core_attention`] and [`paged_decode_attention`], so a paged decode computes bit for bit
+/// what a contiguous cache does.
+fn attend_row(
+    query: &Query<'_>,
+    k: &[f32],
+    v: &[f32],
+    kv_row: impl Fn(usize) -> usize,
+    o: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let d = o.len();
+    scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for pos in query.keys.clone() {
+        let kr = &k[kv_row(pos)..][..d];
+        let mut s = dot(query.row, kr) * query.scale;
+        if let Some(slope) = query.alibi_slope {
+            s += alibi_bias(slope, pos as i32 - query.pos as i32);
+        }
+        max = max.max(s);
+        scores.push(s);
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    o.fill(0.0);
+    for (pos, &p) in query.keys.clone().zip(scores.iter()) {
+        let vr = &v[kv_row(pos)..][..d];
+        let w = p * inv;
+        for (o, &x) in o.iter_mut().zip(vr) {
+            *o += w * x;
+        }
+    }
+}
+
+/// Keys and values stored in fixed-size blocks (vLLM's PagedAttention layout): one layer's
+/// `k, v: [num_blocks · block_size, g, d]`, token `t` of a block at row `block · block_size +
+/// t`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Key/value heads (query groups) `g`.
+    pub groups: usize,
+    /// Head dim `d`.
+    pub head_dim: usize,
+}
+
+/// One decode query of [`paged_decode_attention`]: its sequence's block table (block ids,
+/// position `p` in block `table[p / block_size]`) and the query's position (keys `0..=pos`
+/// are stored).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedQuery<'a> {
+    pub block_table: &'a [u32],
+    pub pos: usize,
+}
+
+/// Decode attention of one new token per sequence over its paged keys and values (vLLM
+/// `paged_attention_v1`): `q, out: [n, a, d]` with query `i` from `queries[i]`; query head `h`
+/// reads group `h / (a/g)`. Computes exactly what [`core_attention`] computes for the same
+/// token over a contiguous cache (same per-row arithmetic). `mask.documents` must be `None`.
+///
+/// # Panics
+/// On inconsistent lengths, a block table too short for `pos`, a block outside `kv`, or
+/// document starts (caller bugs).
+pub fn paged_decode_attention(
+    q: &[f32],
+    kv: PagedKv<'_>,
+    queries: &[PagedQuery<'_>],
+    heads: usize,
+    out: &mut [f32],
+    mask: AttentionMask,
+) {
+    let PagedKv {
+        k,
+        v,
+        block_size: bs,
+        groups: g,
+        head_dim: d,
+    } = kv;
+    assert!(
+        g > 0 && d > 0 && bs > 0 && heads % g == 0 && mask.documents.is_none(),
+        "paged attention: bad dims (a {heads}, g {g}, d {d}, block size {bs})"
+    );
+    assert!(q.len() == queries.len() * heads * d && out.len() == q.len());
+    assert!(k.len() == v.len() && k.len().is_multiple_of(bs * g * d));
+    let blocks = k.len() / (bs * g * d);
+    for query in queries {
+        let need = query.pos / bs + 1;
+        assert!(
+            query.block_table.len() >= need
+                && query.block_table[..need]
+                    .iter()
+                    .all(|&b| (b as usize) < blocks),
+            "paged attention: block table {:?} does not hold position {} in {blocks} blocks",
+            query.block_table,
+            query.pos
+        );
+    }
+    if let Some(slopes) = mask.alibi_slopes {
+        assert!(
+            slopes.len() == heads,
+            "paged attention: need one ALiBi slope per head"
+        );
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let heads_per_group = heads / g;
+    out.par_chunks_mut(d)
+        .zip(q.par_chunks(d))
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (row, (o, qr))| {
+            let (i, h) = (row / heads, row % heads);
+            let PagedQuery { block_table, pos } = queries[i];
+            let gh = h / heads_per_group;
+            let query = Query {
+                row: qr,
+                pos,
+                keys: mask.key_range(pos, 0),
+                alibi_slope: mask.alibi_slopes.map(|s| s[h]),
+                scale,
+            };
+            let kv_row = |p: usize| ((block_table[p / bs] as usize * bs + p % bs) * g + gh) * d;
+            attend_row(&query, k, v, kv_row, o, scores);
         });
 }
 
