@@ -241,7 +241,7 @@ pub fn paged_decode_attention(
         head_dim: d,
     } = kv;
     assert!(
-        g > 0 && d > 0 && bs > 0 && heads % g == 0 && mask.documents.is_none(),
+        g > 0 && d > 0 && bs > 0 && heads.is_multiple_of(g) && mask.documents.is_none(),
         "paged attention: bad dims (a {heads}, g {g}, d {d}, block size {bs})"
     );
     assert!(q.len() == queries.len() * heads * d && out.len() == q.len());
