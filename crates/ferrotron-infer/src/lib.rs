@@ -1,7 +1,9 @@
 //! Inference on a [`ferrotron_model::GptModel`]: token sampling with HF semantics
 //! ([`sampler`]), the KV-cached generation loop ([`generate()`]) and
-//! per-token scoring ([`score()`]).
+//! per-token scoring ([`score()`]), and the serving [`engine`] (continuous batching over a
+//! paged KV cache with prefix caching).
 
+pub mod engine;
 pub mod generate;
 pub mod sampler;
 pub mod score;

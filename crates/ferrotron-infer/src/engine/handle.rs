@@ -1,0 +1,137 @@
+//! An [`Engine`] on its own thread (vLLM's engine-core process): callers on any thread submit
+//! requests with a sink for their outputs and cancel them; the thread steps while anything is
+//! in flight and sleeps on its queue otherwise.
+
+use super::{Engine, EngineError, EngineStats, OutputSink, Request, RequestId, RequestLimits};
+use super::{FinishReason, RequestOutput};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+enum Command {
+    Add(Request, OutputSink),
+    Abort(RequestId),
+    /// Finish what is in flight, then stop.
+    Drain,
+}
+
+/// A running engine thread.
+pub struct EngineHandle {
+    tx: Mutex<Sender<Command>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    stats: Arc<EngineStats>,
+    limits: RequestLimits,
+    next_id: AtomicU64,
+}
+
+impl EngineHandle {
+    /// Starts `engine` on a new thread named `ferrotron-engine`.
+    ///
+    /// # Errors
+    /// The thread could not be spawned.
+    pub fn spawn(engine: Engine) -> std::io::Result<EngineHandle> {
+        let (tx, rx) = channel();
+        let (stats, limits) = (engine.stats(), engine.limits());
+        let thread = std::thread::Builder::new()
+            .name("ferrotron-engine".into())
+            .spawn(move || run(engine, rx))?;
+        Ok(EngineHandle {
+            tx: Mutex::new(tx),
+            thread: Mutex::new(Some(thread)),
+            stats,
+            limits,
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    /// A fresh request id.
+    pub fn next_request_id(&self) -> RequestId {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// What requests are checked against.
+    pub fn limits(&self) -> RequestLimits {
+        self.limits
+    }
+
+    /// The engine's counters and gauges.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Checks and queues `request`; its outputs go to `sink` from the engine thread.
+    ///
+    /// # Errors
+    /// A request [`RequestLimits::check`] rejects, or an engine that has stopped.
+    pub fn submit(&self, request: Request, sink: OutputSink) -> Result<(), EngineError> {
+        self.limits.check(&request)?;
+        self.send(Command::Add(request, sink))
+    }
+
+    /// Cancels request `id` if it is still in flight (its sink hears nothing more).
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.send(Command::Abort(id));
+    }
+
+    /// Lets the requests in flight finish, then stops the thread and waits for it.
+    pub fn shutdown(&self) {
+        let _ = self.send(Command::Drain);
+        if let Some(t) = self.thread.lock().expect("engine handle lock").take() {
+            let _ = t.join();
+        }
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        let tx = self.tx.lock().expect("engine handle lock");
+        tx.send(cmd)
+            .map_err(|_| EngineError::Request("the engine has stopped".into()))
+    }
+}
+
+/// The engine thread: applies commands, steps while there is work, sleeps when idle.
+fn run(mut engine: Engine, rx: Receiver<Command>) {
+    let mut draining = false;
+    loop {
+        if !engine.has_work() {
+            if draining {
+                return;
+            }
+            match rx.recv() {
+                Ok(cmd) => apply(&mut engine, cmd, &mut draining),
+                Err(_) => return,
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            apply(&mut engine, cmd, &mut draining);
+        }
+        if let Err(e) = engine.step() {
+            eprintln!("ferrotron engine: step failed, aborting the requests in flight: {e}");
+            engine.abort_all();
+        }
+    }
+}
+
+fn apply(engine: &mut Engine, cmd: Command, draining: &mut bool) {
+    match cmd {
+        Command::Add(request, mut sink) => {
+            let (id, prompt_tokens) = (request.id, request.prompt.len());
+            if let Err(e) = engine.check(&request) {
+                eprintln!("ferrotron engine: request {id} refused: {e}");
+                let _ = sink(RequestOutput {
+                    id,
+                    token: None,
+                    finished: Some(FinishReason::Abort),
+                    cached_tokens: 0,
+                    prompt_tokens,
+                });
+            } else {
+                engine.add_request(request, sink).expect("checked");
+            }
+        }
+        Command::Abort(id) => {
+            engine.abort(id);
+        }
+        Command::Drain => *draining = true,
+    }
+}

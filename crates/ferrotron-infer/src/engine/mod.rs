@@ -1,0 +1,364 @@
+//! The serving engine (vLLM's `EngineCore` on our model): requests join and leave at every
+//! step ([`scheduler`]: continuous batching, chunked prefill, preemption), their keys and
+//! values live in a paged pool ([`ferrotron_model::PagedKvCache`]) whose blocks the
+//! [`block_manager`] hands out and shares between prompts with a common prefix, and each step
+//! runs every scheduled sequence's new tokens as one ragged batch
+//! ([`ferrotron_model::GptModel::forward_paged`]) and samples a token for each sequence that
+//! reached its end. [`EngineHandle`] runs an engine on its own thread.
+//!
+//! A request alone in the engine computes exactly what [`crate::generate()`] computes: one
+//! prefill pass over the prompt (when it fits one step's token budget) and one row per
+//! decode step, with the same kernels, so greedy outputs agree token for token. Requests
+//! batched together share the matrix products, whose row blocking may round the last bit
+//! differently.
+
+pub mod block_manager;
+mod handle;
+pub mod request;
+pub mod scheduler;
+mod stats;
+
+pub use handle::EngineHandle;
+pub use request::{
+    FinishReason, OutputSink, Request, RequestId, RequestOutput, RequestParams, TokenOutput,
+};
+pub use scheduler::SchedulerConfig;
+pub use stats::EngineStats;
+
+use crate::sampler::SamplingError;
+use block_manager::BlockManager;
+use ferrotron_model::{GptModel, ModelError, PagedKvCache, RaggedBatch, RaggedSeq};
+use request::Sequence;
+use scheduler::{Scheduled, Scheduler};
+use std::ops::ControlFlow;
+use std::sync::Arc;
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// A request the engine cannot run (empty, too long for the context, duplicate id).
+    #[error("{0}")]
+    Request(String),
+    /// Settings that cannot work together (e.g. a KV pool smaller than one full context).
+    #[error("{0}")]
+    Config(String),
+}
+
+/// The engine's sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens per KV block (vLLM's default 16).
+    pub block_size: usize,
+    /// Blocks in the KV pool ([`EngineConfig::blocks_for_memory`]).
+    pub num_blocks: usize,
+    pub scheduler: SchedulerConfig,
+    /// Reuse cached full blocks of earlier prompts (vLLM's `enable_prefix_caching`).
+    pub enable_prefix_caching: bool,
+}
+
+impl EngineConfig {
+    /// Blocks of `block_size` tokens of `model`'s layers that fit in `bytes`.
+    pub fn blocks_for_memory(model: &GptModel, block_size: usize, bytes: u64) -> usize {
+        let per_block = PagedKvCache::bytes_per_block(model.config(), block_size) as u64;
+        (bytes / per_block.max(1)) as usize
+    }
+}
+
+/// The limits every request is checked against before it is queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// The model's context length (`max_position_embeddings`): prompt plus output.
+    pub max_model_len: usize,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+}
+
+impl RequestLimits {
+    /// Checks `request`: a non-empty prompt of known token ids that leaves room for at least
+    /// one generated token, `max_tokens >= 1`, valid sampling settings. Errors name the field
+    /// and the limit (vLLM's wording for the context length).
+    pub fn check(&self, request: &Request) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::Request(m));
+        let (n, max) = (request.prompt.len(), self.max_model_len);
+        if n == 0 {
+            return bad("the prompt is empty (zero tokens)".into());
+        }
+        if n >= max {
+            return bad(format!(
+                "This model's maximum context length is {max} tokens. However, your prompt has \
+                 {n} tokens, which leaves no room for output."
+            ));
+        }
+        if request.params.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if let Some(&t) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.vocab_size)
+        {
+            return bad(format!(
+                "prompt token id {t} is outside the vocabulary ({} ids)",
+                self.vocab_size
+            ));
+        }
+        request.params.sampling.validate()?;
+        Ok(())
+    }
+}
+
+/// A model, its paged KV pool and the requests in flight.
+pub struct Engine {
+    model: Arc<GptModel>,
+    cache: PagedKvCache,
+    blocks: BlockManager,
+    scheduler: Scheduler,
+    config: EngineConfig,
+    limits: RequestLimits,
+    stats: Arc<EngineStats>,
+}
+
+impl Engine {
+    /// An engine over `model` (the whole model, not a shard or stage).
+    ///
+    /// # Errors
+    /// A pool that cannot hold one full context (`num_blocks · block_size <
+    /// max_position_embeddings`, vLLM's check, so no sequence can outgrow it), or zero limits.
+    pub fn new(model: Arc<GptModel>, config: EngineConfig) -> Result<Engine, EngineError> {
+        let c = model.config();
+        let max_model_len = c.max_position_embeddings;
+        let capacity = config.num_blocks * config.block_size;
+        if capacity < max_model_len {
+            let need = PagedKvCache::bytes_per_block(c, config.block_size) as f64
+                * max_model_len.div_ceil(config.block_size.max(1)) as f64;
+            return Err(EngineError::Config(format!(
+                "the KV cache holds {capacity} tokens ({} blocks of {}), less than the model's \
+                 context of {max_model_len} tokens: give it at least {:.3} GiB",
+                config.num_blocks,
+                config.block_size,
+                need / (1u64 << 30) as f64
+            )));
+        }
+        let s = config.scheduler;
+        if s.max_num_seqs == 0 || s.max_num_batched_tokens == 0 {
+            return Err(EngineError::Config(format!(
+                "max_num_seqs ({}) and max_num_batched_tokens ({}) must be positive",
+                s.max_num_seqs, s.max_num_batched_tokens
+            )));
+        }
+        let cache = PagedKvCache::new(c, config.block_size, config.num_blocks)?;
+        let blocks = BlockManager::new(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+        );
+        let limits = RequestLimits {
+            max_model_len,
+            vocab_size: c.vocab_size,
+        };
+        Ok(Engine {
+            model,
+            cache,
+            blocks,
+            scheduler: Scheduler::default(),
+            config,
+            limits,
+            stats: Arc::new(EngineStats::default()),
+        })
+    }
+
+    /// What requests are checked against.
+    pub fn limits(&self) -> RequestLimits {
+        self.limits
+    }
+
+    /// Counters and gauges, shared with readers on other threads.
+    pub fn stats(&self) -> Arc<EngineStats> {
+        self.stats.clone()
+    }
+
+    /// True while a request waits or runs.
+    pub fn has_work(&self) -> bool {
+        !self.scheduler.is_idle()
+    }
+
+    /// Queues `request`; its outputs go to `sink`.
+    ///
+    /// # Errors
+    /// A request [`RequestLimits::check`] rejects, or an id already in flight.
+    pub fn add_request(&mut self, request: Request, sink: OutputSink) -> Result<(), EngineError> {
+        self.check(&request)?;
+        self.scheduler
+            .waiting
+            .push_back(Sequence::new(request, sink)?);
+        self.stats.set_queue(&self.scheduler, &self.blocks);
+        Ok(())
+    }
+
+    /// What [`Engine::add_request`] checks: the [`RequestLimits`] and a fresh id.
+    ///
+    /// # Errors
+    /// The first problem found.
+    pub fn check(&self, request: &Request) -> Result<(), EngineError> {
+        self.limits.check(request)?;
+        if self.find(request.id).is_some() {
+            let id = request.id;
+            return Err(EngineError::Request(format!(
+                "request id {id} is already in flight"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Cancels request `id` (no output is sent); false when it is not in flight.
+    pub fn abort(&mut self, id: crate::engine::RequestId) -> bool {
+        let removed = if let Some(i) = self.scheduler.running.iter().position(|s| s.id == id) {
+            Some(self.scheduler.running.remove(i))
+        } else if let Some(i) = self.scheduler.waiting.iter().position(|s| s.id == id) {
+            self.scheduler.waiting.remove(i)
+        } else {
+            None
+        };
+        let Some(seq) = removed else { return false };
+        self.blocks.free(seq.blocks);
+        self.stats.finished(FinishReason::Abort);
+        self.stats.set_queue(&self.scheduler, &self.blocks);
+        true
+    }
+
+    /// Ends every request in flight with [`FinishReason::Abort`] (after a failed step).
+    pub fn abort_all(&mut self) {
+        let seqs: Vec<Sequence> = self
+            .scheduler
+            .running
+            .drain(..)
+            .chain(self.scheduler.waiting.drain(..))
+            .collect();
+        for mut seq in seqs {
+            self.blocks.free(std::mem::take(&mut seq.blocks));
+            let out = finished_output(&seq, None, FinishReason::Abort);
+            let _ = (seq.sink)(out);
+            self.stats.finished(FinishReason::Abort);
+        }
+        self.stats.set_queue(&self.scheduler, &self.blocks);
+    }
+
+    fn find(&self, id: crate::engine::RequestId) -> Option<&Sequence> {
+        let s = &self.scheduler;
+        s.running
+            .iter()
+            .chain(s.waiting.iter())
+            .find(|q| q.id == id)
+    }
+
+    /// One step: schedules, runs the ragged batch, samples and reports a token for every
+    /// sequence that reached its end, retires finished ones. Returns the tokens run (0 when
+    /// idle).
+    ///
+    /// # Errors
+    /// A failed forward (the requests stay in flight; [`Engine::abort_all`] ends them).
+    pub fn step(&mut self) -> Result<usize, EngineError> {
+        let plan = self
+            .scheduler
+            .schedule(&self.config.scheduler, &mut self.blocks);
+        if plan.is_empty() {
+            return Ok(0);
+        }
+        let batch = self.ragged_batch(&plan);
+        let logits = self.model.forward_paged(&batch, &mut self.cache)?;
+        let v = logits.len() / batch.seqs.iter().filter(|s| s.logits).count().max(1);
+        let mut rows = logits.chunks_exact(v.max(1));
+        let mut done = Vec::new();
+        for (sch, rs) in plan.iter().zip(&batch.seqs) {
+            let seq = &mut self.scheduler.running[sch.index];
+            seq.num_computed += sch.num_tokens;
+            self.blocks
+                .commit_full_blocks(&mut seq.blocks, &seq.tokens[..seq.num_computed]);
+            if !rs.logits {
+                continue;
+            }
+            let mut row = rows
+                .next()
+                .expect("one logits row per sequence asking")
+                .to_vec();
+            if let Some(reason) = self.stats_and_emit(sch, &mut row) {
+                done.push((sch.index, reason));
+            }
+        }
+        done.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, reason) in done {
+            let seq = self.scheduler.running.remove(i);
+            self.blocks.free(seq.blocks);
+            self.stats.finished(reason);
+        }
+        self.stats.set_queue(&self.scheduler, &self.blocks);
+        Ok(batch.tokens.len())
+    }
+
+    /// The step's ragged batch: each scheduled sequence's next tokens after its cached ones.
+    fn ragged_batch(&self, plan: &[Scheduled]) -> RaggedBatch {
+        let mut batch = RaggedBatch::default();
+        for sch in plan {
+            let seq = &self.scheduler.running[sch.index];
+            let range = seq.num_computed..seq.num_computed + sch.num_tokens;
+            batch.tokens.extend_from_slice(&seq.tokens[range.clone()]);
+            batch.seqs.push(RaggedSeq {
+                num_tokens: sch.num_tokens,
+                context_len: seq.num_computed,
+                block_table: seq.blocks.table.clone(),
+                logits: range.end == seq.tokens.len(),
+            });
+        }
+        batch
+    }
+
+    /// Samples the next token of `running[sch.index]` from `logits`, reports it to the
+    /// request's sink and counts it; returns why the request ended, if it did.
+    fn stats_and_emit(&mut self, sch: &Scheduled, logits: &mut [f32]) -> Option<FinishReason> {
+        let seq = &mut self.scheduler.running[sch.index];
+        if seq.output().is_empty() {
+            self.stats.prompt_done(seq.prompt_len, seq.cached_tokens);
+        }
+        let token = seq.sample(logits);
+        seq.tokens.push(token.token);
+        self.stats.generated(1);
+        let p = &seq.params;
+        let finish = if p.stop_token_ids.contains(&token.token) {
+            Some(FinishReason::Stop(token.token))
+        } else if seq.output().len() >= p.max_tokens
+            || seq.tokens.len() >= self.limits.max_model_len
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        let out = finished_output(seq, Some(token), finish.unwrap_or(FinishReason::Abort));
+        let out = RequestOutput {
+            finished: finish,
+            ..out
+        };
+        match (seq.sink)(out) {
+            ControlFlow::Continue(()) => finish,
+            ControlFlow::Break(()) => Some(finish.unwrap_or(FinishReason::Abort)),
+        }
+    }
+}
+
+/// A sequence's output carrying `token` and ending it for `reason`.
+fn finished_output(
+    seq: &Sequence,
+    token: Option<TokenOutput>,
+    reason: FinishReason,
+) -> RequestOutput {
+    RequestOutput {
+        id: seq.id,
+        token,
+        finished: Some(reason),
+        cached_tokens: seq.cached_tokens,
+        prompt_tokens: seq.prompt_len,
+    }
+}

@@ -1,0 +1,337 @@
+//! The serving engine on the committed tiny fixtures: a lone request reproduces `generate`
+//! token for token; concurrent requests under a small token budget (chunked prefill) and a
+//! small KV pool (preemption) each get their solo output; a repeated prompt hits the prefix
+//! cache; stop tokens, length limits, cancellation and log-probabilities behave as the OpenAI
+//! API says.
+
+use ferrotron_infer::engine::{
+    Engine, EngineConfig, EngineHandle, FinishReason, Request, RequestOutput, RequestParams,
+    SchedulerConfig,
+};
+use ferrotron_infer::sampler::{SamplingParams, log_softmax};
+use ferrotron_infer::{GenerateOptions, generate};
+use ferrotron_model::families::load_hf_model;
+use ferrotron_model::{GptModel, KvCache, LogitsMode};
+use ferrotron_tensor::DType;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, channel};
+use std::sync::{Arc, Mutex};
+
+fn model(name: &str) -> Arc<GptModel> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name);
+    Arc::new(load_hf_model(&dir, DType::F32).unwrap().0)
+}
+
+fn config(num_blocks: usize, budget: usize, prefix_caching: bool) -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        num_blocks,
+        scheduler: SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: budget,
+        },
+        enable_prefix_caching: prefix_caching,
+    }
+}
+
+fn prompt(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) as u32 % vocab as u32
+        })
+        .collect()
+}
+
+/// Outputs collected per request.
+type Outputs = Arc<Mutex<Vec<RequestOutput>>>;
+
+fn submit(engine: &mut Engine, id: u64, prompt: Vec<u32>, params: RequestParams) -> Outputs {
+    let outputs = Outputs::default();
+    let sink = outputs.clone();
+    let request = Request { id, prompt, params };
+    let sink = Box::new(move |o| {
+        sink.lock().unwrap().push(o);
+        ControlFlow::Continue(())
+    });
+    engine.add_request(request, sink).unwrap();
+    outputs
+}
+
+fn run_to_end(engine: &mut Engine) {
+    while engine.has_work() {
+        engine.step().unwrap();
+    }
+}
+
+fn tokens(outputs: &Outputs) -> Vec<u32> {
+    let o = outputs.lock().unwrap();
+    o.iter()
+        .filter_map(|o| o.token.as_ref().map(|t| t.token))
+        .collect()
+}
+
+fn finish(outputs: &Outputs) -> FinishReason {
+    outputs.lock().unwrap().last().unwrap().finished.unwrap()
+}
+
+fn solo_generate(
+    model: &GptModel,
+    prompt: &[u32],
+    max: usize,
+    sampling: SamplingParams,
+) -> Vec<u32> {
+    let options = GenerateOptions {
+        max_new_tokens: max,
+        sampling,
+        stop_token_ids: vec![],
+    };
+    generate(model, prompt, &options, &mut |_| ControlFlow::Continue(()))
+        .unwrap()
+        .generated_ids
+}
+
+fn greedy(max_tokens: usize) -> RequestParams {
+    RequestParams {
+        max_tokens,
+        ..RequestParams::default()
+    }
+}
+
+#[test]
+fn a_lone_request_reproduces_generate() {
+    for name in ["tiny-llama", "tiny-mistral", "tiny-bloom"] {
+        let m = model(name);
+        let v = m.config().vocab_size;
+        let blocks = m.config().max_position_embeddings.div_ceil(4) + 8;
+        let mut engine = Engine::new(m.clone(), config(blocks, 64, true)).unwrap();
+        let p = prompt(11, 21, v);
+        let out = submit(&mut engine, 0, p.clone(), greedy(30));
+        run_to_end(&mut engine);
+        assert_eq!(
+            tokens(&out),
+            solo_generate(&m, &p, 30, SamplingParams::greedy()),
+            "{name}"
+        );
+        assert_eq!(finish(&out), FinishReason::Length);
+        let seeded = SamplingParams::new(false, 0.9, 20, 0.95, 1.1, 42).unwrap();
+        let params = RequestParams {
+            sampling: seeded,
+            ..greedy(25)
+        };
+        let out = submit(&mut engine, 1, p.clone(), params);
+        run_to_end(&mut engine);
+        assert_eq!(
+            tokens(&out),
+            solo_generate(&m, &p, 25, seeded),
+            "{name} sampled"
+        );
+    }
+}
+
+#[test]
+fn concurrent_requests_with_chunked_prefill_and_preemption_get_their_solo_outputs() {
+    let m = model("tiny-llama");
+    let v = m.config().vocab_size;
+    // 32 blocks of 4 = 128 tokens (the model's context) for 6 requests of up to 70 tokens: the
+    // pool runs out and sequences are preempted; 8 tokens per step chunk every prompt.
+    let mut engine = Engine::new(m.clone(), config(32, 8, true)).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| prompt(100 + i, 9 + 7 * i as usize, v))
+        .collect();
+    let outs: Vec<Outputs> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| submit(&mut engine, i as u64, p.clone(), greedy(30)))
+        .collect();
+    run_to_end(&mut engine);
+    let stats = engine.stats();
+    assert!(
+        stats
+            .num_preemptions_total
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0,
+        "no preemption"
+    );
+    for (i, (p, out)) in prompts.iter().zip(&outs).enumerate() {
+        let want = solo_generate(&m, p, 30, SamplingParams::greedy());
+        assert_eq!(tokens(out), want, "request {i}");
+        assert_eq!(
+            out.lock().unwrap().len(),
+            30,
+            "request {i}: one output per token"
+        );
+    }
+    assert_eq!(stats.kv_cache_usage(), 0.0, "every block released");
+}
+
+#[test]
+fn a_repeated_prompt_hits_the_prefix_cache() {
+    let m = model("tiny-llama");
+    let p = prompt(5, 18, m.config().vocab_size);
+    for caching in [true, false] {
+        let mut engine = Engine::new(m.clone(), config(40, 64, caching)).unwrap();
+        let first = submit(&mut engine, 0, p.clone(), greedy(5));
+        run_to_end(&mut engine);
+        let again = submit(&mut engine, 1, p.clone(), greedy(5));
+        run_to_end(&mut engine);
+        assert_eq!(tokens(&again), tokens(&first));
+        let cached = again.lock().unwrap()[0].cached_tokens;
+        // 18 tokens: full blocks of the first 17 -> 16 tokens.
+        assert_eq!(cached, if caching { 16 } else { 0 });
+        assert_eq!(first.lock().unwrap()[0].cached_tokens, 0);
+    }
+}
+
+#[test]
+fn stop_tokens_length_limits_and_cancellation() {
+    let m = model("tiny-llama");
+    let v = m.config().vocab_size;
+    let p = prompt(9, 12, v);
+    let free = solo_generate(&m, &p, 10, SamplingParams::greedy());
+    let mut engine = Engine::new(m.clone(), config(40, 64, true)).unwrap();
+    let stop = free[3];
+    let first_stop = free.iter().position(|&t| t == stop).unwrap();
+    let params = RequestParams {
+        stop_token_ids: vec![stop],
+        ..greedy(10)
+    };
+    let out = submit(&mut engine, 0, p.clone(), params);
+    run_to_end(&mut engine);
+    assert_eq!(
+        tokens(&out),
+        free[..=first_stop],
+        "the stop token ends and is kept"
+    );
+    assert_eq!(finish(&out), FinishReason::Stop(stop));
+    // The context length bounds the output.
+    let long = prompt(3, m.config().max_position_embeddings - 4, v);
+    let out = submit(&mut engine, 1, long, greedy(100));
+    run_to_end(&mut engine);
+    assert_eq!(tokens(&out).len(), 4);
+    assert_eq!(finish(&out), FinishReason::Length);
+    // A sink that breaks cancels its request and frees its blocks.
+    let seen = Arc::new(Mutex::new(0));
+    let s = seen.clone();
+    let sink = Box::new(move |_| {
+        *s.lock().unwrap() += 1;
+        ControlFlow::Break(())
+    });
+    let request = Request {
+        id: 2,
+        prompt: p.clone(),
+        params: greedy(10),
+    };
+    engine.add_request(request, sink).unwrap();
+    run_to_end(&mut engine);
+    assert_eq!(*seen.lock().unwrap(), 1);
+    assert_eq!(engine.stats().kv_cache_usage(), 0.0);
+    // Requests the engine cannot run.
+    let errors = [
+        (vec![], greedy(4), "empty"),
+        (
+            prompt(1, 128, v),
+            greedy(4),
+            "maximum context length is 128",
+        ),
+        (vec![v as u32], greedy(4), "outside the vocabulary"),
+        (p.clone(), greedy(0), "max_tokens"),
+    ];
+    for (prompt, params, want) in errors {
+        let request = Request {
+            id: 9,
+            prompt,
+            params,
+        };
+        let err = engine
+            .add_request(request, Box::new(|_| ControlFlow::Continue(())))
+            .unwrap_err();
+        assert!(err.to_string().contains(want), "{err}");
+    }
+    let small = Engine::new(m.clone(), config(31, 8, true))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        small.contains("less than the model's context of 128 tokens"),
+        "{small}"
+    );
+}
+
+#[test]
+fn logprobs_are_the_raw_logits_log_softmax() {
+    let m = model("tiny-llama");
+    let p = prompt(21, 10, m.config().vocab_size);
+    let mut engine = Engine::new(m.clone(), config(40, 64, true)).unwrap();
+    let params = RequestParams {
+        logprobs: Some(3),
+        ..greedy(1)
+    };
+    let out = submit(&mut engine, 0, p.clone(), params);
+    run_to_end(&mut engine);
+    let mut cache = KvCache::new(m.config(), 1, p.len()).unwrap();
+    let logits = m.forward(&p, &mut cache, LogitsMode::Last).unwrap();
+    let mut lp = vec![0f32; logits.len()];
+    log_softmax(&logits, &mut lp);
+    let o = out.lock().unwrap();
+    let t = o[0].token.as_ref().unwrap();
+    assert_eq!(t.logprob, Some(lp[t.token as usize]));
+    assert_eq!(t.top_logprobs.len(), 3);
+    assert_eq!(
+        t.top_logprobs[0],
+        (t.token, lp[t.token as usize]),
+        "greedy picks the top token"
+    );
+    assert!(t.top_logprobs.windows(2).all(|w| w[0].1 >= w[1].1));
+}
+
+#[test]
+fn the_engine_thread_serves_requests_from_other_threads_and_drains_on_shutdown() {
+    let m = model("tiny-llama");
+    let v = m.config().vocab_size;
+    let handle = Arc::new(
+        EngineHandle::spawn(Engine::new(m.clone(), config(64, 16, true)).unwrap()).unwrap(),
+    );
+    let receivers: Vec<(Vec<u32>, Receiver<RequestOutput>)> = (0..4)
+        .map(|i| {
+            let p = prompt(40 + i, 15, v);
+            let (tx, rx) = channel();
+            let sink = Box::new(move |o| match tx.send(o) {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(_) => ControlFlow::Break(()),
+            });
+            let id = handle.next_request_id();
+            handle
+                .submit(
+                    Request {
+                        id,
+                        prompt: p.clone(),
+                        params: greedy(12),
+                    },
+                    sink,
+                )
+                .unwrap();
+            (p, rx)
+        })
+        .collect();
+    handle.shutdown();
+    for (p, rx) in receivers {
+        let got: Vec<u32> = rx.iter().filter_map(|o| o.token.map(|t| t.token)).collect();
+        assert_eq!(got, solo_generate(&m, &p, 12, SamplingParams::greedy()));
+    }
+    let err = handle.submit(
+        Request {
+            id: 99,
+            prompt: vec![1],
+            params: greedy(1),
+        },
+        Box::new(|_| ControlFlow::Continue(())),
+    );
+    assert!(err.unwrap_err().to_string().contains("stopped"));
+}
