@@ -1,3 +1,4 @@
+use std::borrow::Borrow;
 use std::path::{Path, PathBuf};
 
 /// Errors from loading or running a tokenizer; messages name the file.
@@ -63,17 +64,18 @@ impl Tokenizer {
 
 /// Turns a stream of token ids into text pieces as soon as they form complete characters
 /// (transformers' `TextStreamer` rule: hold back text that ends in U+FFFD, the mark of a
-/// partial UTF-8 sequence).
-pub struct StreamDecoder<'a> {
-    tokenizer: &'a Tokenizer,
+/// partial UTF-8 sequence). Holds the tokenizer as any `T: Borrow<Tokenizer>`: a reference,
+/// or an `Arc` for a decoder that must own what it uses (a server's response stream).
+pub struct StreamDecoder<T: Borrow<Tokenizer>> {
+    tokenizer: T,
     ids: Vec<u32>,
     printed: usize,
     skip_special_tokens: bool,
 }
 
-impl<'a> StreamDecoder<'a> {
+impl<T: Borrow<Tokenizer>> StreamDecoder<T> {
     /// A decoder with nothing decoded yet.
-    pub fn new(tokenizer: &'a Tokenizer, skip_special_tokens: bool) -> Self {
+    pub fn new(tokenizer: T, skip_special_tokens: bool) -> Self {
         StreamDecoder {
             tokenizer,
             ids: Vec::new(),
@@ -85,7 +87,10 @@ impl<'a> StreamDecoder<'a> {
     /// Adds a token; returns the newly completed text, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>, TokenizerError> {
         self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids, self.skip_special_tokens)?;
+        let text = self
+            .tokenizer
+            .borrow()
+            .decode(&self.ids, self.skip_special_tokens)?;
         if text.ends_with('\u{FFFD}') || text.len() <= self.printed {
             return Ok(None);
         }
@@ -96,7 +101,10 @@ impl<'a> StreamDecoder<'a> {
 
     /// Whatever is still held back (at the end of generation).
     pub fn finish(&mut self) -> Result<Option<String>, TokenizerError> {
-        let text = self.tokenizer.decode(&self.ids, self.skip_special_tokens)?;
+        let text = self
+            .tokenizer
+            .borrow()
+            .decode(&self.ids, self.skip_special_tokens)?;
         if text.len() <= self.printed {
             return Ok(None);
         }

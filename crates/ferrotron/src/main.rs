@@ -6,6 +6,7 @@ mod data;
 mod generate;
 mod model_dir;
 mod score;
+mod serve;
 mod sft;
 mod train;
 
@@ -44,6 +45,9 @@ enum Command {
     /// Tokenize alpaca/chat SFT data with answer-only labels into an idxmap dataset (Pai's
     /// build_idxmap_sft_dataset.py).
     PreprocessSft(sft::PreprocessSftArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV
+    /// cache, prefix caching), like `vllm serve`.
+    Serve(serve::ServeArgs),
     /// Train (continue-pretrain) a model from a run.toml (Megatron's pretrain_gpt.py).
     Train(train::TrainArgs),
 }
@@ -68,6 +72,7 @@ fn main() -> ExitCode {
         Command::DatasetInfo(a) => data::info(a),
         Command::MergeDatasets(a) => data::merge(a),
         Command::PreprocessSft(a) => sft::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Train(a) => train::run(a),
     };
     match result {

@@ -1,0 +1,107 @@
+//! `ferrotron serve`: the OpenAI-compatible server (`ferrotron_serve`) over the serving
+//! engine, with vLLM's flag names.
+
+use crate::model_dir::{LoadedModel, WeightDtype};
+use anyhow::{Context, Result};
+use clap::Args;
+use ferrotron_infer::engine::{Engine, EngineConfig, EngineHandle, SchedulerConfig};
+use ferrotron_serve::{AppState, ServedModel};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// HF model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model name clients pass as `model` (default: the --model path as given).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Most requests running at once (continuous batching); also the largest `n`.
+    #[arg(long, default_value_t = 32)]
+    max_num_seqs: usize,
+    /// Most new tokens per engine step: long prompts are prefilled in chunks of this size
+    /// beside the running decodes.
+    #[arg(long, default_value_t = 512)]
+    max_num_batched_tokens: usize,
+    /// Memory for the paged KV cache, GiB. Must hold at least one full context.
+    #[arg(long, default_value_t = 2.0)]
+    kv_cache_memory: f64,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Turn off automatic prefix caching (reuse of earlier prompts' full KV blocks).
+    #[arg(long)]
+    no_enable_prefix_caching: bool,
+    /// Weight storage in memory; bf16 multiplies in bf16 with f32 accumulation.
+    #[arg(long, value_enum, default_value_t = WeightDtype::F32)]
+    dtype: WeightDtype,
+    /// Seconds between throughput log lines while busy (0: off).
+    #[arg(long, default_value_t = 10)]
+    log_stats_interval: u64,
+}
+
+pub fn run(args: ServeArgs) -> Result<ExitCode> {
+    let loaded = LoadedModel::load(&args.model, args.dtype)?;
+    let eos_token_ids = loaded.stop_token_ids(&args.model)?;
+    let model = Arc::new(loaded.model);
+    let bytes = (args.kv_cache_memory.max(0.0) * (1u64 << 30) as f64) as u64;
+    let config = EngineConfig {
+        block_size: args.block_size.max(1),
+        num_blocks: EngineConfig::blocks_for_memory(&model, args.block_size.max(1), bytes),
+        scheduler: SchedulerConfig {
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+        },
+        enable_prefix_caching: !args.no_enable_prefix_caching,
+    };
+    let engine = Engine::new(model, config).context("--kv-cache-memory / --max-num-seqs")?;
+    let handle = EngineHandle::spawn(engine)?;
+    let name = args
+        .served_model_name
+        .unwrap_or_else(|| args.model.display().to_string());
+    let served = ServedModel {
+        name: name.clone(),
+        tokenizer: Arc::new(loaded.tokenizer),
+        chat_template: loaded.chat_template,
+        eos_token_ids,
+    };
+    let state = Arc::new(AppState::new(served, handle, args.max_num_seqs));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
+        eprintln!(
+            "ferrotron serve: serving {name} on http://{} ({} KV blocks of {} tokens, \
+             max {} sequences, {} tokens per step, prefix caching {})",
+            listener.local_addr()?,
+            config.num_blocks,
+            config.block_size,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            if config.enable_prefix_caching {
+                "on"
+            } else {
+                "off"
+            },
+        );
+        let every =
+            (args.log_stats_interval > 0).then(|| Duration::from_secs(args.log_stats_interval));
+        ferrotron_serve::serve(listener, state, ferrotron_serve::shutdown_signal(), every).await?;
+        eprintln!("ferrotron serve: stopped");
+        Ok(ExitCode::SUCCESS)
+    })
+}
