@@ -8,6 +8,8 @@ cd "$root"
 
 need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
+# the OpenAI client venv of the serving tests
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 # MPI backend (feature `mpi`, tested with mpirun): OpenMPI, and libclang for rsmpi's bindgen.
 command -v mpirun >/dev/null || need_apt+=(openmpi-bin)
 command -v mpicc >/dev/null || need_apt+=(libopenmpi-dev)
@@ -28,6 +30,16 @@ if [ ! -f "$FERROTRON_SMOLLM2_HF/tokenizer_config.json" ]; then
     --output "$FERROTRON_SMOLLM2_HF" --force
 fi
 export FERROTRON_SMOLLM2_HF
+# The official openai client, for the serving tests (tools/check_openai_client.py).
+client_venv="$root/.cache/openai-venv"
+if ! "$client_venv/bin/python" -c 'import openai' 2>/dev/null \
+  || ! cmp -s tools/requirements-client.txt "$client_venv/requirements-client.txt"; then
+  python3 -m venv "$client_venv"
+  "$client_venv/bin/python" -m pip install -q -r tools/requirements-client.txt
+  cp tools/requirements-client.txt "$client_venv/requirements-client.txt"
+fi
+FERROTRON_OPENAI_PYTHON="$client_venv/bin/python"
+export FERROTRON_OPENAI_PYTHON
 # Without these the tests on the real weights are reported as ignored (tests/common/weights.rs);
 # under CI=true they must run, so missing weights fail here.
 if [ "${CI:-}" = true ]; then
@@ -36,6 +48,7 @@ if [ "${CI:-}" = true ]; then
   for f in tokenizer.json tokenizer_config.json; do
     [ -f "${FERROTRON_SMOLLM2_HF:-}/$f" ] || missing+=("FERROTRON_SMOLLM2_HF/$f")
   done
+  [ -x "${FERROTRON_OPENAI_PYTHON:-}" ] || missing+=("FERROTRON_OPENAI_PYTHON (python with openai)")
   if [ ${#missing[@]} -gt 0 ]; then
     echo "error: CI=true needs the SmolLM2 weights for the tests on them; missing:" \
       "${missing[*]} (FERROTRON_SMOLLM2_GGUF='${FERROTRON_SMOLLM2_GGUF:-}'," \

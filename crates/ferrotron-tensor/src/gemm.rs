@@ -219,9 +219,10 @@ impl<'a> WeightRef<'a> {
     }
 }
 
-/// Activations with at most this many rows use the memory-bound GEMV kernels (decode);
-/// larger products use GEMM.
-pub const GEMV_MAX_ROWS: usize = 2;
+/// Activations with at most this many rows use the memory-bound GEMV kernels (decode, and
+/// batched decode of a serving engine: each weight row read once for all rows, every row's
+/// result independent of the others); larger products use GEMM.
+pub const GEMV_MAX_ROWS: usize = 16;
 
 /// Rows of a narrow weight converted to f32 at a time before GEMM (bounded scratch memory).
 const CONVERT_ROWS: usize = 512;
@@ -240,14 +241,22 @@ pub fn matmul_weight_t(
     accumulate: bool,
 ) {
     assert!(x.len() >= m * k && y.len() >= m * n);
+    if m == 0 {
+        return;
+    }
+    if m == 1 {
+        match w {
+            WeightRef::F32(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
+            WeightRef::BF16(w) => gemv::gemv_bf16(w, &x[..k], &mut y[..n], accumulate),
+            WeightRef::F16(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
+        }
+        return;
+    }
     if m <= GEMV_MAX_ROWS {
-        for r in 0..m {
-            let (xr, yr) = (&x[r * k..(r + 1) * k], &mut y[r * n..(r + 1) * n]);
-            match w {
-                WeightRef::F32(w) => gemv::gemv(w, xr, yr, accumulate),
-                WeightRef::BF16(w) => gemv::gemv_bf16(w, xr, yr, accumulate),
-                WeightRef::F16(w) => gemv::gemv(w, xr, yr, accumulate),
-            }
+        match w {
+            WeightRef::F32(w) => gemv::gemv_rows(w, x, y, (m, n, k), accumulate),
+            WeightRef::BF16(w) => gemv::gemv_rows_bf16(w, x, y, (m, n, k), accumulate),
+            WeightRef::F16(w) => gemv::gemv_rows(w, x, y, (m, n, k), accumulate),
         }
         return;
     }

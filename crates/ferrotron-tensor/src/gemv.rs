@@ -46,6 +46,133 @@ pub fn gemv_bf16(w: &[bf16], x: &[f32], y: &mut [f32], accumulate: bool) {
     gemv(w, &xr, y, accumulate);
 }
 
+/// `y[m, n] = x[m, k] · wᵀ` (`+=` when `accumulate`) for a few activation rows (batched
+/// decode): every weight row is read from memory once and multiplied by all `m` rows while
+/// it sits in L1, each product by the one-row kernel of [`gemv`] / [`gemv_bf16`] — so row `r`
+/// of `y` is bit for bit what a GEMV of row `r` alone computes, whatever `m` is (a served
+/// request's decode does not depend on what it is batched with).
+///
+/// # Panics
+/// When a slice is shorter than its shape (a caller bug).
+pub fn gemv_rows<W: Element + Widen>(
+    w: &[W],
+    x: &[f32],
+    y: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    assert!(x.len() >= m * k && y.len() >= m * n);
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+    // Per block of weight rows: four activation rows at a time (they stay in L1) against
+    // every weight row of the block (which stays in L2 for the next four).
+    let dots = |wb: &[W], out: &mut [f32]| {
+        let rows = out.len() / m;
+        let mut r = 0;
+        #[cfg(target_arch = "x86_64")]
+        while avx512 && r + 4 <= m {
+            let xs = std::array::from_fn(|i| &x[(r + i) * k..(r + i + 1) * k]);
+            for j in 0..rows {
+                let o: &mut [f32; 4] = (&mut out[j * m + r..j * m + r + 4]).try_into().expect("4");
+                // SAFETY: the CPU supports AVX-512F (checked above).
+                unsafe { avx512::dot_row_x4(&wb[j * k..(j + 1) * k], xs, o) };
+            }
+            r += 4;
+        }
+        for i in r..m {
+            for j in 0..rows {
+                let o = std::slice::from_mut(&mut out[j * m + i]);
+                dot_rows(&wb[j * k..(j + 1) * k], &x[i * k..(i + 1) * k], o, false);
+            }
+        }
+    };
+    multi_rows(w, y, (m, n, k), accumulate, dots);
+}
+
+/// [`gemv_rows`] for bf16 weights: the activation rows rounded to bf16 once, each product
+/// the one-row kernel of [`gemv_bf16`].
+///
+/// # Panics
+/// When a slice is shorter than its shape (a caller bug).
+pub fn gemv_rows_bf16(
+    w: &[bf16],
+    x: &[f32],
+    y: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    assert!(x.len() >= m * k && y.len() >= m * n);
+    let rounded = x[..m * k].iter().map(|&v| round_to_bf16_bits(v));
+    #[cfg(target_arch = "x86_64")]
+    if Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16) {
+        let xb: Vec<bf16> = rounded.map(bf16::from_bits).collect();
+        let dots = |wb: &[bf16], out: &mut [f32]| {
+            let rows = out.len() / m;
+            let mut r = 0;
+            while r + 4 <= m {
+                let xs = std::array::from_fn(|i| &xb[(r + i) * k..(r + i + 1) * k]);
+                for j in 0..rows {
+                    let o: &mut [f32; 4] =
+                        (&mut out[j * m + r..j * m + r + 4]).try_into().expect("4");
+                    // SAFETY: the CPU has AVX512F and AVX512-BF16 (checked above).
+                    unsafe { avx512::dot_row_x4_bf16(&wb[j * k..(j + 1) * k], xs, o) };
+                }
+                r += 4;
+            }
+            for i in r..m {
+                for j in 0..rows {
+                    let (wj, xr) = (&wb[j * k..(j + 1) * k], &xb[i * k..(i + 1) * k]);
+                    let o = std::slice::from_mut(&mut out[j * m + i]);
+                    // SAFETY: as above.
+                    unsafe { avx512::dot_rows_bf16(wj, xr, o, false) };
+                }
+            }
+        };
+        multi_rows(w, y, (m, n, k), accumulate, dots);
+        return;
+    }
+    let xr: Vec<f32> = rounded
+        .map(|b| f32::from_bits(u32::from(b) << 16))
+        .collect();
+    gemv_rows(w, &xr, y, (m, n, k), accumulate);
+}
+
+/// Runs `dots(w_block, out)` (out: `[rows, m]`, the block's products) for blocks of
+/// [`ROWS_PER_TASK`] weight rows on rayon tasks; each task writes its block's columns of
+/// every row of `y[m, n]`.
+fn multi_rows<W: Sync>(
+    w: &[W],
+    y: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    dots: impl Fn(&[W], &mut [f32]) + Sync,
+) {
+    assert!(w.len() >= n * k && m > 0);
+    // Task t's columns of each of the m rows of y.
+    let mut rows: Vec<_> = y[..m * n]
+        .chunks_exact_mut(n)
+        .map(|r| r.chunks_mut(ROWS_PER_TASK))
+        .collect();
+    let tasks: Vec<Vec<&mut [f32]>> = (0..n.div_ceil(ROWS_PER_TASK))
+        .map(|_| {
+            rows.iter_mut()
+                .map(|r| r.next().expect("n columns"))
+                .collect()
+        })
+        .collect();
+    tasks.into_par_iter().enumerate().for_each(|(t, mut cols)| {
+        let (row0, len) = (t * ROWS_PER_TASK, cols[0].len());
+        let mut out = vec![0f32; len * m];
+        dots(&w[row0 * k..(row0 + len) * k], &mut out);
+        for (r, col) in cols.iter_mut().enumerate() {
+            for (j, y) in col.iter_mut().enumerate() {
+                let v = out[j * m + r];
+                *y = if accumulate { *y + v } else { v };
+            }
+        }
+    });
+}
+
 /// Runs `rows(w_chunk, y_chunk)` on rayon tasks of [`ROWS_PER_TASK`] output rows, each with
 /// its rows of `w` (`k` elements each).
 ///
@@ -212,6 +339,79 @@ mod avx512 {
         }
     }
 
+    /// One weight row `w[k]` times four activation rows: each row's sum in exactly the
+    /// order of [`dot_rows`] (the same four accumulators over the same 64-element steps, the
+    /// same tail), so the results are bit-identical to four [`dot_rows`] calls, but every
+    /// weight vector is loaded once for the four products.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_row_x4<W: Element + Widen>(w: &[W], x: [&[f32]; 4], y: &mut [f32; 4]) {
+        let k = w.len();
+        let (k64, k16) = (k / 64 * 64, k / 16 * 16);
+        assert!(x.iter().all(|r| r.len() >= k));
+        let rp = w.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut p = 0;
+        // SAFETY: every load reads 16 elements at p + o < k16 <= k of w and of each x row.
+        unsafe {
+            while p < k64 {
+                for o in 0..4 {
+                    let q = p + 16 * o;
+                    let wv = W::load16(rp.add(q));
+                    for (a, xr) in acc.iter_mut().zip(&x) {
+                        a[o] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr.as_ptr().add(q)), a[o]);
+                    }
+                }
+                p += 64;
+            }
+            while p < k16 {
+                let wv = W::load16(rp.add(p));
+                for (a, xr) in acc.iter_mut().zip(&x) {
+                    a[0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr.as_ptr().add(p)), a[0]);
+                }
+                p += 16;
+            }
+        }
+        for ((a, xr), yr) in acc.into_iter().zip(&x).zip(y.iter_mut()) {
+            let tail = (k16..k).map(|q| w[q].to_f32() * xr[q]).sum();
+            finish(a, tail, yr, false);
+        }
+    }
+
+    /// [`dot_row_x4`] for bf16: bit-identical to four [`dot_rows_bf16`] calls.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn dot_row_x4_bf16(w: &[bf16], x: [&[bf16]; 4], y: &mut [f32; 4]) {
+        let k = w.len();
+        let (k128, k32) = (k / 128 * 128, k / 32 * 32);
+        assert!(x.iter().all(|r| r.len() >= k));
+        let rp = w.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+        let mut p = 0;
+        // SAFETY: every load reads 32 elements at p + o < k32 <= k of w and of each x row.
+        unsafe {
+            while p < k128 {
+                for o in 0..4 {
+                    let q = p + 32 * o;
+                    let wv = load32(rp.add(q));
+                    for (a, xr) in acc.iter_mut().zip(&x) {
+                        a[o] = _mm512_dpbf16_ps(a[o], wv, load32(xr.as_ptr().add(q)));
+                    }
+                }
+                p += 128;
+            }
+            while p < k32 {
+                let wv = load32(rp.add(p));
+                for (a, xr) in acc.iter_mut().zip(&x) {
+                    a[0] = _mm512_dpbf16_ps(a[0], wv, load32(xr.as_ptr().add(p)));
+                }
+                p += 32;
+            }
+        }
+        for ((a, xr), yr) in acc.into_iter().zip(&x).zip(y.iter_mut()) {
+            let tail = (k32..k).map(|q| w[q].to_f32() * xr[q].to_f32()).sum();
+            finish(a, tail, yr, false);
+        }
+    }
+
     /// The row's dot product — the four accumulators' lanes plus the scalar `tail` — into
     /// `y` (`+=` when `accumulate`).
     #[inline]
@@ -266,6 +466,44 @@ mod tests {
             gemv(&wh, &x, &mut got, false);
             for (g, w) in got.iter().zip(&want_h) {
                 assert!((g - w).abs() < 1e-4 * (1.0 + w.abs()));
+            }
+        }
+    }
+
+    /// Batched decode: every row of a multi-row product is bit for bit the one-row GEMV of
+    /// that row, for any row count (groups of four and the rest) and ragged `k`.
+    #[test]
+    fn multi_row_products_are_bit_identical_to_one_row_gemvs() {
+        for (n, k) in [(3, 1), (70, 33), (130, 576), (9, 300)] {
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 7919) % 211) as f32 / 100.0 - 1.0)
+                .collect();
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            for m in 1..=9 {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 31) % 17) as f32 / 7.0 - 1.1)
+                    .collect();
+                let mut got = vec![0.5f32; m * n];
+                let mut got_b = got.clone();
+                let mut got_h = got.clone();
+                gemv_rows(&w, &x, &mut got, (m, n, k), true);
+                gemv_rows_bf16(&wb, &x, &mut got_b, (m, n, k), false);
+                gemv_rows(&wh, &x, &mut got_h, (m, n, k), false);
+                for r in 0..m {
+                    let (xr, ys) = (&x[r * k..(r + 1) * k], r * n..(r + 1) * n);
+                    let mut want = vec![0.5f32; n];
+                    gemv(&w, xr, &mut want, true);
+                    assert_eq!(got[ys.clone()], want[..], "f32 m {m} n {n} k {k} row {r}");
+                    gemv_bf16(&wb, xr, &mut want, false);
+                    assert_eq!(
+                        got_b[ys.clone()],
+                        want[..],
+                        "bf16 m {m} n {n} k {k} row {r}"
+                    );
+                    gemv(&wh, xr, &mut want, false);
+                    assert_eq!(got_h[ys], want[..], "f16 m {m} n {n} k {k} row {r}");
+                }
             }
         }
     }

@@ -5,8 +5,10 @@
 //! Accumulation is always f32. bf16 weights multiply through bf16 × bf16 → f32 GEMM kernels
 //! ([`gemm_bf16`]: AMX tiles, AVX512-BF16 `vdpbf16ps`, or the operands widened to f32 where
 //! the CPU has neither), dispatched at run time by CPU feature; [`peak`] measures the
-//! machine's own f32 and bf16 peaks. f16 is a storage format (widened to f32).
+//! machine's own f32 and bf16 peaks. f16 is a storage format (widened to f32). [`allocator`]
+//! keeps freed memory for reuse in long-running training and serving processes.
 
+pub mod allocator;
 mod buffer;
 mod dtype;
 mod error;

@@ -159,7 +159,7 @@ fn run(a: &Args) -> Result<()> {
     };
     let mut trainer = Trainer::new(model, options).context("building the trainer")?;
     // As `ferrotron train` does once everything is built (see ferrotron_train::allocator).
-    ferrotron_train::allocator::retain_freed_memory();
+    ferrotron_tensor::allocator::retain_freed_memory();
     let (mut times, mut losses) = (Vec::new(), Vec::new());
     for (i, mb) in steps.iter().enumerate() {
         let t = Instant::now();

@@ -4,7 +4,6 @@
 //! [`metrics`] writers, and [`run`]: one rank's whole run of a configuration (model, data,
 //! trainer, checkpoints, validation, HF export).
 
-pub mod allocator;
 pub mod config;
 pub mod metrics;
 mod parallelize;

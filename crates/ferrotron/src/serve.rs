@@ -64,6 +64,8 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         enable_prefix_caching: !args.no_enable_prefix_caching,
     };
     let engine = Engine::new(model, config).context("--kv-cache-memory / --max-num-seqs")?;
+    // Steps free and re-allocate MBs of activations: keep them instead of re-faulting pages.
+    ferrotron_tensor::allocator::retain_freed_memory();
     let handle = EngineHandle::spawn(engine)?;
     let name = args
         .served_model_name

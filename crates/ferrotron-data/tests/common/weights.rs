@@ -12,6 +12,10 @@ use std::path::PathBuf;
 pub const GGUF: &str = "FERROTRON_SMOLLM2_GGUF";
 /// The GGUF converted to an HF directory (`ferrotron convert gguf-to-hf`).
 pub const HF: &str = "FERROTRON_SMOLLM2_HF";
+/// A Python interpreter with the pinned `openai` client (tools/requirements-client.txt), for
+/// the serving tests that drive `ferrotron serve` with it.
+#[allow(dead_code)] // only ferrotron's serve tests use it
+pub const OPENAI_PYTHON: &str = "FERROTRON_OPENAI_PYTHON";
 
 /// The path in `var`, or `None` when it is unset or empty.
 pub fn var(var: &str) -> Option<PathBuf> {
@@ -54,7 +58,8 @@ pub fn run(trials: impl IntoIterator<Item = Trial>) -> ! {
         eprintln!(
             "the tests marked [needs VAR] are ignored: VAR is unset. scripts/test.sh sets {GGUF} \
              (`bash scripts/fetch-smollm2.sh` prints the path) and {HF} (that GGUF after \
-             `ferrotron convert gguf-to-hf`)"
+             `ferrotron convert gguf-to-hf`) and {OPENAI_PYTHON} (a Python with the pinned openai \
+             client)"
         );
     }
     libtest_mimic::run(&Arguments::from_args(), trials).exit()

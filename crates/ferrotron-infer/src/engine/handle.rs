@@ -105,10 +105,20 @@ fn run(mut engine: Engine, rx: Receiver<Command>) {
         while let Ok(cmd) = rx.try_recv() {
             apply(&mut engine, cmd, &mut draining);
         }
-        if let Err(e) = engine.step() {
-            eprintln!("ferrotron engine: step failed, aborting the requests in flight: {e}");
-            engine.abort_all();
-        }
+        // A failed or panicking step ends the requests in flight, not the engine thread
+        // (whose callers would otherwise wait forever).
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step()));
+        let error = match step {
+            Ok(Ok(_)) => continue,
+            Ok(Err(e)) => e.to_string(),
+            Err(panic) => panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panic".into()),
+        };
+        eprintln!("ferrotron engine: step failed, aborting the requests in flight: {error}");
+        engine.abort_all();
     }
 }
 

@@ -24,7 +24,7 @@ pub fn run_rank(rc: &RunConfig, rank: &RankContext) -> Result<ExitCode> {
     }
     // Model, optimizer and data are in place: from here on, steps reuse the memory the last
     // one freed instead of faulting it in again.
-    ferrotron_train::allocator::retain_freed_memory();
+    ferrotron_tensor::allocator::retain_freed_memory();
     let summary = if lead {
         let logging = &rc.resolved.logging;
         let done = run.trainer().iteration();

@@ -1,11 +1,13 @@
-//! The allocator policy for training. The `ferrotron` binary and the benchmarks install
-//! mimalloc as the global allocator; by default it hands freed blocks back to the OS after a
-//! short delay (1 s in the linked mimalloc 3), and a training step frees and re-allocates several GB of activations and temporaries
-//! (multi-MB each), which the kernel then faults in and zeroes again: `perf` showed 42% of an
-//! f32 micro-batch-4 SmolLM2 step in `clear_page_erms` (BENCHMARKS.md). Once the model and
-//! optimizer are built, [`retain_freed_memory`] tells mimalloc to keep freed memory for reuse
-//! instead; the peak RSS stays that of a step (the passes allocate on their calling thread,
-//! so one heap serves every step), the page faults go away.
+//! The allocator policy for long-running compute (training steps, serving-engine steps).
+//! The `ferrotron` binary and the benchmarks install mimalloc as the global allocator; by
+//! default it hands freed blocks back to the OS after a short delay (1 s in the linked
+//! mimalloc 3), and a training step frees and re-allocates several GB of activations and
+//! temporaries (multi-MB each), which the kernel then faults in and zeroes again: `perf` showed
+//! 42% of an f32 micro-batch-4 SmolLM2 step in `clear_page_erms` (BENCHMARKS.md), and ~10% of
+//! a batched decode step of the serving engine. Once the model (and optimizer, or KV cache)
+//! is built, [`retain_freed_memory`] tells mimalloc to keep freed memory for reuse instead;
+//! the peak RSS stays that of a step (the passes allocate on their calling thread, so one
+//! heap serves every step), the page faults go away.
 
 use std::ffi::c_int;
 

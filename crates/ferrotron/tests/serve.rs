@@ -1,0 +1,280 @@
+//! `ferrotron serve` on the real SmolLM2-135M-Instruct (the HF directory of
+//! `FERROTRON_SMOLLM2_HF`): a temperature-0 chat answer equals `ferrotron generate --chat
+//! --greedy`, alone and with other requests in flight; the official `openai` Python client
+//! (`FERROTRON_OPENAI_PYTHON`: a Python with `openai` installed) passes
+//! tools/check_openai_client.py; SIGTERM lets a streaming request finish and exits 0; many
+//! requests in a row leave the RSS flat. Without the variables the tests are reported as
+//! ignored (`common::weights`).
+
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+mod common;
+use common::ferrotron;
+use common::weights::{self, HF, OPENAI_PYTHON, trials};
+
+fn main() {
+    let mut all = trials![needs [HF]:
+        greedy_chat_equals_generate_alone_and_batched,
+        sigterm_finishes_the_stream_in_flight_and_exits_0,
+        many_requests_leave_the_rss_flat,
+        a_client_that_disconnects_mid_stream_cancels_its_request,
+    ];
+    all.extend(trials![needs [OPENAI_PYTHON]: the_openai_python_client_passes_its_checks]);
+    weights::run(all);
+}
+
+const NAME: &str = "smollm2";
+
+/// A `ferrotron serve` process on a free port.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start() -> Server {
+        let dir = weights::path(HF);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
+            .args(["--served-model-name", NAME, "--log-stats-interval", "0"])
+            .args(["--kv-cache-memory", "0.5"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("serve exited before listening")
+                .unwrap();
+            if let Some(rest) = line.split_once(" on http://") {
+                break rest.1.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        Server { child, addr }
+    }
+
+    /// Raw HTTP/1.1 POST of JSON; returns (status, body).
+    fn post(&self, path: &str, body: &Value) -> (u16, String) {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        let body = body.to_string();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+        (head[9..12].parse().unwrap(), rest.to_string())
+    }
+
+    fn chat(&self, prompt: &str, max_tokens: usize) -> String {
+        let body = json!({"model": NAME, "messages": [{"role": "user", "content": prompt}],
+                          "temperature": 0, "max_tokens": max_tokens});
+        let (status, text) = self.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+
+    /// A `/metrics` value.
+    fn metric(&self, name: &str) -> f64 {
+        let mut s = TcpStream::connect(&self.addr).unwrap();
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut page = String::new();
+        s.read_to_string(&mut page).unwrap();
+        let line = page.lines().find(|l| l.starts_with(name)).unwrap();
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `ferrotron generate --chat --greedy` of `prompt`.
+fn generate_text(prompt: &str, max_tokens: usize) -> String {
+    let dir = weights::path(HF);
+    let n = max_tokens.to_string();
+    let o = ferrotron(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        prompt,
+        "--greedy",
+        "--max-new-tokens",
+        &n,
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["text"].as_str().unwrap().to_string()
+}
+
+const PROMPTS: [&str; 4] = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+];
+
+fn greedy_chat_equals_generate_alone_and_batched() {
+    let want: Vec<String> = PROMPTS.iter().map(|p| generate_text(p, 40)).collect();
+    let server = Server::start();
+    assert_eq!(server.chat(PROMPTS[0], 40), want[0], "alone");
+    let got: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = PROMPTS
+            .iter()
+            .map(|p| s.spawn(|| server.chat(p, 40)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want, "four requests in flight together");
+}
+
+fn sigterm_finishes_the_stream_in_flight_and_exits_0() {
+    let mut server = Server::start();
+    let body = json!({"model": NAME, "prompt": "Once upon a time", "max_tokens": 64,
+                      "ignore_eos": true, "temperature": 0, "stream": true})
+    .to_string();
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    let n = s.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let status = server.terminate();
+    let mut rest = String::new();
+    s.read_to_string(&mut rest).unwrap();
+    let chunks = rest.matches("\"text_completion\"").count();
+    assert!(rest.contains("data: [DONE]"), "the stream was cut: {rest}");
+    assert!(chunks >= 60, "{chunks} chunks after SIGTERM");
+    assert!(status.success(), "exit status {status}");
+}
+
+fn a_client_that_disconnects_mid_stream_cancels_its_request() {
+    let server = Server::start();
+    let body = json!({"model": NAME, "prompt": "Once upon a time", "max_tokens": 400,
+                      "ignore_eos": true, "temperature": 0, "stream": true})
+    .to_string();
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 256];
+    assert!(s.read(&mut first).unwrap() > 0);
+    drop(s);
+    let aborted = "ferrotron:request_success_total{finished_reason=\"abort\"}";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while server.metric(aborted) < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request was not cancelled"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(server.metric("ferrotron:generation_tokens_total") < 400.0);
+    assert_eq!(server.metric("ferrotron:num_requests_running"), 0.0);
+    assert_eq!(server.metric("ferrotron:kv_cache_usage_perc"), 0.0);
+}
+
+fn many_requests_leave_the_rss_flat() {
+    let server = Server::start();
+    let body = json!({"model": NAME, "prompt": "The Lord is my shepherd; I shall not want.",
+                      "max_tokens": 4, "temperature": 0.8, "seed": 1});
+    let run = |n| {
+        for _ in 0..n {
+            assert_eq!(server.post("/v1/completions", &body).0, 200);
+        }
+    };
+    run(50);
+    let before = server.rss_kib();
+    run(250);
+    let after = server.rss_kib();
+    assert!(
+        after <= before + before / 20 + 8 * 1024,
+        "RSS grew from {before} KiB to {after} KiB over 250 requests"
+    );
+}
+
+fn the_openai_python_client_passes_its_checks() {
+    let python = weights::path(OPENAI_PYTHON);
+    let prompt = PROMPTS[0];
+    let want = generate_text(prompt, 48);
+    let server = Server::start();
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/check_openai_client.py");
+    let o = Command::new(python)
+        .arg(script)
+        .args([
+            "--base-url",
+            &format!("http://{}/v1", server.addr),
+            "--model",
+            NAME,
+        ])
+        .args([
+            "--greedy-prompt",
+            prompt,
+            "--greedy-text",
+            &want,
+            "--max-tokens",
+            "48",
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.contains("all checks passed"), "{out}");
+}
