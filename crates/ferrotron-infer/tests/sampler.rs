@@ -306,3 +306,25 @@ fn log_softmax_is_stable() {
     log_softmax(&[-1e30, 5.0], &mut out);
     assert_eq!(out[1], 0.0);
 }
+
+/// Speculative verification with a point-mass proposal leaves the distribution unchanged: the
+/// verified token is distributed as a sampled one, whichever token is proposed.
+#[test]
+fn verify_keeps_the_sampling_distribution_for_any_proposal() {
+    let logits = [2.0f32, 1.0, 0.5, -1.0, 0.0];
+    let params = sampling(0.9, 0, 0.95, 11);
+    let want = frequencies(params, &logits, 40_000);
+    for draft in [0u32, 2, 3] {
+        let mut sampler = Sampler::new(params).unwrap();
+        let mut counts = vec![0usize; logits.len()];
+        for _ in 0..40_000 {
+            let mut l = logits.to_vec();
+            counts[sampler.verify(&mut l, &[], draft) as usize] += 1;
+        }
+        let got: Vec<f64> = counts.iter().map(|&c| c as f64 / 40_000.0).collect();
+        assert_close(&got, &want, 0.015);
+    }
+    // Greedy: the arg-max, whatever is proposed.
+    let mut greedy = Sampler::new(SamplingParams::greedy()).unwrap();
+    assert_eq!(greedy.verify(&mut logits.to_vec(), &[], 3), 0);
+}

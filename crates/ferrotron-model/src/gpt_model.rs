@@ -321,9 +321,9 @@ impl GptModel {
 
     /// Runs a ragged batch (new tokens of several sequences, each after its own cached
     /// tokens in `cache`; see [`RaggedBatch`]) through the layers, writing the new keys and
-    /// values into the sequences' blocks. Returns logits `[n, v]` of the last new token of
-    /// each of the `n` sequences with [`RaggedSeq::logits`](crate::RaggedSeq::logits), in
-    /// batch order.
+    /// values into the sequences' blocks. Returns logits `[n, v]` of the last
+    /// [`RaggedSeq::num_logits`](crate::RaggedSeq::num_logits) new tokens of each sequence,
+    /// `n` in all, in batch order.
     ///
     /// A batch of one sequence computes exactly what [`GptModel::forward`] computes for the
     /// same tokens (same kernels on the same rows).
@@ -351,8 +351,7 @@ impl GptModel {
             }
             let last_rows = batch
                 .row_ranges()
-                .filter(|(_, s)| s.logits)
-                .map(|(r, _)| r.end - 1);
+                .flat_map(|(r, s)| r.end - s.num_logits..r.end);
             self.logits_of_rows(x.host(), last_rows)
         })
     }

@@ -114,8 +114,13 @@ pub struct RaggedSeq {
     /// Block ids holding positions `0..context_len + num_tokens` (position `p` in block
     /// `block_table[p / block_size]`); the new tokens' keys and values are written there.
     pub block_table: Vec<u32>,
-    /// Whether the forward returns logits for this sequence's last new token.
-    pub logits: bool,
+    /// Logits for this many of the sequence's last new tokens (0: none, e.g. a prompt chunk
+    /// mid-prompt; 1: the next token; `1 + k`: verifying `k` speculative tokens).
+    pub num_logits: usize,
+    /// Attend row by row as decode steps do (each new token a query at its own position, the
+    /// arithmetic of a one-token step), instead of the tiled prefill kernel: speculative
+    /// verification then computes exactly what decoding the tokens one by one computes.
+    pub row_by_row: bool,
 }
 
 /// New tokens of several sequences in one forward (vLLM's flattened batch): `tokens` holds
@@ -163,10 +168,11 @@ impl RaggedBatch {
         }
         for (i, s) in self.seqs.iter().enumerate() {
             let end = s.context_len + s.num_tokens;
-            if s.num_tokens == 0 || end > c.max_position_embeddings {
+            if s.num_tokens == 0 || s.num_logits > s.num_tokens || end > c.max_position_embeddings {
                 return bad(format!(
-                    "sequence {i}: {} new tokens after {} (max_position_embeddings {})",
-                    s.num_tokens, s.context_len, c.max_position_embeddings
+                    "sequence {i}: {} new tokens after {}, logits for {} (max_position_embeddings \
+                     {})",
+                    s.num_tokens, s.context_len, s.num_logits, c.max_position_embeddings
                 ));
             }
             let need = end.div_ceil(cache.block_size());

@@ -67,7 +67,8 @@ fn one_sequence_is_bit_identical_to_the_contiguous_cache() {
                     num_tokens: chunk.len(),
                     context_len,
                     block_table: table.clone(),
-                    logits: true,
+                    num_logits: 1,
+                    row_by_row: false,
                 }],
             };
             let got = model.forward_paged(&batch, &mut cache).unwrap();
@@ -95,7 +96,8 @@ fn a_ragged_batch_gives_every_sequence_its_solo_logits() {
             num_tokens: n,
             context_len: ctx,
             block_table: t.clone(),
-            logits,
+            num_logits: usize::from(logits),
+            row_by_row: false,
         };
         let extra = tokens(c, 4, 3);
         let steps = [
@@ -158,7 +160,8 @@ fn bad_batches_are_errors() {
             num_tokens: n,
             context_len: ctx,
             block_table: table,
-            logits: true,
+            num_logits: 1,
+            row_by_row: false,
         }],
     };
     let cases = [
@@ -191,4 +194,45 @@ fn bad_batches_are_errors() {
         assert!(err.contains(want), "{err:?} does not say {want:?}");
     }
     assert!(PagedKvCache::new(c, 0, 4).is_err());
+}
+
+/// Speculative verification: several new tokens of one sequence attended row by row give, for
+/// each of them, the logits of decoding the tokens one step at a time, bit for bit.
+#[test]
+fn row_by_row_tokens_equal_one_decode_step_each() {
+    for name in FAMILIES {
+        let model = load(name);
+        let c = model.config();
+        let ids = tokens(c, 9, 14);
+        let (prompt, rest) = ids.split_at(9);
+        let table: Vec<u32> = vec![4, 1, 7, 3];
+        let run = |chunks: &[&[u32]], row_by_row: bool| {
+            let mut cache = PagedKvCache::new(c, BLOCK, 8).unwrap();
+            let mut context_len = 0;
+            let mut out = Vec::new();
+            for chunk in chunks {
+                let seq = RaggedSeq {
+                    num_tokens: chunk.len(),
+                    context_len,
+                    block_table: table.clone(),
+                    num_logits: if context_len == 0 { 1 } else { chunk.len() },
+                    row_by_row: row_by_row && context_len > 0,
+                };
+                let batch = RaggedBatch {
+                    tokens: chunk.to_vec(),
+                    seqs: vec![seq],
+                };
+                out.push(model.forward_paged(&batch, &mut cache).unwrap());
+                context_len += chunk.len();
+            }
+            out
+        };
+        let one_by_one: Vec<&[u32]> = std::iter::once(prompt).chain(rest.chunks(1)).collect();
+        let stepped = run(&one_by_one, false).concat();
+        let verified = run(&[prompt, rest], true).concat();
+        assert!(
+            stepped == verified,
+            "{name}: row-by-row logits differ from decode steps"
+        );
+    }
 }

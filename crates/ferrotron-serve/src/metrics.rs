@@ -75,62 +75,92 @@ impl ServerMetrics {
 /// The whole `/metrics` page.
 pub fn render(state: &AppState) -> String {
     let s = state.engine.stats();
+    let get = |a: &AtomicU64| a.load(Relaxed) as f64;
+    let (drafted, accepted) = (
+        get(&s.spec_decode_num_draft_tokens_total),
+        get(&s.spec_decode_num_accepted_tokens_total),
+    );
+    let acceptance = if drafted > 0.0 {
+        accepted / drafted
+    } else {
+        0.0
+    };
+    let (gauge, counter) = ("gauge", "counter");
+    let rows = [
+        (
+            "num_requests_running",
+            gauge,
+            "Requests holding KV blocks.",
+            get(&s.num_requests_running),
+        ),
+        (
+            "num_requests_waiting",
+            gauge,
+            "Requests waiting for admission.",
+            get(&s.num_requests_waiting),
+        ),
+        (
+            "kv_cache_usage_perc",
+            gauge,
+            "Fraction of KV blocks in use (0-1).",
+            s.kv_cache_usage(),
+        ),
+        (
+            "prompt_tokens_total",
+            counter,
+            "Prompt tokens processed.",
+            get(&s.prompt_tokens_total),
+        ),
+        (
+            "generation_tokens_total",
+            counter,
+            "Tokens generated.",
+            get(&s.generation_tokens_total),
+        ),
+        (
+            "prefix_cache_queries_total",
+            counter,
+            "Prompt tokens looked up in the prefix cache.",
+            get(&s.prefix_cache_queries_total),
+        ),
+        (
+            "prefix_cache_hits_total",
+            counter,
+            "Prompt tokens served from the prefix cache.",
+            get(&s.prefix_cache_hits_total),
+        ),
+        (
+            "num_preemptions_total",
+            counter,
+            "Sequences preempted for KV blocks.",
+            get(&s.num_preemptions_total),
+        ),
+        (
+            "spec_decode_num_draft_tokens_total",
+            counter,
+            "Tokens proposed by speculative decoding.",
+            drafted,
+        ),
+        (
+            "spec_decode_num_accepted_tokens_total",
+            counter,
+            "Proposed tokens the model accepted.",
+            accepted,
+        ),
+        (
+            "spec_decode_draft_acceptance_rate",
+            gauge,
+            "Accepted / proposed tokens.",
+            acceptance,
+        ),
+    ];
     let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
+    for (name, kind, help, value) in rows {
         let _ = writeln!(
             out,
             "# HELP ferrotron:{name} {help}\n# TYPE ferrotron:{name} {kind}\nferrotron:{name} {value}"
         );
-    };
-    let get = |a: &AtomicU64| a.load(Relaxed) as f64;
-    metric(
-        "num_requests_running",
-        "gauge",
-        "Requests holding KV blocks.",
-        get(&s.num_requests_running),
-    );
-    metric(
-        "num_requests_waiting",
-        "gauge",
-        "Requests waiting for admission.",
-        get(&s.num_requests_waiting),
-    );
-    metric(
-        "kv_cache_usage_perc",
-        "gauge",
-        "Fraction of KV blocks in use (0-1).",
-        s.kv_cache_usage(),
-    );
-    metric(
-        "prompt_tokens_total",
-        "counter",
-        "Prompt tokens processed.",
-        get(&s.prompt_tokens_total),
-    );
-    metric(
-        "generation_tokens_total",
-        "counter",
-        "Tokens generated.",
-        get(&s.generation_tokens_total),
-    );
-    metric(
-        "prefix_cache_queries_total",
-        "counter",
-        "Prompt tokens looked up in the prefix cache.",
-        get(&s.prefix_cache_queries_total),
-    );
-    metric(
-        "prefix_cache_hits_total",
-        "counter",
-        "Prompt tokens served from the prefix cache.",
-        get(&s.prefix_cache_hits_total),
-    );
-    metric(
-        "num_preemptions_total",
-        "counter",
-        "Sequences preempted for KV blocks.",
-        get(&s.num_preemptions_total),
-    );
+    }
     let _ = writeln!(
         out,
         "# HELP ferrotron:request_success_total Finished requests by reason.\n\
@@ -143,20 +173,25 @@ pub fn render(state: &AppState) -> String {
         get(&s.request_abort)
     );
     let m = &state.metrics;
-    m.time_to_first_token.render(
-        &mut out,
-        "ferrotron:time_to_first_token_seconds",
-        "Time to first token.",
-    );
-    m.time_per_output_token.render(
-        &mut out,
-        "ferrotron:time_per_output_token_seconds",
-        "Time per output token after the first.",
-    );
-    m.e2e_request_latency.render(
-        &mut out,
-        "ferrotron:e2e_request_latency_seconds",
-        "Request latency.",
-    );
+    let histograms = [
+        (
+            &m.time_to_first_token,
+            "time_to_first_token_seconds",
+            "Time to first token.",
+        ),
+        (
+            &m.time_per_output_token,
+            "time_per_output_token_seconds",
+            "Time per output token after the first.",
+        ),
+        (
+            &m.e2e_request_latency,
+            "e2e_request_latency_seconds",
+            "Request latency.",
+        ),
+    ];
+    for (h, name, help) in histograms {
+        h.render(&mut out, &format!("ferrotron:{name}"), help);
+    }
     out
 }

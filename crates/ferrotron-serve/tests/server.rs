@@ -78,6 +78,7 @@ impl Server {
                 max_num_batched_tokens,
             },
             enable_prefix_caching: true,
+            speculative: None,
         };
         let engine = EngineHandle::spawn(Engine::new(model.clone(), config).unwrap()).unwrap();
         let served = ServedModel {

@@ -4,7 +4,7 @@
 use crate::model_dir::{LoadedModel, WeightDtype};
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrotron_infer::engine::{Engine, EngineConfig, EngineHandle, SchedulerConfig};
+use ferrotron_infer::engine::{Engine, EngineConfig, EngineHandle, NgramConfig, SchedulerConfig};
 use ferrotron_serve::{AppState, ServedModel};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,6 +41,11 @@ pub struct ServeArgs {
     /// Turn off automatic prefix caching (reuse of earlier prompts' full KV blocks).
     #[arg(long)]
     no_enable_prefix_caching: bool,
+    /// Speculative decoding, vLLM's JSON: prompt lookup, e.g. '{"method": "ngram",
+    /// "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'.
+    /// Greedy outputs are identical with and without it; sampled ones keep their distribution.
+    #[arg(long)]
+    speculative_config: Option<String>,
     /// Weight storage in memory; bf16 multiplies in bf16 with f32 accumulation.
     #[arg(long, value_enum, default_value_t = WeightDtype::F32)]
     dtype: WeightDtype,
@@ -50,6 +55,12 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
+    let speculative = args
+        .speculative_config
+        .as_deref()
+        .map(NgramConfig::from_json)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--speculative-config: {e}"))?;
     let loaded = LoadedModel::load(&args.model, args.dtype)?;
     let eos_token_ids = loaded.stop_token_ids(&args.model)?;
     let model = Arc::new(loaded.model);
@@ -62,6 +73,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             max_num_batched_tokens: args.max_num_batched_tokens,
         },
         enable_prefix_caching: !args.no_enable_prefix_caching,
+        speculative,
     };
     let engine = Engine::new(model, config).context("--kv-cache-memory / --max-num-seqs")?;
     // Steps free and re-allocate MBs of activations: keep them instead of re-faulting pages.

@@ -37,11 +37,16 @@ struct Server {
 
 impl Server {
     fn start() -> Server {
+        Server::start_with(&[])
+    }
+
+    fn start_with(extra: &[&str]) -> Server {
         let dir = weights::path(HF);
         let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
             .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
             .args(["--served-model-name", NAME, "--log-stats-interval", "0"])
             .args(["--kv-cache-memory", "0.5"])
+            .args(extra)
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
@@ -169,6 +174,13 @@ fn greedy_chat_equals_generate_alone_and_batched() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(got, want, "four requests in flight together");
+    drop(server);
+    let spec = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}"#;
+    let server = Server::start_with(&["--speculative-config", spec]);
+    for (p, w) in PROMPTS.iter().zip(&want) {
+        assert_eq!(server.chat(p, 40), *w, "with prompt-lookup speculation");
+    }
+    assert!(server.metric("ferrotron:spec_decode_num_draft_tokens_total") > 0.0);
 }
 
 fn sigterm_finishes_the_stream_in_flight_and_exits_0() {

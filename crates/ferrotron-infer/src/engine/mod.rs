@@ -16,6 +16,7 @@ pub mod block_manager;
 mod handle;
 pub mod request;
 pub mod scheduler;
+pub mod speculative;
 mod stats;
 
 pub use handle::EngineHandle;
@@ -23,6 +24,7 @@ pub use request::{
     FinishReason, OutputSink, Request, RequestId, RequestOutput, RequestParams, TokenOutput,
 };
 pub use scheduler::SchedulerConfig;
+pub use speculative::NgramConfig;
 pub use stats::EngineStats;
 
 use crate::sampler::SamplingError;
@@ -58,6 +60,8 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Reuse cached full blocks of earlier prompts (vLLM's `enable_prefix_caching`).
     pub enable_prefix_caching: bool,
+    /// Prompt-lookup speculative decoding (`None`: off).
+    pub speculative: Option<NgramConfig>,
 }
 
 impl EngineConfig {
@@ -142,6 +146,9 @@ impl Engine {
                 config.block_size,
                 need / (1u64 << 30) as f64
             )));
+        }
+        if let Some(spec) = &config.speculative {
+            spec.validate().map_err(EngineError::Config)?;
         }
         let s = config.scheduler;
         if s.max_num_seqs == 0 || s.max_num_batched_tokens == 0 {
@@ -262,32 +269,38 @@ impl Engine {
     /// # Errors
     /// A failed forward (the requests stay in flight; [`Engine::abort_all`] ends them).
     pub fn step(&mut self) -> Result<usize, EngineError> {
-        let plan = self
-            .scheduler
-            .schedule(&self.config.scheduler, &mut self.blocks);
+        let speculative = self.config.speculative.as_ref();
+        let max_len = self.limits.max_model_len;
+        let plan = self.scheduler.schedule(
+            &self.config.scheduler,
+            &mut self.blocks,
+            speculative,
+            max_len,
+        );
         if plan.is_empty() {
             return Ok(0);
         }
         let batch = self.ragged_batch(&plan);
         let logits = self.model.forward_paged(&batch, &mut self.cache)?;
-        let v = logits.len() / batch.seqs.iter().filter(|s| s.logits).count().max(1);
-        let mut rows = logits.chunks_exact(v.max(1));
+        let v = self.model.local_config().vocab_size;
+        let mut rows = logits.chunks_exact(v);
         let mut done = Vec::new();
         for (sch, rs) in plan.iter().zip(&batch.seqs) {
+            let seq_rows: Vec<&[f32]> = rows.by_ref().take(rs.num_logits).collect();
             let seq = &mut self.scheduler.running[sch.index];
-            seq.num_computed += sch.num_tokens;
-            self.blocks
-                .commit_full_blocks(&mut seq.blocks, &seq.tokens[..seq.num_computed]);
-            if !rs.logits {
-                continue;
+            if rs.num_logits == 0 {
+                seq.num_computed += sch.num_tokens;
+            } else {
+                // The inputs up to the first of the rows with logits have keys and values now;
+                // each accepted proposal adds one more (`next_tokens`).
+                seq.num_computed += sch.num_tokens - rs.num_logits + 1;
             }
-            let mut row = rows
-                .next()
-                .expect("one logits row per sequence asking")
-                .to_vec();
-            if let Some(reason) = self.stats_and_emit(sch, &mut row) {
+            if let Some(reason) = self.next_tokens(sch.index, &seq_rows) {
                 done.push((sch.index, reason));
             }
+            let seq = &mut self.scheduler.running[sch.index];
+            self.blocks
+                .commit_full_blocks(&mut seq.blocks, &seq.tokens[..seq.num_computed]);
         }
         done.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, reason) in done {
@@ -299,31 +312,62 @@ impl Engine {
         Ok(batch.tokens.len())
     }
 
-    /// The step's ragged batch: each scheduled sequence's next tokens after its cached ones.
+    /// The step's ragged batch: each scheduled sequence's next tokens after its cached ones,
+    /// then its proposed tokens, verified row by row.
     fn ragged_batch(&self, plan: &[Scheduled]) -> RaggedBatch {
         let mut batch = RaggedBatch::default();
         for sch in plan {
             let seq = &self.scheduler.running[sch.index];
-            let range = seq.num_computed..seq.num_computed + sch.num_tokens;
+            let real = sch.num_tokens - seq.draft.len();
+            let range = seq.num_computed..seq.num_computed + real;
             batch.tokens.extend_from_slice(&seq.tokens[range.clone()]);
+            batch.tokens.extend_from_slice(&seq.draft);
+            let at_end = range.end == seq.tokens.len();
             batch.seqs.push(RaggedSeq {
                 num_tokens: sch.num_tokens,
                 context_len: seq.num_computed,
                 block_table: seq.blocks.table.clone(),
-                logits: range.end == seq.tokens.len(),
+                num_logits: if at_end { 1 + seq.draft.len() } else { 0 },
+                row_by_row: !seq.draft.is_empty(),
             });
         }
         batch
     }
 
-    /// Samples the next token of `running[sch.index]` from `logits`, reports it to the
-    /// request's sink and counts it; returns why the request ended, if it did.
-    fn stats_and_emit(&mut self, sch: &Scheduled, logits: &mut [f32]) -> Option<FinishReason> {
-        let seq = &mut self.scheduler.running[sch.index];
+    /// Chooses the next tokens of `running[index]` from its logits rows: with a proposal,
+    /// row `i` verifies proposed token `i` and the first rejection (or the row after the
+    /// last proposal) gives the final token. Reports each token; returns why the request
+    /// ended, if it did.
+    fn next_tokens(&mut self, index: usize, rows: &[&[f32]]) -> Option<FinishReason> {
+        let draft = std::mem::take(&mut self.scheduler.running[index].draft);
+        if !draft.is_empty() {
+            self.stats.proposed(draft.len());
+        }
+        for (i, row) in rows.iter().enumerate() {
+            let proposed = draft.get(i).copied();
+            let seq = &mut self.scheduler.running[index];
+            let token = seq.choose(&mut row.to_vec(), proposed);
+            let accepted = proposed == Some(token.token);
+            if let Some(reason) = self.emit(index, token) {
+                return Some(reason);
+            }
+            if !accepted {
+                break;
+            }
+            self.stats.accepted(1);
+            self.scheduler.running[index].num_computed += 1;
+        }
+        None
+    }
+
+    /// Appends `token` to `running[index]`, counts it and reports it to the request's sink;
+    /// returns why the request ended, if it did (a stop token, the length limit, or a sink
+    /// that breaks).
+    fn emit(&mut self, index: usize, token: TokenOutput) -> Option<FinishReason> {
+        let seq = &mut self.scheduler.running[index];
         if seq.output().is_empty() {
             self.stats.prompt_done(seq.prompt_len, seq.cached_tokens);
         }
-        let token = seq.sample(logits);
         seq.tokens.push(token.token);
         self.stats.generated(1);
         let p = &seq.params;
@@ -336,10 +380,9 @@ impl Engine {
         } else {
             None
         };
-        let out = finished_output(seq, Some(token), finish.unwrap_or(FinishReason::Abort));
         let out = RequestOutput {
             finished: finish,
-            ..out
+            ..finished_output(seq, Some(token), FinishReason::Abort)
         };
         match (seq.sink)(out) {
             ControlFlow::Continue(()) => finish,

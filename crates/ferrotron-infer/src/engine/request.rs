@@ -109,6 +109,8 @@ pub(crate) struct Sequence {
     pub params: RequestParams,
     sampler: Sampler,
     pub sink: OutputSink,
+    /// Tokens proposed to follow `tokens` in this step (speculative decoding).
+    pub draft: Vec<u32>,
 }
 
 impl Sequence {
@@ -128,6 +130,7 @@ impl Sequence {
             sampler: Sampler::new(request.params.sampling)?,
             params: request.params,
             sink,
+            draft: Vec::new(),
         })
     }
 
@@ -137,8 +140,10 @@ impl Sequence {
     }
 
     /// Picks the next token from `logits` (`[v]`, consumed): log-probabilities of the raw
-    /// logits when asked for, then the OpenAI penalties over the output and the sampler.
-    pub fn sample(&mut self, logits: &mut [f32]) -> TokenOutput {
+    /// logits when asked for, then the OpenAI penalties over the output and the sampler —
+    /// which, given a speculative `draft` token, keeps it with the probability that leaves
+    /// the distribution unchanged ([`Sampler::verify`]).
+    pub fn choose(&mut self, logits: &mut [f32], draft: Option<u32>) -> TokenOutput {
         let logprobs = self.params.logprobs.map(|_| {
             let mut lp = vec![0f32; logits.len()];
             log_softmax(logits, &mut lp);
@@ -150,7 +155,10 @@ impl Sequence {
             self.params.presence_penalty,
             self.params.frequency_penalty,
         );
-        let token = self.sampler.sample(logits, &self.tokens);
+        let token = match draft {
+            Some(d) => self.sampler.verify(logits, &self.tokens, d),
+            None => self.sampler.sample(logits, &self.tokens),
+        };
         let (logprob, top_logprobs) = match (&logprobs, self.params.logprobs) {
             (Some(lp), Some(n)) => (Some(lp[token as usize]), top_n(lp, n)),
             _ => (None, Vec::new()),

@@ -8,6 +8,7 @@
 
 use super::block_manager::BlockManager;
 use super::request::Sequence;
+use super::speculative::NgramConfig;
 use std::collections::VecDeque;
 
 /// Scheduling limits (vLLM's `SchedulerConfig` names).
@@ -44,10 +45,14 @@ impl Scheduler {
     /// Plans the next step: which running sequences run how many new tokens (indices into
     /// `running` after the step's admissions and preemptions). Empty only when idle or when
     /// the pool cannot hold even one sequence's next token.
+    /// With `speculative`, a decoding sequence also runs the tokens it proposes
+    /// ([`Sequence::draft`]), as far as the budget and its limits allow.
     pub fn schedule(
         &mut self,
         config: &SchedulerConfig,
         blocks: &mut BlockManager,
+        speculative: Option<&NgramConfig>,
+        max_model_len: usize,
     ) -> Vec<Scheduled> {
         let mut budget = config.max_num_batched_tokens;
         let mut plan = Vec::new();
@@ -55,8 +60,17 @@ impl Scheduler {
         let mut i = 0;
         // A sequence that is preempted itself is the last one running: the loop ends.
         while i < self.running.len() && budget > 0 {
-            let seq = &self.running[i];
-            let n = (seq.tokens.len() - seq.num_computed).min(budget);
+            let seq = &mut self.running[i];
+            let remaining = seq.tokens.len() - seq.num_computed;
+            let n = remaining.min(budget);
+            seq.draft.clear();
+            if let (1, Some(spec)) = (remaining, speculative) {
+                // Room after the real next token: the budget, max_tokens, the context.
+                let left = seq.params.max_tokens.saturating_sub(seq.output().len() + 1);
+                let room = max_model_len.saturating_sub(seq.tokens.len() + 1);
+                seq.draft = spec.propose(&seq.tokens, (budget - 1).min(left).min(room));
+            }
+            let n = n + seq.draft.len();
             if self.grow_or_preempt(i, n, blocks) {
                 plan.push(Scheduled {
                     index: i,
@@ -103,6 +117,7 @@ impl Scheduler {
     fn preempt(&mut self, mut seq: Sequence, blocks: &mut BlockManager) {
         blocks.free(std::mem::take(&mut seq.blocks));
         seq.num_computed = 0;
+        seq.draft.clear();
         self.preemptions += 1;
         self.waiting.push_front(seq);
     }

@@ -25,6 +25,9 @@ pub struct EngineStats {
     pub prefix_cache_hits_total: AtomicU64,
     /// Sequences preempted (their blocks freed, recomputed later).
     pub num_preemptions_total: AtomicU64,
+    /// Tokens proposed by speculative decoding, and those the model accepted.
+    pub spec_decode_num_draft_tokens_total: AtomicU64,
+    pub spec_decode_num_accepted_tokens_total: AtomicU64,
     /// Requests finished by a stop token, by the length limit, and aborted.
     pub request_success_stop: AtomicU64,
     pub request_success_length: AtomicU64,
@@ -59,6 +62,18 @@ impl EngineStats {
     /// `n` tokens were generated.
     pub(crate) fn generated(&self, n: usize) {
         self.generation_tokens_total.fetch_add(n as u64, Relaxed);
+    }
+
+    /// `n` tokens were proposed.
+    pub(crate) fn proposed(&self, n: usize) {
+        self.spec_decode_num_draft_tokens_total
+            .fetch_add(n as u64, Relaxed);
+    }
+
+    /// `n` proposed tokens were accepted.
+    pub(crate) fn accepted(&self, n: usize) {
+        self.spec_decode_num_accepted_tokens_total
+            .fetch_add(n as u64, Relaxed);
     }
 
     /// A request ended.

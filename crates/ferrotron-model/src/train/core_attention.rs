@@ -89,9 +89,10 @@ impl CoreAttnOut {
 
     /// [`CoreAttnOut::compute_cached`] over a ragged batch and the paged `cache`: writes every
     /// sequence's new `k, v` (`[rows, g, d]`) into its blocks of `layer`, then attends. A
-    /// sequence with one new token reads its blocks in place ([`paged_decode_attention`], the
-    /// arithmetic of a contiguous cache's decode); a prompt chunk gathers its keys and values
-    /// and runs the tiled kernel, as a contiguous cache's prefill does. No log-sum-exp.
+    /// sequence with one new token, or any sequence marked `row_by_row`, reads its blocks in
+    /// place, one query per row ([`paged_decode_attention`], the arithmetic of a contiguous
+    /// cache's decode); a prompt chunk gathers its keys and values and runs the tiled kernel,
+    /// as a contiguous cache's prefill does. No log-sum-exp.
     pub(crate) fn compute_paged(
         q: &[f32],
         k: &[f32],
@@ -115,10 +116,12 @@ impl CoreAttnOut {
         let mut decode_rows = Vec::new();
         let mut decode_queries = Vec::new();
         for (r, s) in batch.row_ranges() {
-            if s.num_tokens == 1 {
-                decode_rows.push(r.start);
-                let (block_table, pos) = (&s.block_table[..], s.context_len);
-                decode_queries.push(PagedQuery { block_table, pos });
+            if s.num_tokens == 1 || s.row_by_row {
+                for (i, row) in r.enumerate() {
+                    decode_rows.push(row);
+                    let (block_table, pos) = (&s.block_table[..], s.context_len + i);
+                    decode_queries.push(PagedQuery { block_table, pos });
+                }
                 continue;
             }
             let skv = s.context_len + s.num_tokens;

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Serving load test side by side on the same model, 2 threads each, loopback:
+#   `ferrotron serve` (continuous batching, paged KV, prefix caching) and, with --llama-cpp,
+#   llama.cpp's `llama-server --parallel 8 --cont-batching` on the same directory converted to
+#   GGUF by llama.cpp's own converter (llama.cpp from the PyPI sdist, built once; see
+#   scripts/lib/llama_cpp.sh). tools/load_test.py sends the same token-id prompts (KJV) to
+#   both: request and token throughput, TTFT / TPOT / ITL / end-to-end p50 and p99, and a
+#   repeated 2k-token prompt's cold and warm TTFT. Results append to runs/bench-serve.jsonl.
+#
+#   bash scripts/bench-serve.sh [MODEL_DIR] [--dtype bf16|f32] [--llama-cpp]
+#       [--concurrency "8 32"] [--num-prompts 64] [--input-len 128] [--output-len 64]
+#
+# Needs the reference venv (bash tools/setup_venv.sh: transformers' tokenizers, openai) and
+# the converted model (bash scripts/quickstart.sh; default .cache/smollm2-hf).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+model="$root/.cache/smollm2-hf" dtype=bf16 llama=0 conc="8 32" prompts=64 in=128 out=64
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dtype) dtype="$2"; shift ;;
+    --llama-cpp) llama=1 ;;
+    --concurrency) conc="$2"; shift ;;
+    --num-prompts) prompts="$2"; shift ;;
+    --input-len) in="$2"; shift ;;
+    --output-len) out="$2"; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -*) echo "bench-serve.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) model="$(cd "$1" && pwd)" ;;
+  esac
+  shift
+done
+py="$root/tools/.venv/bin/python"
+results="$root/runs/bench-serve.jsonl"
+mkdir -p "$root/runs"
+cd "$root"
+cargo build --release -q -p ferrotron
+
+# load LABEL URL: every concurrency level, then the repeated long prompt.
+load() {
+  local c first=1
+  for c in $conc; do
+    local repeat=()
+    [ "$first" = 1 ] && repeat=(--repeat-prompt-len 2048) && first=0
+    "$py" tools/load_test.py --base-url "$2" --model smollm2 --tokenizer "$model" \
+      --concurrency "$c" --num-prompts "$prompts" --input-len "$in" --output-len "$out" \
+      "${repeat[@]}" --label "$1" --json "$results"
+  done
+}
+
+# wait_for URL PID: until URL answers 200, or the server died.
+wait_for() {
+  until curl -sf "$1" >/dev/null; do
+    kill -0 "$2" 2>/dev/null || { echo "bench-serve.sh: the server exited" >&2; exit 1; }
+    sleep 1
+  done
+}
+
+log="$root/runs/bench-serve-ferrotron.log"
+RAYON_NUM_THREADS=2 target/release/ferrotron serve --model "$model" --dtype "$dtype" \
+  --port 8931 --served-model-name smollm2 --max-num-seqs 32 --log-stats-interval 0 \
+  2>"$log" &
+pid=$!
+wait_for http://127.0.0.1:8931/health "$pid"
+load "ferrotron serve $dtype" http://127.0.0.1:8931/v1
+kill -TERM "$pid"; wait "$pid"
+
+if [ "$llama" = 1 ]; then
+  . "$root/scripts/lib/llama_cpp.sh"
+  llama_cpp_build
+  llama_cpp_gguf "$model" "$dtype"
+  # 8 slots of 4096 tokens each (the 2k-token repeated prompt fits one slot).
+  "$llama_server" -m "$gguf" -t 2 --parallel 8 --cont-batching -c 32768 --port 8932 \
+    -a smollm2 --metrics >"$root/runs/bench-serve-llama.log" 2>&1 &
+  pid=$!
+  wait_for http://127.0.0.1:8932/health "$pid"
+  load "llama-server --parallel 8 $dtype" http://127.0.0.1:8932/v1
+  kill -TERM "$pid"; wait "$pid" || true
+fi
+echo "results appended to $results"
