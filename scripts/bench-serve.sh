@@ -35,7 +35,12 @@ mkdir -p "$root/runs"
 cd "$root"
 cargo build --release -q -p ferrotron
 
-# load LABEL URL: every concurrency level, then the repeated long prompt.
+# Servers still running when the script ends (a failure included) are stopped.
+pids=()
+trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done' EXIT
+
+# load LABEL URL: every concurrency level (the first with the repeated long prompt); a
+# level with failed requests is recorded (failed_requests, first_error), not fatal.
 load() {
   local c first=1
   for c in $conc; do
@@ -43,8 +48,16 @@ load() {
     [ "$first" = 1 ] && repeat=(--repeat-prompt-len 2048) && first=0
     "$py" tools/load_test.py --base-url "$2" --model smollm2 --tokenizer "$model" \
       --concurrency "$c" --num-prompts "$prompts" --input-len "$in" --output-len "$out" \
-      "${repeat[@]}" --label "$1" --json "$results"
+      "${repeat[@]}" --label "$1" --json "$results" || echo "bench-serve.sh: $1: failures" >&2
   done
+}
+
+# port_free PORT: fails when something already answers there (a server left running).
+port_free() {
+  if curl -s -o /dev/null "http://127.0.0.1:$1/"; then
+    echo "bench-serve.sh: port $1 is in use; stop what runs there first" >&2
+    exit 1
+  fi
 }
 
 # wait_for URL PID: until URL answers 200, or the server died.
@@ -56,10 +69,12 @@ wait_for() {
 }
 
 log="$root/runs/bench-serve-ferrotron.log"
+port_free 8931
 RAYON_NUM_THREADS=2 target/release/ferrotron serve --model "$model" --dtype "$dtype" \
   --port 8931 --served-model-name smollm2 --max-num-seqs 32 --log-stats-interval 0 \
   2>"$log" &
 pid=$!
+pids+=("$pid")
 wait_for http://127.0.0.1:8931/health "$pid"
 load "ferrotron serve $dtype" http://127.0.0.1:8931/v1
 kill -TERM "$pid"; wait "$pid"
@@ -68,10 +83,12 @@ if [ "$llama" = 1 ]; then
   . "$root/scripts/lib/llama_cpp.sh"
   llama_cpp_build
   llama_cpp_gguf "$model" "$dtype"
+  port_free 8932
   # 8 slots of 4096 tokens each (the 2k-token repeated prompt fits one slot).
   "$llama_server" -m "$gguf" -t 2 --parallel 8 --cont-batching -c 32768 --port 8932 \
     -a smollm2 --metrics >"$root/runs/bench-serve-llama.log" 2>&1 &
   pid=$!
+  pids+=("$pid")
   wait_for http://127.0.0.1:8932/health "$pid"
   load "llama-server --parallel 8 $dtype" http://127.0.0.1:8932/v1
   kill -TERM "$pid"; wait "$pid" || true

@@ -6,6 +6,7 @@
 //! f32 or bf16 products (`train_bf16.rs`, [`AttentionPrecision`]) on the operands and tiles of
 //! `tiles.rs`; document starts in `documents.rs`; ALiBi slopes in `alibi.rs`.
 
+use ferrotron_tensor::multiversion;
 use ferrotron_tensor::ops::dot;
 use rayon::prelude::*;
 
@@ -138,8 +139,8 @@ pub fn core_attention(
                 alibi_slope: mask.alibi_slopes.map(|s| s[h]),
                 scale,
             };
-            let kv_row = |pos: usize| ((pos * b + j) * g + gh) * d;
-            attend_row(&query, k, v, kv_row, o, scores);
+            let rows = KvRows::Contiguous { b, j, g, gh };
+            attend_row(&query, k, v, &rows, o, scores);
         });
 }
 
@@ -153,42 +154,71 @@ struct Query<'a> {
     scale: f32,
 }
 
-/// `o = softmax(q·kᵀ·scale + alibi)·v` for one query row over its visible keys, key/value
-/// rows `[d]` at `kv_row(position)` in `k` and `v`; `scores` is scratch. The one arithmetic of
-/// [`core_attention`] and [`paged_decode_attention`], so a paged decode computes bit for bit
-/// what a contiguous cache does.
-fn attend_row(
-    query: &Query<'_>,
-    k: &[f32],
-    v: &[f32],
-    kv_row: impl Fn(usize) -> usize,
-    o: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    let d = o.len();
-    scores.clear();
-    let mut max = f32::NEG_INFINITY;
-    for pos in query.keys.clone() {
-        let kr = &k[kv_row(pos)..][..d];
-        let mut s = dot(query.row, kr) * query.scale;
-        if let Some(slope) = query.alibi_slope {
-            s += alibi_bias(slope, pos as i32 - query.pos as i32);
+/// Where the key/value row `[d]` of a position is: `[skv, b, g, d]` order for sequence `j`,
+/// or the paged layout through a block table; group `gh` in both.
+enum KvRows<'a> {
+    Contiguous {
+        b: usize,
+        j: usize,
+        g: usize,
+        gh: usize,
+    },
+    Paged {
+        table: &'a [u32],
+        block_size: usize,
+        g: usize,
+        gh: usize,
+    },
+}
+
+impl KvRows<'_> {
+    /// Offset of position `pos`'s row (head dim `d`).
+    #[inline(always)]
+    fn offset(&self, pos: usize, d: usize) -> usize {
+        match *self {
+            KvRows::Contiguous { b, j, g, gh } => ((pos * b + j) * g + gh) * d,
+            KvRows::Paged {
+                table,
+                block_size: bs,
+                g,
+                gh,
+            } => ((table[pos / bs] as usize * bs + pos % bs) * g + gh) * d,
         }
-        max = max.max(s);
-        scores.push(s);
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
-    o.fill(0.0);
-    for (pos, &p) in query.keys.clone().zip(scores.iter()) {
-        let vr = &v[kv_row(pos)..][..d];
-        let w = p * inv;
-        for (o, &x) in o.iter_mut().zip(vr) {
-            *o += w * x;
+}
+
+multiversion! {
+    /// `o = softmax(q·kᵀ·scale + alibi)·v` for one query row over its visible keys, key/value
+    /// rows `[d]` where `rows` says in `k` and `v`; `scores` is scratch. The one arithmetic of
+    /// [`core_attention`] and [`paged_decode_attention`] (fixed-order sums: the same result on
+    /// every dispatch path), so a paged decode computes bit for bit what a contiguous cache
+    /// does.
+    fn attend_row(query: &Query, k: &[f32], v: &[f32], rows: &KvRows, o: &mut [f32], scores: &mut Vec<f32>) {
+        let d = o.len();
+        scores.clear();
+        let mut max = f32::NEG_INFINITY;
+        for pos in query.keys.clone() {
+            let kr = &k[rows.offset(pos, d)..][..d];
+            let mut s = dot(query.row, kr) * query.scale;
+            if let Some(slope) = query.alibi_slope {
+                s += alibi_bias(slope, pos as i32 - query.pos as i32);
+            }
+            max = max.max(s);
+            scores.push(s);
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        o.fill(0.0);
+        for (pos, &p) in query.keys.clone().zip(scores.iter()) {
+            let vr = &v[rows.offset(pos, d)..][..d];
+            let w = p * inv;
+            for (o, &x) in o.iter_mut().zip(vr) {
+                *o += w * x;
+            }
         }
     }
 }
@@ -281,8 +311,13 @@ pub fn paged_decode_attention(
                 alibi_slope: mask.alibi_slopes.map(|s| s[h]),
                 scale,
             };
-            let kv_row = |p: usize| ((block_table[p / bs] as usize * bs + p % bs) * g + gh) * d;
-            attend_row(&query, k, v, kv_row, o, scores);
+            let rows = KvRows::Paged {
+                table: block_table,
+                block_size: bs,
+                g,
+                gh,
+            };
+            attend_row(&query, k, v, &rows, o, scores);
         });
 }
 
