@@ -387,3 +387,40 @@ fn speculative_prompt_lookup_keeps_greedy_outputs_identical() {
     assert_eq!(a, b, "a seed reproduces a speculative sample");
     assert!(a.iter().all(|t| t.len() == 40));
 }
+
+/// `prompt_logprobs`: every prompt token after the first gets its log-probability given the
+/// tokens before it (the full forward's log-softmax), also when the prompt is prefilled in
+/// chunks, on the request's first output; such requests skip the prefix cache.
+#[test]
+fn prompt_logprobs_score_every_prompt_token() {
+    let m = model("tiny-llama");
+    let p = prompt(31, 21, m.config().vocab_size);
+    let mut cache = KvCache::new(m.config(), 1, p.len()).unwrap();
+    let logits = m.forward(&p, &mut cache, LogitsMode::All).unwrap();
+    let v = m.config().vocab_size;
+    let mut engine = Engine::new(m.clone(), config(40, 8, true)).unwrap();
+    let params = RequestParams {
+        prompt_logprobs: Some(2),
+        ..greedy(2)
+    };
+    for id in 0..2 {
+        let out = submit(&mut engine, id, p.clone(), params.clone());
+        run_to_end(&mut engine);
+        let o = out.lock().unwrap();
+        assert_eq!(o[0].cached_tokens, 0, "no prefix-cache hit");
+        let lps = &o[0].prompt_logprobs;
+        assert_eq!(lps.len(), p.len() - 1);
+        for (i, t) in lps.iter().enumerate() {
+            let mut lp = vec![0f32; v];
+            log_softmax(&logits[i * v..(i + 1) * v], &mut lp);
+            assert_eq!(t.token, p[i + 1]);
+            let got = t.logprob.unwrap();
+            assert!(
+                (got - lp[p[i + 1] as usize]).abs() < 1e-4,
+                "token {i}: {got}"
+            );
+            assert_eq!(t.top_logprobs.len(), 2);
+        }
+        assert!(o[1].prompt_logprobs.is_empty(), "only on the first output");
+    }
+}

@@ -81,6 +81,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             let defaults = EndpointDefaults {
                 max_tokens: None,
                 logprobs,
+                prompt_logprobs: None,
             };
             let seed = state.seed(f.seed, i);
             let eos = &state.model.eos_token_ids;

@@ -64,6 +64,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         ));
     }
     let logprobs = check_logprobs(req.logprobs, "logprobs")?;
+    let echo = req.echo.unwrap_or(false);
     let prompts = prompts(&state, &req.prompt)?;
     let limits = state.engine.limits();
     let mut choices = Vec::with_capacity(prompts.len() * n);
@@ -72,6 +73,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             let defaults = EndpointDefaults {
                 max_tokens: Some(16),
                 logprobs,
+                prompt_logprobs: logprobs.filter(|_| echo),
             };
             let seed = state.seed(f.seed, i);
             let eos = &state.model.eos_token_ids;
@@ -86,7 +88,12 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         model: state.model.name.clone(),
         choices_per_prompt: n,
     };
-    let echo: Vec<String> = match req.echo.unwrap_or(false) {
+    // Per choice: the echoed text and, for its logprobs, the prompt's first token.
+    let first_tokens: Vec<u32> = prompts
+        .iter()
+        .flat_map(|(ids, _)| std::iter::repeat_n(ids[0], n))
+        .collect();
+    let echo: Vec<String> = match echo {
         true => prompts
             .iter()
             .flat_map(|(_, t)| std::iter::repeat_n(t.clone(), n))
@@ -95,9 +102,15 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     };
     if f.stream.unwrap_or(false) {
         let include_usage = f.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let first_tokens = echo
+            .iter()
+            .zip(&first_tokens)
+            .map(|(e, &t)| echo_first(e, t))
+            .collect();
         let format = CompletionChunks {
             echo,
             offsets: vec![0; prompts.len() * n],
+            first_tokens,
         };
         return Ok(sse(generation, format, envelope, include_usage));
     }
@@ -109,7 +122,12 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         .enumerate()
         .map(|(i, (c, toks))| {
             let finish = c.finish.clone().expect("collected to the end");
-            let lp = logprobs.map(|_| legacy_logprobs(&generation, toks, &mut echo[i].len()));
+            let lp = logprobs.map(|_| {
+                let mut all =
+                    prompt_entries(echo_first(&echo[i], first_tokens[i]), &c.prompt_logprobs);
+                all.extend(toks.iter().cloned());
+                legacy_logprobs(&generation, &all, &mut 0)
+            });
             json!({
                 "index": i,
                 "text": format!("{}{}", echo[i], c.text()),
@@ -131,43 +149,51 @@ pub fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// The prompt's first token when it is echoed (it has no log-probability).
+fn echo_first(echo: &str, first: u32) -> Option<u32> {
+    (!echo.is_empty()).then_some(first)
+}
+
+/// The echoed prompt's logprob entries: its first token (no log-probability, as OpenAI and
+/// vLLM report it), then the rest with theirs.
+fn prompt_entries(first: Option<u32>, rest: &[TokenOutput]) -> Vec<TokenOutput> {
+    let Some(first) = first else {
+        return Vec::new();
+    };
+    let head = TokenOutput {
+        token: first,
+        logprob: None,
+        top_logprobs: Vec::new(),
+    };
+    std::iter::once(head).chain(rest.iter().cloned()).collect()
+}
+
 /// OpenAI's legacy completion logprobs of `tokens`, text offsets counted from `*offset`
 /// (advanced past them).
 fn legacy_logprobs(g: &Generation, tokens: &[TokenOutput], offset: &mut usize) -> Value {
-    let mut out =
-        json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+    let (mut texts, mut offsets, mut logprobs, mut tops) = (vec![], vec![], vec![], vec![]);
     for t in tokens {
         let text = g.token_text(t.token);
-        out["text_offset"]
-            .as_array_mut()
-            .expect("array")
-            .push(json!(*offset));
+        offsets.push(*offset);
         *offset += text.len();
-        out["tokens"]
-            .as_array_mut()
-            .expect("array")
-            .push(json!(text));
-        out["token_logprobs"]
-            .as_array_mut()
-            .expect("array")
-            .push(json!(t.logprob));
-        let top: Map<String, Value> = t
-            .top_logprobs
-            .iter()
-            .map(|&(id, lp)| (g.token_text(id), json!(lp)))
-            .collect();
-        out["top_logprobs"]
-            .as_array_mut()
-            .expect("array")
-            .push(Value::Object(top));
+        texts.push(text);
+        logprobs.push(t.logprob);
+        // The prompt's first token has neither a log-probability nor alternatives (null).
+        tops.push(t.logprob.map(|_| {
+            let top = t.top_logprobs.iter();
+            top.map(|&(id, lp)| (g.token_text(id), json!(lp)))
+                .collect::<Map<String, Value>>()
+        }));
     }
-    out
+    json!({"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
 }
 
 /// Streamed completion choices: the echo first, then text as it is released.
 struct CompletionChunks {
     echo: Vec<String>,
     offsets: Vec<usize>,
+    /// The prompt's first token per choice while its echo is unsent (echo with logprobs).
+    first_tokens: Vec<Option<u32>>,
 }
 
 impl ChunkFormat for CompletionChunks {
@@ -179,8 +205,14 @@ impl ChunkFormat for CompletionChunks {
         if ev.text.is_empty() && ev.finish.is_none() && lp.is_none() {
             return None;
         }
-        let mut offset = self.offsets[i] + self.echo[i].len();
-        let logprobs = lp.map(|t| legacy_logprobs(g, std::slice::from_ref(t), &mut offset));
+        let mut offset = self.offsets[i];
+        let logprobs = lp.map(|t| {
+            let first = self.first_tokens[i].take();
+            let mut all = prompt_entries(first, &g.choices[i].prompt_logprobs);
+            all.push(t.clone());
+            legacy_logprobs(g, &all, &mut offset)
+        });
+        self.offsets[i] += self.echo[i].len();
         self.offsets[i] += ev.text.len();
         let text = format!("{}{}", std::mem::take(&mut self.echo[i]), ev.text);
         let finish = ev.finish.as_ref();

@@ -46,6 +46,8 @@ pub struct ChoiceText {
     pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub finish: Option<Finish>,
+    /// Prompt tokens `1..` with their log-probabilities (when asked for).
+    pub prompt_logprobs: Vec<TokenOutput>,
     /// Seconds from the request's arrival to this choice's first token.
     pub first_token_seconds: Option<f64>,
 }
@@ -61,6 +63,7 @@ impl ChoiceText {
             cached_tokens: 0,
             completion_tokens: 0,
             finish: None,
+            prompt_logprobs: Vec::new(),
             first_token_seconds: None,
         }
     }
@@ -75,6 +78,9 @@ impl ChoiceText {
     fn push(&mut self, out: &RequestOutput) -> Result<String, ApiError> {
         let terr = |e: ferrotron_data::TokenizerError| ApiError::internal(e.to_string());
         self.cached_tokens = out.cached_tokens;
+        if !out.prompt_logprobs.is_empty() {
+            self.prompt_logprobs = out.prompt_logprobs.clone();
+        }
         let searched_from = self.text.len();
         if let Some(t) = &out.token {
             self.completion_tokens += 1;

@@ -150,6 +150,8 @@ pub struct EndpointDefaults {
     pub max_tokens: Option<usize>,
     /// Log-probabilities asked for (`None`: none).
     pub logprobs: Option<usize>,
+    /// Log-probabilities of the prompt tokens too (completions' `echo` with `logprobs`).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl SamplingFields {
@@ -268,6 +270,7 @@ impl SamplingFields {
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             stop_token_ids,
             logprobs: endpoint.logprobs,
+            prompt_logprobs: endpoint.prompt_logprobs,
         };
         Ok(ChoiceParams {
             engine,

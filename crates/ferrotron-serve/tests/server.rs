@@ -487,3 +487,33 @@ fn shutdown_lets_the_request_it_accepted_finish() {
     assert_eq!(body["usage"]["completion_tokens"], 40);
     assert!(TcpStream::connect(addr).is_err(), "the listener is closed");
 }
+
+#[test]
+fn echo_with_logprobs_scores_the_prompt_too() {
+    let server = Server::start(4);
+    let prompt = "w5 w17 w33 w8 w90 w41";
+    let (status, body) = server.post(
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": true,
+               "logprobs": 2, "ignore_eos": true}),
+    );
+    assert_eq!(status, 200, "{body}");
+    let c = &body["choices"][0];
+    let want = server.greedy(&ids(prompt), 3);
+    assert!(c["text"].as_str().unwrap().starts_with(prompt));
+    let lp = &c["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 6 + 3);
+    assert_eq!(tokens[..6], ["w5", "w17", "w33", "w8", "w90", "w41"]);
+    assert_eq!(tokens[6], format!("w{}", want[0]));
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    for i in 1..9 {
+        assert!(lp["token_logprobs"][i].as_f64().unwrap() <= 0.0);
+        assert_eq!(lp["top_logprobs"][i].as_object().unwrap().len(), 2);
+    }
+}

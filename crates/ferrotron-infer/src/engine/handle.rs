@@ -134,6 +134,7 @@ fn apply(engine: &mut Engine, cmd: Command, draining: &mut bool) {
                     finished: Some(FinishReason::Abort),
                     cached_tokens: 0,
                     prompt_tokens,
+                    prompt_logprobs: Vec::new(),
                 });
             } else {
                 engine.add_request(request, sink).expect("checked");

@@ -288,14 +288,18 @@ impl Engine {
         for (sch, rs) in plan.iter().zip(&batch.seqs) {
             let seq_rows: Vec<&[f32]> = rows.by_ref().take(rs.num_logits).collect();
             let seq = &mut self.scheduler.running[sch.index];
-            if rs.num_logits == 0 {
-                seq.num_computed += sch.num_tokens;
+            seq.record_prompt_logprobs(rs.context_len, &seq_rows);
+            // Every real input token has keys and values now; each accepted proposal adds one
+            // more (`next_tokens`).
+            let drafted = seq.draft.len();
+            seq.num_computed += sch.num_tokens - drafted;
+            let sampling = if seq.num_computed == seq.tokens.len() {
+                1 + drafted
             } else {
-                // The inputs up to the first of the rows with logits have keys and values now;
-                // each accepted proposal adds one more (`next_tokens`).
-                seq.num_computed += sch.num_tokens - rs.num_logits + 1;
-            }
-            if let Some(reason) = self.next_tokens(sch.index, &seq_rows) {
+                0
+            };
+            let sampling_rows = &seq_rows[seq_rows.len() - sampling..];
+            if let Some(reason) = self.next_tokens(sch.index, sampling_rows) {
                 done.push((sch.index, reason));
             }
             let seq = &mut self.scheduler.running[sch.index];
@@ -323,11 +327,19 @@ impl Engine {
             batch.tokens.extend_from_slice(&seq.tokens[range.clone()]);
             batch.tokens.extend_from_slice(&seq.draft);
             let at_end = range.end == seq.tokens.len();
+            let in_prompt = range.start < seq.prompt_len;
+            let num_logits = match (seq.params.prompt_logprobs, in_prompt, at_end) {
+                // Every row: each predicts the next prompt token (the last, at the end of
+                // the prompt, the first output token).
+                (Some(_), true, _) => sch.num_tokens,
+                (_, _, true) => 1 + seq.draft.len(),
+                _ => 0,
+            };
             batch.seqs.push(RaggedSeq {
                 num_tokens: sch.num_tokens,
                 context_len: seq.num_computed,
                 block_table: seq.blocks.table.clone(),
-                num_logits: if at_end { 1 + seq.draft.len() } else { 0 },
+                num_logits,
                 row_by_row: !seq.draft.is_empty(),
             });
         }
@@ -365,7 +377,8 @@ impl Engine {
     /// that breaks).
     fn emit(&mut self, index: usize, token: TokenOutput) -> Option<FinishReason> {
         let seq = &mut self.scheduler.running[index];
-        if seq.output().is_empty() {
+        let first = seq.output().is_empty();
+        if first {
             self.stats.prompt_done(seq.prompt_len, seq.cached_tokens);
         }
         seq.tokens.push(token.token);
@@ -382,6 +395,10 @@ impl Engine {
         };
         let out = RequestOutput {
             finished: finish,
+            prompt_logprobs: match first {
+                true => std::mem::take(&mut seq.prompt_logprobs),
+                false => Vec::new(),
+            },
             ..finished_output(seq, Some(token), FinishReason::Abort)
         };
         match (seq.sink)(out) {
@@ -403,5 +420,6 @@ fn finished_output(
         finished: Some(reason),
         cached_tokens: seq.cached_tokens,
         prompt_tokens: seq.prompt_len,
+        prompt_logprobs: Vec::new(),
     }
 }

@@ -31,6 +31,10 @@ pub struct RequestParams {
     /// Report the chosen token's log-probability and this many most likely alternatives
     /// (`None`: no log-probabilities).
     pub logprobs: Option<usize>,
+    /// Report every prompt token's log-probability given the tokens before it, with this many
+    /// alternatives (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`). Such a
+    /// request does not use the prefix cache (cached tokens have no logits).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for RequestParams {
@@ -42,6 +46,7 @@ impl Default for RequestParams {
             frequency_penalty: 0.0,
             stop_token_ids: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -88,6 +93,9 @@ pub struct RequestOutput {
     pub cached_tokens: usize,
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
+    /// With [`RequestParams::prompt_logprobs`], on the first output: prompt tokens `1..` with
+    /// their log-probabilities given the tokens before them.
+    pub prompt_logprobs: Vec<TokenOutput>,
 }
 
 /// Receives a request's outputs; `Break` cancels the request (the client is gone).
@@ -111,6 +119,8 @@ pub(crate) struct Sequence {
     pub sink: OutputSink,
     /// Tokens proposed to follow `tokens` in this step (speculative decoding).
     pub draft: Vec<u32>,
+    /// Log-probabilities of prompt tokens `1..` computed so far (prompt_logprobs).
+    pub prompt_logprobs: Vec<TokenOutput>,
 }
 
 impl Sequence {
@@ -131,7 +141,34 @@ impl Sequence {
             params: request.params,
             sink,
             draft: Vec::new(),
+            prompt_logprobs: Vec::new(),
         })
+    }
+
+    /// Records the log-probabilities of the prompt tokens that the rows `rows` (logits of
+    /// positions `first_pos..`) predict, skipping those already recorded (a recompute after
+    /// preemption) and positions past the prompt.
+    pub fn record_prompt_logprobs(&mut self, first_pos: usize, rows: &[&[f32]]) {
+        let Some(n) = self.params.prompt_logprobs else {
+            return;
+        };
+        if !self.output().is_empty() {
+            return; // reported with the first output already
+        }
+        for (r, row) in rows.iter().enumerate() {
+            let target = first_pos + r + 1;
+            if target >= self.prompt_len || target != self.prompt_logprobs.len() + 1 {
+                continue;
+            }
+            let mut lp = vec![0f32; row.len()];
+            log_softmax(row, &mut lp);
+            let token = self.tokens[target];
+            self.prompt_logprobs.push(TokenOutput {
+                token,
+                logprob: Some(lp[token as usize]),
+                top_logprobs: top_n(&lp, n),
+            });
+        }
     }
 
     /// Tokens generated so far.

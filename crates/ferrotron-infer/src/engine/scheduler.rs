@@ -126,7 +126,10 @@ impl Scheduler {
     /// `budget` tokens (after its prefix-cache hit); `None` when its blocks do not fit.
     fn admit_front(&mut self, budget: usize, blocks: &mut BlockManager) -> Option<usize> {
         let seq = self.waiting.front_mut()?;
-        let mut hit = blocks.lookup_prefix(&seq.tokens);
+        let mut hit = match seq.params.prompt_logprobs {
+            None => blocks.lookup_prefix(&seq.tokens),
+            Some(_) => Default::default(),
+        };
         let computed = hit.table.len() * blocks.block_size();
         let n = (seq.tokens.len() - computed).min(budget);
         if !blocks.allocate(&mut hit, computed + n) {
