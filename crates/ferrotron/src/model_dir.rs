@@ -9,8 +9,8 @@ use ferrotron_model::families::{HfModelInfo, load_hf_model};
 use ferrotron_tensor::DType;
 use std::path::Path;
 
-/// Storage type of the weights in memory. bf16 weights multiply as bf16 x bf16 -> f32 GEMMs
-/// (prompt rows rounded to bf16); decode's one-row products widen them to f32.
+/// Storage type of the weights in memory. bf16 weights multiply as bf16 x bf16 -> f32 (the
+/// activations rounded to bf16) in the GEMMs of prompts and the GEMVs of decode alike.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum WeightDtype {
     /// 32-bit floats: exact, twice the memory traffic of bf16.
