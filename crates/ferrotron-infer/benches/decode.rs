@@ -1,7 +1,9 @@
 //! Greedy decode throughput (batch 1, KV cache) on a real HF model directory, f32 and bf16
-//! weights. Not a test: run with
+//! weights, and prefill throughput of a 512-token prompt (llama-bench's pp512 / tg128). Not a
+//! test: run with
 //! `FERROTRON_BENCH_MODEL=/path/to/smollm2 cargo bench -p ferrotron-infer --bench decode`.
-//! Prints the median tokens/s of 128 new tokens after a fixed prompt over several runs.
+//! Prints the median tokens/s of 128 new tokens after a fixed prompt, and of the 512-token
+//! prefill, over several runs.
 
 use ferrotron_infer::sampler::SamplingParams;
 use ferrotron_infer::{GenerateOptions, generate};
@@ -12,6 +14,18 @@ use std::path::PathBuf;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Prints the median (and range) of `rates` after dropping the first (warm-up) run.
+fn report(label: &str, mut rates: Vec<f64>) {
+    rates.remove(0);
+    rates.sort_by(f64::total_cmp);
+    println!(
+        "{label}: median {:.1} tokens/s (min {:.1}, max {:.1})",
+        rates[rates.len() / 2],
+        rates[0],
+        rates[rates.len() - 1]
+    );
+}
 
 fn main() {
     let Some(dir) = std::env::var_os("FERROTRON_BENCH_MODEL").map(PathBuf::from) else {
@@ -48,13 +62,20 @@ fn main() {
             .expect("generate");
             rates.push((g.generated_ids.len() - 1) as f64 / g.decode_seconds);
         }
-        rates.remove(0); // warm-up
-        rates.sort_by(f64::total_cmp);
-        println!(
-            "weights {dtype:>4}: median {:.1} tokens/s (min {:.1}, max {:.1})",
-            rates[rates.len() / 2],
-            rates[0],
-            rates[rates.len() - 1]
-        );
+        report(&format!("weights {dtype:>4} tg{new_tokens}"), rates);
+        // pp512: a 512-token prompt (any ids < vocab), one new token.
+        let vocab = model.config().vocab_size as u32;
+        let long: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let one = GenerateOptions {
+            max_new_tokens: 1,
+            ..options.clone()
+        };
+        let mut rates = Vec::new();
+        for _ in 0..runs + 1 {
+            let g = generate(&model, &long, &one, &mut |_| ControlFlow::Continue(()))
+                .expect("generate");
+            rates.push(long.len() as f64 / g.prefill_seconds);
+        }
+        report(&format!("weights {dtype:>4} pp512"), rates);
     }
 }
