@@ -29,8 +29,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 32)]
     max_num_seqs: usize,
     /// Most new tokens per engine step: long prompts are prefilled in chunks of this size
-    /// beside the running decodes.
-    #[arg(long, default_value_t = 512)]
+    /// beside the running decodes (smaller: shorter stalls of the decodes, i.e. lower p99
+    /// inter-token latency; larger: fewer steps per long prompt).
+    #[arg(long, default_value_t = 256)]
     max_num_batched_tokens: usize,
     /// Memory for the paged KV cache, GiB. Must hold at least one full context.
     #[arg(long, default_value_t = 2.0)]
