@@ -177,8 +177,33 @@ impl SamplingFields {
         endpoint: EndpointDefaults,
         seed: u64,
     ) -> Result<ChoiceParams, ApiError> {
+        let max_tokens = self.max_tokens(prompt_len, limits.max_model_len, endpoint.max_tokens)?;
+        let (stop_token_ids, stop_strings) = self.stops(limits.vocab_size, eos_token_ids)?;
+        let engine = RequestParams {
+            max_tokens,
+            sampling: self.sampling(seed)?,
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            stop_token_ids,
+            logprobs: endpoint.logprobs,
+            prompt_logprobs: endpoint.prompt_logprobs,
+        };
+        Ok(ChoiceParams {
+            engine,
+            stop_strings,
+            eos_token_ids: eos_token_ids.to_vec(),
+        })
+    }
+
+    /// `max_tokens` (or the endpoint's default, else the rest of the context), checked against
+    /// the context length with vLLM's wording.
+    fn max_tokens(
+        &self,
+        prompt_len: usize,
+        max_len: usize,
+        default: Option<usize>,
+    ) -> Result<usize, ApiError> {
         let bad = |m: String, p: &str| Err(ApiError::bad_request(m, Some(p)));
-        let max_len = limits.max_model_len;
         if prompt_len >= max_len {
             return bad(
                 format!(
@@ -189,7 +214,7 @@ impl SamplingFields {
             );
         }
         let room = max_len - prompt_len;
-        let max_tokens = self.max_tokens.or(endpoint.max_tokens).unwrap_or(room);
+        let max_tokens = self.max_tokens.or(default).unwrap_or(room);
         if max_tokens == 0 {
             return bad("max_tokens must be at least 1".into(), "max_tokens");
         }
@@ -204,20 +229,23 @@ impl SamplingFields {
                 "max_tokens",
             );
         }
+        Ok(max_tokens)
+    }
+
+    /// The sampler's settings (temperature 0: greedy), the penalties' ranges and the
+    /// unsupported `logit_bias` checked.
+    fn sampling(&self, seed: u64) -> Result<SamplingParams, ApiError> {
+        let bad = |m: String, p: &str| Err(ApiError::bad_request(m, Some(p)));
         let temperature = self.temperature.unwrap_or(1.0);
         if !(temperature.is_finite() && temperature >= 0.0) {
-            return bad(
-                format!("temperature must be >= 0, got {temperature}"),
-                "temperature",
-            );
+            let m = format!("temperature must be >= 0, got {temperature}");
+            return bad(m, "temperature");
         }
         let top_k = match self.top_k.unwrap_or(0) {
             -1 | 0 => 0,
             k if k > 0 => k as usize,
             k => return bad(format!("top_k must be -1 (off) or >= 1, got {k}"), "top_k"),
         };
-        let top_p = self.top_p.unwrap_or(1.0);
-        let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
         for (name, v) in [
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
@@ -230,53 +258,45 @@ impl SamplingFields {
             return bad("logit_bias is not supported".into(), "logit_bias");
         }
         let greedy = temperature == 0.0;
-        let sampling = SamplingParams::new(
+        SamplingParams::new(
             greedy,
             if greedy { 1.0 } else { temperature },
             top_k,
-            top_p,
-            repetition_penalty,
+            self.top_p.unwrap_or(1.0),
+            self.repetition_penalty.unwrap_or(1.0),
             seed,
         )
         .map_err(|e| {
             let ferrotron_infer::sampler::SamplingError::InvalidParam { field, .. } = &e;
             ApiError::bad_request(e.to_string(), Some(field))
-        })?;
-        let mut stop_token_ids = self.stop_token_ids.clone().unwrap_or_default();
-        if let Some(&t) = stop_token_ids
-            .iter()
-            .find(|&&t| t as usize >= limits.vocab_size)
-        {
-            return bad(
-                format!("stop token id {t} is outside the vocabulary"),
-                "stop_token_ids",
-            );
+        })
+    }
+
+    /// The stop token ids (the request's, then the model's EOS unless `ignore_eos`) and the
+    /// stop strings.
+    fn stops(
+        &self,
+        vocab: usize,
+        eos_token_ids: &[u32],
+    ) -> Result<(Vec<u32>, Vec<String>), ApiError> {
+        let bad = |m: String, p: &str| Err(ApiError::bad_request(m, Some(p)));
+        let mut ids = self.stop_token_ids.clone().unwrap_or_default();
+        if let Some(&t) = ids.iter().find(|&&t| t as usize >= vocab) {
+            let m = format!("stop token id {t} is outside the vocabulary");
+            return bad(m, "stop_token_ids");
         }
         if !self.ignore_eos.unwrap_or(false) {
-            stop_token_ids.extend_from_slice(eos_token_ids);
+            ids.extend_from_slice(eos_token_ids);
         }
-        let stop_strings = match &self.stop {
+        let strings = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
             Some(Stop::Many(v)) => v.clone(),
         };
-        if stop_strings.iter().any(String::is_empty) {
+        if strings.iter().any(String::is_empty) {
             return bad("stop strings must not be empty".into(), "stop");
         }
-        let engine = RequestParams {
-            max_tokens,
-            sampling,
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
-            stop_token_ids,
-            logprobs: endpoint.logprobs,
-            prompt_logprobs: endpoint.prompt_logprobs,
-        };
-        Ok(ChoiceParams {
-            engine,
-            stop_strings,
-            eos_token_ids: eos_token_ids.to_vec(),
-        })
+        Ok((ids, strings))
     }
 }
 
