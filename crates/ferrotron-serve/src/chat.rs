@@ -3,12 +3,11 @@
 //! `n` choices, streamed as `chat.completion.chunk` deltas or whole, with chat-style
 //! `logprobs` (`content: [{token, logprob, bytes, top_logprobs}]`).
 
-use crate::completions::unix_now;
 use crate::error::ApiError;
 use crate::generation::{ChoiceEvent, Generation};
 use crate::protocol::{ChatCompletionRequest, EndpointDefaults, check_logprobs, parse_request};
 use crate::state::AppState;
-use crate::stream::{ChunkFormat, Envelope, collect, sse};
+use crate::stream::{Endpoint, Envelope, respond};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -89,41 +88,13 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             Ok((prompt.clone(), params))
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let mut generation = Generation::start(state.clone(), choices)?;
-    let envelope = Envelope {
-        id: format!("chatcmpl-{:016x}", state.seed(None, 0)),
-        created: unix_now(),
-        model: state.model.name.clone(),
-        choices_per_prompt: n,
+    let generation = Generation::start(state.clone(), choices)?;
+    let envelope = Envelope::new(&state, "chatcmpl", n);
+    let endpoint = Chat {
+        logprobs: logprobs.is_some(),
+        started: vec![false; n],
     };
-    if f.stream.unwrap_or(false) {
-        let include_usage = f.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        let format = ChatChunks {
-            started: vec![false; n],
-        };
-        return Ok(sse(generation, format, envelope, include_usage));
-    }
-    let tokens = collect(&mut generation).await?;
-    let choices = generation
-        .choices
-        .iter()
-        .zip(&tokens)
-        .enumerate()
-        .map(|(i, (c, toks))| {
-            let finish = c.finish.clone().expect("collected to the end");
-            let lp = logprobs.map(|_| chat_logprobs(&generation, toks));
-            json!({
-                "index": i,
-                "message": {"role": "assistant", "content": c.text(), "tool_calls": []},
-                "logprobs": lp,
-                "finish_reason": finish.reason,
-                "stop_reason": finish.stop_reason,
-            })
-        })
-        .collect();
-    let mut body = envelope.wrap("chat.completion", choices);
-    body["usage"] = generation.usage(n);
-    Ok(axum::Json(body).into_response())
+    respond(generation, endpoint, envelope, f).await
 }
 
 /// `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
@@ -147,15 +118,26 @@ fn chat_logprobs(g: &Generation, tokens: &[TokenOutput]) -> Value {
     json!({ "content": content })
 }
 
-/// Streamed chat choices: the role in each choice's first delta, then content.
-struct ChatChunks {
+/// Chat choices: a message whole; streamed, deltas with the role in each choice's first.
+struct Chat {
+    logprobs: bool,
+    /// Per choice: whether a chunk (with the role) was sent.
     started: Vec<bool>,
 }
 
-impl ChunkFormat for ChatChunks {
-    const OBJECT: &'static str = "chat.completion.chunk";
+impl Endpoint for Chat {
+    const OBJECT: &'static str = "chat.completion";
+    const CHUNK_OBJECT: &'static str = "chat.completion.chunk";
 
-    fn choice(&mut self, ev: &ChoiceEvent, g: &Generation) -> Option<Value> {
+    fn whole_choice(&self, g: &Generation, i: usize, tokens: &[TokenOutput]) -> Value {
+        let content = g.choices[i].text();
+        json!({
+            "message": {"role": "assistant", "content": content, "tool_calls": []},
+            "logprobs": self.logprobs.then(|| chat_logprobs(g, tokens)),
+        })
+    }
+
+    fn chunk_choice(&mut self, ev: &ChoiceEvent, g: &Generation) -> Option<Value> {
         let i = ev.index;
         let lp = ev.token.as_ref().filter(|t| t.logprob.is_some());
         let first = !self.started[i];
@@ -167,13 +149,7 @@ impl ChunkFormat for ChatChunks {
         if first {
             delta["role"] = json!("assistant");
         }
-        let finish = ev.finish.as_ref();
-        Some(json!({
-            "index": i,
-            "delta": delta,
-            "logprobs": lp.map(|t| chat_logprobs(g, std::slice::from_ref(t))),
-            "finish_reason": finish.map(|f| f.reason),
-            "stop_reason": finish.map(|f| f.stop_reason.clone()),
-        }))
+        let logprobs = lp.map(|t| chat_logprobs(g, std::slice::from_ref(t)));
+        Some(json!({"delta": delta, "logprobs": logprobs}))
     }
 }

@@ -6,7 +6,7 @@ use crate::error::ApiError;
 use crate::generation::{ChoiceEvent, Generation};
 use crate::protocol::{CompletionRequest, EndpointDefaults, Prompt, check_logprobs, parse_request};
 use crate::state::AppState;
-use crate::stream::{ChunkFormat, Envelope, collect, sse};
+use crate::stream::{Endpoint, Envelope, respond};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -81,87 +81,43 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             choices.push((ids.clone(), params));
         }
     }
-    let mut generation = Generation::start(state.clone(), choices)?;
-    let envelope = Envelope {
-        id: format!("cmpl-{:016x}", state.seed(None, 0)),
-        created: unix_now(),
-        model: state.model.name.clone(),
-        choices_per_prompt: n,
-    };
-    // Per choice: the echoed text and, for its logprobs, the prompt's first token.
-    let first_tokens: Vec<u32> = prompts
+    let generation = Generation::start(state.clone(), choices)?;
+    let envelope = Envelope::new(&state, "cmpl", n);
+    // Per choice: the echoed prompt (text, and its first token for the logprobs).
+    let echo = prompts
         .iter()
-        .flat_map(|(ids, _)| std::iter::repeat_n(ids[0], n))
-        .collect();
-    let echo: Vec<String> = match echo {
-        true => prompts
-            .iter()
-            .flat_map(|(_, t)| std::iter::repeat_n(t.clone(), n))
-            .collect(),
-        false => vec![String::new(); prompts.len() * n],
-    };
-    if f.stream.unwrap_or(false) {
-        let include_usage = f.stream_options.as_ref().is_some_and(|o| o.include_usage);
-        let first_tokens = echo
-            .iter()
-            .zip(&first_tokens)
-            .map(|(e, &t)| echo_first(e, t))
-            .collect();
-        let format = CompletionChunks {
-            echo,
-            offsets: vec![0; prompts.len() * n],
-            first_tokens,
-        };
-        return Ok(sse(generation, format, envelope, include_usage));
-    }
-    let tokens = collect(&mut generation).await?;
-    let choices = generation
-        .choices
-        .iter()
-        .zip(&tokens)
-        .enumerate()
-        .map(|(i, (c, toks))| {
-            let finish = c.finish.clone().expect("collected to the end");
-            let lp = logprobs.map(|_| {
-                let mut all =
-                    prompt_entries(echo_first(&echo[i], first_tokens[i]), &c.prompt_logprobs);
-                all.extend(toks.iter().cloned());
-                legacy_logprobs(&generation, &all, &mut 0)
+        .flat_map(|(ids, text)| {
+            let e = echo.then(|| Echo {
+                text: text.clone(),
+                first_token: ids[0],
             });
-            json!({
-                "index": i,
-                "text": format!("{}{}", echo[i], c.text()),
-                "logprobs": lp,
-                "finish_reason": finish.reason,
-                "stop_reason": finish.stop_reason,
-            })
+            std::iter::repeat_n(e, n)
         })
         .collect();
-    let mut body = envelope.wrap("text_completion", choices);
-    body["usage"] = generation.usage(n);
-    Ok(axum::Json(body).into_response())
+    let endpoint = Completions {
+        echo,
+        logprobs: logprobs.is_some(),
+        offsets: vec![0; prompts.len() * n],
+    };
+    respond(generation, endpoint, envelope, f).await
 }
 
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+/// A choice's echoed prompt.
+#[derive(Clone)]
+struct Echo {
+    text: String,
+    /// The prompt's first token (it has no log-probability).
+    first_token: u32,
 }
 
-/// The prompt's first token when it is echoed (it has no log-probability).
-fn echo_first(echo: &str, first: u32) -> Option<u32> {
-    (!echo.is_empty()).then_some(first)
-}
-
-/// The echoed prompt's logprob entries: its first token (no log-probability, as OpenAI and
-/// vLLM report it), then the rest with theirs.
-fn prompt_entries(first: Option<u32>, rest: &[TokenOutput]) -> Vec<TokenOutput> {
-    let Some(first) = first else {
+/// The logprob entries of `echo`'s prompt: its first token (no log-probability, as OpenAI
+/// and vLLM report it), then `rest` (the others, with theirs); none without an echo.
+fn prompt_entries(echo: Option<&Echo>, rest: &[TokenOutput]) -> Vec<TokenOutput> {
+    let Some(echo) = echo else {
         return Vec::new();
     };
     let head = TokenOutput {
-        token: first,
+        token: echo.first_token,
         logprob: None,
         top_logprobs: Vec::new(),
     };
@@ -188,40 +144,46 @@ fn legacy_logprobs(g: &Generation, tokens: &[TokenOutput], offset: &mut usize) -
     json!({"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets})
 }
 
-/// Streamed completion choices: the echo first, then text as it is released.
-struct CompletionChunks {
-    echo: Vec<String>,
+/// Completion choices: the echo (when asked for) then the text; streamed, the echo goes
+/// with the first chunk.
+struct Completions {
+    /// Per choice; taken by its first chunk when streaming.
+    echo: Vec<Option<Echo>>,
+    logprobs: bool,
+    /// Per choice: the text bytes streamed so far (`text_offset`).
     offsets: Vec<usize>,
-    /// The prompt's first token per choice while its echo is unsent (echo with logprobs).
-    first_tokens: Vec<Option<u32>>,
 }
 
-impl ChunkFormat for CompletionChunks {
+impl Endpoint for Completions {
     const OBJECT: &'static str = "text_completion";
+    const CHUNK_OBJECT: &'static str = "text_completion";
 
-    fn choice(&mut self, ev: &ChoiceEvent, g: &Generation) -> Option<Value> {
+    fn whole_choice(&self, g: &Generation, i: usize, tokens: &[TokenOutput]) -> Value {
+        let (c, echo) = (&g.choices[i], self.echo[i].as_ref());
+        let logprobs = self.logprobs.then(|| {
+            let mut all = prompt_entries(echo, &c.prompt_logprobs);
+            all.extend(tokens.iter().cloned());
+            legacy_logprobs(g, &all, &mut 0)
+        });
+        let echoed = echo.map_or("", |e| e.text.as_str());
+        json!({"text": format!("{echoed}{}", c.text()), "logprobs": logprobs})
+    }
+
+    fn chunk_choice(&mut self, ev: &ChoiceEvent, g: &Generation) -> Option<Value> {
         let i = ev.index;
         let lp = ev.token.as_ref().filter(|t| t.logprob.is_some());
         if ev.text.is_empty() && ev.finish.is_none() && lp.is_none() {
             return None;
         }
+        let echo = self.echo[i].take();
         let mut offset = self.offsets[i];
         let logprobs = lp.map(|t| {
-            let first = self.first_tokens[i].take();
-            let mut all = prompt_entries(first, &g.choices[i].prompt_logprobs);
+            let mut all = prompt_entries(echo.as_ref(), &g.choices[i].prompt_logprobs);
             all.push(t.clone());
             legacy_logprobs(g, &all, &mut offset)
         });
-        self.offsets[i] += self.echo[i].len();
-        self.offsets[i] += ev.text.len();
-        let text = format!("{}{}", std::mem::take(&mut self.echo[i]), ev.text);
-        let finish = ev.finish.as_ref();
-        Some(json!({
-            "index": i,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": finish.map(|f| f.reason),
-            "stop_reason": finish.map(|f| f.stop_reason.clone()),
-        }))
+        let echoed = echo.map_or(String::new(), |e| e.text);
+        self.offsets[i] += echoed.len() + ev.text.len();
+        Some(json!({"text": format!("{echoed}{}", ev.text), "logprobs": logprobs}))
     }
 }

@@ -37,9 +37,7 @@ pub struct AppState {
 impl AppState {
     /// State for `model` served by `engine`.
     pub fn new(model: ServedModel, engine: EngineHandle, max_n: usize) -> AppState {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
+        let now = since_epoch();
         AppState {
             model,
             engine,
@@ -79,4 +77,15 @@ impl AppState {
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
     }
+}
+
+fn since_epoch() -> std::time::Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
+/// Seconds since the Unix epoch (OpenAI's `created`).
+pub fn unix_now() -> u64 {
+    since_epoch().as_secs()
 }

@@ -3,7 +3,9 @@
 //! `choices`, then `data: [DONE]`, as OpenAI streams).
 
 use crate::error::ApiError;
-use crate::generation::{ChoiceEvent, Generation};
+use crate::generation::{ChoiceEvent, Finish, Generation};
+use crate::protocol::SamplingFields;
+use crate::state::{AppState, unix_now};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use ferrotron_infer::engine::TokenOutput;
@@ -22,6 +24,17 @@ pub struct Envelope {
 }
 
 impl Envelope {
+    /// The envelope of a request to `state`'s model with `n` choices per prompt, its id
+    /// `{prefix}-` and 16 hex digits.
+    pub fn new(state: &AppState, prefix: &str, n: usize) -> Envelope {
+        Envelope {
+            id: format!("{prefix}-{:016x}", state.seed(None, 0)),
+            created: unix_now(),
+            model: state.model.name.clone(),
+            choices_per_prompt: n,
+        }
+    }
+
     /// `{"id", "object", "created", "model", "choices"}`.
     pub fn wrap(&self, object: &str, choices: Vec<Value>) -> Value {
         json!({
@@ -34,24 +47,60 @@ impl Envelope {
     }
 }
 
-/// How an endpoint turns one choice's output into a streamed choice.
-pub trait ChunkFormat: Send + 'static {
-    /// The chunks' `object`.
+/// How an endpoint shapes its choices, whole and streamed. Both leave out `index`,
+/// `finish_reason` and `stop_reason`, which [`respond`] adds.
+pub trait Endpoint: Send + 'static {
+    /// The whole response's `object`.
     const OBJECT: &'static str;
+    /// The chunks' `object`.
+    const CHUNK_OBJECT: &'static str;
+    /// Choice `index` of the whole response, `tokens` its generated tokens.
+    fn whole_choice(&self, generation: &Generation, index: usize, tokens: &[TokenOutput]) -> Value;
     /// The chunk's choice for `event`, or `None` when it adds nothing to send.
-    fn choice(&mut self, event: &ChoiceEvent, generation: &Generation) -> Option<Value>;
+    fn chunk_choice(&mut self, event: &ChoiceEvent, generation: &Generation) -> Option<Value>;
 }
 
-/// Every choice's generated tokens (with log-probabilities when asked for), after running
-/// the generation to its end.
-pub async fn collect(generation: &mut Generation) -> Result<Vec<Vec<TokenOutput>>, ApiError> {
+/// `choice` with its `index` and why it ended (`null`s while it runs).
+fn with_finish(mut choice: Value, index: usize, finish: Option<&Finish>) -> Value {
+    choice["index"] = json!(index);
+    choice["finish_reason"] = json!(finish.map(|f| f.reason));
+    choice["stop_reason"] = finish.map_or(Value::Null, |f| f.stop_reason.clone());
+    choice
+}
+
+/// Runs `generation` to its end and answers with every choice and the usage, or, when the
+/// request asks to `stream`, answers with its server-sent events.
+///
+/// # Errors
+/// A failure while collecting a whole response (a streamed one reports it as an event).
+pub async fn respond<E: Endpoint>(
+    mut generation: Generation,
+    endpoint: E,
+    envelope: Envelope,
+    fields: &SamplingFields,
+) -> Result<Response, ApiError> {
+    if fields.stream.unwrap_or(false) {
+        let include_usage = fields
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        return Ok(sse(generation, endpoint, envelope, include_usage));
+    }
     let mut tokens = vec![Vec::new(); generation.choices.len()];
     while let Some(ev) = generation.next().await? {
-        if let Some(t) = ev.token {
-            tokens[ev.index].push(t);
-        }
+        tokens[ev.index].extend(ev.token);
     }
-    Ok(tokens)
+    let choices = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let finish = generation.choices[i].finish.as_ref();
+            with_finish(endpoint.whole_choice(&generation, i, t), i, finish)
+        })
+        .collect();
+    let mut body = envelope.wrap(E::OBJECT, choices);
+    body["usage"] = generation.usage(envelope.choices_per_prompt);
+    Ok(axum::Json(body).into_response())
 }
 
 enum Phase {
@@ -60,14 +109,14 @@ enum Phase {
     End,
 }
 
-/// Streams `generation` as server-sent events in `format`.
-pub fn sse<F: ChunkFormat>(
+/// Streams `generation` as server-sent events shaped by `endpoint`.
+fn sse<E: Endpoint>(
     generation: Generation,
-    format: F,
+    endpoint: E,
     envelope: Envelope,
     include_usage: bool,
 ) -> Response {
-    let start = (generation, format, Phase::Running);
+    let start = (generation, endpoint, Phase::Running);
     let events = futures_util::stream::unfold(start, move |(mut g, mut f, phase)| {
         let envelope = envelope.clone();
         async move {
@@ -75,17 +124,18 @@ pub fn sse<F: ChunkFormat>(
                 Phase::Running => loop {
                     match g.next().await {
                         Ok(Some(ev)) => {
-                            let Some(choice) = f.choice(&ev, &g) else {
+                            let Some(choice) = f.chunk_choice(&ev, &g) else {
                                 continue;
                             };
-                            let mut chunk = envelope.wrap(F::OBJECT, vec![choice]);
+                            let choice = with_finish(choice, ev.index, ev.finish.as_ref());
+                            let mut chunk = envelope.wrap(E::CHUNK_OBJECT, vec![choice]);
                             if include_usage {
                                 chunk["usage"] = Value::Null;
                             }
                             break Some((chunk.to_string(), Phase::Running));
                         }
                         Ok(None) if include_usage => {
-                            let mut chunk = envelope.wrap(F::OBJECT, vec![]);
+                            let mut chunk = envelope.wrap(E::CHUNK_OBJECT, vec![]);
                             chunk["usage"] = g.usage(envelope.choices_per_prompt);
                             break Some((chunk.to_string(), Phase::Done));
                         }

@@ -27,6 +27,9 @@ struct CachedBlock {
     hash: BlockHash,
     parent: Option<BlockHash>,
     tokens: Vec<u32>,
+    /// While no sequence references it: when it was released (its key in
+    /// [`BlockManager::evictable`]).
+    released_at: Option<u64>,
 }
 
 /// The blocks of one sequence: `table[i]` holds positions `i·block_size..`, and the first
@@ -51,8 +54,6 @@ pub struct BlockManager {
     /// Registered blocks with no reference, by the tick they were released: the eviction
     /// order (oldest first).
     evictable: BTreeMap<u64, u32>,
-    /// Each evictable block's key in `evictable`.
-    released_at: HashMap<u32, u64>,
     tick: u64,
     enable_prefix_caching: bool,
 }
@@ -67,7 +68,6 @@ impl BlockManager {
             cached: HashMap::new(),
             contents: HashMap::new(),
             evictable: BTreeMap::new(),
-            released_at: HashMap::new(),
             tick: 0,
             enable_prefix_caching,
         }
@@ -163,6 +163,7 @@ impl BlockManager {
                         hash,
                         parent,
                         tokens,
+                        released_at: None,
                     },
                 );
             }
@@ -180,10 +181,10 @@ impl BlockManager {
             if *rc > 0 {
                 continue;
             }
-            if self.contents.contains_key(&block) {
+            if let Some(c) = self.contents.get_mut(&block) {
                 self.tick += 1;
                 self.evictable.insert(self.tick, block);
-                self.released_at.insert(block, self.tick);
+                c.released_at = Some(self.tick);
             } else {
                 self.free.push(block);
             }
@@ -192,8 +193,10 @@ impl BlockManager {
 
     /// Takes a reference on `block` (a prefix hit), removing it from the eviction order.
     fn take_ref(&mut self, block: u32) {
-        if self.ref_counts[block as usize] == 0
-            && let Some(at) = self.released_at.remove(&block)
+        if let Some(at) = self
+            .contents
+            .get_mut(&block)
+            .and_then(|c| c.released_at.take())
         {
             self.evictable.remove(&at);
         }
@@ -203,7 +206,6 @@ impl BlockManager {
     /// Drops the least recently released cached block from the cache and returns it.
     fn evict_oldest(&mut self) -> u32 {
         let (_, block) = self.evictable.pop_first().expect("checked available()");
-        self.released_at.remove(&block);
         let c = self
             .contents
             .remove(&block)

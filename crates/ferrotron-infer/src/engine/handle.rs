@@ -2,8 +2,8 @@
 //! requests with a sink for their outputs and cancel them; the thread steps while anything is
 //! in flight and sleeps on its queue otherwise.
 
+use super::RequestOutput;
 use super::{Engine, EngineError, EngineStats, OutputSink, Request, RequestId, RequestLimits};
-use super::{FinishReason, RequestOutput};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -125,17 +125,9 @@ fn run(mut engine: Engine, rx: Receiver<Command>) {
 fn apply(engine: &mut Engine, cmd: Command, draining: &mut bool) {
     match cmd {
         Command::Add(request, mut sink) => {
-            let (id, prompt_tokens) = (request.id, request.prompt.len());
             if let Err(e) = engine.check(&request) {
-                eprintln!("ferrotron engine: request {id} refused: {e}");
-                let _ = sink(RequestOutput {
-                    id,
-                    token: None,
-                    finished: Some(FinishReason::Abort),
-                    cached_tokens: 0,
-                    prompt_tokens,
-                    prompt_logprobs: Vec::new(),
-                });
+                eprintln!("ferrotron engine: request {} refused: {e}", request.id);
+                let _ = sink(RequestOutput::refused(&request));
             } else {
                 engine.add_request(request, sink).expect("checked");
             }

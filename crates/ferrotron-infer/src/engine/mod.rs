@@ -247,7 +247,7 @@ impl Engine {
             .collect();
         for mut seq in seqs {
             self.blocks.free(std::mem::take(&mut seq.blocks));
-            let out = finished_output(&seq, None, FinishReason::Abort);
+            let out = output(&seq, None, Some(FinishReason::Abort));
             let _ = (seq.sink)(out);
             self.stats.finished(FinishReason::Abort);
         }
@@ -281,12 +281,12 @@ impl Engine {
             return Ok(0);
         }
         let batch = self.ragged_batch(&plan);
-        let logits = self.model.forward_paged(&batch, &mut self.cache)?;
+        let mut logits = self.model.forward_paged(&batch, &mut self.cache)?;
         let v = self.model.local_config().vocab_size;
-        let mut rows = logits.chunks_exact(v);
+        let mut rows = logits.chunks_exact_mut(v);
         let mut done = Vec::new();
         for (sch, rs) in plan.iter().zip(&batch.seqs) {
-            let seq_rows: Vec<&[f32]> = rows.by_ref().take(rs.num_logits).collect();
+            let mut seq_rows: Vec<&mut [f32]> = rows.by_ref().take(rs.num_logits).collect();
             let seq = &mut self.scheduler.running[sch.index];
             seq.record_prompt_logprobs(rs.context_len, &seq_rows);
             // Every real input token has keys and values now; each accepted proposal adds one
@@ -298,7 +298,8 @@ impl Engine {
             } else {
                 0
             };
-            let sampling_rows = &seq_rows[seq_rows.len() - sampling..];
+            let first = seq_rows.len() - sampling;
+            let sampling_rows = &mut seq_rows[first..];
             if let Some(reason) = self.next_tokens(sch.index, sampling_rows) {
                 done.push((sch.index, reason));
             }
@@ -350,15 +351,16 @@ impl Engine {
     /// row `i` verifies proposed token `i` and the first rejection (or the row after the
     /// last proposal) gives the final token. Reports each token; returns why the request
     /// ended, if it did.
-    fn next_tokens(&mut self, index: usize, rows: &[&[f32]]) -> Option<FinishReason> {
+    /// The rows are the sampler's to process in place.
+    fn next_tokens(&mut self, index: usize, rows: &mut [&mut [f32]]) -> Option<FinishReason> {
         let draft = std::mem::take(&mut self.scheduler.running[index].draft);
         if !draft.is_empty() {
             self.stats.proposed(draft.len());
         }
-        for (i, row) in rows.iter().enumerate() {
+        for (i, row) in rows.iter_mut().enumerate() {
             let proposed = draft.get(i).copied();
             let seq = &mut self.scheduler.running[index];
-            let token = seq.choose(&mut row.to_vec(), proposed);
+            let token = seq.choose(row, proposed);
             let accepted = proposed == Some(token.token);
             if let Some(reason) = self.emit(index, token) {
                 return Some(reason);
@@ -379,7 +381,8 @@ impl Engine {
         let seq = &mut self.scheduler.running[index];
         let first = seq.output().is_empty();
         if first {
-            self.stats.prompt_done(seq.prompt_len, seq.cached_tokens);
+            self.stats
+                .prompt_done(seq.prompt_len, seq.cached_tokens.unwrap_or(0));
         }
         seq.tokens.push(token.token);
         self.stats.generated(1);
@@ -393,14 +396,10 @@ impl Engine {
         } else {
             None
         };
-        let out = RequestOutput {
-            finished: finish,
-            prompt_logprobs: match first {
-                true => std::mem::take(&mut seq.prompt_logprobs),
-                false => Vec::new(),
-            },
-            ..finished_output(seq, Some(token), FinishReason::Abort)
-        };
+        let mut out = output(seq, Some(token), finish);
+        if first {
+            out.prompt_logprobs = std::mem::take(&mut seq.prompt_logprobs);
+        }
         match (seq.sink)(out) {
             ControlFlow::Continue(()) => finish,
             ControlFlow::Break(()) => Some(finish.unwrap_or(FinishReason::Abort)),
@@ -408,17 +407,17 @@ impl Engine {
     }
 }
 
-/// A sequence's output carrying `token` and ending it for `reason`.
-fn finished_output(
+/// A sequence's output carrying `token`, ending it when `finished` says why.
+fn output(
     seq: &Sequence,
     token: Option<TokenOutput>,
-    reason: FinishReason,
+    finished: Option<FinishReason>,
 ) -> RequestOutput {
     RequestOutput {
         id: seq.id,
         token,
-        finished: Some(reason),
-        cached_tokens: seq.cached_tokens,
+        finished,
+        cached_tokens: seq.cached_tokens.unwrap_or(0),
         prompt_tokens: seq.prompt_len,
         prompt_logprobs: Vec::new(),
     }

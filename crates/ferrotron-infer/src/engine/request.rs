@@ -110,10 +110,9 @@ pub(crate) struct Sequence {
     /// Tokens whose keys and values are in the cache (`<= tokens.len()`).
     pub num_computed: usize,
     pub blocks: SeqBlocks,
-    /// Prompt tokens served from the prefix cache at first admission.
-    pub cached_tokens: usize,
-    /// Set once the request has been admitted (a preempted one keeps its first hit count).
-    pub admitted: bool,
+    /// Prompt tokens served from the prefix cache at its first admission (`None` before it;
+    /// a preempted sequence keeps its first count).
+    pub cached_tokens: Option<usize>,
     pub params: RequestParams,
     sampler: Sampler,
     pub sink: OutputSink,
@@ -121,6 +120,20 @@ pub(crate) struct Sequence {
     pub draft: Vec<u32>,
     /// Log-probabilities of prompt tokens `1..` computed so far (prompt_logprobs).
     pub prompt_logprobs: Vec<TokenOutput>,
+}
+
+impl RequestOutput {
+    /// The only output of a request the engine refused: it ends at once, with nothing.
+    pub fn refused(request: &Request) -> RequestOutput {
+        RequestOutput {
+            id: request.id,
+            token: None,
+            finished: Some(FinishReason::Abort),
+            cached_tokens: 0,
+            prompt_tokens: request.prompt.len(),
+            prompt_logprobs: Vec::new(),
+        }
+    }
 }
 
 impl Sequence {
@@ -135,8 +148,7 @@ impl Sequence {
             tokens: request.prompt,
             num_computed: 0,
             blocks: SeqBlocks::default(),
-            cached_tokens: 0,
-            admitted: false,
+            cached_tokens: None,
             sampler: Sampler::new(request.params.sampling)?,
             params: request.params,
             sink,
@@ -148,7 +160,7 @@ impl Sequence {
     /// Records the log-probabilities of the prompt tokens that the rows `rows` (logits of
     /// positions `first_pos..`) predict, skipping those already recorded (a recompute after
     /// preemption) and positions past the prompt.
-    pub fn record_prompt_logprobs(&mut self, first_pos: usize, rows: &[&[f32]]) {
+    pub fn record_prompt_logprobs(&mut self, first_pos: usize, rows: &[&mut [f32]]) {
         let Some(n) = self.params.prompt_logprobs else {
             return;
         };

@@ -137,10 +137,7 @@ impl Scheduler {
             return None;
         }
         let mut seq = self.waiting.pop_front().expect("front exists");
-        if !seq.admitted {
-            seq.cached_tokens = computed;
-            seq.admitted = true;
-        }
+        seq.cached_tokens.get_or_insert(computed);
         seq.blocks = hit;
         seq.num_computed = computed;
         self.running.push(seq);

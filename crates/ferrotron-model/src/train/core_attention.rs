@@ -113,14 +113,13 @@ impl CoreAttnOut {
             cache.write(layer, &s.block_table, s.context_len, k, v);
         }
         let out = ctx.host_mut();
-        let mut decode_rows = Vec::new();
-        let mut decode_queries = Vec::new();
+        // One query per row decoded in place; `None` for the rows of prompt chunks.
+        let mut queries = vec![None; rows];
         for (r, s) in batch.row_ranges() {
             if s.num_tokens == 1 || s.row_by_row {
                 for (i, row) in r.enumerate() {
-                    decode_rows.push(row);
                     let (block_table, pos) = (&s.block_table[..], s.context_len + i);
-                    decode_queries.push(PagedQuery { block_table, pos });
+                    queries[row] = Some(PagedQuery { block_table, pos });
                 }
                 continue;
             }
@@ -143,13 +142,7 @@ impl CoreAttnOut {
             let precision = attention_precision(pass);
             core_attention_forward_train(q, &keys, &values, o, &mut lse, dims, mask, precision);
         }
-        if !decode_rows.is_empty() {
-            let qs: Vec<f32> = decode_rows
-                .iter()
-                .flat_map(|&r| &q[r * a * d..(r + 1) * a * d])
-                .copied()
-                .collect();
-            let mut os = vec![0f32; qs.len()];
+        if queries.iter().any(Option::is_some) {
             let (keys, values) = cache.layer(layer);
             let kv = PagedKv {
                 k: keys,
@@ -158,10 +151,7 @@ impl CoreAttnOut {
                 groups: g,
                 head_dim: d,
             };
-            paged_decode_attention(&qs, kv, &decode_queries, a, &mut os, mask);
-            for (&r, o) in decode_rows.iter().zip(os.chunks_exact(a * d)) {
-                out[r * a * d..(r + 1) * a * d].copy_from_slice(o);
-            }
+            paged_decode_attention(q, kv, &queries, a, out, mask);
         }
         (Kept::new(ctx, pass.narrow), Buffer::default())
     }

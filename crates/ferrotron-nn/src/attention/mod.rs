@@ -247,10 +247,12 @@ pub struct PagedQuery<'a> {
     pub pos: usize,
 }
 
-/// Decode attention of one new token per sequence over its paged keys and values (vLLM
-/// `paged_attention_v1`): `q, out: [n, a, d]` with query `i` from `queries[i]`; query head `h`
-/// reads group `h / (a/g)`. Computes exactly what [`core_attention`] computes for the same
-/// token over a contiguous cache (same per-row arithmetic). `mask.documents` must be `None`.
+/// Decode attention over paged keys and values (vLLM `paged_attention_v1`): `q, out: [n, a,
+/// d]`, token `i` the query `queries[i]` (its rows of `out` written) or, when `None`, left to
+/// another kernel (its rows of `out` untouched: a ragged batch's prompt chunks); query head
+/// `h` reads group `h / (a/g)`. Computes exactly what [`core_attention`] computes for the
+/// same token over a contiguous cache (same per-row arithmetic). `mask.documents` must be
+/// `None`.
 ///
 /// # Panics
 /// On inconsistent lengths, a block table too short for `pos`, a block outside `kv`, or
@@ -258,7 +260,7 @@ pub struct PagedQuery<'a> {
 pub fn paged_decode_attention(
     q: &[f32],
     kv: PagedKv<'_>,
-    queries: &[PagedQuery<'_>],
+    queries: &[Option<PagedQuery<'_>>],
     heads: usize,
     out: &mut [f32],
     mask: AttentionMask,
@@ -277,7 +279,7 @@ pub fn paged_decode_attention(
     assert!(q.len() == queries.len() * heads * d && out.len() == q.len());
     assert!(k.len() == v.len() && k.len().is_multiple_of(bs * g * d));
     let blocks = k.len() / (bs * g * d);
-    for query in queries {
+    for query in queries.iter().flatten() {
         let need = query.pos / bs + 1;
         assert!(
             query.block_table.len() >= need
@@ -302,7 +304,9 @@ pub fn paged_decode_attention(
         .enumerate()
         .for_each_init(Vec::new, |scores, (row, (o, qr))| {
             let (i, h) = (row / heads, row % heads);
-            let PagedQuery { block_table, pos } = queries[i];
+            let Some(PagedQuery { block_table, pos }) = queries[i] else {
+                return;
+            };
             let gh = h / heads_per_group;
             let query = Query {
                 row: qr,
