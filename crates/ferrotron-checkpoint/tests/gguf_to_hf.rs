@@ -281,7 +281,7 @@ fn unexpected_missing_and_misshapen_tensors_are_errors() {
 
 #[test]
 fn unsupported_quant_type_names_type_and_tensor() {
-    // Q4_K needs rows of 256: use a 256-wide model and store one q_proj as Q4_K.
+    // Q2_K needs rows of 256: use a 256-wide model and store one q_proj as Q2_K.
     let opts = TinyOpts {
         hidden: 256,
         heads: 4,
@@ -293,11 +293,11 @@ fn unsupported_quant_type_names_type_and_tensor() {
     };
     let (mut b, _) = tiny_llama(&opts);
     let t = b.tensor_mut("blk.0.attn_q.weight");
-    t.type_id = common::type_id(GgmlType::Q4_K);
-    t.data = vec![0; 144 * 256];
+    t.type_id = common::type_id(GgmlType::Q2_K);
+    t.data = vec![0; 84 * 256];
     let err = expect_conversion_error(
         &b.build(),
-        &["tensor blk.0.attn_q.weight", "Q4_K", "not supported"],
+        &["tensor blk.0.attn_q.weight", "Q2_K", "not supported"],
     );
     assert!(matches!(err, CheckpointError::UnsupportedType { .. }));
 }

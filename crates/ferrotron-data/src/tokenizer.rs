@@ -34,6 +34,18 @@ impl Tokenizer {
         Ok(Tokenizer { inner })
     }
 
+    /// Loads a tokenizer from the contents of a `tokenizer.json` (e.g. one built from a GGUF
+    /// file's metadata); `origin` names where it came from in errors.
+    pub fn from_json(json: &str, origin: &Path) -> Result<Tokenizer, TokenizerError> {
+        let inner: tokenizers::Tokenizer =
+            json.parse()
+                .map_err(|e: tokenizers::Error| TokenizerError::Load {
+                    path: origin.to_path_buf(),
+                    message: e.to_string(),
+                })?;
+        Ok(Tokenizer { inner })
+    }
+
     /// Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS token),
     /// as transformers does by default.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {

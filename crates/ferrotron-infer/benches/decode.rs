@@ -1,12 +1,14 @@
-//! Greedy decode throughput (batch 1, KV cache) on a real HF model directory, f32 and bf16
-//! weights, and prefill throughput of a 512-token prompt (llama-bench's pp512 / tg128). Not a
-//! test: run with
-//! `FERROTRON_BENCH_MODEL=/path/to/smollm2 cargo bench -p ferrotron-infer --bench decode`.
+//! Greedy decode throughput (batch 1, KV cache) on a real HF model directory (f32 and bf16
+//! weights) or GGUF file (its quantized weights kept quantized), and prefill throughput of a
+//! 512-token prompt (llama-bench's pp512 / tg128). Not a test: run with
+//! `FERROTRON_BENCH_MODEL=/path/to/smollm2[.gguf] cargo bench -p ferrotron-infer --bench decode`.
 //! Prints the median tokens/s of 128 new tokens after a fixed prompt, and of the 512-token
 //! prefill, over several runs.
 
+use ferrotron_checkpoint::gguf::load_gguf_model;
 use ferrotron_infer::sampler::SamplingParams;
 use ferrotron_infer::{GenerateOptions, generate};
+use ferrotron_model::GptModel;
 use ferrotron_model::families::load_hf_model;
 use ferrotron_tensor::DType;
 use std::ops::ControlFlow;
@@ -44,8 +46,23 @@ fn main() {
         dir.display(),
         rayon::current_num_threads()
     );
-    for dtype in [DType::F32, DType::BF16] {
-        let (model, _) = load_hf_model(&dir, dtype).expect("load model");
+    let gguf = dir.extension().is_some_and(|e| e == "gguf");
+    let dtypes: &[DType] = if gguf {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::BF16]
+    };
+    for &dtype in dtypes {
+        let model: GptModel = if gguf {
+            load_gguf_model(&dir, dtype).expect("load GGUF").model
+        } else {
+            load_hf_model(&dir, dtype).expect("load model").0
+        };
+        let weights = if gguf {
+            "gguf".to_string()
+        } else {
+            dtype.to_string()
+        };
         let options = GenerateOptions {
             max_new_tokens: new_tokens,
             sampling: SamplingParams::greedy(),
@@ -62,7 +79,7 @@ fn main() {
             .expect("generate");
             rates.push((g.generated_ids.len() - 1) as f64 / g.decode_seconds);
         }
-        report(&format!("weights {dtype:>4} tg{new_tokens}"), rates);
+        report(&format!("weights {weights:>4} tg{new_tokens}"), rates);
         // pp512: a 512-token prompt (any ids < vocab), one new token.
         let vocab = model.config().vocab_size as u32;
         let long: Vec<u32> = (0..512u32).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -76,6 +93,6 @@ fn main() {
                 .expect("generate");
             rates.push(long.len() as f64 / g.prefill_seconds);
         }
-        report(&format!("weights {dtype:>4} pp512"), rates);
+        report(&format!("weights {weights:>4} pp512"), rates);
     }
 }

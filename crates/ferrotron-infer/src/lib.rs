@@ -5,8 +5,10 @@
 
 pub mod engine;
 pub mod generate;
+pub mod perplexity;
 pub mod sampler;
 pub mod score;
 
 pub use generate::{GenerateOptions, Generation, StopReason, generate};
+pub use perplexity::{Perplexity, PerplexityOptions, perplexity};
 pub use score::{Score, score};

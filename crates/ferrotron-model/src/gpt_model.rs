@@ -1,5 +1,5 @@
 use crate::module::{LinearParams, ModelLayout, ModelPart, ParamDecl, ParamId, TransformerLayer};
-use crate::param_table::ParamTable;
+use crate::param_table::{ParamTable, ParamValue, dense};
 use crate::train::core_attention::KeysValues;
 use crate::train::forward::{Pass, layer_forward};
 use crate::{
@@ -54,7 +54,7 @@ pub struct GptModel {
 /// tensor-parallel ranks: count, local shapes, one storage dtype for the embedding and matmul
 /// weights. Returns them packed in a table of that dtype: norm gains and biases in another
 /// dtype are converted to it (as HF's `model.to(dtype)` and Megatron's bf16 params do).
-fn check_params(decls: &[ParamDecl], params: Vec<Tensor>, t: usize) -> Result<ParamTable> {
+fn check_params(decls: &[ParamDecl], params: Vec<ParamValue>, t: usize) -> Result<ParamTable> {
     if params.len() != decls.len() {
         return Err(ModelError::Input(format!(
             "{} parameter tensors given, the model declares {}",
@@ -62,30 +62,45 @@ fn check_params(decls: &[ParamDecl], params: Vec<Tensor>, t: usize) -> Result<Pa
             decls.len()
         )));
     }
+    let dense = |p: &ParamValue| match p {
+        ParamValue::Dense(t) => Some(t.dtype()),
+        ParamValue::Quantized(_) => None,
+    };
     let dtype = decls
         .iter()
         .zip(&params)
-        .find(|(d, _)| d.role.uses_params_dtype())
-        .map_or(DType::F32, |(_, p)| p.dtype());
+        .filter(|(d, _)| d.role.uses_params_dtype())
+        .find_map(|(_, p)| dense(p))
+        .unwrap_or(DType::F32);
     for (decl, p) in decls.iter().zip(&params) {
         let want = decl.local_shape(t);
-        if p.shape() != want.as_slice() {
+        if p.shape() != want {
             return Err(NnError::ParamShape {
                 name: decl.name.clone(),
                 expected: want,
-                actual: p.shape().to_vec(),
+                actual: p.shape(),
             }
             .into());
         }
-        if decl.role.uses_params_dtype() && p.dtype() != dtype {
+        if let ParamValue::Quantized(_) = p
+            && !decl.role.uses_params_dtype()
+        {
             return Err(ModelError::Input(format!(
-                "{}: stored as {:?}, the model's other weights as {dtype:?}",
+                "{}: only matmul and embedding weights can stay quantized",
+                decl.name
+            )));
+        }
+        if let Some(p_dtype) = dense(p)
+            && decl.role.uses_params_dtype()
+            && p_dtype != dtype
+        {
+            return Err(ModelError::Input(format!(
+                "{}: stored as {p_dtype:?}, the model's other weights as {dtype:?}",
                 decl.name,
-                p.dtype()
             )));
         }
     }
-    Ok(ParamTable::packed(&params, dtype))
+    Ok(ParamTable::packed(params, dtype))
 }
 
 impl GptModel {
@@ -97,6 +112,16 @@ impl GptModel {
     /// An invalid config, a count or shape that disagrees with the declarations (naming the
     /// parameter), or weights of mixed dtypes.
     pub fn new(config: TransformerConfig, params: Vec<Tensor>) -> Result<GptModel> {
+        GptModel::from_values(config, dense(params))
+    }
+
+    /// As [`GptModel::new`], with weights that may stay quantized ([`ParamValue::Quantized`]:
+    /// a GGUF file's blocks, multiplied by int8 dot kernels and never dequantized whole).
+    /// Dense values share one storage dtype as in [`GptModel::new`].
+    ///
+    /// # Errors
+    /// As [`GptModel::new`]; a quantized value for a norm gain or a bias.
+    pub fn from_values(config: TransformerConfig, params: Vec<ParamValue>) -> Result<GptModel> {
         config.validate()?;
         let layout = ModelLayout::new(
             &config,
@@ -111,7 +136,7 @@ impl GptModel {
     pub(crate) fn assemble(
         config: TransformerConfig,
         layout: ModelLayout,
-        params: Vec<Tensor>,
+        params: Vec<ParamValue>,
         tp: Option<TpInfo>,
         stage: Option<StageInfo>,
     ) -> Result<GptModel> {

@@ -10,23 +10,63 @@
 //! [`ParamTable::restore_storage`]) — a move, never a copy, so model state is Megatron's
 //! 18 bytes per parameter in bf16 (2 bf16 weights, 4 f32 grad, 12 f32 master + Adam moments)
 //! instead of a second weight copy beside the buffer.
+//!
+//! A weight served from GGUF stays in its ggml blocks ([`ParamValue::Quantized`]): its slot
+//! takes no room in the storage and its view is a [`WeightRef::Quant`]. Such a table serves
+//! inference; its quantized weights cannot be written or trained.
 
 use crate::{ModelError, Result};
+use ferrotron_tensor::gemm::WeightRef;
+use ferrotron_tensor::quant::QuantMatrix;
 use ferrotron_tensor::{DType, Storage, Tensor, TensorView};
 use std::borrow::Cow;
 use std::ops::Range;
+use std::sync::Arc;
 
-/// Where one parameter sits in the storage.
+/// One parameter's value as a model is built from it.
+#[derive(Clone, Debug)]
+pub enum ParamValue {
+    /// Elements of a storage dtype (converted to the table's).
+    Dense(Tensor),
+    /// A `[rows, cols]` weight kept in ggml block formats (a GGUF file's quantized tensor).
+    Quantized(QuantMatrix),
+}
+
+impl ParamValue {
+    /// The value's shape (`[rows, cols]` for a quantized weight).
+    pub fn shape(&self) -> Vec<usize> {
+        match self {
+            ParamValue::Dense(t) => t.shape().to_vec(),
+            ParamValue::Quantized(q) => vec![q.rows(), q.cols()],
+        }
+    }
+}
+
+/// Dense values, one per tensor.
+pub(crate) fn dense(tensors: Vec<Tensor>) -> Vec<ParamValue> {
+    tensors.into_iter().map(ParamValue::Dense).collect()
+}
+
+impl From<Tensor> for ParamValue {
+    fn from(t: Tensor) -> ParamValue {
+        ParamValue::Dense(t)
+    }
+}
+
+/// Where one parameter sits: a range of the storage, or its own quantized blocks.
 #[derive(Clone, Debug, PartialEq)]
 struct Slot {
     offset: usize,
     shape: Vec<usize>,
     numel: usize,
+    /// Set for a quantized weight, which takes no room in the storage.
+    quant: Option<Arc<QuantMatrix>>,
 }
 
 impl Slot {
     fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.numel
+        let len = if self.quant.is_some() { 0 } else { self.numel };
+        self.offset..self.offset + len
     }
 }
 
@@ -40,22 +80,32 @@ pub struct ParamTable {
 }
 
 impl ParamTable {
-    /// The values of `tensors` converted to `dtype` (round-to-nearest-even when narrowing)
-    /// and packed back to back in order.
-    pub fn packed(tensors: &[Tensor], dtype: DType) -> ParamTable {
-        let mut slots = Vec::with_capacity(tensors.len());
+    /// The dense `values` converted to `dtype` (round-to-nearest-even when narrowing) and
+    /// packed back to back in order; quantized ones kept as they are.
+    pub fn packed(values: Vec<ParamValue>, dtype: DType) -> ParamTable {
+        let mut slots = Vec::with_capacity(values.len());
         let mut offset = 0;
-        for t in tensors {
-            slots.push(Slot {
+        for v in &values {
+            let shape = v.shape();
+            let numel = shape.iter().product();
+            let quant = match v {
+                ParamValue::Dense(_) => None,
+                ParamValue::Quantized(q) => Some(Arc::new(q.clone())),
+            };
+            let slot = Slot {
                 offset,
-                shape: t.shape().to_vec(),
-                numel: t.numel(),
-            });
-            offset += t.numel();
+                shape,
+                numel,
+                quant,
+            };
+            offset += slot.range().len();
+            slots.push(slot);
         }
         let mut storage = Storage::zeros(dtype, offset);
-        for (t, slot) in tensors.iter().zip(&slots) {
-            write_tensor(&mut storage, slot.range(), t);
+        for (v, slot) in values.iter().zip(&slots) {
+            if let ParamValue::Dense(t) = v {
+                write_tensor(&mut storage, slot.range(), t);
+            }
         }
         ParamTable {
             storage: Some(storage),
@@ -109,8 +159,20 @@ impl ParamTable {
     /// `i >= len()`, or the storage is lent out.
     pub fn view(&self, i: usize) -> TensorView<'_> {
         let slot = &self.slots[i];
-        TensorView::new(&slot.shape, self.storage().view(slot.range()))
-            .expect("a slot's range matches its shape")
+        let data = match &slot.quant {
+            Some(q) => WeightRef::Quant(q),
+            None => self.storage().view(slot.range()),
+        };
+        TensorView::new(&slot.shape, data).expect("a slot's range matches its shape")
+    }
+
+    /// Bytes of the quantized weights (beside [`ParamTable::storage_bytes`]).
+    pub fn quantized_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .filter_map(|s| s.quant.as_ref())
+            .map(|q| q.nbytes())
+            .sum()
     }
 
     /// Parameter `i` as f32: borrowed from an f32 table, widened (exactly) otherwise.
@@ -130,6 +192,11 @@ impl ParamTable {
     /// As [`ParamTable::view`].
     pub fn set_from_f32(&mut self, i: usize, name: &str, values: &[f32]) -> Result<()> {
         let slot = &self.slots[i];
+        if slot.quant.is_some() {
+            return Err(ModelError::Input(format!(
+                "{name}: a quantized weight cannot be written"
+            )));
+        }
         if values.len() != slot.numel {
             return Err(ModelError::Input(format!(
                 "{name}: slice of {} elements, the parameter has {} ({:?})",
@@ -154,6 +221,11 @@ impl ParamTable {
     /// A count, dtype or range that does not fit (overlapping or out of bounds ranges);
     /// the table is unchanged then.
     pub fn rehome(&mut self, mut storage: Storage, offsets: &[usize]) -> Result<()> {
+        if self.slots.iter().any(|s| s.quant.is_some()) {
+            return Err(ModelError::Input(
+                "a model with quantized weights cannot be trained in place".into(),
+            ));
+        }
         if offsets.len() != self.slots.len() || storage.dtype() != self.dtype {
             return Err(ModelError::Input(format!(
                 "re-homing {} {:?} parameters into {} offsets of {:?} storage",
@@ -266,7 +338,7 @@ mod tests {
     fn table() -> ParamTable {
         let a = Tensor::from_f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
         let b = Tensor::from_f32(&[2], vec![1.0 + 1.0 / 512.0, -7.0]).unwrap();
-        ParamTable::packed(&[a, b], DType::BF16)
+        ParamTable::packed(vec![a.into(), b.into()], DType::BF16)
     }
 
     #[test]

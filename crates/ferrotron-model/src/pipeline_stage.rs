@@ -17,6 +17,7 @@
 use std::ops::Range;
 
 use crate::module::{ModelLayout, ModelPart};
+use crate::param_table::dense;
 use crate::{GptModel, ModelError, Result};
 
 /// Where a stage sits in the pipeline.
@@ -206,7 +207,7 @@ impl GptModel {
             layer_ids,
             chunks: local_chunks,
         };
-        GptModel::assemble(c.clone(), layout, params, None, Some(stage))
+        GptModel::assemble(c.clone(), layout, dense(params), None, Some(stage))
     }
 
     /// The part of the model this one holds (the whole model unless a stage).

@@ -5,6 +5,7 @@
 
 use crate::gemm_bf16::{Operand, Operand::Bf16, Operand::F32, bf16_gemm};
 use crate::gemv;
+use crate::quant::{QuantMatrix, quant_matmul, quant_matmul_t};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -122,15 +123,13 @@ fn parallelism(mnk: usize) -> gemm::Parallelism {
     }
 }
 
-/// Rows `rows` of the narrow weight `w[n, k]` widened to f32 into the front of `scratch`;
-/// returns that `[rows, k]` block.
-fn widen_rows<'s, W: crate::Element>(
+/// Rows `rows` of the narrow weight `w[n, k]` widened to f32 into `block[rows.len(), k]`.
+fn widen_rows<W: crate::Element>(
     w: &[W],
     rows: std::ops::Range<usize>,
     k: usize,
-    scratch: &'s mut [f32],
-) -> &'s mut [f32] {
-    let block = &mut scratch[..rows.len() * k];
+    block: &mut [f32],
+) {
     block
         .par_chunks_mut(k)
         .zip(w[rows.start * k..rows.end * k].par_chunks(k))
@@ -139,7 +138,6 @@ fn widen_rows<'s, W: crate::Element>(
                 *d = s.to_f32();
             }
         });
-    block
 }
 
 /// Elements borrowed in their storage dtype: a linear layer's weight `[n, k]` (HF
@@ -149,6 +147,9 @@ pub enum WeightRef<'a> {
     F32(&'a [f32]),
     BF16(&'a [bf16]),
     F16(&'a [f16]),
+    /// A whole `[n, k]` matrix in ggml block formats (a weight served from GGUF): multiplied
+    /// by [`quant_matmul_t`], never dequantized whole in the products.
+    Quant(&'a QuantMatrix),
 }
 
 impl<'a> WeightRef<'a> {
@@ -158,6 +159,7 @@ impl<'a> WeightRef<'a> {
             WeightRef::F32(v) => v.len(),
             WeightRef::BF16(v) => v.len(),
             WeightRef::F16(v) => v.len(),
+            WeightRef::Quant(q) => q.rows() * q.cols(),
         }
     }
 
@@ -166,10 +168,11 @@ impl<'a> WeightRef<'a> {
         self.len() == 0
     }
 
-    /// The storage dtype.
+    /// The storage dtype; quantized blocks report F32, the dtype their values dequantize
+    /// to and their products compute in.
     pub fn dtype(&self) -> crate::DType {
         match self {
-            WeightRef::F32(_) => crate::DType::F32,
+            WeightRef::F32(_) | WeightRef::Quant(_) => crate::DType::F32,
             WeightRef::BF16(_) => crate::DType::BF16,
             WeightRef::F16(_) => crate::DType::F16,
         }
@@ -178,12 +181,20 @@ impl<'a> WeightRef<'a> {
     /// Elements `range` of these.
     ///
     /// # Panics
-    /// When `range` leaves them.
+    /// When `range` leaves them, or on a quantized matrix unless `range` is all of it
+    /// (its blocks are not addressable by element).
     pub fn slice(&self, range: std::ops::Range<usize>) -> WeightRef<'a> {
         match *self {
             WeightRef::F32(v) => WeightRef::F32(&v[range]),
             WeightRef::BF16(v) => WeightRef::BF16(&v[range]),
             WeightRef::F16(v) => WeightRef::F16(&v[range]),
+            WeightRef::Quant(q) => {
+                assert!(
+                    range == (0..self.len()),
+                    "a quantized weight is sliced whole"
+                );
+                WeightRef::Quant(q)
+            }
         }
     }
 
@@ -203,6 +214,13 @@ impl<'a> WeightRef<'a> {
             WeightRef::F32(v) => out.copy_from_slice(v),
             WeightRef::BF16(v) => widen(v, out),
             WeightRef::F16(v) => widen(v, out),
+            WeightRef::Quant(q) => {
+                assert_eq!(out.len(), self.len());
+                let k = q.cols().max(1);
+                out.par_chunks_mut(k)
+                    .enumerate()
+                    .for_each(|(r, o)| q.dequantize_rows(r..r + 1, o));
+            }
         }
     }
 
@@ -249,6 +267,7 @@ pub fn matmul_weight_t(
             WeightRef::F32(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
             WeightRef::BF16(w) => gemv::gemv_bf16(w, &x[..k], &mut y[..n], accumulate),
             WeightRef::F16(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
+            WeightRef::Quant(w) => quant_matmul_t(x, w, y, (m, n, k), accumulate),
         }
         return;
     }
@@ -257,30 +276,37 @@ pub fn matmul_weight_t(
             WeightRef::F32(w) => gemv::gemv_rows(w, x, y, (m, n, k), accumulate),
             WeightRef::BF16(w) => gemv::gemv_rows_bf16(w, x, y, (m, n, k), accumulate),
             WeightRef::F16(w) => gemv::gemv_rows(w, x, y, (m, n, k), accumulate),
+            WeightRef::Quant(w) => quant_matmul_t(x, w, y, (m, n, k), accumulate),
         }
         return;
     }
     match w {
         WeightRef::F32(w) => sgemm(m, n, k, x, Op::N, w, Op::T, y, accumulate),
         WeightRef::BF16(w) => bf16_gemm(m, n, k, F32(x), Op::N, Bf16(w), Op::T, y, accumulate),
-        WeightRef::F16(w) => blocked_narrow(x, w, y, m, n, k, accumulate),
+        WeightRef::F16(w) => {
+            let widen = |rows, out: &mut [f32]| widen_rows(w, rows, k, out);
+            dequantized_blocks_t(x, widen, y, (m, n, k), accumulate)
+        }
+        WeightRef::Quant(w) => quant_matmul_t(x, w, y, (m, n, k), accumulate),
     }
 }
 
-fn blocked_narrow<W: crate::Element>(
+/// `y[m, n] = x[m, k] · wᵀ` (`+=` when `accumulate`) for a weight `w[n, k]` stored narrower
+/// than f32 (f16, quantized blocks): `widen(rows, out)` writes rows `rows` of `w` as f32 into
+/// `out[rows.len(), k]`, [`CONVERT_ROWS`] rows at a time, each block multiplied by the f32
+/// GEMM into its columns of `y` — so no f32 copy of the whole weight is ever made.
+pub(crate) fn dequantized_blocks_t(
     x: &[f32],
-    w: &[W],
+    widen: impl Fn(std::ops::Range<usize>, &mut [f32]),
     y: &mut [f32],
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    assert!(w.len() >= n * k);
     let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
     for j0 in (0..n).step_by(CONVERT_ROWS) {
         let rows = CONVERT_ROWS.min(n - j0);
-        let block = widen_rows(w, j0..j0 + rows, k, &mut scratch);
+        let block = &mut scratch[..rows * k];
+        widen(j0..j0 + rows, block);
         // SAFETY: block is [rows, k]; y's column block j0..j0+rows lies inside y[m, n].
         unsafe {
             sgemm_raw(
@@ -317,7 +343,11 @@ pub fn matmul_weight(
     match w {
         WeightRef::F32(w) => sgemm(m, k, n, dy, Op::N, w, Op::N, dx, accumulate),
         WeightRef::BF16(w) => bf16_gemm(m, k, n, F32(dy), Op::N, Bf16(w), Op::N, dx, accumulate),
-        WeightRef::F16(w) => blocked_narrow_n(dy, w, dx, m, n, k, accumulate),
+        WeightRef::F16(w) => {
+            let widen = |rows, out: &mut [f32]| widen_rows(w, rows, k, out);
+            dequantized_blocks_n(dy, widen, dx, (m, n, k), accumulate)
+        }
+        WeightRef::Quant(w) => quant_matmul(dy, w, dx, (m, n, k), accumulate),
     }
 }
 
@@ -342,19 +372,20 @@ pub fn weight_grad(
             let x = x.to_f32();
             sgemm(n, k, m, dy, Op::T, &x, Op::N, dw, true)
         }
+        WeightRef::Quant(_) => panic!("a quantized weight is frozen: it has no gradient"),
     }
 }
 
-fn blocked_narrow_n<W: crate::Element>(
+/// `dx[m, k] = dy[m, n] · w` (`+=` when `accumulate`) for a narrow weight `w[n, k]` that
+/// `widen` writes as f32 a block of rows at a time (see [`dequantized_blocks_t`]): each
+/// block adds its part `dy[:, j0..j1] · w[j0..j1, :]`.
+pub(crate) fn dequantized_blocks_n(
     dy: &[f32],
-    w: &[W],
+    widen: impl Fn(std::ops::Range<usize>, &mut [f32]),
     dx: &mut [f32],
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     accumulate: bool,
 ) {
-    assert!(w.len() >= n * k);
     if m == 0 || k == 0 {
         return;
     }
@@ -367,7 +398,8 @@ fn blocked_narrow_n<W: crate::Element>(
     let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
     for j0 in (0..n).step_by(CONVERT_ROWS) {
         let rows = CONVERT_ROWS.min(n - j0);
-        let block = widen_rows(w, j0..j0 + rows, k, &mut scratch);
+        let block = &mut scratch[..rows * k];
+        widen(j0..j0 + rows, block);
         let read_dst = accumulate || j0 > 0;
         // SAFETY: dy[:, j0..j0+rows] lies inside dy[m, n] (row stride n), block is
         // [rows, k], dx is [m, k] and exclusive.

@@ -6,7 +6,8 @@
 //! ([`gemm_bf16`]: AMX tiles, AVX512-BF16 `vdpbf16ps`, or the operands widened to f32 where
 //! the CPU has neither), dispatched at run time by CPU feature; [`peak`] measures the
 //! machine's own f32 and bf16 peaks. f16 is a storage format (widened to f32). [`allocator`]
-//! keeps freed memory for reuse in long-running training and serving processes.
+//! keeps freed memory for reuse in long-running training and serving processes. [`quant`] holds
+//! weights in ggml's block formats (GGUF Q8_0 ... Q6_K) with int8 dot kernels (AVX512-VNNI).
 
 pub mod allocator;
 mod buffer;
@@ -17,6 +18,7 @@ pub mod gemm_bf16;
 pub mod gemv;
 pub mod ops;
 pub mod peak;
+pub mod quant;
 mod storage;
 mod tensor;
 

@@ -294,12 +294,13 @@ impl<'a> TensorView<'a> {
         self.data.to_f32()
     }
 
-    /// An owned copy.
+    /// An owned copy (a quantized weight dequantized to f32).
     pub fn to_tensor(&self) -> Tensor {
         let storage = match self.data {
             WeightRef::F32(v) => Storage::F32(v.to_vec()),
             WeightRef::BF16(v) => Storage::BF16(v.to_vec()),
             WeightRef::F16(v) => Storage::F16(v.to_vec()),
+            WeightRef::Quant(_) => Storage::F32(self.data.to_f32().into_owned()),
         };
         Tensor {
             shape: self.shape.to_vec(),

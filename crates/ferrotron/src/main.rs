@@ -5,6 +5,7 @@ mod convert;
 mod data;
 mod generate;
 mod model_dir;
+mod perplexity;
 mod score;
 mod serve;
 mod sft;
@@ -36,6 +37,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Per-token log-probabilities, mean loss and perplexity of a text.
     Score(score::ScoreArgs),
+    /// Perplexity of a long text in windows, as llama.cpp's llama-perplexity measures it.
+    Perplexity(perplexity::PerplexityArgs),
     /// Tokenize corpora into Megatron .bin/.idx datasets (tools/preprocess_data.py).
     PreprocessData(data::PreprocessArgs),
     /// Summarize a .bin/.idx dataset and optionally decode its first documents.
@@ -68,6 +71,7 @@ fn main() -> ExitCode {
         Command::Convert(c) => convert::run(c),
         Command::Generate(a) => generate::run(a),
         Command::Score(a) => score::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
         Command::PreprocessData(a) => data::preprocess(a),
         Command::DatasetInfo(a) => data::info(a),
         Command::MergeDatasets(a) => data::merge(a),

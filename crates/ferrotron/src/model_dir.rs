@@ -1,13 +1,22 @@
-//! Loading what generation and scoring need from an HF model directory.
+//! Loading what generation, scoring and serving need from an HF model directory or a GGUF
+//! file (whose quantized weights stay quantized).
 
 use anyhow::{Context, Result};
 use clap::ValueEnum;
+use ferrotron_checkpoint::gguf::load_gguf_model;
 use ferrotron_data::Tokenizer;
 use ferrotron_data::chat::{ChatError, ChatTemplate};
 use ferrotron_model::GptModel;
 use ferrotron_model::families::{HfModelInfo, load_hf_model};
 use ferrotron_tensor::DType;
 use std::path::Path;
+
+/// Whether `path` names a GGUF file (by its `.gguf` extension) rather than a model directory.
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        && !path.is_dir()
+}
 
 /// Storage type of the weights in memory. bf16 weights multiply as bf16 x bf16 -> f32 (the
 /// activations rounded to bf16) in the GEMMs of prompts and the GEMVs of decode alike.
@@ -29,11 +38,17 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    pub fn load(dir: &Path, dtype: WeightDtype) -> Result<LoadedModel> {
+    /// Loads the HF model directory or `.gguf` file `path`; `dtype` stores the weights that
+    /// are not quantized.
+    pub fn load(path: &Path, dtype: WeightDtype) -> Result<LoadedModel> {
         let dtype = match dtype {
             WeightDtype::F32 => DType::F32,
             WeightDtype::Bf16 => DType::BF16,
         };
+        if is_gguf(path) {
+            return Self::load_gguf(path, dtype);
+        }
+        let dir = path;
         let (model, info) = load_hf_model(dir, dtype)
             .with_context(|| format!("loading model from {}", dir.display()))?;
         let tokenizer = Tokenizer::from_dir(dir)?;
@@ -60,13 +75,34 @@ impl LoadedModel {
         })
     }
 
-    /// Token ids that end generation: `eos_token_id` of config.json and generation_config.json,
-    /// plus the tokenizer's EOS token (e.g. `<|im_end|>` for ChatML models). An unreadable or
+    /// A GGUF file: the model with its quantized weights kept in their blocks, the tokenizer
+    /// and chat template its metadata describes.
+    fn load_gguf(path: &Path, dtype: DType) -> Result<LoadedModel> {
+        let loaded = load_gguf_model(path, dtype)
+            .with_context(|| format!("loading model from {}", path.display()))?;
+        let tokenizer_json = serde_json::to_string(&loaded.tokenizer.tokenizer_json)?;
+        let tokenizer = Tokenizer::from_json(&tokenizer_json, path)?;
+        let config = &loaded.tokenizer.tokenizer_config;
+        let chat_template = match config.get("chat_template") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(_) => Some(ChatTemplate::from_tokenizer_config_json(config, path)?),
+        };
+        Ok(LoadedModel {
+            model: loaded.model,
+            info: loaded.info,
+            tokenizer,
+            chat_template,
+        })
+    }
+
+    /// Token ids that end generation: `eos_token_id` of config.json (a GGUF file's
+    /// `tokenizer.ggml.eos_token_id`) and of generation_config.json in a model directory, plus
+    /// the tokenizer's EOS token (e.g. `<|im_end|>` for ChatML models). An unreadable or
     /// malformed generation_config.json is an error naming it.
-    pub fn stop_token_ids(&self, dir: &Path) -> Result<Vec<u32>> {
+    pub fn stop_token_ids(&self, path: &Path) -> Result<Vec<u32>> {
         let mut ids = self.info.eos_token_ids.clone();
-        let gen_path = dir.join("generation_config.json");
-        if gen_path.exists() {
+        let gen_path = path.join("generation_config.json");
+        if path.is_dir() && gen_path.exists() {
             let text = std::fs::read_to_string(&gen_path)
                 .with_context(|| format!("{}: cannot read", gen_path.display()))?;
             let v: serde_json::Value = serde_json::from_str(&text)

@@ -36,7 +36,8 @@ pub enum DequantError {
 /// `data.len()` must be exactly `out.len() / block * block_bytes`.
 ///
 /// # Errors
-/// [`DequantError::Unsupported`] for types other than F32, F16, BF16, Q8_0, Q4_0, Q4_1;
+/// [`DequantError::Unsupported`] for types other than F32, F16, BF16 and the block formats of
+/// [`ferrotron_tensor::quant::QuantType`] (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K);
 /// [`DequantError::Length`] when the sizes disagree.
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), DequantError> {
     if !ty.is_dequantizable() {
@@ -65,10 +66,10 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), Dequ
         GgmlType::BF16 => {
             blocks.for_each(|(b, y)| y[0] = bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
         }
-        GgmlType::Q8_0 => blocks.for_each(|(b, y)| dequant_q8_0(b, y)),
-        GgmlType::Q4_0 => blocks.for_each(|(b, y)| dequant_q4_0(b, y)),
-        GgmlType::Q4_1 => blocks.for_each(|(b, y)| dequant_q4_1(b, y)),
-        _ => return Err(DequantError::Unsupported(ty)),
+        _ => match ty.quant_type() {
+            Some(q) => ferrotron_tensor::quant::dequantize(q, data, out),
+            None => return Err(DequantError::Unsupported(ty)),
+        },
     }
     Ok(())
 }
@@ -81,37 +82,6 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// bf16 bits widened to f32 (exact: bf16 is the top half of an f32).
 fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
-}
-
-/// `block_q8_0 { ggml_half d; int8_t qs[32]; }`: `y[j] = qs[j] * d`.
-fn dequant_q8_0(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    for (y, &q) in y.iter_mut().zip(&b[2..34]) {
-        *y = f32::from(q as i8) * d;
-    }
-}
-
-/// `block_q4_0 { ggml_half d; uint8_t qs[16]; }`: low nibbles are elements 0..16, high nibbles
-/// 16..32, each `(nibble - 8) * d`.
-fn dequant_q4_0(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let (lo, hi) = y.split_at_mut(16);
-    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..18]) {
-        *l = f32::from((q & 0x0F) as i8 - 8) * d;
-        *h = f32::from((q >> 4) as i8 - 8) * d;
-    }
-}
-
-/// `block_q4_1 { ggml_half d; ggml_half m; uint8_t qs[16]; }`: low nibbles are elements 0..16,
-/// high nibbles 16..32, each `nibble * d + m`.
-fn dequant_q4_1(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let m = f16_at(b, 2);
-    let (lo, hi) = y.split_at_mut(16);
-    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[4..20]) {
-        *l = f32::from(q & 0x0F) * d + m;
-        *h = f32::from(q >> 4) * d + m;
-    }
 }
 
 #[cfg(test)]
@@ -216,8 +186,8 @@ mod tests {
     fn errors() {
         let mut out = [0f32; 32];
         assert_eq!(
-            dequantize(GgmlType::Q4_K, &[0; 144], &mut out),
-            Err(DequantError::Unsupported(GgmlType::Q4_K))
+            dequantize(GgmlType::Q2_K, &[0; 84], &mut out),
+            Err(DequantError::Unsupported(GgmlType::Q2_K))
         );
         assert!(matches!(
             dequantize(GgmlType::Q8_0, &[0; 33], &mut out),

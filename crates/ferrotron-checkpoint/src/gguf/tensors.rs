@@ -49,6 +49,26 @@ pub fn unpermute_qk_rows(
     reorder_rows(data, rows, cols, n_head, true)
 }
 
+/// For each HF row of a `[rows, ..]` q_proj/k_proj with `n_head` heads, the GGUF row it is
+/// stored in (the inverse permutation of [`permute_qk_rows`]); `None` when `rows` is not a
+/// multiple of `2 * n_head`.
+pub fn qk_gguf_rows(rows: usize, n_head: usize) -> Option<Vec<usize>> {
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        return None;
+    }
+    let hd = rows / n_head;
+    let half = hd / 2;
+    Some(
+        (0..rows)
+            .map(|hf_row| {
+                let (h, r) = (hf_row / hd, hf_row % hd);
+                let (j, i) = (r / half, r % half);
+                h * hd + 2 * i + j
+            })
+            .collect(),
+    )
+}
+
 fn reorder_rows(
     data: &[f32],
     rows: usize,
@@ -56,26 +76,18 @@ fn reorder_rows(
     n_head: usize,
     inverse: bool,
 ) -> Option<Vec<f32>> {
-    if n_head == 0 || rows.checked_mul(cols)? != data.len() || !rows.is_multiple_of(2 * n_head) {
+    if rows.checked_mul(cols)? != data.len() {
         return None;
     }
-    let hd = rows / n_head;
-    let half = hd / 2;
+    let order = qk_gguf_rows(rows, n_head)?;
     let mut out = vec![0f32; data.len()];
-    for h in 0..n_head {
-        for j in 0..2 {
-            for i in 0..half {
-                let hf_row = h * hd + j * half + i;
-                let gguf_row = h * hd + 2 * i + j;
-                let (dst, src) = if inverse {
-                    (hf_row, gguf_row)
-                } else {
-                    (gguf_row, hf_row)
-                };
-                out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
-            }
-        }
+    for (hf_row, &gguf_row) in order.iter().enumerate() {
+        let (dst, src) = if inverse {
+            (hf_row, gguf_row)
+        } else {
+            (gguf_row, hf_row)
+        };
+        out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
     }
     Some(out)
 }

@@ -5,10 +5,13 @@
 
 use std::fmt;
 
+use ferrotron_tensor::quant::QuantType;
+
 /// A ggml tensor storage type (`enum ggml_type`), by its numeric id in the file.
 ///
 /// Every type llama.cpp has defined is listed so that a file using any of them opens and can be
-/// size-checked; only F32, F16, BF16, Q8_0, Q4_0 and Q4_1 can be dequantized by this crate.
+/// size-checked; F32, F16, BF16 and the block formats of [`QuantType`] (which can also be
+/// served without dequantizing) can be dequantized by this crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[allow(non_camel_case_types, missing_docs)]
 pub enum GgmlType {
@@ -139,7 +142,21 @@ impl GgmlType {
     /// Whether [`crate::gguf::dequantize`] supports this type.
     pub fn is_dequantizable(self) -> bool {
         use GgmlType::*;
-        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1)
+        matches!(self, F32 | F16 | BF16) || self.quant_type().is_some()
+    }
+
+    /// The block format the kernels multiply directly, for the quantized types they support.
+    pub fn quant_type(self) -> Option<QuantType> {
+        Some(match self {
+            GgmlType::Q8_0 => QuantType::Q8_0,
+            GgmlType::Q4_0 => QuantType::Q4_0,
+            GgmlType::Q4_1 => QuantType::Q4_1,
+            GgmlType::Q5_0 => QuantType::Q5_0,
+            GgmlType::Q5_1 => QuantType::Q5_1,
+            GgmlType::Q4_K => QuantType::Q4_K,
+            GgmlType::Q6_K => QuantType::Q6_K,
+            _ => return None,
+        })
     }
 }
 

@@ -170,18 +170,30 @@ impl ChatTemplate {
                 source,
             })
         };
-        let config: J = serde_json::from_str(&read(path)?).map_err(|source| ChatError::Json {
-            path: path.into(),
-            source,
-        })?;
+        let mut config: J =
+            serde_json::from_str(&read(path)?).map_err(|source| ChatError::Json {
+                path: path.into(),
+                source,
+            })?;
+        let jinja = path.with_file_name("chat_template.jinja");
+        if jinja.is_file()
+            && let Some(obj) = config.as_object_mut()
+        {
+            obj.insert("chat_template".into(), J::String(read(&jinja)?));
+        }
+        Self::from_tokenizer_config_json(&config, path)
+    }
+
+    /// The template of the contents of a `tokenizer_config.json` (e.g. one built from a GGUF
+    /// file's metadata), read as [`ChatTemplate::from_tokenizer_config`] reads the file;
+    /// `origin` names where it came from in errors.
+    pub fn from_tokenizer_config_json(config: &J, origin: &Path) -> Result<Self, ChatError> {
         let err = |field, problem: String| ChatError::Config {
-            path: path.into(),
+            path: origin.into(),
             field,
             problem,
         };
-        let jinja = path.with_file_name("chat_template.jinja");
         let template = match &config["chat_template"] {
-            _ if jinja.is_file() => read(&jinja)?,
             J::String(s) => s.clone(),
             J::Array(list) => {
                 let names: Vec<_> = list.iter().map(|e| e["name"].as_str()).collect();

@@ -22,6 +22,7 @@ use ferrotron_nn::TensorParallel;
 use ferrotron_tensor::Tensor;
 
 use crate::module::ModelLayout;
+use crate::param_table::dense;
 use crate::{GptModel, ModelError, Result};
 
 mod split;
@@ -99,7 +100,13 @@ impl GptModel {
             vocab_start,
             vocab_valid: c.vocab_size.saturating_sub(vocab_start).min(padded / t),
         };
-        GptModel::assemble(c.clone(), layout, params, Some(tp), self.stage.clone())
+        GptModel::assemble(
+            c.clone(),
+            layout,
+            dense(params),
+            Some(tp),
+            self.stage.clone(),
+        )
     }
 
     /// The full shape of parameter `i` (order of [`GptModel::parameters`]).

@@ -3,7 +3,7 @@ use crate::{Element, Result, TensorError};
 use rayon::prelude::*;
 
 /// Gathers rows of an embedding table `table: [v, h]` for `ids: [n]` into `out: [n, h]`
-/// (widened to f32). An id `>= v` is an error naming the id and the vocabulary size.
+/// (widened to f32; quantized rows dequantized exactly). An id `>= v` is an error naming the id and the vocabulary size.
 pub fn embedding_lookup(
     table: WeightRef<'_>,
     h: usize,
@@ -15,6 +15,7 @@ pub fn embedding_lookup(
         WeightRef::F32(t) => t.len() / h,
         WeightRef::BF16(t) => t.len() / h,
         WeightRef::F16(t) => t.len() / h,
+        WeightRef::Quant(q) => q.rows(),
     };
     if let Some(&bad) = ids.iter().find(|&&id| id as usize >= v) {
         return Err(TensorError::IndexOutOfRange {
@@ -27,6 +28,12 @@ pub fn embedding_lookup(
         WeightRef::F32(t) => gather(t, h, ids, out),
         WeightRef::BF16(t) => gather(t, h, ids, out),
         WeightRef::F16(t) => gather(t, h, ids, out),
+        WeightRef::Quant(q) => {
+            assert_eq!(q.cols(), h);
+            out.par_chunks_mut(h)
+                .zip(ids.par_iter())
+                .for_each(|(o, &id)| q.dequantize_rows(id as usize..id as usize + 1, o));
+        }
     }
     Ok(())
 }
