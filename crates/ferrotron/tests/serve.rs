@@ -3,7 +3,8 @@
 //! --greedy`, alone and with other requests in flight; the official `openai` Python client
 //! (`FERROTRON_OPENAI_PYTHON`: a Python with `openai` installed) passes
 //! tools/check_openai_client.py; SIGTERM lets a streaming request finish and exits 0; many
-//! requests in a row (1,000) leave the RSS flat. Without the variables the tests are reported as
+//! requests in a row (1,000) leave the RSS flat; the quantized GGUF of `FERROTRON_SMOLLM2_GGUF`
+//! serves what `generate` answers from it. Without the variables the tests are reported as
 //! ignored (`common::weights`).
 
 use serde_json::{Value, json};
@@ -14,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 
 mod common;
 use common::ferrotron;
-use common::weights::{self, HF, OPENAI_PYTHON, trials};
+use common::weights::{self, GGUF, HF, OPENAI_PYTHON, trials};
 
 fn main() {
     let mut all = trials![needs [HF]:
@@ -24,6 +25,7 @@ fn main() {
         a_client_that_disconnects_mid_stream_cancels_its_request,
     ];
     all.extend(trials![needs [OPENAI_PYTHON]: the_openai_python_client_passes_its_checks]);
+    all.extend(trials![needs [GGUF]: a_gguf_file_serves_what_generate_answers]);
     weights::run(all);
 }
 
@@ -41,9 +43,13 @@ impl Server {
     }
 
     fn start_with(extra: &[&str]) -> Server {
-        let dir = weights::path(HF);
+        Server::start_model(&weights::path(HF), extra)
+    }
+
+    /// Serves `model` (an HF directory or a GGUF file).
+    fn start_model(model: &std::path::Path, extra: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-            .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
+            .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
             .args(["--served-model-name", NAME, "--log-stats-interval", "0"])
             .args(["--kv-cache-memory", "0.5"])
             .args(extra)
@@ -134,14 +140,18 @@ impl Drop for Server {
     }
 }
 
-/// `ferrotron generate --chat --greedy` of `prompt`.
+/// `ferrotron generate --chat --greedy` of `prompt` on the HF directory.
 fn generate_text(prompt: &str, max_tokens: usize) -> String {
-    let dir = weights::path(HF);
+    generate_text_with(&weights::path(HF), prompt, max_tokens)
+}
+
+/// `ferrotron generate --chat --greedy` of `prompt` on `model`.
+fn generate_text_with(model: &std::path::Path, prompt: &str, max_tokens: usize) -> String {
     let n = max_tokens.to_string();
     let o = ferrotron(&[
         "generate",
         "--model",
-        dir.to_str().unwrap(),
+        model.to_str().unwrap(),
         "--chat",
         "--prompt",
         prompt,
@@ -181,6 +191,21 @@ fn greedy_chat_equals_generate_alone_and_batched() {
         assert_eq!(server.chat(p, 40), *w, "with prompt-lookup speculation");
     }
     assert!(server.metric("ferrotron:spec_decode_num_draft_tokens_total") > 0.0);
+}
+
+/// A quantized GGUF file served directly (weights kept in their blocks, chat template from its
+/// metadata): a temperature-0 chat answer is what `generate --chat --greedy` on the same file
+/// answers.
+fn a_gguf_file_serves_what_generate_answers() {
+    let file = weights::path(GGUF);
+    let want: Vec<String> = PROMPTS[..2]
+        .iter()
+        .map(|p| generate_text_with(&file, p, 32))
+        .collect();
+    let server = Server::start_model(&file, &[]);
+    for (p, w) in PROMPTS.iter().zip(&want) {
+        assert_eq!(server.chat(p, 32), *w, "{p}");
+    }
 }
 
 fn sigterm_finishes_the_stream_in_flight_and_exits_0() {

@@ -14,7 +14,6 @@ use std::arch::x86_64::*;
 use super::QuantType;
 use super::activation::{Q8Row, QK8};
 use super::blocks::scale_min_k4;
-use half::f16;
 
 /// Whether this CPU runs these kernels.
 pub(crate) fn available() -> bool {
@@ -23,6 +22,7 @@ pub(crate) fn available() -> bool {
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
 
 /// One unpacked block (see the module doc).
@@ -49,7 +49,7 @@ trait Format {
 macro_rules! features {
     ($($item:item)*) => {$(
         #[inline]
-        #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
         $item
     )*};
 }
@@ -57,7 +57,8 @@ macro_rules! features {
 features! {
     unsafe fn f16_at(p: *const u8) -> f32 {
         // SAFETY: the caller points `p` at two readable bytes.
-        f16::from_bits(unsafe { (p as *const u16).read_unaligned() }).to_f32()
+        let bits = unsafe { (p as *const u16).read_unaligned() };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 
     /// 16 bytes of nibbles at `p` as 32 bytes: the low nibbles, then the high ones.
@@ -141,12 +142,66 @@ features! {
     }
 }
 
+/// Row `row` of `ty` dequantized into `out` (its values): the same bits as
+/// [`super::dequantize`] (the products and sums in gguf-py's order, no fused multiply-add).
+///
+/// # Safety
+/// The CPU must pass [`available`]; `row` must be one whole row of `out.len()` values.
+pub(crate) unsafe fn dequantize_row(ty: QuantType, row: &[u8], out: &mut [f32]) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match ty {
+            QuantType::Q8_0 => dequantize_n::<Q8_0>(row, out),
+            QuantType::Q4_0 => dequantize_n::<Q4_0>(row, out),
+            QuantType::Q4_1 => dequantize_n::<Q4_1>(row, out),
+            QuantType::Q5_0 => dequantize_n::<Q5_0>(row, out),
+            QuantType::Q5_1 => dequantize_n::<Q5_1>(row, out),
+            QuantType::Q4_K => dequantize_n::<Q4_K>(row, out),
+            QuantType::Q6_K => dequantize_n::<Q6_K>(row, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dequantize_n<F: Format>(row: &[u8], out: &mut [f32]) {
+    for (b, out) in out.chunks_exact_mut(QK8).enumerate() {
+        // SAFETY: the caller gives a whole row: block b lies inside it.
+        let blk = unsafe { F::block(row.as_ptr(), b) };
+        let (ca, cb) = if F::SCALED {
+            let (sa, sb) = (
+                _mm256_extract_epi32(blk.s, 0),
+                _mm256_extract_epi32(blk.s, 4),
+            );
+            (blk.c * sa as f32, blk.c * sb as f32)
+        } else {
+            (blk.c, blk.c)
+        };
+        let halves = [
+            _mm256_castsi256_si128(blk.v),
+            _mm256_extracti128_si256(blk.v, 1),
+        ];
+        for (h, (q, c)) in halves.into_iter().zip([ca, cb]).enumerate() {
+            let v = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                _mm512_set1_ps(c),
+            );
+            let v = if F::MIN {
+                _mm512_add_ps(v, _mm512_set1_ps(blk.mn))
+            } else {
+                v
+            };
+            // SAFETY: out holds 32 values.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * h), v) };
+        }
+    }
+}
+
 /// [`super::activation`]'s block quantization with AVX-512: the same values (the conversion
 /// rounds to nearest-even, as the scalar path does).
 ///
 /// # Safety
 /// The CPU must pass [`available`].
-#[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn quantize_block(x: &[f32; QK8], q: &mut [i8; QK8]) -> (f32, i32) {
     // SAFETY: x holds 32 values, q 32 bytes.
     let (a, b) = unsafe {
@@ -190,7 +245,7 @@ macro_rules! block_format {
             const MIN: bool = $m;
             const SCALED: bool = $sc;
             #[inline]
-            #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
             unsafe fn block($row: *const u8, $b: usize) -> Block {
                 // SAFETY: the caller points `row` at a whole row holding block `b`.
                 unsafe { $body }

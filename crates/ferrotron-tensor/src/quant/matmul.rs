@@ -3,8 +3,12 @@
 use super::activation::{Q8Row, Q8Rows};
 use super::dot::dot_scalar;
 use super::{QuantMatrix, QuantType};
-use crate::gemm::{GEMV_MAX_ROWS, dequantized_blocks_n, dequantized_blocks_t};
+use crate::gemm::{GEMV_MAX_ROWS, Op, dequantized_blocks_n};
+use crate::gemm_bf16::{Operand::F32, bf16_gemm};
 use rayon::prelude::*;
+
+/// Weight rows dequantized at a time on the prefill path (a `TILE_ROWS × k` f32 tile).
+const TILE_ROWS: usize = 1024;
 
 /// Weight rows per rayon task of the integer path.
 const ROWS_PER_TASK: usize = 64;
@@ -14,9 +18,10 @@ const ROWS_PER_TASK: usize = 64;
 /// Up to [`GEMV_MAX_ROWS`] rows (decode, batched decode) take integer dot products with `x`
 /// quantized to int8 per 32 values (llama.cpp's `ggml_vec_dot_*`); each row of `y` is
 /// computed by the same sequence of operations whatever `m` is, so a served request's decode
-/// does not depend on its batch. More rows (prefill) dequantize 512 weight rows at a time to
-/// f32 (exactly) and multiply them with `x` by the f32 GEMM: the prompt's products are those
-/// of the dequantized model, and the weight is never dequantized whole.
+/// does not depend on its batch. More rows (prefill) dequantize [`TILE_ROWS`] weight rows at
+/// a time (exactly, to f32) and multiply them with `x` by the bf16 GEMM (both operands
+/// rounded to bf16, f32 sums: the weights' values lose less than their quantization already
+/// cost, the activations keep more than int8 keeps); the weight is never dequantized whole.
 ///
 /// # Panics
 /// When `w` is not `[n, k]` or a slice is shorter than its shape (caller bugs).
@@ -32,8 +37,7 @@ pub fn quant_matmul_t(
         return;
     }
     if m > GEMV_MAX_ROWS {
-        let widen = |rows: std::ops::Range<usize>, out: &mut [f32]| dequantize_par(w, rows, out);
-        dequantized_blocks_t(x, widen, y, (m, n, k), accumulate);
+        bf16_tiles(&x[..m * k], w, y, (m, n, k), accumulate);
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -81,6 +85,33 @@ pub fn quant_matmul(
     assert!(w.rows() == n && w.cols() == k && dy.len() >= m * n && dx.len() >= m * k);
     let widen = |rows: std::ops::Range<usize>, out: &mut [f32]| dequantize_par(w, rows, out);
     dequantized_blocks_n(dy, widen, dx, (m, n, k), accumulate);
+}
+
+/// The prefill path of [`quant_matmul_t`]: tiles of weight rows dequantized to f32 and
+/// multiplied by the bf16 GEMM into a `[m, rows]` block, then added to their columns of `y`.
+fn bf16_tiles(
+    x: &[f32],
+    w: &QuantMatrix,
+    y: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    let mut tile = vec![0f32; TILE_ROWS.min(n) * k];
+    let mut block = vec![0f32; m * TILE_ROWS.min(n)];
+    for j0 in (0..n).step_by(TILE_ROWS) {
+        let rows = TILE_ROWS.min(n - j0);
+        let (tile, block) = (&mut tile[..rows * k], &mut block[..m * rows]);
+        dequantize_par(w, j0..j0 + rows, tile);
+        bf16_gemm(m, rows, k, F32(x), Op::N, F32(tile), Op::T, block, false);
+        for (y, b) in y.chunks_exact_mut(n).zip(block.chunks_exact(rows)) {
+            let y = &mut y[j0..j0 + rows];
+            if accumulate {
+                y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            } else {
+                y.copy_from_slice(b);
+            }
+        }
+    }
 }
 
 /// Rows `rows` of `w` dequantized into `out`, rows in parallel.

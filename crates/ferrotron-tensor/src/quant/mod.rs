@@ -7,8 +7,9 @@
 //!   mixes, e.g. Q4_K_M's Q6_K value projections beside Q4_K queries, fuse into one matrix).
 //! - [`quant_matmul_t`] (`matmul.rs`): `y = x·Wᵀ`. Few rows (decode) quantize `x` to int8
 //!   per 32 values ([`Q8Rows`]) and take integer dot products (`dot.rs`; AVX512-VNNI in
-//!   `avx512.rs`, chosen at run time); many rows (prefill) dequantize blocks of weight rows to
-//!   f32 and run the f32 GEMM.
+//!   `avx512.rs`, chosen at run time); many rows (prefill) dequantize blocks of weight rows and
+//!   multiply them in bf16 ([`crate::gemm_bf16`]), as llama.cpp's prompt processing multiplies
+//!   int8 activations.
 
 mod activation;
 #[cfg(target_arch = "x86_64")]
@@ -198,8 +199,16 @@ impl QuantMatrix {
     /// When `rows` leaves the matrix or `out` is not `rows.len() · cols` long.
     pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         assert_eq!(out.len(), rows.len() * self.cols);
+        #[cfg(target_arch = "x86_64")]
+        let simd = avx512::available();
         for (r, o) in rows.zip(out.chunks_exact_mut(self.cols.max(1))) {
             let (ty, bytes) = self.row(r);
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: the CPU has the kernels' features; `bytes` is one whole row.
+                unsafe { avx512::dequantize_row(ty, bytes, o) };
+                continue;
+            }
             dequantize(ty, bytes, o);
         }
     }

@@ -123,12 +123,20 @@ fn matmul_matches_the_dequantized_weight_on_both_paths() {
         for m in [1, 3, 16, 40] {
             let x = activations(m * k, 5 + m as u64);
             // Few rows multiply the activations quantized to int8; many rows multiply the
-            // exactly dequantized weights in f32.
-            let x_used: Vec<f32> = if m <= crate::gemm::GEMV_MAX_ROWS {
+            // activations and the dequantized weights rounded to bf16.
+            let bf16 = |v: &[f32]| -> Vec<f32> {
+                v.iter()
+                    .map(|&x| half::bf16::from_f32(x).to_f32())
+                    .collect()
+            };
+            let (x_used, wf) = if m <= crate::gemm::GEMV_MAX_ROWS {
                 let xq = Q8Rows::quantize(&x, m, k);
-                (0..m).flat_map(|i| xq.dequantized_row(i)).collect()
+                (
+                    (0..m).flat_map(|i| xq.dequantized_row(i)).collect(),
+                    wf.clone(),
+                )
             } else {
-                x.clone()
+                (bf16(&x), bf16(&wf))
             };
             let mut want = vec![0f32; m * n];
             let abs = |v: &[f32]| v.iter().map(|a| a.abs()).collect::<Vec<_>>();
@@ -263,6 +271,24 @@ fn activation_quantization_is_the_same_in_simd() {
             // SAFETY: checked above.
             let simd = unsafe { avx512::quantize_block(block, &mut q2) };
             assert_eq!((scalar, q1), (simd, q2));
+        }
+    }
+}
+
+#[test]
+fn simd_dequantization_is_bit_identical() {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        for ty in QuantType::ALL {
+            let w = random_matrix(ty, 3, 512, 14);
+            let want = dequantized(&w);
+            let mut got = vec![0f32; want.len()];
+            for (r, out) in got.chunks_exact_mut(512).enumerate() {
+                // SAFETY: checked above; the row is whole.
+                unsafe { avx512::dequantize_row(ty, w.row(r).1, out) };
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{ty}");
         }
     }
 }

@@ -1,0 +1,177 @@
+//! The real SmolLM2-135M-Instruct Q4_1 GGUF (`FERROTRON_SMOLLM2_GGUF`) run directly, its
+//! quantized weights kept in their blocks: the bytes held are the file's, logits and perplexity
+//! agree with the same model dequantized (`ferrotron convert gguf-to-hf`, which matches
+//! transformers), and `generate` / `serve` answer from the file alone. Without the variable the
+//! tests are reported as ignored (`common::weights`).
+
+use ferrotron_checkpoint::gguf::{GgufFile, load_gguf_model};
+use ferrotron_model::families::load_hf_model;
+use ferrotron_model::{GptModel, KvCache, LogitsMode};
+use ferrotron_tensor::DType;
+use serde_json::Value;
+
+mod common;
+use common::weights::{self, GGUF, trials};
+use common::{ferrotron, model_dir};
+
+fn main() {
+    weights::run(trials![needs [GGUF]:
+        quantized_weights_stay_in_their_blocks,
+        logits_agree_with_the_dequantized_model,
+        perplexity_agrees_with_the_dequantized_model,
+        generate_answers_from_the_gguf_file_alone,
+    ]);
+}
+
+/// Genesis 1:1-13 (KJV), about 300 SmolLM2 tokens.
+const GENESIS: &str = "In the beginning God created the heaven and the earth. And the earth was \
+    without form, and void; and darkness was upon the face of the deep. And the Spirit of God \
+    moved upon the face of the waters. And God said, Let there be light: and there was light. \
+    And God saw the light, that it was good: and God divided the light from the darkness. And \
+    God called the light Day, and the darkness he called Night. And the evening and the morning \
+    were the first day. And God said, Let there be a firmament in the midst of the waters, and \
+    let it divide the waters from the waters. And God made the firmament, and divided the \
+    waters which were under the firmament from the waters which were above the firmament: and \
+    it was so. And God called the firmament Heaven. And the evening and the morning were the \
+    second day. And God said, Let the waters under the heaven be gathered together unto one \
+    place, and let the dry land appear: and it was so. And God called the dry land Earth; and \
+    the gathering together of the waters called he Seas: and God saw that it was good. And God \
+    said, Let the earth bring forth grass, the herb yielding seed, and the fruit tree yielding \
+    fruit after his kind, whose seed is in itself, upon the earth: and it was so. And the earth \
+    brought forth grass, and herb yielding seed after his kind, and the tree yielding fruit, \
+    whose seed was in itself, after his kind: and God saw that it was good. And the evening and \
+    the morning were the third day.";
+
+fn gguf() -> std::path::PathBuf {
+    weights::path(GGUF)
+}
+
+fn quantized_weights_stay_in_their_blocks() {
+    let file = GgufFile::open(gguf()).unwrap();
+    let quantized: usize = file
+        .tensors()
+        .iter()
+        .filter(|t| t.ggml_type.quant_type().is_some())
+        .map(|t| file.tensor_data(&t.name).unwrap().len())
+        .sum();
+    let loaded = load_gguf_model(&gguf(), DType::F32).unwrap();
+    let table = loaded.model.param_table();
+    // Every quantized byte of the file is held once (q/k/v and gate/up fused, rows reordered),
+    // nothing dequantized: the dense storage is the 61 f32 norm gains of 576 values.
+    assert_eq!(table.quantized_bytes(), quantized);
+    assert_eq!(table.storage_bytes(), 61 * 576 * 4);
+    assert_eq!(loaded.type_counts["Q4_1"], 210);
+}
+
+/// Last-position logits of `ids` after running them in pieces of `piece` tokens.
+fn logits(model: &GptModel, ids: &[u32], piece: usize) -> Vec<f32> {
+    let mut cache = KvCache::new(model.config(), 1, ids.len()).unwrap();
+    let mut last = Vec::new();
+    for p in ids.chunks(piece) {
+        last = model.forward(p, &mut cache, LogitsMode::Last).unwrap();
+    }
+    last
+}
+
+fn logits_agree_with_the_dequantized_model() {
+    let (dense, _) = load_hf_model(model_dir(), DType::F32).unwrap();
+    let (bf16, _) = load_hf_model(model_dir(), DType::BF16).unwrap();
+    let quant = load_gguf_model(&gguf(), DType::F32).unwrap();
+    let ids = tokenizer_ids(&quant, GENESIS);
+    let ids = &ids[..64];
+    let want = logits(&dense, ids, 64);
+    let max_diff = |got: &[f32]| {
+        got.iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    };
+    // The yardstick: the same dequantized weights rounded to bf16 and multiplied in bf16.
+    let bf16_diff = max_diff(&logits(&bf16, ids, 64));
+    // A 64-token prompt multiplies in bf16; one token at a time takes the int8 decode kernels
+    // (activations quantized per 32 values, as llama.cpp's Q8_0).
+    for (piece, factor) in [(64, 1.5), (1, 4.0)] {
+        let got = logits(&quant.model, ids, piece);
+        let diff = max_diff(&got);
+        println!("pieces of {piece}: max |logit diff| {diff} (bf16 model: {bf16_diff})");
+        assert!(
+            diff < factor * bf16_diff,
+            "pieces of {piece}: {diff} vs bf16 {bf16_diff}"
+        );
+        let argmax = ferrotron_tensor::ops::argmax;
+        assert_eq!(argmax(&got), argmax(&want), "pieces of {piece}");
+    }
+}
+
+/// `text` encoded by the tokenizer the GGUF file's metadata describes.
+fn tokenizer_ids(model: &ferrotron_checkpoint::gguf::GgufModel, text: &str) -> Vec<u32> {
+    let json = serde_json::to_string(&model.tokenizer.tokenizer_json).unwrap();
+    let tok = ferrotron_data::Tokenizer::from_json(&json, &gguf()).unwrap();
+    tok.encode(text, true).unwrap()
+}
+
+/// `ferrotron perplexity --json` of GENESIS in windows of 64.
+fn perplexity(model: &str, extra: &[&str]) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("genesis.txt");
+    std::fs::write(&text, GENESIS).unwrap();
+    let mut args = vec![
+        "perplexity",
+        "--model",
+        model,
+        "--file",
+        text.to_str().unwrap(),
+    ];
+    args.extend(["--ctx-size", "64", "--json"]);
+    args.extend(extra);
+    let o = ferrotron(&args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["chunks"].as_u64().unwrap() >= 4, "{v}");
+    v["ppl"].as_f64().unwrap()
+}
+
+fn perplexity_agrees_with_the_dequantized_model() {
+    let want = perplexity(model_dir().to_str().unwrap(), &[]);
+    let file = gguf();
+    for extra in [&[][..], &["--ubatch-size", "16"]] {
+        let got = perplexity(file.to_str().unwrap(), extra);
+        println!("perplexity {extra:?}: GGUF direct {got}, dequantized {want}");
+        assert!(
+            (got / want - 1.0).abs() < 0.02,
+            "{extra:?}: {got} vs {want}"
+        );
+    }
+}
+
+fn generate_answers_from_the_gguf_file_alone() {
+    let file = gguf();
+    let o = ferrotron(&[
+        "generate",
+        "--model",
+        file.to_str().unwrap(),
+        "--prompt",
+        "The capital of France is",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["text"].as_str().unwrap().starts_with(" Paris."), "{v}");
+    // The chat template comes from the file's metadata.
+    let o = ferrotron(&[
+        "generate",
+        "--model",
+        file.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "16",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
+}
