@@ -1,0 +1,140 @@
+use super::*;
+
+fn naive(m: usize, n: usize, k: usize, a: &[f32], op_a: Op, b: &[f32], op_b: Op) -> Vec<f32> {
+    let mut c = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0f64;
+            for p in 0..k {
+                let av = if op_a == Op::N {
+                    a[i * k + p]
+                } else {
+                    a[p * m + i]
+                };
+                let bv = if op_b == Op::N {
+                    b[p * n + j]
+                } else {
+                    b[j * k + p]
+                };
+                s += av as f64 * bv as f64;
+            }
+            c[i * n + j] = s as f32;
+        }
+    }
+    c
+}
+
+fn data(len: usize, seed: u32) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 500.0 - 1.0
+        })
+        .collect()
+}
+
+#[test]
+fn sgemm_matches_naive_for_all_transposes() {
+    let (m, n, k) = (37, 29, 71);
+    for op_a in [Op::N, Op::T] {
+        for op_b in [Op::N, Op::T] {
+            let (a, b) = (data(m * k, 1), data(k * n, 2));
+            let want = naive(m, n, k, &a, op_a, &b, op_b);
+            let mut c = vec![1.0; m * n];
+            sgemm(m, n, k, &a, op_a, &b, op_b, &mut c, true);
+            for (got, want) in c.iter().zip(&want) {
+                assert!((got - (want + 1.0)).abs() < 1e-4, "{got} vs {want}");
+            }
+        }
+    }
+}
+
+/// `v` rounded to bf16 (as the bf16 GEMM reads an f32 operand).
+fn rounded(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// The three dtypes of one weight: `(weight, its values, whether activations round)`.
+fn weights<'a>(
+    w: &'a [f32],
+    wb: &'a [bf16],
+    wh: &'a [f16],
+    (wide_b, wide_h): &'a (Vec<f32>, Vec<f32>),
+) -> [(WeightRef<'a>, &'a [f32], bool); 3] {
+    [
+        (WeightRef::F32(w), w, false),
+        (WeightRef::BF16(wb), wide_b, true),
+        (WeightRef::F16(wh), wide_h, false),
+    ]
+}
+
+#[test]
+fn input_gradient_products_agree_across_dtypes() {
+    // n spans several conversion blocks
+    let (m, n, k) = (7, 2 * CONVERT_ROWS + 5, 33);
+    let w = data(n * k, 5);
+    let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+    let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    let wide = (rounded(&w), wh.iter().map(|v| v.to_f32()).collect());
+    let dy = data(m * n, 6);
+    for accumulate in [false, true] {
+        let base = if accumulate { 1.0 } else { 0.0 };
+        for (weight, values, round) in weights(&w, &wb, &wh, &wide) {
+            let dy_used = if round { rounded(&dy) } else { dy.clone() };
+            let want = naive(m, k, n, &dy_used, Op::N, values, Op::N);
+            let mut dx = vec![1.0; m * k];
+            matmul_weight(&dy, weight, &mut dx, m, n, k, accumulate);
+            for (g, w) in dx.iter().zip(&want) {
+                assert!(
+                    (g - (w + base)).abs() < 1e-3,
+                    "{weight:?}: {g} vs {w} + {base}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn weight_products_agree_across_dtypes_and_paths() {
+    let (n, k) = (1030, 80);
+    let w = data(n * k, 3);
+    let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+    let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    let wide = (rounded(&w), wh.iter().map(|v| v.to_f32()).collect());
+    for m in [1, 2, 5] {
+        let x = data(m * k, 4);
+        for (weight, values, round) in weights(&w, &wb, &wh, &wide) {
+            // bf16 weights round the activations on every path, decode's GEMV included.
+            let x_used = if round { rounded(&x) } else { x.clone() };
+            let want = naive(m, n, k, &x_used, Op::N, values, Op::T);
+            let mut y = vec![0f32; m * n];
+            matmul_weight_t(&x, weight, &mut y, m, n, k, false);
+            for (g, w) in y.iter().zip(&want) {
+                let dtype = weight.dtype();
+                assert!((g - w).abs() < 1e-4, "m={m} {dtype:?}: {g} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn weight_gradients_compute_in_the_weights_precision() {
+    let (m, n, k) = (37, 70, 45);
+    let (dy, x) = (data(m * n, 7), data(m * k, 8));
+    let w = data(n * k, 9);
+    let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+    let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    let wide = (rounded(&w), wh.iter().map(|v| v.to_f32()).collect());
+    for (weight, _, round) in weights(&w, &wb, &wh, &wide) {
+        let (dy_used, x_used) = if round {
+            (rounded(&dy), rounded(&x))
+        } else {
+            (dy.clone(), x.clone())
+        };
+        let want = naive(n, k, m, &dy_used, Op::T, &x_used, Op::N);
+        let mut dw = vec![0.5f32; n * k];
+        weight_grad(&dy, F32(&x), weight, &mut dw, m, n, k);
+        for (g, w) in dw.iter().zip(&want) {
+            assert!((g - (w + 0.5)).abs() < 1e-4, "{weight:?}: {g} vs {w} + 0.5");
+        }
+    }
+}
