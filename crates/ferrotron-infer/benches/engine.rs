@@ -1,15 +1,22 @@
 //! Batched decode throughput of the serving engine (continuous batching over the paged KV
 //! cache) on a real HF model directory: B requests of a 32-token prompt, 64 new tokens each,
 //! all admitted at once; aggregate output tokens/s of the decode steps (prefill excluded)
-//! for B = 1, 4, 8, 16, 32, f32 and bf16 weights. Not a test: run with
+//! for B = 1, 4, 8, 16, 32, f32 and bf16 weights, and with `FERROTRON_BENCH_DRAFT` (a draft
+//! model: HF directory or GGUF file) each batch again with draft-model speculation. Not a
+//! test: run with
 //! `FERROTRON_BENCH_MODEL=/path/to/smollm2 cargo bench -p ferrotron-infer --bench engine`.
 
-use ferrotron_infer::engine::{Engine, EngineConfig, Request, RequestParams, SchedulerConfig};
+use ferrotron_checkpoint::gguf::load_gguf_model;
+use ferrotron_infer::engine::{
+    Engine, EngineConfig, Request, RequestParams, SchedulerConfig, SpeculativeConfig,
+};
+use ferrotron_model::GptModel;
 use ferrotron_model::families::load_hf_model;
 use ferrotron_tensor::DType;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 #[global_allocator]
@@ -27,6 +34,16 @@ fn main() {
         .ok()
         .map(|v| v.split(',').filter_map(|b| b.parse().ok()).collect())
         .unwrap_or_else(|| vec![1, 4, 8, 16, 32]);
+    // A draft model (HF directory or GGUF file with the same tokenizer): each batch also runs
+    // with draft-model speculation, 4 tokens per step.
+    let draft = std::env::var_os("FERROTRON_BENCH_DRAFT").map(|p| {
+        let p = PathBuf::from(p);
+        let model = match p.extension().is_some_and(|e| e == "gguf") {
+            true => load_gguf_model(&p, DType::F32).expect("load draft").model,
+            false => load_hf_model(&p, DType::F32).expect("load draft").0,
+        };
+        Arc::new(model)
+    });
     println!(
         "engine benchmark: {}, prompt {PROMPT}, {NEW} new tokens per request, {} threads",
         dir.display(),
@@ -35,48 +52,72 @@ fn main() {
     ferrotron_tensor::allocator::retain_freed_memory();
     for dtype in [DType::F32, DType::BF16] {
         let model = Arc::new(load_hf_model(&dir, dtype).expect("load model").0);
-        let vocab = model.config().vocab_size as u32;
         for &b in &batches {
-            let config = EngineConfig {
-                block_size: 16,
-                num_blocks: EngineConfig::blocks_for_memory(&model, 16, 1 << 30),
-                scheduler: SchedulerConfig {
-                    max_num_seqs: b,
-                    max_num_batched_tokens: b * PROMPT,
-                },
-                enable_prefix_caching: false,
-                speculative: None,
-            };
-            let mut engine = Engine::new(model.clone(), config).expect("engine");
-            for i in 0..b as u32 {
-                let prompt = (0..PROMPT as u32)
-                    .map(|t| (i * 7919 + t * 104_729) % vocab)
-                    .collect();
-                let params = RequestParams {
-                    max_tokens: NEW,
-                    ..RequestParams::default()
-                };
-                let request = Request {
-                    id: i as u64,
-                    prompt,
-                    params,
-                };
-                engine
-                    .add_request(request, Box::new(|_| ControlFlow::Continue(())))
-                    .expect("request");
-            }
-            engine.step().expect("prefill step");
-            let start = Instant::now();
-            let mut tokens = 0;
-            while engine.has_work() {
-                tokens += engine.step().expect("step");
-            }
-            let secs = start.elapsed().as_secs_f64();
+            let (rate, ms) = decode_rate(&model, None, b);
             println!(
-                "weights {dtype:>4} batch {b:>2}: {:.1} output tokens/s ({:.1} ms per step)",
-                tokens as f64 / secs,
-                1e3 * secs / (NEW - 1) as f64
+                "weights {dtype:>4} batch {b:>2}: {rate:.1} output tokens/s ({ms:.1} ms per step)"
             );
+            if let Some(d) = &draft {
+                let (rate, ms) = decode_rate(&model, Some(d.clone()), b);
+                println!(
+                    "weights {dtype:>4} batch {b:>2} + draft model: {rate:.1} output tokens/s \
+                     ({ms:.1} ms per step)"
+                );
+            }
         }
     }
+}
+
+/// Output tokens/s and ms per step of `b` requests decoding together after their prefill.
+fn decode_rate(model: &Arc<GptModel>, draft: Option<Arc<GptModel>>, b: usize) -> (f64, f64) {
+    let vocab = model.config().vocab_size as u32;
+    let models: Vec<&GptModel> = std::iter::once(&**model).chain(draft.as_deref()).collect();
+    let config = EngineConfig {
+        block_size: 16,
+        num_blocks: EngineConfig::blocks_for_memory(&models, 16, 1 << 30),
+        scheduler: SchedulerConfig {
+            max_num_seqs: b,
+            max_num_batched_tokens: b * PROMPT,
+        },
+        enable_prefix_caching: false,
+        speculative: draft.as_ref().map(|_| SpeculativeConfig::DraftModel {
+            num_speculative_tokens: 4,
+        }),
+    };
+    let mut engine = Engine::new(model.clone(), config).expect("engine");
+    if let Some(d) = draft {
+        engine = engine.with_draft_model(d).expect("draft");
+    }
+    let outputs = Arc::new(AtomicUsize::new(0));
+    for i in 0..b as u32 {
+        let prompt = (0..PROMPT as u32)
+            .map(|t| (i * 7919 + t * 104_729) % vocab)
+            .collect();
+        let params = RequestParams {
+            max_tokens: NEW,
+            ..RequestParams::default()
+        };
+        let request = Request {
+            id: i as u64,
+            prompt,
+            params,
+        };
+        let count = outputs.clone();
+        let sink = Box::new(move |_| {
+            count.fetch_add(1, Ordering::Relaxed);
+            ControlFlow::Continue(())
+        });
+        engine.add_request(request, sink).expect("request");
+    }
+    engine.step().expect("prefill step");
+    let first = outputs.load(Ordering::Relaxed);
+    let start = Instant::now();
+    let mut steps = 0;
+    while engine.has_work() {
+        engine.step().expect("step");
+        steps += 1;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let tokens = outputs.load(Ordering::Relaxed) - first;
+    (tokens as f64 / secs, 1e3 * secs / steps.max(1) as f64)
 }

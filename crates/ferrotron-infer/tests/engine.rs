@@ -6,7 +6,7 @@
 
 use ferrotron_infer::engine::{
     Engine, EngineConfig, EngineHandle, FinishReason, Request, RequestOutput, RequestParams,
-    SchedulerConfig,
+    SchedulerConfig, SpeculativeConfig,
 };
 use ferrotron_infer::sampler::{SamplingParams, log_softmax};
 use ferrotron_infer::{GenerateOptions, generate};
@@ -344,11 +344,11 @@ fn the_engine_thread_serves_requests_from_other_threads_and_drains_on_shutdown()
 fn speculative_prompt_lookup_keeps_greedy_outputs_identical() {
     let m = model("tiny-llama");
     let v = m.config().vocab_size;
-    let spec = ferrotron_infer::engine::NgramConfig {
+    let spec = SpeculativeConfig::Ngram(ferrotron_infer::engine::NgramConfig {
         num_speculative_tokens: 4,
         prompt_lookup_max: 3,
         prompt_lookup_min: 1,
-    };
+    });
     // Repetitive prompts: a pattern repeated, so the n-grams recur.
     let prompts: Vec<Vec<u32>> = (0..4)
         .map(|i| prompt(200 + i, 5 + i as usize, v).repeat(4))
@@ -386,6 +386,110 @@ fn speculative_prompt_lookup_keeps_greedy_outputs_identical() {
     let (b, _) = run(Some(spec), &sampled);
     assert_eq!(a, b, "a seed reproduces a speculative sample");
     assert!(a.iter().all(|t| t.len() == 40));
+}
+
+/// `model` with every weight scaled by `1 + eps·u` (`u` pseudo-random in [-1, 1]): a draft
+/// that mostly agrees with it.
+fn perturbed(model: &GptModel, eps: f32) -> Arc<GptModel> {
+    let params = model.parameters_f32();
+    let tensors = model
+        .layout()
+        .decls()
+        .iter()
+        .zip(params)
+        .enumerate()
+        .map(|(i, (d, mut v))| {
+            let noise = prompt(i as u64, v.len(), 2001);
+            for (x, n) in v.iter_mut().zip(noise) {
+                *x *= 1.0 + eps * (n as f32 / 1000.0 - 1.0);
+            }
+            ferrotron_tensor::Tensor::from_f32(&d.shape, v).unwrap()
+        })
+        .collect();
+    Arc::new(GptModel::new(model.config().clone(), tensors).unwrap())
+}
+
+/// Draft-model speculation: greedy outputs are identical with and without it, with a draft
+/// that agrees (every proposal accepted) and one that does not always (some rejected), under
+/// chunked prefill, prefix caching and a pool small enough to preempt; seeded sampling stays
+/// reproducible.
+#[test]
+fn speculative_draft_model_keeps_greedy_outputs_identical() {
+    let m = model("tiny-llama");
+    let v = m.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| prompt(300 + i, 9 + 3 * i as usize, v))
+        .collect();
+    let spec = SpeculativeConfig::DraftModel {
+        num_speculative_tokens: 3,
+    };
+    let run = |draft: Option<Arc<GptModel>>, params: &RequestParams, blocks: usize| {
+        let config = EngineConfig {
+            speculative: draft.as_ref().map(|_| spec),
+            ..config(blocks, 16, true)
+        };
+        let mut engine = Engine::new(m.clone(), config).unwrap();
+        if let Some(d) = draft {
+            engine = engine.with_draft_model(d).unwrap();
+        }
+        // Two rounds of the same prompts: the second hits the prefix cache.
+        let mut outs = Vec::new();
+        for round in 0..2 {
+            let o: Vec<Outputs> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    submit(
+                        &mut engine,
+                        10 * round + i as u64,
+                        p.clone(),
+                        params.clone(),
+                    )
+                })
+                .collect();
+            run_to_end(&mut engine);
+            outs.extend(o.iter().map(tokens));
+        }
+        let stats = engine.stats();
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let counts = (
+            load(&stats.spec_decode_num_draft_tokens_total),
+            load(&stats.spec_decode_num_accepted_tokens_total),
+            load(&stats.num_preemptions_total),
+        );
+        (outs, counts)
+    };
+    let (plain, _) = run(None, &greedy(30), 64);
+    let (same, (proposed, accepted, _)) = run(Some(m.clone()), &greedy(30), 64);
+    assert_eq!(same, plain, "a draft identical to the target");
+    assert!(
+        proposed > 0 && accepted == proposed,
+        "{accepted} of {proposed} accepted"
+    );
+    let draft = perturbed(&m, 0.3);
+    for blocks in [64, 32] {
+        let (got, (proposed, accepted, preempted)) = run(Some(draft.clone()), &greedy(30), blocks);
+        assert_eq!(got, plain, "a perturbed draft, {blocks} blocks");
+        assert!(
+            accepted > 0 && accepted < proposed,
+            "{accepted} of {proposed} accepted"
+        );
+        assert_eq!(
+            preempted > 0,
+            blocks == 32,
+            "{preempted} preemptions with {blocks} blocks"
+        );
+    }
+    let sampled = RequestParams {
+        sampling: SamplingParams::new(false, 0.8, 0, 1.0, 1.0, 5).unwrap(),
+        ..greedy(30)
+    };
+    let (a, _) = run(Some(draft.clone()), &sampled, 64);
+    let (b, _) = run(Some(draft), &sampled, 64);
+    assert_eq!(a, b, "a seed reproduces a speculative sample");
+    // The config and the model must go together.
+    let e = Engine::new(m.clone(), config(64, 16, true)).unwrap();
+    assert!(e.with_draft_model(m.clone()).is_err());
 }
 
 /// `prompt_logprobs`: every prompt token after the first gets its log-probability given the

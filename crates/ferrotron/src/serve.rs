@@ -4,7 +4,9 @@
 use crate::model_dir::{LoadedModel, WeightDtype};
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrotron_infer::engine::{Engine, EngineConfig, EngineHandle, NgramConfig, SchedulerConfig};
+use ferrotron_infer::engine::{
+    Engine, EngineConfig, EngineHandle, NgramConfig, SchedulerConfig, SpeculativeConfig,
+};
 use ferrotron_serve::{AppState, ServedModel};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,7 +15,9 @@ use std::time::Duration;
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// HF model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json).
+    /// HF model directory (config.json, safetensors, tokenizer.json, tokenizer_config.json),
+    /// or a GGUF file (quantized weights served in their blocks; tokenizer and chat template
+    /// from its metadata).
     #[arg(long)]
     model: PathBuf,
     /// Address to listen on.
@@ -45,8 +49,15 @@ pub struct ServeArgs {
     /// Speculative decoding, vLLM's JSON: prompt lookup, e.g. '{"method": "ngram",
     /// "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'.
     /// Greedy outputs are identical with and without it; sampled ones keep their distribution.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "draft_model")]
     speculative_config: Option<String>,
+    /// Speculative decoding by a draft model: a smaller HF directory or GGUF file with the
+    /// same tokenizer (e.g. a Q4_0 GGUF of the served model) proposes tokens greedily.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Tokens the draft model proposes per step.
+    #[arg(long, default_value_t = 4, requires = "draft_model")]
+    num_speculative_tokens: usize,
     /// Weight storage in memory; bf16 multiplies in bf16 with f32 accumulation.
     #[arg(long, value_enum, default_value_t = WeightDtype::F32)]
     dtype: WeightDtype,
@@ -56,19 +67,45 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
-    let speculative = args
+    let mut speculative = args
         .speculative_config
         .as_deref()
         .map(NgramConfig::from_json)
         .transpose()
-        .map_err(|e| anyhow::anyhow!("--speculative-config: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("--speculative-config: {e}"))?
+        .map(SpeculativeConfig::Ngram);
     let loaded = LoadedModel::load(&args.model, args.dtype)?;
     let eos_token_ids = loaded.stop_token_ids(&args.model)?;
     let model = Arc::new(loaded.model);
+    let draft = match &args.draft_model {
+        Some(path) => {
+            speculative = Some(SpeculativeConfig::DraftModel {
+                num_speculative_tokens: args.num_speculative_tokens,
+            });
+            let draft = LoadedModel::load(path, args.dtype).context("--draft-model")?;
+            Some(Arc::new(draft.model))
+        }
+        None => None,
+    };
     let bytes = (args.kv_cache_memory.max(0.0) * (1u64 << 30) as f64) as u64;
+    let models: Vec<&ferrotron_model::GptModel> =
+        std::iter::once(&*model).chain(draft.as_deref()).collect();
+    let block_size = args.block_size.max(1);
+    let num_blocks = EngineConfig::blocks_for_memory(&models, block_size, bytes);
+    let context = model.config().max_position_embeddings;
+    if draft.is_some() && num_blocks * block_size < context {
+        let per_token = bytes as f64 / (num_blocks.max(1) * block_size) as f64;
+        anyhow::bail!(
+            "--kv-cache-memory: {:.3} GiB holds {} tokens of the model's and the draft model's \
+             keys and values, less than one context of {context}: give it at least {:.3} GiB",
+            args.kv_cache_memory,
+            num_blocks * block_size,
+            per_token * context as f64 / (1u64 << 30) as f64
+        );
+    }
     let config = EngineConfig {
-        block_size: args.block_size.max(1),
-        num_blocks: EngineConfig::blocks_for_memory(&model, args.block_size.max(1), bytes),
+        block_size,
+        num_blocks,
         scheduler: SchedulerConfig {
             max_num_seqs: args.max_num_seqs,
             max_num_batched_tokens: args.max_num_batched_tokens,
@@ -76,7 +113,10 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         enable_prefix_caching: !args.no_enable_prefix_caching,
         speculative,
     };
-    let engine = Engine::new(model, config).context("--kv-cache-memory / --max-num-seqs")?;
+    let mut engine = Engine::new(model, config).context("--kv-cache-memory / --max-num-seqs")?;
+    if let Some(draft) = draft {
+        engine = engine.with_draft_model(draft).context("--draft-model")?;
+    }
     // Steps free and re-allocate MBs of activations: keep them instead of re-faulting pages.
     ferrotron_tensor::allocator::retain_freed_memory();
     let handle = EngineHandle::spawn(engine)?;

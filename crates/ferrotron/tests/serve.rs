@@ -26,6 +26,7 @@ fn main() {
     ];
     all.extend(trials![needs [OPENAI_PYTHON]: the_openai_python_client_passes_its_checks]);
     all.extend(trials![needs [GGUF]: a_gguf_file_serves_what_generate_answers]);
+    all.extend(trials![needs [HF, GGUF]: a_quantized_draft_model_keeps_the_greedy_answers]);
     weights::run(all);
 }
 
@@ -46,12 +47,19 @@ impl Server {
         Server::start_model(&weights::path(HF), extra)
     }
 
-    /// Serves `model` (an HF directory or a GGUF file).
+    /// Serves `model` (an HF directory or a GGUF file) with a 0.5 GiB KV pool unless `extra`
+    /// sets `--kv-cache-memory`.
     fn start_model(model: &std::path::Path, extra: &[&str]) -> Server {
+        let pool = ["--kv-cache-memory", "0.5"];
+        let pool = if extra.contains(&pool[0]) {
+            &[][..]
+        } else {
+            &pool[..]
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
             .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
             .args(["--served-model-name", NAME, "--log-stats-interval", "0"])
-            .args(["--kv-cache-memory", "0.5"])
+            .args(pool)
             .args(extra)
             .stderr(Stdio::piped())
             .spawn()
@@ -206,6 +214,39 @@ fn a_gguf_file_serves_what_generate_answers() {
     for (p, w) in PROMPTS.iter().zip(&want) {
         assert_eq!(server.chat(p, 32), *w, "{p}");
     }
+}
+
+/// Draft-model speculation with the Q4_1 GGUF of the same model as the draft (same
+/// tokenizer, a quarter of the bytes): the served f32 model's greedy answers are unchanged,
+/// alone and four at a time, and most proposals are accepted.
+fn a_quantized_draft_model_keeps_the_greedy_answers() {
+    let want: Vec<String> = PROMPTS.iter().map(|p| generate_text(p, 40)).collect();
+    let draft = weights::path(GGUF);
+    let args = [
+        "--draft-model",
+        draft.to_str().unwrap(),
+        "--num-speculative-tokens",
+        "4",
+        "--kv-cache-memory",
+        "1",
+    ];
+    let server = Server::start_model(&weights::path(HF), &args);
+    assert_eq!(server.chat(PROMPTS[0], 40), want[0], "alone");
+    let got: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = PROMPTS
+            .iter()
+            .map(|p| s.spawn(|| server.chat(p, 40)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want, "four requests in flight together");
+    let proposed = server.metric("ferrotron:spec_decode_num_draft_tokens_total");
+    let accepted = server.metric("ferrotron:spec_decode_num_accepted_tokens_total");
+    println!("draft model: {accepted} of {proposed} proposals accepted");
+    assert!(
+        proposed > 0.0 && accepted > 0.5 * proposed,
+        "{accepted} of {proposed}"
+    );
 }
 
 fn sigterm_finishes_the_stream_in_flight_and_exits_0() {

@@ -4,7 +4,9 @@
 //! [`block_manager`] hands out and shares between prompts with a common prefix, and each step
 //! runs every scheduled sequence's new tokens as one ragged batch
 //! ([`ferrotron_model::GptModel::forward_paged`]) and samples a token for each sequence that
-//! reached its end. [`EngineHandle`] runs an engine on its own thread.
+//! reached its end. Decoding sequences may also verify speculative proposals
+//! ([`speculative`]: prompt lookup, or a draft model, `draft.rs`). [`EngineHandle`] runs an
+//! engine on its own thread.
 //!
 //! A request alone in the engine computes exactly what [`crate::generate()`] computes: one
 //! prefill pass over the prompt (when it fits one step's token budget) and one row per
@@ -13,6 +15,7 @@
 //! differently.
 
 pub mod block_manager;
+mod draft;
 mod handle;
 pub mod request;
 pub mod scheduler;
@@ -24,11 +27,12 @@ pub use request::{
     FinishReason, OutputSink, Request, RequestId, RequestOutput, RequestParams, TokenOutput,
 };
 pub use scheduler::SchedulerConfig;
-pub use speculative::NgramConfig;
+pub use speculative::{NgramConfig, SpeculativeConfig};
 pub use stats::EngineStats;
 
 use crate::sampler::SamplingError;
 use block_manager::BlockManager;
+use draft::DraftModel;
 use ferrotron_model::{GptModel, ModelError, PagedKvCache, RaggedBatch, RaggedSeq};
 use request::Sequence;
 use scheduler::{Scheduled, Scheduler};
@@ -60,14 +64,18 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Reuse cached full blocks of earlier prompts (vLLM's `enable_prefix_caching`).
     pub enable_prefix_caching: bool,
-    /// Prompt-lookup speculative decoding (`None`: off).
-    pub speculative: Option<NgramConfig>,
+    /// Speculative decoding (`None`: off).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl EngineConfig {
-    /// Blocks of `block_size` tokens of `model`'s layers that fit in `bytes`.
-    pub fn blocks_for_memory(model: &GptModel, block_size: usize, bytes: u64) -> usize {
-        let per_block = PagedKvCache::bytes_per_block(model.config(), block_size) as u64;
+    /// Blocks of `block_size` tokens that fit in `bytes`, each holding the keys and values of
+    /// every model in `models` (the target, and a draft model's pool beside it).
+    pub fn blocks_for_memory(models: &[&GptModel], block_size: usize, bytes: u64) -> usize {
+        let per_block: u64 = models
+            .iter()
+            .map(|m| PagedKvCache::bytes_per_block(m.config(), block_size) as u64)
+            .sum();
         (bytes / per_block.max(1)) as usize
     }
 }
@@ -124,6 +132,8 @@ pub struct Engine {
     config: EngineConfig,
     limits: RequestLimits,
     stats: Arc<EngineStats>,
+    /// The draft model of [`SpeculativeConfig::DraftModel`].
+    draft: Option<DraftModel>,
 }
 
 impl Engine {
@@ -175,7 +185,29 @@ impl Engine {
             config,
             limits,
             stats: Arc::new(EngineStats::default()),
+            draft: None,
         })
+    }
+
+    /// Gives the engine the draft model that [`SpeculativeConfig::DraftModel`] runs: same
+    /// vocabulary as the target (one tokenizer), a context at least as long; its KV pool has
+    /// the target's block count and size.
+    ///
+    /// # Errors
+    /// A config without [`SpeculativeConfig::DraftModel`], or a draft that does not fit the
+    /// target ([`EngineError::Config`]).
+    pub fn with_draft_model(mut self, draft: Arc<GptModel>) -> Result<Engine, EngineError> {
+        if !matches!(
+            self.config.speculative,
+            Some(SpeculativeConfig::DraftModel { .. })
+        ) {
+            return Err(EngineError::Config(
+                "a draft model needs speculative decoding by draft model".into(),
+            ));
+        }
+        let (block_size, num_blocks) = (self.config.block_size, self.config.num_blocks);
+        self.draft = Some(DraftModel::new(draft, &self.model, block_size, num_blocks)?);
+        Ok(self)
     }
 
     /// What requests are checked against.
@@ -280,6 +312,17 @@ impl Engine {
         if plan.is_empty() {
             return Ok(0);
         }
+        match &mut self.draft {
+            Some(draft) => draft.propose(&plan, &mut self.scheduler.running)?,
+            None if matches!(speculative, Some(SpeculativeConfig::DraftModel { .. })) => {
+                return Err(EngineError::Config(
+                    "speculative decoding by draft model without a draft model \
+                     (Engine::with_draft_model)"
+                        .into(),
+                ));
+            }
+            None => {}
+        }
         let batch = self.ragged_batch(&plan);
         let mut logits = self.model.forward_paged(&batch, &mut self.cache)?;
         let v = self.model.local_config().vocab_size;
@@ -304,8 +347,15 @@ impl Engine {
                 done.push((sch.index, reason));
             }
             let seq = &mut self.scheduler.running[sch.index];
+            // A block is shared by the prefix cache once every model holds its keys and
+            // values (the draft may lag one proposal behind).
+            seq.draft_computed = seq.draft_computed.min(seq.num_computed);
+            let shared = match self.draft {
+                Some(_) => seq.draft_computed,
+                None => seq.num_computed,
+            };
             self.blocks
-                .commit_full_blocks(&mut seq.blocks, &seq.tokens[..seq.num_computed]);
+                .commit_full_blocks(&mut seq.blocks, &seq.tokens[..shared]);
         }
         done.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, reason) in done {

@@ -118,6 +118,10 @@ pub(crate) struct Sequence {
     pub sink: OutputSink,
     /// Tokens proposed to follow `tokens` in this step (speculative decoding).
     pub draft: Vec<u32>,
+    /// How many tokens this step proposes (`draft.len()` once a draft model has filled it).
+    pub draft_room: usize,
+    /// Tokens whose keys and values the draft model holds (`<= num_computed` between steps).
+    pub draft_computed: usize,
     /// Log-probabilities of prompt tokens `1..` computed so far (prompt_logprobs).
     pub prompt_logprobs: Vec<TokenOutput>,
 }
@@ -153,6 +157,8 @@ impl Sequence {
             params: request.params,
             sink,
             draft: Vec::new(),
+            draft_room: 0,
+            draft_computed: 0,
             prompt_logprobs: Vec::new(),
         })
     }

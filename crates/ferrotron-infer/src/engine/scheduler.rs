@@ -8,7 +8,7 @@
 
 use super::block_manager::BlockManager;
 use super::request::Sequence;
-use super::speculative::NgramConfig;
+use super::speculative::SpeculativeConfig;
 use std::collections::VecDeque;
 
 /// Scheduling limits (vLLM's `SchedulerConfig` names).
@@ -45,13 +45,15 @@ impl Scheduler {
     /// Plans the next step: which running sequences run how many new tokens (indices into
     /// `running` after the step's admissions and preemptions). Empty only when idle or when
     /// the pool cannot hold even one sequence's next token.
-    /// With `speculative`, a decoding sequence also runs the tokens it proposes
-    /// ([`Sequence::draft`]), as far as the budget and its limits allow.
+    /// With `speculative`, a decoding sequence also runs the tokens it proposes, as far as
+    /// the budget and its limits allow: prompt lookup proposes them here
+    /// ([`Sequence::draft`]); for a draft model the room is set ([`Sequence::draft_room`])
+    /// and the engine fills it before the pass.
     pub fn schedule(
         &mut self,
         config: &SchedulerConfig,
         blocks: &mut BlockManager,
-        speculative: Option<&NgramConfig>,
+        speculative: Option<&SpeculativeConfig>,
         max_model_len: usize,
     ) -> Vec<Scheduled> {
         let mut budget = config.max_num_batched_tokens;
@@ -64,13 +66,23 @@ impl Scheduler {
             let remaining = seq.tokens.len() - seq.num_computed;
             let n = remaining.min(budget);
             seq.draft.clear();
+            seq.draft_room = 0;
             if let (1, Some(spec)) = (remaining, speculative) {
                 // Room after the real next token: the budget, max_tokens, the context.
                 let left = seq.params.max_tokens.saturating_sub(seq.output().len() + 1);
                 let room = max_model_len.saturating_sub(seq.tokens.len() + 1);
-                seq.draft = spec.propose(&seq.tokens, (budget - 1).min(left).min(room));
+                let max = (budget - 1).min(left).min(room);
+                seq.draft_room = match spec {
+                    SpeculativeConfig::Ngram(c) => {
+                        seq.draft = c.propose(&seq.tokens, max);
+                        seq.draft.len()
+                    }
+                    SpeculativeConfig::DraftModel {
+                        num_speculative_tokens,
+                    } => max.min(*num_speculative_tokens),
+                };
             }
-            let n = n + seq.draft.len();
+            let n = n + seq.draft_room;
             if self.grow_or_preempt(i, n, blocks) {
                 plan.push(Scheduled {
                     index: i,
@@ -117,6 +129,8 @@ impl Scheduler {
     fn preempt(&mut self, mut seq: Sequence, blocks: &mut BlockManager) {
         blocks.free(std::mem::take(&mut seq.blocks));
         seq.num_computed = 0;
+        seq.draft_computed = 0;
+        seq.draft_room = 0;
         seq.draft.clear();
         self.preemptions += 1;
         self.waiting.push_front(seq);
@@ -140,6 +154,7 @@ impl Scheduler {
         seq.cached_tokens.get_or_insert(computed);
         seq.blocks = hit;
         seq.num_computed = computed;
+        seq.draft_computed = computed;
         self.running.push(seq);
         Some(n)
     }

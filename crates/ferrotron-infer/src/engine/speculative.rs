@@ -1,12 +1,39 @@
-//! Prompt-lookup speculative decoding (vLLM's `ngram` method; Saxena's prompt lookup
-//! decoding): a decoding sequence proposes the tokens that followed the most recent earlier
-//! occurrence of its last n tokens, the model scores the proposal and the real next token in
-//! one pass, and [`crate::sampler::Sampler::verify`] keeps each proposed token with exactly
-//! the probability that leaves the output distribution unchanged. Greedy output is identical
-//! with and without speculation: the proposal is checked row by row with the arithmetic of
-//! one-token decode steps.
+//! Speculative decoding: a decoding sequence proposes the next tokens cheaply, the model
+//! scores the proposal and the real next token in one pass, and
+//! [`crate::sampler::Sampler::verify`] keeps each proposed token with exactly the probability
+//! that leaves the output distribution unchanged. Greedy output is identical with and without
+//! speculation: the proposal is checked row by row with the arithmetic of one-token decode
+//! steps. Proposals come from prompt lookup ([`NgramConfig`], vLLM's `ngram` method; Saxena's
+//! prompt lookup decoding: the tokens that followed the most recent earlier occurrence of the
+//! last n tokens) or from a draft model (`super::draft`).
 
 use serde::Deserialize;
+
+/// How decoding sequences propose tokens (vLLM's speculative methods).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpeculativeConfig {
+    /// Prompt lookup.
+    Ngram(NgramConfig),
+    /// A smaller model with the same vocabulary proposes `num_speculative_tokens` tokens
+    /// greedily ([`super::Engine::with_draft_model`] gives it to the engine).
+    DraftModel {
+        /// Tokens proposed per step.
+        num_speculative_tokens: usize,
+    },
+}
+
+impl SpeculativeConfig {
+    /// Checks the settings (at least one token proposed).
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            SpeculativeConfig::Ngram(c) => c.validate(),
+            SpeculativeConfig::DraftModel {
+                num_speculative_tokens: 0,
+            } => Err("speculative config: need num_speculative_tokens >= 1".into()),
+            SpeculativeConfig::DraftModel { .. } => Ok(()),
+        }
+    }
+}
 
 /// `--speculative-config` for prompt lookup (vLLM's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -36,8 +63,8 @@ impl NgramConfig {
             Some("ngram") => {}
             other => {
                 return Err(format!(
-                    "\"method\" must be \"ngram\" (prompt lookup; draft models are not \
-                     supported yet), got {other:?}"
+                    "\"method\" must be \"ngram\" (prompt lookup; a draft model is given \
+                     with --draft-model), got {other:?}"
                 ));
             }
         }
