@@ -83,6 +83,7 @@ fn decode_rate(model: &Arc<GptModel>, draft: Option<Arc<GptModel>>, b: usize) ->
         speculative: draft.as_ref().map(|_| SpeculativeConfig::DraftModel {
             num_speculative_tokens: 4,
         }),
+        speculative_disable_by_batch_size: None,
     };
     let mut engine = Engine::new(model.clone(), config).expect("engine");
     if let Some(d) = draft {

@@ -35,6 +35,7 @@ fn config(num_blocks: usize, budget: usize, prefix_caching: bool) -> EngineConfi
         },
         enable_prefix_caching: prefix_caching,
         speculative: None,
+        speculative_disable_by_batch_size: None,
     }
 }
 
@@ -487,6 +488,26 @@ fn speculative_draft_model_keeps_greedy_outputs_identical() {
     let (a, _) = run(Some(draft.clone()), &sampled, 64);
     let (b, _) = run(Some(draft), &sampled, 64);
     assert_eq!(a, b, "a seed reproduces a speculative sample");
+    // Disabled from one running sequence on: nothing is proposed, the outputs stay.
+    let crowded = EngineConfig {
+        speculative: Some(spec),
+        speculative_disable_by_batch_size: Some(1),
+        ..config(64, 16, true)
+    };
+    let mut engine = Engine::new(m.clone(), crowded)
+        .unwrap()
+        .with_draft_model(m.clone())
+        .unwrap();
+    let outs: Vec<Outputs> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| submit(&mut engine, i as u64, p.clone(), greedy(30)))
+        .collect();
+    run_to_end(&mut engine);
+    let stats = engine.stats();
+    let proposed = &stats.spec_decode_num_draft_tokens_total;
+    assert_eq!(proposed.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(outs.iter().map(tokens).collect::<Vec<_>>(), plain[..4]);
     // The config and the model must go together.
     let e = Engine::new(m.clone(), config(64, 16, true)).unwrap();
     assert!(e.with_draft_model(m.clone()).is_err());

@@ -79,6 +79,7 @@ impl Server {
             },
             enable_prefix_caching: true,
             speculative: None,
+            speculative_disable_by_batch_size: None,
         };
         let engine = EngineHandle::spawn(Engine::new(model.clone(), config).unwrap()).unwrap();
         let served = ServedModel {

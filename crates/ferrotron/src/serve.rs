@@ -58,6 +58,10 @@ pub struct ServeArgs {
     /// Tokens the draft model proposes per step.
     #[arg(long, default_value_t = 4, requires = "draft_model")]
     num_speculative_tokens: usize,
+    /// Propose nothing in steps that start with at least this many requests running
+    /// (speculation pays at small batches, where decoding is memory-bound).
+    #[arg(long)]
+    speculative_disable_by_batch_size: Option<usize>,
     /// Weight storage in memory; bf16 multiplies in bf16 with f32 accumulation.
     #[arg(long, value_enum, default_value_t = WeightDtype::F32)]
     dtype: WeightDtype,
@@ -112,6 +116,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         },
         enable_prefix_caching: !args.no_enable_prefix_caching,
         speculative,
+        speculative_disable_by_batch_size: args.speculative_disable_by_batch_size,
     };
     let mut engine = Engine::new(model, config).context("--kv-cache-memory / --max-num-seqs")?;
     if let Some(draft) = draft {

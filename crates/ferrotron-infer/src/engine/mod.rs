@@ -66,6 +66,11 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Speculative decoding (`None`: off).
     pub speculative: Option<SpeculativeConfig>,
+    /// No proposals in a step that starts with at least this many running sequences
+    /// (vLLM's `speculative_disable_by_batch_size`): verifying proposals costs compute that
+    /// batching already uses, so speculation pays at small batches. A draft model still runs
+    /// the real tokens then, to stay in step.
+    pub speculative_disable_by_batch_size: Option<usize>,
 }
 
 impl EngineConfig {
@@ -302,11 +307,15 @@ impl Engine {
     /// A failed forward (the requests stay in flight; [`Engine::abort_all`] ends them).
     pub fn step(&mut self) -> Result<usize, EngineError> {
         let speculative = self.config.speculative.as_ref();
+        let crowded = self
+            .config
+            .speculative_disable_by_batch_size
+            .is_some_and(|n| self.scheduler.running.len() >= n);
         let max_len = self.limits.max_model_len;
         let plan = self.scheduler.schedule(
             &self.config.scheduler,
             &mut self.blocks,
-            speculative,
+            speculative.filter(|_| !crowded),
             max_len,
         );
         if plan.is_empty() {

@@ -10,8 +10,15 @@ use rayon::prelude::*;
 /// Weight rows dequantized at a time on the prefill path (a `TILE_ROWS × k` f32 tile).
 const TILE_ROWS: usize = 1024;
 
-/// Weight rows per rayon task of the integer path.
-const ROWS_PER_TASK: usize = 64;
+/// Fewest weight rows per rayon task of the integer path.
+const MIN_ROWS_PER_TASK: usize = 16;
+
+/// Weight rows per rayon task for `rows` rows: four equal tasks per thread (even shares for
+/// the last ones), at least [`MIN_ROWS_PER_TASK`].
+fn rows_per_task(rows: usize) -> usize {
+    rows.div_ceil(4 * rayon::current_num_threads())
+        .max(MIN_ROWS_PER_TASK)
+}
 
 /// `y[m, n] = x[m, k] · wᵀ` (`+=` when `accumulate`) for a quantized `w[n, k]`.
 ///
@@ -51,9 +58,10 @@ pub fn quant_matmul_t(
     let mut start = 0;
     for seg in w.segments() {
         let row_bytes = seg.data().len() / seg.rows();
+        let per_task = rows_per_task(seg.rows());
         yt[start * m..(start + seg.rows()) * m]
-            .par_chunks_mut(ROWS_PER_TASK * m)
-            .zip(seg.data().par_chunks(ROWS_PER_TASK * row_bytes))
+            .par_chunks_mut(per_task * m)
+            .zip(seg.data().par_chunks(per_task * row_bytes))
             .for_each(|(out, data)| {
                 for (o, row) in out.chunks_exact_mut(m).zip(data.chunks_exact(row_bytes)) {
                     dots(seg.ty(), row, &rows, o, simd);
