@@ -88,23 +88,22 @@ impl ParamTable {
         for v in &values {
             let shape = v.shape();
             let numel = shape.iter().product();
-            let quant = match v {
-                ParamValue::Dense(_) => None,
-                ParamValue::Quantized(q) => Some(Arc::new(q.clone())),
-            };
-            let slot = Slot {
+            slots.push(Slot {
                 offset,
                 shape,
                 numel,
-                quant,
-            };
-            offset += slot.range().len();
-            slots.push(slot);
+                quant: None,
+            });
+            if let ParamValue::Dense(_) = v {
+                offset += numel;
+            }
         }
         let mut storage = Storage::zeros(dtype, offset);
-        for (v, slot) in values.iter().zip(&slots) {
-            if let ParamValue::Dense(t) = v {
-                write_tensor(&mut storage, slot.range(), t);
+        // The quantized blocks move into their slots (no copy).
+        for (v, slot) in values.into_iter().zip(&mut slots) {
+            match v {
+                ParamValue::Dense(t) => write_tensor(&mut storage, slot.range(), &t),
+                ParamValue::Quantized(q) => slot.quant = Some(Arc::new(q)),
             }
         }
         ParamTable {
@@ -383,5 +382,28 @@ mod tests {
         assert!(t.restore_storage(Storage::zeros(DType::BF16, 8)).is_err());
         let err = t.set_from_f32(1, "b", &[1.0]).unwrap_err();
         assert!(format!("{err}").contains("b: slice of 1 elements"));
+    }
+
+    #[test]
+    fn quantized_slots_keep_their_blocks_and_refuse_writes() {
+        use ferrotron_tensor::quant::{QuantMatrix, QuantType};
+        let a = Tensor::from_f32(&[2], vec![1.0, 2.0]).unwrap();
+        // Two Q8_0 rows of 32 values: scale 1.0 (f16 0x3C00), values 0..32.
+        let mut bytes = Vec::new();
+        for _ in 0..2 {
+            bytes.extend([0x00, 0x3C]);
+            bytes.extend(0..32u8);
+        }
+        let q = QuantMatrix::new(QuantType::Q8_0, 2, 32, bytes).unwrap();
+        let mut t = ParamTable::packed(vec![a.into(), ParamValue::Quantized(q)], DType::F32);
+        assert_eq!(t.storage_bytes(), 2 * 4);
+        assert_eq!(t.quantized_bytes(), 2 * 34);
+        assert!(matches!(t.view(1).weight_ref(), WeightRef::Quant(_)));
+        assert_eq!(t.view(1).shape(), &[2, 32]);
+        assert_eq!(t.f32_values(1)[..3], [0.0, 1.0, 2.0]);
+        assert_eq!(&*t.f32_values(0), &[1.0, 2.0]);
+        let err = t.set_from_f32(1, "w", &[0.0; 64]).unwrap_err();
+        assert!(format!("{err}").contains("w: a quantized weight cannot be written"));
+        assert!(t.rehome(Storage::zeros(DType::F32, 2), &[0, 2]).is_err());
     }
 }

@@ -53,26 +53,13 @@ impl Q8Rows {
             .zip(rows.qs.par_chunks_mut(QK8))
             .zip(rows.d.par_iter_mut().zip(rows.sum.par_iter_mut()))
             .with_min_len(256);
-        #[cfg(target_arch = "x86_64")]
-        let simd = super::avx512::available();
-        #[cfg(not(target_arch = "x86_64"))]
-        let simd = false;
+        let quantize = block_quantizer();
         work.for_each(|((x, q), (d, sum))| {
             let (x, q) = (
                 x.try_into().expect("32 values"),
                 q.try_into().expect("32 bytes"),
             );
-            (*d, *sum) = if simd {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the CPU has the kernels' features (checked above).
-                unsafe {
-                    super::avx512::quantize_block(x, q)
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                unreachable!()
-            } else {
-                quantize_block(x, q)
-            };
+            (*d, *sum) = quantize(x, q);
         });
         rows
     }
@@ -98,6 +85,16 @@ impl Q8Rows {
             .flat_map(|(q, &d)| q.iter().map(move |&q| d * f32::from(q)))
             .collect()
     }
+}
+
+/// The fastest block quantizer this CPU runs (all give the same bytes).
+fn block_quantizer() -> fn(&[f32; QK8], &mut [i8; QK8]) -> (f32, i32) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512::available() {
+        // SAFETY: the CPU has the kernel's features (checked just above).
+        return |x, q| unsafe { super::avx512::quantize_block(x, q) };
+    }
+    quantize_block
 }
 
 /// Quantizes one block; returns its scale and `Σq`.

@@ -25,7 +25,7 @@ fn rows_per_task(rows: usize) -> usize {
 /// Up to [`GEMV_MAX_ROWS`] rows (decode, batched decode) take integer dot products with `x`
 /// quantized to int8 per 32 values (llama.cpp's `ggml_vec_dot_*`); each row of `y` is
 /// computed by the same sequence of operations whatever `m` is, so a served request's decode
-/// does not depend on its batch. More rows (prefill) dequantize [`TILE_ROWS`] weight rows at
+/// does not depend on its batch. More rows (prefill) dequantize 1024 weight rows at
 /// a time (exactly, to f32) and multiply them with `x` by the bf16 GEMM (both operands
 /// rounded to bf16, f32 sums: the weights' values lose less than their quantization already
 /// cost, the activations keep more than int8 keeps); the weight is never dequantized whole.
