@@ -6,24 +6,27 @@
 #   scripts/lib/llama_cpp.sh). tools/load_test.py sends the same token-id prompts (KJV) to
 #   both: request and token throughput, TTFT / TPOT / ITL / end-to-end p50 and p99, and a
 #   repeated 2k-token prompt's cold and warm TTFT. Results append to runs/bench-serve.jsonl.
+#   With --quant TYPE (Q8_0, Q4_0, Q4_K_M, ...) both serve the same GGUF, made from the model
+#   by llama.cpp's converter and llama-quantize (ours keeps its weights in their blocks).
 #
-#   bash scripts/bench-serve.sh [MODEL_DIR] [--dtype bf16|f32] [--llama-cpp]
+#   bash scripts/bench-serve.sh [MODEL_DIR] [--dtype bf16|f32] [--quant TYPE] [--llama-cpp]
 #       [--concurrency "8 32"] [--num-prompts 64] [--input-len 128] [--output-len 64]
 #
 # Needs the reference venv (bash tools/setup_venv.sh: transformers' tokenizers, openai) and
 # the converted model (bash scripts/quickstart.sh; default .cache/smollm2-hf).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-model="$root/.cache/smollm2-hf" dtype=bf16 llama=0 conc="8 32" prompts=64 in=128 out=64
+model="$root/.cache/smollm2-hf" dtype=bf16 quant="" llama=0 conc="8 32" prompts=64 in=128 out=64
 while [ $# -gt 0 ]; do
   case "$1" in
     --dtype) dtype="$2"; shift ;;
+    --quant) quant="$2"; shift ;;
     --llama-cpp) llama=1 ;;
     --concurrency) conc="$2"; shift ;;
     --num-prompts) prompts="$2"; shift ;;
     --input-len) in="$2"; shift ;;
     --output-len) out="$2"; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     -*) echo "bench-serve.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) model="$(cd "$1" && pwd)" ;;
   esac
@@ -68,21 +71,33 @@ wait_for() {
   done
 }
 
+# What both serve: the model directory (ours) and its GGUF in $dtype (llama.cpp's), or one
+# quantized GGUF.
+served="$model" label="$dtype"
+if [ "$llama" = 1 ] || [ -n "$quant" ]; then
+  . "$root/scripts/lib/llama_cpp.sh"
+  llama_cpp_build
+  if [ -n "$quant" ]; then
+    llama_cpp_gguf "$model" f32
+    llama_cpp_quantize "$gguf" "$quant"
+    served="$gguf" label="$quant"
+  else
+    llama_cpp_gguf "$model" "$dtype"
+  fi
+fi
+
 log="$root/runs/bench-serve-ferrotron.log"
 port_free 8931
-RAYON_NUM_THREADS=2 target/release/ferrotron serve --model "$model" --dtype "$dtype" \
+RAYON_NUM_THREADS=2 target/release/ferrotron serve --model "$served" --dtype "$dtype" \
   --port 8931 --served-model-name smollm2 --max-num-seqs 32 --log-stats-interval 0 \
   2>"$log" &
 pid=$!
 pids+=("$pid")
 wait_for http://127.0.0.1:8931/health "$pid"
-load "ferrotron serve $dtype" http://127.0.0.1:8931/v1
+load "ferrotron serve $label" http://127.0.0.1:8931/v1
 kill -TERM "$pid"; wait "$pid"
 
 if [ "$llama" = 1 ]; then
-  . "$root/scripts/lib/llama_cpp.sh"
-  llama_cpp_build
-  llama_cpp_gguf "$model" "$dtype"
   port_free 8932
   # 8 slots of 4096 tokens each (the 2k-token repeated prompt fits one slot).
   "$llama_server" -m "$gguf" -t 2 --parallel 8 --cont-batching -c 32768 --port 8932 \
@@ -90,7 +105,7 @@ if [ "$llama" = 1 ]; then
   pid=$!
   pids+=("$pid")
   wait_for http://127.0.0.1:8932/health "$pid"
-  load "llama-server --parallel 8 $dtype" http://127.0.0.1:8932/v1
+  load "llama-server --parallel 8 $label" http://127.0.0.1:8932/v1
   kill -TERM "$pid"; wait "$pid" || true
 fi
 echo "results appended to $results"

@@ -1,5 +1,5 @@
 //! Batched decode throughput of the serving engine (continuous batching over the paged KV
-//! cache) on a real HF model directory: B requests of a 32-token prompt, 64 new tokens each,
+//! cache) on a real HF model directory or GGUF file: B requests of a 32-token prompt, 64 new tokens each,
 //! all admitted at once; aggregate output tokens/s of the decode steps (prefill excluded)
 //! for B = 1, 4, 8, 16, 32, f32 and bf16 weights, and with `FERROTRON_BENCH_DRAFT` (a draft
 //! model: HF directory or GGUF file) each batch again with draft-model speculation. Not a
@@ -36,22 +36,27 @@ fn main() {
         .unwrap_or_else(|| vec![1, 4, 8, 16, 32]);
     // A draft model (HF directory or GGUF file with the same tokenizer): each batch also runs
     // with draft-model speculation, 4 tokens per step.
-    let draft = std::env::var_os("FERROTRON_BENCH_DRAFT").map(|p| {
-        let p = PathBuf::from(p);
-        let model = match p.extension().is_some_and(|e| e == "gguf") {
-            true => load_gguf_model(&p, DType::F32).expect("load draft").model,
-            false => load_hf_model(&p, DType::F32).expect("load draft").0,
-        };
-        Arc::new(model)
-    });
+    let draft = std::env::var_os("FERROTRON_BENCH_DRAFT")
+        .map(|p| Arc::new(load(&PathBuf::from(p), DType::F32)));
     println!(
         "engine benchmark: {}, prompt {PROMPT}, {NEW} new tokens per request, {} threads",
         dir.display(),
         rayon::current_num_threads()
     );
     ferrotron_tensor::allocator::retain_freed_memory();
-    for dtype in [DType::F32, DType::BF16] {
-        let model = Arc::new(load_hf_model(&dir, dtype).expect("load model").0);
+    let gguf = dir.extension().is_some_and(|e| e == "gguf");
+    let dtypes: &[DType] = if gguf {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::BF16]
+    };
+    for &dtype in dtypes {
+        let model = Arc::new(load(&dir, dtype));
+        let dtype = if gguf {
+            "gguf".to_string()
+        } else {
+            dtype.to_string()
+        };
         for &b in &batches {
             let (rate, ms) = decode_rate(&model, None, b);
             println!(
@@ -65,6 +70,14 @@ fn main() {
                 );
             }
         }
+    }
+}
+
+/// An HF directory, or a GGUF file with its quantized weights kept in their blocks.
+fn load(path: &std::path::Path, dtype: DType) -> GptModel {
+    match path.extension().is_some_and(|e| e == "gguf") {
+        true => load_gguf_model(path, dtype).expect("load GGUF").model,
+        false => load_hf_model(path, dtype).expect("load model").0,
     }
 }
 
