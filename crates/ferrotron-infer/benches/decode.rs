@@ -5,14 +5,12 @@
 //! Prints the median tokens/s of 128 new tokens after a fixed prompt, and of the 512-token
 //! prefill, over several runs.
 
-use ferrotron_checkpoint::gguf::load_gguf_model;
 use ferrotron_infer::sampler::SamplingParams;
 use ferrotron_infer::{GenerateOptions, generate};
-use ferrotron_model::GptModel;
-use ferrotron_model::families::load_hf_model;
-use ferrotron_tensor::DType;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
+
+mod common;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -46,23 +44,8 @@ fn main() {
         dir.display(),
         rayon::current_num_threads()
     );
-    let gguf = dir.extension().is_some_and(|e| e == "gguf");
-    let dtypes: &[DType] = if gguf {
-        &[DType::F32]
-    } else {
-        &[DType::F32, DType::BF16]
-    };
-    for &dtype in dtypes {
-        let model: GptModel = if gguf {
-            load_gguf_model(&dir, dtype).expect("load GGUF").model
-        } else {
-            load_hf_model(&dir, dtype).expect("load model").0
-        };
-        let weights = if gguf {
-            "gguf".to_string()
-        } else {
-            dtype.to_string()
-        };
+    for (weights, dtype) in common::variants(&dir) {
+        let model = common::load(&dir, dtype);
         let options = GenerateOptions {
             max_new_tokens: new_tokens,
             sampling: SamplingParams::greedy(),

@@ -6,18 +6,18 @@
 //! test: run with
 //! `FERROTRON_BENCH_MODEL=/path/to/smollm2 cargo bench -p ferrotron-infer --bench engine`.
 
-use ferrotron_checkpoint::gguf::load_gguf_model;
 use ferrotron_infer::engine::{
     Engine, EngineConfig, Request, RequestParams, SchedulerConfig, SpeculativeConfig,
 };
 use ferrotron_model::GptModel;
-use ferrotron_model::families::load_hf_model;
 use ferrotron_tensor::DType;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+
+mod common;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -37,47 +37,28 @@ fn main() {
     // A draft model (HF directory or GGUF file with the same tokenizer): each batch also runs
     // with draft-model speculation, 4 tokens per step.
     let draft = std::env::var_os("FERROTRON_BENCH_DRAFT")
-        .map(|p| Arc::new(load(&PathBuf::from(p), DType::F32)));
+        .map(|p| Arc::new(common::load(&PathBuf::from(p), DType::F32)));
     println!(
         "engine benchmark: {}, prompt {PROMPT}, {NEW} new tokens per request, {} threads",
         dir.display(),
         rayon::current_num_threads()
     );
     ferrotron_tensor::allocator::retain_freed_memory();
-    let gguf = dir.extension().is_some_and(|e| e == "gguf");
-    let dtypes: &[DType] = if gguf {
-        &[DType::F32]
-    } else {
-        &[DType::F32, DType::BF16]
-    };
-    for &dtype in dtypes {
-        let model = Arc::new(load(&dir, dtype));
-        let dtype = if gguf {
-            "gguf".to_string()
-        } else {
-            dtype.to_string()
-        };
+    for (label, dtype) in common::variants(&dir) {
+        let model = Arc::new(common::load(&dir, dtype));
         for &b in &batches {
             let (rate, ms) = decode_rate(&model, None, b);
             println!(
-                "weights {dtype:>4} batch {b:>2}: {rate:.1} output tokens/s ({ms:.1} ms per step)"
+                "weights {label:>4} batch {b:>2}: {rate:.1} output tokens/s ({ms:.1} ms per step)"
             );
             if let Some(d) = &draft {
                 let (rate, ms) = decode_rate(&model, Some(d.clone()), b);
                 println!(
-                    "weights {dtype:>4} batch {b:>2} + draft model: {rate:.1} output tokens/s \
+                    "weights {label:>4} batch {b:>2} + draft model: {rate:.1} output tokens/s \
                      ({ms:.1} ms per step)"
                 );
             }
         }
-    }
-}
-
-/// An HF directory, or a GGUF file with its quantized weights kept in their blocks.
-fn load(path: &std::path::Path, dtype: DType) -> GptModel {
-    match path.extension().is_some_and(|e| e == "gguf") {
-        true => load_gguf_model(path, dtype).expect("load GGUF").model,
-        false => load_hf_model(path, dtype).expect("load model").0,
     }
 }
 

@@ -66,6 +66,23 @@ fn submit(engine: &mut Engine, id: u64, prompt: Vec<u32>, params: RequestParams)
     outputs
 }
 
+/// Submits `prompts` as requests `first_id..` with `params`, runs the engine until they end
+/// and returns each one's tokens.
+fn run_prompts(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    params: &RequestParams,
+    first_id: u64,
+) -> Vec<Vec<u32>> {
+    let outs: Vec<Outputs> = prompts
+        .iter()
+        .zip(first_id..)
+        .map(|(p, id)| submit(engine, id, p.clone(), params.clone()))
+        .collect();
+    run_to_end(engine);
+    outs.iter().map(tokens).collect()
+}
+
 fn run_to_end(engine: &mut Engine) {
     while engine.has_work() {
         engine.step().unwrap();
@@ -360,17 +377,12 @@ fn speculative_prompt_lookup_keeps_greedy_outputs_identical() {
             ..config(40, 64, true)
         };
         let mut engine = Engine::new(m.clone(), config).unwrap();
-        let outs: Vec<Outputs> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| submit(&mut engine, i as u64, p.clone(), params.clone()))
-            .collect();
-        run_to_end(&mut engine);
+        let outs = run_prompts(&mut engine, &prompts, params, 0);
         let stats = engine.stats();
         let accepted = stats
             .spec_decode_num_accepted_tokens_total
             .load(std::sync::atomic::Ordering::Relaxed);
-        (outs.iter().map(tokens).collect::<Vec<_>>(), accepted)
+        (outs, accepted)
     };
     let (plain, _) = run(None, &greedy(40));
     let (speculated, accepted) = run(Some(spec), &greedy(40));
@@ -436,20 +448,7 @@ fn speculative_draft_model_keeps_greedy_outputs_identical() {
         // Two rounds of the same prompts: the second hits the prefix cache.
         let mut outs = Vec::new();
         for round in 0..2 {
-            let o: Vec<Outputs> = prompts
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    submit(
-                        &mut engine,
-                        10 * round + i as u64,
-                        p.clone(),
-                        params.clone(),
-                    )
-                })
-                .collect();
-            run_to_end(&mut engine);
-            outs.extend(o.iter().map(tokens));
+            outs.extend(run_prompts(&mut engine, &prompts, params, 10 * round));
         }
         let stats = engine.stats();
         let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
@@ -498,16 +497,11 @@ fn speculative_draft_model_keeps_greedy_outputs_identical() {
         .unwrap()
         .with_draft_model(m.clone())
         .unwrap();
-    let outs: Vec<Outputs> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| submit(&mut engine, i as u64, p.clone(), greedy(30)))
-        .collect();
-    run_to_end(&mut engine);
+    let outs = run_prompts(&mut engine, &prompts, &greedy(30), 0);
     let stats = engine.stats();
     let proposed = &stats.spec_decode_num_draft_tokens_total;
     assert_eq!(proposed.load(std::sync::atomic::Ordering::Relaxed), 0);
-    assert_eq!(outs.iter().map(tokens).collect::<Vec<_>>(), plain[..4]);
+    assert_eq!(outs, plain[..4]);
     // The config and the model must go together.
     let e = Engine::new(m.clone(), config(64, 16, true)).unwrap();
     assert!(e.with_draft_model(m.clone()).is_err());

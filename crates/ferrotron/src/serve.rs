@@ -97,14 +97,19 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let block_size = args.block_size.max(1);
     let num_blocks = EngineConfig::blocks_for_memory(&models, block_size, bytes);
     let context = model.config().max_position_embeddings;
-    if draft.is_some() && num_blocks * block_size < context {
-        let per_token = bytes as f64 / (num_blocks.max(1) * block_size) as f64;
+    if num_blocks * block_size < context {
+        let need = EngineConfig::memory_for_tokens(&models, block_size, context);
         anyhow::bail!(
-            "--kv-cache-memory: {:.3} GiB holds {} tokens of the model's and the draft model's \
-             keys and values, less than one context of {context}: give it at least {:.3} GiB",
+            "--kv-cache-memory: {:.3} GiB holds {} tokens of keys and values ({}), less than \
+             the model's context of {context}: give it at least {:.3} GiB",
             args.kv_cache_memory,
             num_blocks * block_size,
-            per_token * context as f64 / (1u64 << 30) as f64
+            if draft.is_some() {
+                "the model's and the draft model's"
+            } else {
+                "the model's"
+            },
+            need as f64 / (1u64 << 30) as f64
         );
     }
     let config = EngineConfig {

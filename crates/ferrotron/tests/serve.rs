@@ -108,6 +108,17 @@ impl Server {
             .to_string()
     }
 
+    /// [`Server::chat`] of every prompt, all in flight together.
+    fn chat_all(&self, prompts: &[&str], max_tokens: usize) -> Vec<String> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .map(|p| s.spawn(|| self.chat(p, max_tokens)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     /// A `/metrics` value.
     fn metric(&self, name: &str) -> f64 {
         let mut s = TcpStream::connect(&self.addr).unwrap();
@@ -184,13 +195,7 @@ fn greedy_chat_equals_generate_alone_and_batched() {
     let want: Vec<String> = PROMPTS.iter().map(|p| generate_text(p, 40)).collect();
     let server = Server::start();
     assert_eq!(server.chat(PROMPTS[0], 40), want[0], "alone");
-    let got: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = PROMPTS
-            .iter()
-            .map(|p| s.spawn(|| server.chat(p, 40)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let got = server.chat_all(&PROMPTS, 40);
     assert_eq!(got, want, "four requests in flight together");
     drop(server);
     let spec = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}"#;
@@ -232,13 +237,7 @@ fn a_quantized_draft_model_keeps_the_greedy_answers() {
     ];
     let server = Server::start_model(&weights::path(HF), &args);
     assert_eq!(server.chat(PROMPTS[0], 40), want[0], "alone");
-    let got: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = PROMPTS
-            .iter()
-            .map(|p| s.spawn(|| server.chat(p, 40)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let got = server.chat_all(&PROMPTS, 40);
     assert_eq!(got, want, "four requests in flight together");
     let proposed = server.metric("ferrotron:spec_decode_num_draft_tokens_total");
     let accepted = server.metric("ferrotron:spec_decode_num_accepted_tokens_total");

@@ -66,23 +66,20 @@ impl DraftModel {
     ) -> Result<(), EngineError> {
         // The real tokens the target runs this step, after what the draft has seen.
         let mut batch = RaggedBatch::default();
-        let mut ends = Vec::with_capacity(plan.len());
         for sch in plan {
             let seq = &running[sch.index];
-            let end = seq.num_computed + sch.num_tokens - seq.draft_room;
-            let start = seq.draft_computed;
+            let (start, end) = (seq.draft_computed, real_end(seq, sch));
             batch.tokens.extend_from_slice(&seq.tokens[start..end]);
             batch
                 .seqs
                 .push(draft_row(seq, end - start, start, seq.draft_room > 0));
-            ends.push(end);
         }
         let mut proposing: Vec<usize> = Vec::new();
         let logits = self.model.forward_paged(&batch, &mut self.cache)?;
         let mut rows = logits.chunks_exact(self.model.config().vocab_size);
-        for (sch, end) in plan.iter().zip(ends) {
+        for sch in plan {
             let seq = &mut running[sch.index];
-            seq.draft_computed = end;
+            seq.draft_computed = real_end(seq, sch);
             if seq.draft_room > 0 {
                 seq.draft
                     .push(argmax(rows.next().expect("a row per proposer")) as u32);
@@ -110,6 +107,11 @@ impl DraftModel {
             }
         }
     }
+}
+
+/// The end of the real tokens `seq` runs in the step `sch` (its proposals come after).
+fn real_end(seq: &Sequence, sch: &Scheduled) -> usize {
+    seq.num_computed + sch.num_tokens - seq.draft_room
 }
 
 /// `num_tokens` of `seq` after `context_len` in its own blocks, with the last row's logits

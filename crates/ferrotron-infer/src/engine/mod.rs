@@ -77,11 +77,17 @@ impl EngineConfig {
     /// Blocks of `block_size` tokens that fit in `bytes`, each holding the keys and values of
     /// every model in `models` (the target, and a draft model's pool beside it).
     pub fn blocks_for_memory(models: &[&GptModel], block_size: usize, bytes: u64) -> usize {
+        (bytes / Self::memory_for_tokens(models, block_size, block_size).max(1)) as usize
+    }
+
+    /// Bytes of the blocks that hold `tokens` tokens of every model in `models` (the inverse
+    /// of [`EngineConfig::blocks_for_memory`], rounded up to whole blocks).
+    pub fn memory_for_tokens(models: &[&GptModel], block_size: usize, tokens: usize) -> u64 {
         let per_block: u64 = models
             .iter()
             .map(|m| PagedKvCache::bytes_per_block(m.config(), block_size) as u64)
             .sum();
-        (bytes / per_block.max(1)) as usize
+        per_block * tokens.div_ceil(block_size.max(1)) as u64
     }
 }
 
@@ -152,8 +158,8 @@ impl Engine {
         let max_model_len = c.max_position_embeddings;
         let capacity = config.num_blocks * config.block_size;
         if capacity < max_model_len {
-            let need = PagedKvCache::bytes_per_block(c, config.block_size) as f64
-                * max_model_len.div_ceil(config.block_size.max(1)) as f64;
+            let need =
+                EngineConfig::memory_for_tokens(&[&model], config.block_size, max_model_len) as f64;
             return Err(EngineError::Config(format!(
                 "the KV cache holds {capacity} tokens ({} blocks of {}), less than the model's \
                  context of {max_model_len} tokens: give it at least {:.3} GiB",

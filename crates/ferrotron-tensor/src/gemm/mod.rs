@@ -214,13 +214,7 @@ impl<'a> WeightRef<'a> {
             WeightRef::F32(v) => out.copy_from_slice(v),
             WeightRef::BF16(v) => widen(v, out),
             WeightRef::F16(v) => widen(v, out),
-            WeightRef::Quant(q) => {
-                assert_eq!(out.len(), self.len());
-                let k = q.cols().max(1);
-                out.par_chunks_mut(k)
-                    .enumerate()
-                    .for_each(|(r, o)| q.dequantize_rows(r..r + 1, o));
-            }
+            WeightRef::Quant(q) => q.dequantize_rows_par(0..q.rows(), out),
         }
     }
 

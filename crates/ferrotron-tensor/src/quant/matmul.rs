@@ -91,7 +91,7 @@ pub fn quant_matmul(
     accumulate: bool,
 ) {
     assert!(w.rows() == n && w.cols() == k && dy.len() >= m * n && dx.len() >= m * k);
-    let widen = |rows: std::ops::Range<usize>, out: &mut [f32]| dequantize_par(w, rows, out);
+    let widen = |rows: std::ops::Range<usize>, out: &mut [f32]| w.dequantize_rows_par(rows, out);
     dequantized_blocks_n(dy, widen, dx, (m, n, k), accumulate);
 }
 
@@ -109,7 +109,7 @@ fn bf16_tiles(
     for j0 in (0..n).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(n - j0);
         let (tile, block) = (&mut tile[..rows * k], &mut block[..m * rows]);
-        dequantize_par(w, j0..j0 + rows, tile);
+        w.dequantize_rows_par(j0..j0 + rows, tile);
         bf16_gemm(m, rows, k, F32(x), Op::N, F32(tile), Op::T, block, false);
         for (y, b) in y.chunks_exact_mut(n).zip(block.chunks_exact(rows)) {
             let y = &mut y[j0..j0 + rows];
@@ -122,16 +122,9 @@ fn bf16_tiles(
     }
 }
 
-/// Rows `rows` of `w` dequantized into `out`, rows in parallel.
-fn dequantize_par(w: &QuantMatrix, rows: std::ops::Range<usize>, out: &mut [f32]) {
-    let k = w.cols();
-    out.par_chunks_mut(k)
-        .zip(rows)
-        .for_each(|(o, r)| w.dequantize_rows(r..r + 1, o));
-}
-
 /// `out[r] = row · xs[r]` for every activation row: four at a time through the SIMD kernel
-/// where the CPU has it (`simd`: [`super::avx512::available`]; the weight block unpacked once for four rows), the rest one by one.
+/// where the CPU has it (`simd`: [`super::avx512::available`]; the weight block unpacked
+/// once for four rows), the rest one by one.
 fn dots(ty: QuantType, row: &[u8], xs: &[Q8Row<'_>], out: &mut [f32], simd: bool) {
     #[cfg(target_arch = "x86_64")]
     if simd {

@@ -193,6 +193,22 @@ impl QuantMatrix {
         Ok(out)
     }
 
+    /// [`QuantMatrix::dequantize_rows`] with blocks of 16 rows in parallel on the rayon pool.
+    ///
+    /// # Panics
+    /// As [`QuantMatrix::dequantize_rows`].
+    pub fn dequantize_rows_par(&self, rows: Range<usize>, out: &mut [f32]) {
+        use rayon::prelude::*;
+        const ROWS: usize = 16;
+        assert_eq!(out.len(), rows.len() * self.cols);
+        out.par_chunks_mut(ROWS * self.cols.max(1))
+            .enumerate()
+            .for_each(|(i, o)| {
+                let start = rows.start + i * ROWS;
+                self.dequantize_rows(start..start + o.len() / self.cols.max(1), o);
+            });
+    }
+
     /// Dequantizes rows `rows` into `out[rows.len(), cols]` (exactly, as [`dequantize`]).
     ///
     /// # Panics
