@@ -14,6 +14,7 @@ pub mod dist;
 mod error;
 pub mod gguf;
 mod hf_export;
+pub mod peft;
 mod safetensors_writer;
 mod staging;
 
@@ -23,3 +24,4 @@ pub use hf_export::{
     DEFAULT_MAX_SHARD_SIZE, HfExportOptions, HfExportReport, HfExportSource, TOKENIZER_FILES,
     export_hf, tokenizer_files,
 };
+pub use peft::{PeftAdapter, write_peft_adapter};

@@ -1,3 +1,4 @@
+use crate::lora::LoraConfig;
 use crate::{ModelError, Result};
 pub use ferrotron_tensor::ops::ActivationFunc;
 use ferrotron_tensor::ops::RopeScaling;
@@ -139,6 +140,10 @@ pub struct TransformerConfig {
     /// folded into [`RecomputeGranularity::Full`]); `None` keeps every activation. Only
     /// training reads it; HF config parsing leaves it `None`.
     pub recompute_granularity: Option<RecomputeGranularity>,
+    /// LoRA adapters on the linear layers it matches, every other parameter frozen (NeMo's
+    /// `LoRA` transform; see [`LoraConfig`]); `None` trains (or serves) the model as it is.
+    /// HF config parsing leaves it `None`; [`crate::GptModel::with_lora`] sets it.
+    pub lora: Option<LoraConfig>,
 }
 
 /// Which activations the training forward drops and the backward recomputes (Megatron-Core
@@ -231,6 +236,9 @@ impl TransformerConfig {
             ));
         }
         self.family.hf_names().check_expresses(self)?;
+        if let Some(lora) = &self.lora {
+            lora.validate()?;
+        }
         self.validate_recompute()
     }
 

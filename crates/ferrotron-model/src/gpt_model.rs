@@ -1,4 +1,4 @@
-use crate::module::{LinearParams, ModelLayout, ModelPart, ParamDecl, ParamId, TransformerLayer};
+use crate::module::{LinearParams, ModelLayout, ModelPart, ParamId, TransformerLayer};
 use crate::param_table::{ParamTable, ParamValue, dense};
 use crate::train::core_attention::KeysValues;
 use crate::train::forward::{Pass, layer_forward};
@@ -7,7 +7,7 @@ use crate::{
     Result, StageInfo, TpInfo, TransformerConfig,
 };
 use ferrotron_nn::attention::alibi_slopes;
-use ferrotron_nn::{Embedding, Linear, NnError};
+use ferrotron_nn::{Embedding, Linear, LoraAdapter, NnError};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::RopeTable;
 use ferrotron_tensor::{DType, Device, Tensor, TensorView};
@@ -54,7 +54,8 @@ pub struct GptModel {
 /// tensor-parallel ranks: count, local shapes, one storage dtype for the embedding and matmul
 /// weights. Returns them packed in a table of that dtype: norm gains and biases in another
 /// dtype are converted to it (as HF's `model.to(dtype)` and Megatron's bf16 params do).
-fn check_params(decls: &[ParamDecl], params: Vec<ParamValue>, t: usize) -> Result<ParamTable> {
+fn check_params(layout: &ModelLayout, params: Vec<ParamValue>, t: usize) -> Result<ParamTable> {
+    let decls = layout.decls();
     if params.len() != decls.len() {
         return Err(ModelError::Input(format!(
             "{} parameter tensors given, the model declares {}",
@@ -100,7 +101,8 @@ fn check_params(decls: &[ParamDecl], params: Vec<ParamValue>, t: usize) -> Resul
             )));
         }
     }
-    Ok(ParamTable::packed(params, dtype))
+    let frozen: Vec<bool> = (0..decls.len()).map(|i| layout.is_frozen(i)).collect();
+    Ok(ParamTable::packed(params, dtype, &frozen))
 }
 
 impl GptModel {
@@ -141,7 +143,7 @@ impl GptModel {
         stage: Option<StageInfo>,
     ) -> Result<GptModel> {
         let t = tp.as_ref().map_or(1, |tp| tp.group.size());
-        let params = check_params(layout.decls(), params, t)?;
+        let params = check_params(&layout, params, t)?;
         let mut local = config.clone();
         if let Some(tp) = &tp {
             local.num_attention_heads /= t;
@@ -232,6 +234,11 @@ impl GptModel {
         self.params.view(id.index())
     }
 
+    /// The parameter table, consumed.
+    pub(crate) fn into_param_table(self) -> ParamTable {
+        self.params
+    }
+
     /// The parameter table (this rank's values in table order).
     pub fn param_table(&self) -> &ParamTable {
         &self.params
@@ -250,7 +257,21 @@ impl GptModel {
 
     /// The linear layer `p` over this rank's values.
     pub(crate) fn linear(&self, p: LinearParams) -> Linear<'_> {
-        Linear::new(self.param(p.weight), p.bias.map(|b| self.f32_param(b)))
+        let linear = Linear::new(self.param(p.weight), p.bias.map(|b| self.f32_param(b)));
+        match self.lora_adapter(p) {
+            Some(adapter) => linear.with_lora(adapter),
+            None => linear,
+        }
+    }
+
+    /// The LoRA adapter of the linear layer `p`, if it has one.
+    pub(crate) fn lora_adapter(&self, p: LinearParams) -> Option<LoraAdapter<'_>> {
+        let (a, lora) = (p.lora?, self.config.lora.as_ref()?);
+        Some(LoraAdapter {
+            linear_in: self.param(a.linear_in),
+            linear_out: self.param(a.linear_out),
+            scale: lora.scale(),
+        })
     }
 
     /// The word embedding table (first stage, and the last stage of a tied model).

@@ -134,6 +134,7 @@ impl TransformerConfig {
             untie_embeddings_and_output_weights: true,
             sliding_window: None,
             recompute_granularity: None,
+            lora: None,
         };
         config.validate()?;
         Ok(config)
@@ -170,13 +171,17 @@ impl GptModel {
 /// Parameter `d` drawn as its declaration says: normals from the stream of its name (`σ`, or
 /// `scaled` = `σ/√(2L)`) in `init.params_dtype`, gains 1 and biases 0 (the model's table
 /// converts them to its dtype).
-fn init_param(d: &ParamDecl, init: &InitConfig, scaled: f32) -> Result<Tensor> {
+pub(crate) fn init_param(d: &ParamDecl, init: &InitConfig, scaled: f32) -> Result<Tensor> {
     let n = d.numel();
     let values = match d.init {
         Init::Normal => return normal(init, &d.name, &d.shape, init.init_method_std),
         Init::ScaledNormal => return normal(init, &d.name, &d.shape, scaled),
         Init::Ones => vec![1.0; n],
         Init::Zeros => vec![0.0; n],
+        Init::XavierNormal => {
+            let std = (2.0 / (d.shape[0] + d.shape[1]) as f64).sqrt() as f32;
+            return normal(init, &d.name, &d.shape, std);
+        }
     };
     Ok(Tensor::from_f32(&d.shape, values)?)
 }

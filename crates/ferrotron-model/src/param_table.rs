@@ -1,5 +1,5 @@
 //! [`ParamTable`]: a model's parameter values in ONE flat [`Storage`] of one dtype, each
-//! parameter a row-major range of it.
+//! parameter a row-major range of it (a second one holds the frozen parameters, if any).
 //!
 //! Packed (parameters back to back in table order) when a model is built; re-homed into the
 //! optimizer's flat buffer for training ([`ParamTable::rehome`], the buffer's layout: its
@@ -12,8 +12,13 @@
 //! instead of a second weight copy beside the buffer.
 //!
 //! A weight served from GGUF stays in its ggml blocks ([`ParamValue::Quantized`]): its slot
-//! takes no room in the storage and its view is a [`WeightRef::Quant`]. Such a table serves
-//! inference; its quantized weights cannot be written or trained.
+//! takes no room in the storage and its view is a [`WeightRef::Quant`]; its quantized weights
+//! cannot be written or trained.
+//!
+//! Frozen parameters (the base of a LoRA model, Megatron's `requires_grad = False`, which
+//! stay out of `_ParamAndGradBuffer`) live in a second storage that never moves: the
+//! optimizer's buffer holds the trainable ones only, and forward and backward read the
+//! frozen ones while the trainable storage is lent.
 
 use crate::{ModelError, Result};
 use ferrotron_tensor::gemm::WeightRef;
@@ -53,13 +58,16 @@ impl From<Tensor> for ParamValue {
     }
 }
 
-/// Where one parameter sits: a range of the storage, or its own quantized blocks.
+/// Where one parameter sits: a range of the trainable or the frozen storage, or its own
+/// quantized blocks.
 #[derive(Clone, Debug, PartialEq)]
 struct Slot {
     offset: usize,
     shape: Vec<usize>,
     numel: usize,
-    /// Set for a quantized weight, which takes no room in the storage.
+    /// In the frozen storage (which never moves to the optimizer's buffer).
+    frozen: bool,
+    /// Set for a quantized weight, which takes no room in either storage (and is frozen).
     quant: Option<Arc<QuantMatrix>>,
 }
 
@@ -68,49 +76,90 @@ impl Slot {
         let len = if self.quant.is_some() { 0 } else { self.numel };
         self.offset..self.offset + len
     }
+
+    /// A dense parameter of the trainable storage.
+    fn is_trainable(&self) -> bool {
+        !self.frozen && self.quant.is_none()
+    }
 }
 
-/// Parameter values in table order over one flat storage (see the module doc).
+/// Parameter values in table order over one flat storage of trainable values and one of
+/// frozen values (see the module doc).
 #[derive(Clone, Debug)]
 pub struct ParamTable {
-    /// `None` while the storage is lent to the optimizer's buffer.
+    /// The trainable parameters; `None` while the storage is lent to the optimizer's buffer.
     storage: Option<Storage>,
+    /// The frozen parameters (a LoRA model's base), back to back; stays with the table.
+    frozen: Storage,
     dtype: DType,
     slots: Vec<Slot>,
 }
 
 impl ParamTable {
     /// The dense `values` converted to `dtype` (round-to-nearest-even when narrowing) and
-    /// packed back to back in order; quantized ones kept as they are.
-    pub fn packed(values: Vec<ParamValue>, dtype: DType) -> ParamTable {
+    /// packed back to back in order, those flagged in `frozen` (one flag per value) in the
+    /// frozen storage and the rest in the trainable one; quantized values kept as they are
+    /// (frozen whatever their flag).
+    ///
+    /// # Panics
+    /// `frozen` not one flag per value.
+    pub fn packed(values: Vec<ParamValue>, dtype: DType, frozen: &[bool]) -> ParamTable {
+        assert_eq!(values.len(), frozen.len(), "one frozen flag per value");
         let mut slots = Vec::with_capacity(values.len());
-        let mut offset = 0;
-        for v in &values {
+        let mut ends = [0usize; 2];
+        for (v, &is_frozen) in values.iter().zip(frozen) {
             let shape = v.shape();
             let numel = shape.iter().product();
+            let quantized = matches!(v, ParamValue::Quantized(_));
+            let end = &mut ends[usize::from(is_frozen)];
             slots.push(Slot {
-                offset,
+                offset: *end,
                 shape,
                 numel,
+                frozen: is_frozen || quantized,
                 quant: None,
             });
-            if let ParamValue::Dense(_) = v {
-                offset += numel;
+            if !quantized {
+                *end += numel;
             }
         }
-        let mut storage = Storage::zeros(dtype, offset);
+        let mut storage = Storage::zeros(dtype, ends[0]);
+        let mut frozen = Storage::zeros(dtype, ends[1]);
         // The quantized blocks move into their slots (no copy).
         for (v, slot) in values.into_iter().zip(&mut slots) {
+            let dst = if slot.frozen {
+                &mut frozen
+            } else {
+                &mut storage
+            };
             match v {
-                ParamValue::Dense(t) => write_tensor(&mut storage, slot.range(), &t),
+                ParamValue::Dense(t) => write_tensor(dst, slot.range(), &t),
                 ParamValue::Quantized(q) => slot.quant = Some(Arc::new(q)),
             }
         }
         ParamTable {
             storage: Some(storage),
+            frozen,
             dtype,
             slots,
         }
+    }
+
+    /// Parameter `i` as a value to build a model from: a copy of its dense elements in the
+    /// table's dtype, or its quantized blocks (shared, not copied).
+    ///
+    /// # Panics
+    /// As [`ParamTable::view`].
+    pub fn value(&self, i: usize) -> ParamValue {
+        match &self.slots[i].quant {
+            Some(q) => ParamValue::Quantized((**q).clone()),
+            None => ParamValue::Dense(self.view(i).to_tensor()),
+        }
+    }
+
+    /// Every parameter's [`ParamTable::value`], in table order.
+    pub fn into_values(self) -> Vec<ParamValue> {
+        (0..self.len()).map(|i| self.value(i)).collect()
     }
 
     /// Number of parameters.
@@ -160,6 +209,7 @@ impl ParamTable {
         let slot = &self.slots[i];
         let data = match &slot.quant {
             Some(q) => WeightRef::Quant(q),
+            None if slot.frozen => self.frozen.view(slot.range()),
             None => self.storage().view(slot.range()),
         };
         TensorView::new(&slot.shape, data).expect("a slot's range matches its shape")
@@ -205,26 +255,26 @@ impl ParamTable {
             )));
         }
         let range = slot.range();
-        self.storage
-            .as_mut()
-            .expect("parameter values written while the storage is lent to the optimizer buffer")
-            .set_from_f32(range, values);
+        let storage = if slot.frozen {
+            &mut self.frozen
+        } else {
+            self.storage.as_mut().expect(
+                "parameter values written while the storage is lent to the optimizer buffer",
+            )
+        };
+        storage.set_from_f32(range, values);
         Ok(())
     }
 
-    /// Moves every parameter into `storage` at `offsets` (one per parameter, table order;
-    /// the storage's other elements — the buffer's padding — are left as they are) and makes
-    /// it the table's storage; the old storage is freed.
+    /// Moves every trainable parameter into `storage` at `offsets` (one per parameter, table
+    /// order; a frozen parameter's offset is ignored, as are the storage's other elements —
+    /// the buffer's padding) and makes it the table's trainable storage; the old one is
+    /// freed. Frozen parameters stay where they are.
     ///
     /// # Errors
     /// A count, dtype or range that does not fit (overlapping or out of bounds ranges);
     /// the table is unchanged then.
     pub fn rehome(&mut self, mut storage: Storage, offsets: &[usize]) -> Result<()> {
-        if self.slots.iter().any(|s| s.quant.is_some()) {
-            return Err(ModelError::Input(
-                "a model with quantized weights cannot be trained in place".into(),
-            ));
-        }
         if offsets.len() != self.slots.len() || storage.dtype() != self.dtype {
             return Err(ModelError::Input(format!(
                 "re-homing {} {:?} parameters into {} offsets of {:?} storage",
@@ -236,12 +286,16 @@ impl ParamTable {
         }
         let mut slots = self.slots.clone();
         for (slot, &offset) in slots.iter_mut().zip(offsets) {
-            slot.offset = offset;
+            if slot.is_trainable() {
+                slot.offset = offset;
+            }
         }
         check_disjoint(&slots, storage.len())?;
         let old = self.storage();
         for (new, old_slot) in slots.iter().zip(&self.slots) {
-            copy_range(old, old_slot.range(), &mut storage, new.offset);
+            if new.is_trainable() {
+                copy_range(old, old_slot.range(), &mut storage, new.offset);
+            }
         }
         self.storage = Some(storage);
         self.slots = slots;
@@ -271,7 +325,12 @@ impl ParamTable {
                 "the parameter storage was not lent out: nothing to restore".into(),
             ));
         }
-        let end = self.slots.iter().map(|s| s.offset + s.numel).max();
+        let end = self
+            .slots
+            .iter()
+            .filter(|s| s.is_trainable())
+            .map(|s| s.offset + s.numel)
+            .max();
         if storage.dtype() != self.dtype || end.is_some_and(|end| end > storage.len()) {
             return Err(ModelError::Input(format!(
                 "restored parameter storage is {} elements of {:?}; the table needs {:?} up \
@@ -286,17 +345,26 @@ impl ParamTable {
         Ok(())
     }
 
-    /// Bytes of the storage (padding included; 0 while lent out).
+    /// Bytes of the dense values: the trainable storage (padding included; 0 while lent
+    /// out) and the frozen one.
     pub fn storage_bytes(&self) -> usize {
-        self.storage
-            .as_ref()
-            .map_or(0, |s| s.len() * s.dtype().size_in_bytes())
+        let bytes = |s: &Storage| s.len() * s.dtype().size_in_bytes();
+        self.storage.as_ref().map_or(0, bytes) + bytes(&self.frozen)
+    }
+
+    /// Whether parameter `i` is frozen (in the frozen storage, or quantized).
+    ///
+    /// # Panics
+    /// `i >= len()`.
+    pub fn is_frozen(&self, i: usize) -> bool {
+        self.slots[i].frozen
     }
 }
 
-/// Errors unless the slots' ranges are disjoint and inside `len` elements.
+/// Errors unless the trainable slots' ranges are disjoint and inside `len` elements.
 fn check_disjoint(slots: &[Slot], len: usize) -> Result<()> {
-    let mut ranges: Vec<Range<usize>> = slots.iter().map(Slot::range).collect();
+    let trainable = slots.iter().filter(|s| s.is_trainable());
+    let mut ranges: Vec<Range<usize>> = trainable.map(Slot::range).collect();
     ranges.sort_by_key(|r| r.start);
     let mut end = 0;
     for r in ranges {
@@ -337,7 +405,7 @@ mod tests {
     fn table() -> ParamTable {
         let a = Tensor::from_f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
         let b = Tensor::from_f32(&[2], vec![1.0 + 1.0 / 512.0, -7.0]).unwrap();
-        ParamTable::packed(vec![a.into(), b.into()], DType::BF16)
+        ParamTable::packed(vec![a.into(), b.into()], DType::BF16, &[false, false])
     }
 
     #[test]
@@ -395,7 +463,8 @@ mod tests {
             bytes.extend(0..32u8);
         }
         let q = QuantMatrix::new(QuantType::Q8_0, 2, 32, bytes).unwrap();
-        let mut t = ParamTable::packed(vec![a.into(), ParamValue::Quantized(q)], DType::F32);
+        let values = vec![a.into(), ParamValue::Quantized(q)];
+        let mut t = ParamTable::packed(values, DType::F32, &[false, false]);
         assert_eq!(t.storage_bytes(), 2 * 4);
         assert_eq!(t.quantized_bytes(), 2 * 34);
         assert!(matches!(t.view(1).weight_ref(), WeightRef::Quant(_)));
@@ -404,6 +473,26 @@ mod tests {
         assert_eq!(&*t.f32_values(0), &[1.0, 2.0]);
         let err = t.set_from_f32(1, "w", &[0.0; 64]).unwrap_err();
         assert!(format!("{err}").contains("w: a quantized weight cannot be written"));
-        assert!(t.rehome(Storage::zeros(DType::F32, 2), &[0, 2]).is_err());
+        assert!(t.is_frozen(1));
+        // The quantized weight stays behind; the dense one moves.
+        t.rehome(Storage::zeros(DType::F32, 4), &[2, 0]).unwrap();
+        assert_eq!(&*t.f32_values(0), &[1.0, 2.0]);
+        assert_eq!(t.f32_values(1)[..3], [0.0, 1.0, 2.0]);
+    }
+
+    #[test]
+    fn frozen_values_stay_readable_while_the_trainable_storage_is_lent() {
+        let a = Tensor::from_f32(&[2], vec![1.0, 2.0]).unwrap();
+        let b = Tensor::from_f32(&[3], vec![3.0, 4.0, 5.0]).unwrap();
+        let mut t = ParamTable::packed(vec![a.into(), b.into()], DType::F32, &[true, false]);
+        assert_eq!(t.storage_bytes(), 5 * 4);
+        t.rehome(Storage::zeros(DType::F32, 3), &[99, 0]).unwrap();
+        let lent = t.take_storage().unwrap();
+        assert_eq!(lent.to_f32_range(0..3), [3.0, 4.0, 5.0]);
+        assert_eq!(&*t.f32_values(0), &[1.0, 2.0]);
+        t.set_from_f32(0, "a", &[7.0, 8.0]).unwrap();
+        t.restore_storage(lent).unwrap();
+        assert_eq!(&*t.f32_values(0), &[7.0, 8.0]);
+        assert_eq!(&*t.f32_values(1), &[3.0, 4.0, 5.0]);
     }
 }

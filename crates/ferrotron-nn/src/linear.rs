@@ -11,6 +11,43 @@ use std::borrow::Cow;
 pub struct Linear<'a> {
     weight: TensorView<'a>,
     bias: Option<Cow<'a, [f32]>>,
+    lora: Option<LoraAdapter<'a>>,
+}
+
+/// A LoRA adapter on a linear layer (Hu et al. 2021; NeMo's `ParallelLinearAdapter`): adds
+/// `scale·(x·Aᵀ)·Bᵀ` to the layer's output, `A = linear_in: [r, in]`,
+/// `B = linear_out: [out, r]` (any storage dtype), `scale = alpha / r`.
+#[derive(Clone, Copy, Debug)]
+pub struct LoraAdapter<'a> {
+    /// `A: [r, in]`.
+    pub linear_in: TensorView<'a>,
+    /// `B: [out, r]`.
+    pub linear_out: TensorView<'a>,
+    /// `alpha / r`.
+    pub scale: f32,
+}
+
+impl LoraAdapter<'_> {
+    /// The rank `r`.
+    pub fn rank(&self) -> usize {
+        self.linear_in.shape()[0]
+    }
+
+    /// `z[rows, r] = scale·x[rows, in]·Aᵀ` (**overwritten**): the adapter's scaled
+    /// bottleneck.
+    pub fn down(&self, x: &[f32], z: &mut [f32]) {
+        let (r, k) = (self.rank(), self.linear_in.shape()[1]);
+        let rows = x.len() / k;
+        matmul_weight_t(x, self.linear_in.weight_ref(), z, rows, r, k, false);
+        z.iter_mut().for_each(|v| *v *= self.scale);
+    }
+
+    /// `y[rows, out] += z[rows, r]·Bᵀ` for `z` from [`LoraAdapter::down`].
+    pub fn up(&self, z: &[f32], y: &mut [f32]) {
+        let (n, r) = (self.linear_out.shape()[0], self.rank());
+        let rows = z.len() / r;
+        matmul_weight_t(z, self.linear_out.weight_ref(), y, rows, n, r, true);
+    }
 }
 
 impl<'a> Linear<'a> {
@@ -24,7 +61,30 @@ impl<'a> Linear<'a> {
         if let Some(b) = &bias {
             assert_eq!(b.len(), weight.shape()[0], "a linear bias is [out]");
         }
-        Linear { weight, bias }
+        Linear {
+            weight,
+            bias,
+            lora: None,
+        }
+    }
+
+    /// The layer with `adapter` added to its output.
+    ///
+    /// # Panics
+    /// When the adapter's shapes do not fit the weight (`A: [r, in]`, `B: [out, r]`).
+    pub fn with_lora(mut self, adapter: LoraAdapter<'a>) -> Linear<'a> {
+        let (a, b) = (adapter.linear_in.shape(), adapter.linear_out.shape());
+        assert!(
+            a.len() == 2 && b == [self.out_features(), a[0]] && a[1] == self.in_features(),
+            "a LoRA adapter of a [out, in] layer is A: [r, in], B: [out, r]"
+        );
+        self.lora = Some(adapter);
+        self
+    }
+
+    /// The layer's LoRA adapter, if any.
+    pub fn lora(&self) -> Option<&LoraAdapter<'a>> {
+        self.lora.as_ref()
     }
 
     /// Output features.
@@ -55,11 +115,17 @@ impl<'a> Linear<'a> {
         }
     }
 
-    /// `y[rows, out] = x[rows, in]·Wᵀ`: a row-parallel layer adds its bias only after the
-    /// tensor-parallel reduction (Megatron's `RowParallelLinear`).
+    /// `y[rows, out] = x[rows, in]·Wᵀ` (plus the LoRA adapter's output): a row-parallel
+    /// layer adds its bias only after the tensor-parallel reduction (Megatron's
+    /// `RowParallelLinear`), and its adapter's partial output before it.
     pub fn forward_without_bias(&self, x: &[f32], y: &mut [f32]) {
         let (n, k) = (self.out_features(), self.in_features());
         let rows = x.len() / k;
         matmul_weight_t(x, self.weight.weight_ref(), y, rows, n, k, false);
+        if let Some(a) = &self.lora {
+            let mut z = vec![0f32; rows * a.rank()];
+            a.down(x, &mut z);
+            a.up(&z, y);
+        }
     }
 }

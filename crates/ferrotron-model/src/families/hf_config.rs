@@ -104,6 +104,7 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
             .unwrap_or(schema.tie_default),
         sliding_window: sliding_window(obj, family, schema.sliding_window)?,
         recompute_granularity: None,
+        lora: None,
     };
     schema.switches.apply(&mut config);
     config.validate()?;

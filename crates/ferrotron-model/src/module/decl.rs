@@ -34,6 +34,10 @@ pub enum ParamRole {
     Norm,
     /// A bias, stored and used as a norm gain. No weight decay by default.
     Bias,
+    /// A LoRA adapter matrix (`linear_in: [r, in]` or `linear_out: [out, r]`): the only
+    /// trainable parameters of a model with [`crate::TransformerConfig::lora`]. Stored in
+    /// the model's params dtype; weight decay as a matmul weight.
+    Adapter,
 }
 
 impl ParamRole {
@@ -45,7 +49,10 @@ impl ParamRole {
     /// Decides the model's params dtype (bf16 under bf16 training): these must all come in
     /// one dtype, and the norm gains and biases are converted to it.
     pub fn uses_params_dtype(self) -> bool {
-        matches!(self, ParamRole::Embedding | ParamRole::Weight)
+        matches!(
+            self,
+            ParamRole::Embedding | ParamRole::Weight | ParamRole::Adapter
+        )
     }
 }
 
@@ -60,8 +67,11 @@ pub enum Init {
     ScaledNormal,
     /// All ones (norm gains).
     Ones,
-    /// All zeros (biases).
+    /// All zeros (biases, LoRA's `linear_out`).
     Zeros,
+    /// `N(0, √(2/(fan_in + fan_out)))` (`torch.nn.init.xavier_normal_`): NeMo's init of
+    /// LoRA's `linear_in`.
+    XavierNormal,
 }
 
 /// One HF tensor inside a Megatron parameter: its rows are the parameter's rows `rows`,

@@ -73,6 +73,17 @@ impl TransformerLayer {
         }
     }
 
+    /// The layer's linear layers: `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`.
+    pub fn linears(&self) -> [super::LinearParams; 4] {
+        let (sa, mlp) = (&self.self_attention, &self.mlp);
+        [
+            sa.linear_qkv,
+            sa.linear_proj,
+            mlp.linear_fc1,
+            mlp.linear_fc2,
+        ]
+    }
+
     /// Indices of the layer's parameters.
     pub fn param_indices(&self) -> Vec<usize> {
         self.params.clone().collect()

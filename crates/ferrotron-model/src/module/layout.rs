@@ -45,6 +45,8 @@ pub struct ModelLayout {
     pub final_layernorm: Option<Norm>,
     /// `[v, h]`, untied models only (HF `lm_head`).
     pub output_layer: Option<ParamId>,
+    /// The config has LoRA: every parameter but the adapters is frozen.
+    frozen_base: bool,
 }
 
 impl ModelLayout {
@@ -85,7 +87,14 @@ impl ModelLayout {
             layers,
             final_layernorm,
             output_layer,
+            frozen_base: c.lora.is_some(),
         }
+    }
+
+    /// Whether the parameter at table position `index` is frozen: under LoRA, every one but
+    /// the adapters ([`ParamRole::Adapter`]); none otherwise.
+    pub fn is_frozen(&self, index: usize) -> bool {
+        self.frozen_base && self.decls[index].role != ParamRole::Adapter
     }
 
     /// Every parameter's declaration, in table order.

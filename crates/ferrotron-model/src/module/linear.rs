@@ -5,6 +5,7 @@
 use std::ops::Range;
 
 use super::decl::{Declarer, HfPart, Init, ParamDecl, ParamId, ParamRole};
+use super::lora::LoraParams;
 use crate::TpSplit;
 
 /// Where a linear layer's parameters sit in the model's table.
@@ -14,6 +15,8 @@ pub struct LinearParams {
     pub weight: ParamId,
     /// `[out]`, when the layer has a bias.
     pub bias: Option<ParamId>,
+    /// The layer's LoRA adapter, when the config's LoRA targets it.
+    pub lora: Option<LoraParams>,
 }
 
 /// How tensor parallelism splits a linear layer (Megatron-Core `tensor_parallel/layers.py`).
@@ -49,7 +52,7 @@ impl LinearParams {
         LinearParams { bias: None, ..self }
     }
 
-    /// Declares `spec`'s weight, then its bias.
+    /// Declares `spec`'s weight, then its bias, then its LoRA adapter (when targeted).
     pub(crate) fn declare(d: &mut Declarer<'_>, spec: LinearSpec) -> LinearParams {
         let (weight_split, bias_split) = match spec.parallel {
             Parallel::Column { parts } => (TpSplit::Rows { parts }, TpSplit::Rows { parts }),
@@ -93,7 +96,8 @@ impl LinearParams {
                 ParamRole::Bias,
             ))
         });
-        LinearParams { weight, bias }
+        let lora = LoraParams::declare(d, &spec.name, spec.layer, spec.shape, spec.parallel);
+        LinearParams { weight, bias, lora }
     }
 }
 

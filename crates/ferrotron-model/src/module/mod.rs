@@ -22,6 +22,7 @@ mod decl;
 mod layer;
 mod layout;
 mod linear;
+mod lora;
 mod mlp;
 mod norm;
 
@@ -31,5 +32,6 @@ pub use decl::{HfPart, Init, ParamDecl, ParamId, ParamRole};
 pub use layer::TransformerLayer;
 pub use layout::{ModelLayout, ModelPart};
 pub use linear::LinearParams;
+pub use lora::LoraParams;
 pub use mlp::Mlp;
 pub use norm::Norm;

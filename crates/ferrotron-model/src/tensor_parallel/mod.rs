@@ -21,7 +21,7 @@ use ferrotron_comm::{Collectives, Communicator};
 use ferrotron_nn::TensorParallel;
 use ferrotron_tensor::Tensor;
 
-use crate::module::ModelLayout;
+use crate::module::{ModelLayout, ParamRole};
 use crate::param_table::dense;
 use crate::{GptModel, ModelError, Result};
 
@@ -191,7 +191,9 @@ impl GptModel {
     /// Megatron's `finalize_model_grads` for tensor parallelism, once per step after every
     /// micro-batch's backward: under sequence parallelism each rank's gradients of the
     /// replicated parameters (norms, row-parallel biases) cover only its rows, so they are
-    /// all-reduced over the group. Nothing to do otherwise.
+    /// all-reduced over the group. A replicated LoRA matrix's gradient is always a sum of the
+    /// ranks' partial products (`train/lora.rs`), so it is all-reduced with or without
+    /// sequence parallelism. Nothing to do on one rank.
     ///
     /// # Errors
     /// A failed all-reduce.
@@ -199,14 +201,14 @@ impl GptModel {
         let Some(tp) = &self.tp else {
             return Ok(());
         };
-        if !tp.group.sequence_parallel() {
-            return Ok(());
-        }
+        let sp = tp.group.sequence_parallel();
         let comm: &dyn Communicator = tp.group.comm().as_ref();
         for (g, d) in grads.iter_mut().zip(self.layout().decls()) {
-            if d.split == TpSplit::Replicated {
+            // Frozen parameters have empty slices (and the same on every rank).
+            let partial = sp || d.role == ParamRole::Adapter;
+            if d.split == TpSplit::Replicated && partial && !g.is_empty() {
                 comm.all_reduce(g, ferrotron_comm::ReduceOp::Sum)
-                    .map_err(|e| ModelError::Comm(format!("sequence-parallel grads: {e}")))?;
+                    .map_err(|e| ModelError::Comm(format!("tensor-parallel grads: {e}")))?;
             }
         }
         Ok(())

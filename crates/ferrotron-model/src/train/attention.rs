@@ -1,7 +1,7 @@
 //! Self-attention's training pass (Megatron-Core `SelfAttention`): `linear_qkv`, the q/k norms,
 //! rope, core attention and the row-parallel `linear_proj`, and its backward beside it.
 
-use super::backward::linear_backward;
+use super::backward::{linear_backward, trainable};
 use super::core_attention::{CoreAttnOut, KeysValues, attention_dims, attention_precision};
 use super::forward::{LayerActs, Pass, QkNormActs};
 use super::memory::Ledger;
@@ -119,8 +119,8 @@ pub(super) fn attention_backward(
     let [mut dq, mut dk, dv] =
         core_attention_and_proj_backward(layer, la, pass, &dy, grads, ledger);
     drop(dy);
-    if let Some(b) = sa.linear_proj.bias {
-        add_bias_backward(dout, grads[b.index()]);
+    if let Some(db) = sa.linear_proj.bias.and_then(|b| trainable(grads, b)) {
+        add_bias_backward(dout, db);
     }
     if let Some(rope) = pass.rope {
         rope.apply_inverse(dq.host_mut(), pass.positions, a);

@@ -6,12 +6,13 @@
 
 use super::attention::attention_backward;
 use super::forward::{Activations, LayerActs, Pass, Saved, usize_bytes};
+use super::lora::lora_backward;
 use super::memory::Ledger;
 use super::mlp::mlp_backward;
 use super::norm::{NormLayer, NormStats};
 use super::tp_ops::column_input_backward;
 use super::{GradReady, TrainBatch};
-use crate::module::{LinearParams, Norm, TransformerLayer};
+use crate::module::{LinearParams, Norm, ParamId, TransformerLayer};
 use crate::{GptModel, Result};
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
@@ -167,13 +168,14 @@ impl GptModel {
         let out_id = layout
             .output_weight()
             .expect("the last stage holds an output weight");
-        let (w_out, out_slot) = (self.param(out_id), out_id.index());
+        let w_out = self.param(out_id);
         let mut dnormed_all = Buffer::zeros(self.device(), rows * h);
         let (dl, w) = (dlogits.host(), w_out.weight_ref());
         matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);
         let dnormed = column_input_backward(self.tp.as_ref(), dnormed_all)?;
-        let (normed, dw) = (normed_final.host(), &mut *grads[out_slot]);
-        weight_grad(dl, Operand::F32(normed), w, dw, rows, v, h);
+        if let Some(dw) = trainable(grads, out_id) {
+            weight_grad(dl, Operand::F32(normed_final.host()), w, dw, rows, v, h);
+        }
         ledger.release(dlogits.bytes() + normed_final.bytes());
         drop((dlogits, normed_final));
         // Final norm: the gradient of the residual stream after the last layer.
@@ -329,9 +331,11 @@ fn input_norm_backward(
     Ok(())
 }
 
-/// Backward of `y[rows, n] = x[rows, k]·Wᵀ + b` for the linear layer `p` of `model`:
-/// **overwrites** `dx = dy·W` and **accumulates** `dW += dyᵀ·x` and (when `p` has a bias)
-/// `db += Σ_rows dy` into `grads` (table order).
+/// Backward of `y[rows, n] = x[rows, k]·Wᵀ + b` (+ its LoRA adapter's output) for the
+/// linear layer `p` of `model`: **overwrites** `dx = dy·W` (+ the adapter's part) and
+/// **accumulates** `dW += dyᵀ·x` and (when `p` has a bias) `db += Σ_rows dy` into `grads`
+/// (table order) — skipped for a frozen parameter, whose gradient slice is empty — and the
+/// adapter's gradients ([`lora_backward`]).
 pub(super) fn linear_backward(
     model: &GptModel,
     p: LinearParams,
@@ -345,8 +349,20 @@ pub(super) fn linear_backward(
     let rows = dy.len() / n;
     let w = l.weight().weight_ref();
     matmul_weight(dy, w, dx, rows, n, k, false);
-    weight_grad(dy, x, w, grads[p.weight.index()], rows, n, k);
-    if let Some(b) = p.bias {
-        add_bias_backward(dy, grads[b.index()]);
+    if let Some(dw) = trainable(grads, p.weight) {
+        weight_grad(dy, x, w, dw, rows, n, k);
     }
+    if let Some(db) = p.bias.and_then(|b| trainable(grads, b)) {
+        add_bias_backward(dy, db);
+    }
+    if let (Some(a), Some(adapter)) = (p.lora, l.lora()) {
+        lora_backward(adapter, a, x, dy, dx, grads);
+    }
+}
+
+/// The gradient slice of parameter `id`, `None` when it is frozen (an empty slice: the
+/// optimizer's buffer holds no gradient for it).
+pub(super) fn trainable<'g>(grads: &'g mut [&mut [f32]], id: ParamId) -> Option<&'g mut [f32]> {
+    let g = &mut *grads[id.index()];
+    (!g.is_empty()).then_some(g)
 }

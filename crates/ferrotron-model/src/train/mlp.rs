@@ -1,7 +1,7 @@
 //! The MLP's training pass (Megatron-Core `MLP`): `linear_fc1`, the (gated) activation and the
 //! row-parallel `linear_fc2`, and its backward beside it.
 
-use super::backward::linear_backward;
+use super::backward::{linear_backward, trainable};
 use super::forward::{LayerActs, Pass};
 use super::stored::{Kept, Stored};
 use super::tp_ops::{row_parallel_forward, row_parallel_output_grad};
@@ -59,8 +59,8 @@ pub(super) fn mlp_backward(
     let fc2 = layer.mlp.linear_fc2;
     let act = la.act.operand();
     linear_backward(model, fc2.without_bias(), act, &dy, dact.host_mut(), grads);
-    if let Some(b) = fc2.bias {
-        add_bias_backward(dout, grads[b.index()]);
+    if let Some(db) = fc2.bias.and_then(|b| trainable(grads, b)) {
+        add_bias_backward(dout, db);
     }
     drop((dy, act));
     let mut dfc1 = Buffer::zeros(dev, rows * c.fc1_size());

@@ -35,6 +35,7 @@ mod attention;
 mod backward;
 pub(crate) mod core_attention;
 pub(crate) mod forward;
+mod lora;
 mod loss;
 pub mod memory;
 mod mlp;
@@ -330,10 +331,26 @@ impl GptModel {
     }
 
     /// Checks the batch, the recompute setting and that `grads` fit the parameters (one slice
-    /// per parameter of its length, named when not).
+    /// per parameter of its length, empty for a frozen one; named when not).
     fn check_grads(&self, batch: &TrainBatch, grads: &[&mut [f32]]) -> Result<()> {
         batch.validate(self)?;
         self.local_config().validate_recompute()?;
-        self.check_slices(grads.iter().map(|g| g.len()))
+        let table = self.param_table();
+        let frozen_len = |i: usize, g: &&mut [f32]| match table.is_frozen(i) {
+            true if g.is_empty() => table.numel(i),
+            _ => g.len(),
+        };
+        self.check_slices(grads.iter().enumerate().map(|(i, g)| frozen_len(i, g)))?;
+        match grads
+            .iter()
+            .enumerate()
+            .find(|(i, g)| table.is_frozen(*i) && !g.is_empty())
+        {
+            Some((i, _)) => Err(crate::ModelError::Input(format!(
+                "{}: a frozen parameter takes an empty gradient slice",
+                self.layout().decls()[i].name
+            ))),
+            None => Ok(()),
+        }
     }
 }

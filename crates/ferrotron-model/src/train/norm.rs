@@ -133,6 +133,10 @@ impl<'m> NormLayer<'m> {
         dx: &mut [f32],
         grads: &mut [&mut [f32]],
     ) -> Result<()> {
+        let ids = [self.ids.weight, self.ids.bias];
+        if ids.iter().flatten().any(|id| grads[id.index()].is_empty()) {
+            return self.frozen_backward(x, n, stats, dy, dx, grads.len());
+        }
         let mut dweight = self
             .ids
             .weight
@@ -174,6 +178,34 @@ impl<'m> NormLayer<'m> {
             grads[id.index()] = dw;
         }
         Ok(())
+    }
+}
+
+impl NormLayer<'_> {
+    /// [`NormLayer::backward`] of a frozen norm (LoRA): `dx` only, the gain and bias
+    /// gradients going to scratch (`num_params` is the table's length).
+    fn frozen_backward(
+        &self,
+        x: &[f32],
+        n: usize,
+        stats: &NormStats,
+        dy: &[f32],
+        dx: &mut [f32],
+        num_params: usize,
+    ) -> Result<()> {
+        let width = self.weight.as_ref().map_or(0, |w| w.len());
+        let ids: Vec<usize> = [self.ids.weight, self.ids.bias]
+            .into_iter()
+            .flatten()
+            .map(|id| id.index())
+            .collect();
+        let mut scratch = vec![vec![0f32; width]; ids.len()];
+        let mut grads: Vec<&mut [f32]> =
+            (0..num_params).map(|_| -> &mut [f32] { &mut [] }).collect();
+        for (&i, g) in ids.iter().zip(&mut scratch) {
+            grads[i] = g;
+        }
+        self.backward(x, n, stats, dy, dx, &mut grads)
     }
 }
 

@@ -20,6 +20,9 @@ pub struct ParamInfo {
     pub is_norm_or_bias: bool,
     /// The word embedding (or the untied output layer): a `[v, h]` table.
     pub is_embedding: bool,
+    /// Frozen (under LoRA, every parameter but the adapters): no gradient, no optimizer
+    /// state; its gradient slice is empty.
+    pub frozen: bool,
 }
 
 impl ParamInfo {
@@ -46,16 +49,26 @@ impl GptModel {
                 shape: table.shape(i).to_vec(),
                 is_norm_or_bias: d.role.is_norm_or_bias(),
                 is_embedding: d.role == crate::module::ParamRole::Embedding,
+                frozen: table.is_frozen(i),
             })
             .collect()
     }
 
-    /// One zeroed f32 vector per parameter, in table order, each [`ParamInfo::numel`] long:
-    /// gradient storage for [`GptModel::forward_backward`].
+    /// One zeroed f32 vector per parameter, in table order, each [`ParamInfo::numel`] long
+    /// (empty for a frozen one): gradient storage for [`GptModel::forward_backward`].
     pub fn zero_grads(&self) -> Vec<Vec<f32>> {
         let table = self.param_table();
         (0..table.len())
-            .map(|i| vec![0f32; table.numel(i)])
+            .map(|i| {
+                vec![
+                    0f32;
+                    if table.is_frozen(i) {
+                        0
+                    } else {
+                        table.numel(i)
+                    }
+                ]
+            })
             .collect()
     }
 

@@ -178,6 +178,10 @@ impl GptModel {
         dtable: &mut [f32],
     ) -> Result<()> {
         let h = self.local_config().hidden_size;
+        if dtable.is_empty() {
+            // A frozen table (LoRA): no gradient, and no collective on any rank.
+            return Ok(());
+        }
         let Some(tp) = &self.tp else {
             embedding_backward(ids, dlocal, dtable, h);
             return Ok(());

@@ -1,0 +1,266 @@
+//! LoRA against HF PEFT on the committed fixtures (`tools/make_lora_fixture.py`: PEFT 0.21.2
+//! adapters on every projection of tiny-llama and tiny-qwen2, q/k/v and gate/up sharing
+//! `lora_A`, random `lora_B`): the adapter read onto the base gives PEFT's logits, loss and
+//! every adapter gradient; written back, it is PEFT's adapter tensor for tensor; merged, it
+//! gives the same logits without adapters.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use ferrotron_checkpoint::peft::PeftAdapter;
+use ferrotron_checkpoint::write_peft_adapter;
+use ferrotron_model::families::load_hf_model;
+use ferrotron_model::module::ParamRole;
+use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
+use ferrotron_tensor::DType;
+use ferrotron_tensor::ops::IGNORE_INDEX;
+use safetensors::SafeTensors;
+
+const MODELS: [&str; 2] = ["tiny-llama", "tiny-qwen2"];
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+}
+
+/// A safetensors file's tensors: shape and raw little-endian bytes by name.
+type Tensors = HashMap<String, (Vec<usize>, Vec<u8>)>;
+
+/// Every tensor of a safetensors file.
+fn read(path: PathBuf) -> Tensors {
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.shape().to_vec(), v.data().to_vec())))
+        .collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// The base model with the fixture's PEFT adapter, the adapter, and the reference tensors.
+fn adapted(name: &str) -> (GptModel, PeftAdapter, Tensors) {
+    let (base, _) = load_hf_model(&fixtures().join(name), DType::F32).unwrap();
+    let adapter = PeftAdapter::read(&fixtures().join("lora").join(name)).unwrap();
+    let model = adapter.apply_to(base).unwrap();
+    let reference = read(
+        fixtures()
+            .join("lora")
+            .join(name)
+            .join("reference.safetensors"),
+    );
+    (model, adapter, reference)
+}
+
+/// The tiny fixture's input ids `[b, s]`.
+fn input_ids(name: &str) -> (Vec<u32>, usize, usize) {
+    let t = read(fixtures().join(name).join("reference.safetensors"));
+    let (shape, bytes) = &t["input_ids"];
+    let ids = bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32);
+    (ids.collect(), shape[0], shape[1])
+}
+
+/// Logits `[b, s, v]` of `model` on the fixture's inputs.
+fn logits(model: &GptModel, name: &str) -> Vec<f32> {
+    let (ids, b, s) = input_ids(name);
+    let sb: Vec<u32> = (0..s * b).map(|i| ids[(i % b) * s + i / b]).collect();
+    let mut cache = KvCache::new(model.config(), b, s).unwrap();
+    let out = model.forward(&sb, &mut cache, LogitsMode::All).unwrap();
+    let v = model.config().vocab_size;
+    let mut bsv = vec![0f32; out.len()];
+    for t in 0..s {
+        for j in 0..b {
+            bsv[(j * s + t) * v..][..v].copy_from_slice(&out[(t * b + j) * v..][..v]);
+        }
+    }
+    bsv
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn peft_adapters_give_pefts_logits_and_merge_to_them() {
+    for name in MODELS {
+        let (model, _, reference) = adapted(name);
+        let want = f32s(&reference["logits"].1);
+        let (base, _) = load_hf_model(&fixtures().join(name), DType::F32).unwrap();
+        assert!(
+            max_diff(&logits(&base, name), &want) > 1e-2,
+            "{name}: the adapter matters"
+        );
+        let got = logits(&model, name);
+        let d = max_diff(&got, &want);
+        assert!(d < 1e-4, "{name}: logits differ from PEFT's by {d}");
+        let merged = model.merge_lora().unwrap();
+        assert!(merged.config().lora.is_none());
+        assert_eq!(
+            merged.parameters().len(),
+            load_hf_model(&fixtures().join(name), DType::F32)
+                .unwrap()
+                .0
+                .parameters()
+                .len()
+        );
+        let d = max_diff(&logits(&merged, name), &want);
+        assert!(d < 1e-4, "{name}: merged logits differ from PEFT's by {d}");
+    }
+}
+
+#[test]
+fn adapter_gradients_match_peft() {
+    for name in MODELS {
+        let (model, _, reference) = adapted(name);
+        let (ids, b, s) = input_ids(name);
+        let labels: Vec<i64> = (0..b * s)
+            .map(|i| {
+                if i % s == s - 1 {
+                    IGNORE_INDEX
+                } else {
+                    ids[i + 1] as i64
+                }
+            })
+            .collect();
+        let batch = TrainBatch::from_batch_major(&ids, &labels, None, b, s);
+        let mut grads = model.zero_grads();
+        let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
+        let loss = model
+            .forward_backward(&batch, &mut views, 1.0)
+            .unwrap()
+            .loss;
+        let want_loss = f32s(&reference["loss"].1)[0];
+        assert!(
+            (loss - want_loss).abs() < 1e-5,
+            "{name}: loss {loss} vs PEFT {want_loss}"
+        );
+        // Only the adapters have gradients.
+        for (p, g) in model.parameters().iter().zip(&grads) {
+            assert_eq!(p.frozen, g.is_empty(), "{}", p.name);
+        }
+        // Our gradients in PEFT's names: a copy of the model holding them as its adapters.
+        let mut as_values = model.clone();
+        let adapters: Vec<usize> = (0..grads.len())
+            .filter(|&i| model.layout().decls()[i].role == ParamRole::Adapter)
+            .collect();
+        as_values
+            .load_parameters_with(&adapters, |i| std::borrow::Cow::Borrowed(&grads[i]))
+            .unwrap();
+        let ours: HashMap<String, Vec<f32>> = as_values
+            .peft_tensors()
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.name, t.values))
+            .collect();
+        let grad = |n: &str| f32s(&reference[&format!("grad.{n}")].1);
+        let mut checked = 0;
+        for (n, got) in &ours {
+            let want = if n.contains("lora_A") {
+                // A fused layer's shared lora_A gets the sum of its projections' gradients.
+                let fused: &[&str] = match () {
+                    _ if n.contains("self_attn") && !n.contains("o_proj") => {
+                        &["q_proj", "k_proj", "v_proj"]
+                    }
+                    _ if n.contains("gate_proj") || n.contains("up_proj") => {
+                        &["gate_proj", "up_proj"]
+                    }
+                    _ => &[""],
+                };
+                let own = fused
+                    .iter()
+                    .find(|p| !p.is_empty() && n.contains(*p))
+                    .copied();
+                let mut sum = vec![0f32; got.len()];
+                for p in fused {
+                    let other = match own {
+                        Some(own) => n.replace(own, p),
+                        None => n.clone(),
+                    };
+                    sum.iter_mut().zip(grad(&other)).for_each(|(s, g)| *s += g);
+                }
+                sum
+            } else {
+                grad(n)
+            };
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+            let d = max_diff(got, &want);
+            assert!(
+                d <= 1e-4 * scale,
+                "{name}: {n} gradient differs from PEFT's by {d} (max {scale})"
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 28, "{name}: 2 layers x 7 projections x (A, B)");
+    }
+}
+
+#[test]
+fn written_adapters_are_pefts_tensor_for_tensor() {
+    for name in MODELS {
+        let (model, adapter, _) = adapted(name);
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("adapter");
+        write_peft_adapter(&model, &out, &format!("fixtures/{name}"), false).unwrap();
+        let ours = read(out.join("adapter_model.safetensors"));
+        let theirs = read(
+            fixtures()
+                .join("lora")
+                .join(name)
+                .join("adapter_model.safetensors"),
+        );
+        assert_eq!(ours.len(), theirs.len());
+        for (n, (shape, bytes)) in &theirs {
+            assert_eq!(
+                ours.get(n),
+                Some(&(shape.clone(), bytes.clone())),
+                "{name}: {n}"
+            );
+        }
+        let back = PeftAdapter::read(&out).unwrap();
+        assert_eq!((back.rank, back.alpha), (adapter.rank, adapter.alpha));
+        // An existing output is kept unless forced.
+        assert!(write_peft_adapter(&model, &out, "x", false).is_err());
+        write_peft_adapter(&model, &out, "x", true).unwrap();
+    }
+}
+
+#[test]
+fn bad_adapters_are_named() {
+    let (base, _) = load_hf_model(&fixtures().join("tiny-llama"), DType::F32).unwrap();
+    let mut adapter = PeftAdapter::read(&fixtures().join("lora/tiny-llama")).unwrap();
+    let k = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight";
+    adapter.tensors.get_mut(k).unwrap().values[0] += 1.0;
+    let err = adapter.apply_to(base.clone()).unwrap_err().to_string();
+    assert!(
+        err.contains("k_proj.lora_A.weight differs from") && err.contains("share lora_A"),
+        "{err}"
+    );
+    let mut partial = PeftAdapter::read(&fixtures().join("lora/tiny-llama")).unwrap();
+    partial
+        .tensors
+        .retain(|n, _| !n.contains("layers.1.self_attn.v_proj"));
+    let err = partial.apply_to(base.clone()).unwrap_err().to_string();
+    assert!(
+        err.contains("adapts only some of") && err.contains("linear_qkv"),
+        "{err}"
+    );
+    let mut extra = PeftAdapter::read(&fixtures().join("lora/tiny-llama")).unwrap();
+    let mut head = extra.tensors.values().next().unwrap().clone();
+    head.name = "base_model.model.lm_head.lora_A.weight".into();
+    extra.tensors.insert(head.name.clone(), head);
+    let err = extra.apply_to(base).unwrap_err().to_string();
+    assert!(
+        err.contains("lm_head.lora_A.weight") && err.contains("no LoRA adapter"),
+        "{err}"
+    );
+}

@@ -1,0 +1,234 @@
+//! A model's LoRA adapters as the tensors of a HuggingFace PEFT adapter
+//! (`adapter_model.safetensors`, PEFT's `LoraModel` names) and back.
+//!
+//! PEFT adapts each HF projection on its own (`q_proj`, `k_proj`, `v_proj`, `gate_proj`,
+//! `up_proj`, ...); our fused `linear_qkv` / `linear_fc1` carry one adapter whose `A` every
+//! projection shares. So the export is exact: each projection's `lora_A` is that `A`, its
+//! `lora_B` the rows of `B` that make up the projection (q/k/v interleaved per query group
+//! as the base weight's are, [`crate::module::HfPart`]), and `Δ = (alpha/r)·B_q·A` is the
+//! same matrix PEFT computes. Importing needs the projections of one fused layer to share
+//! their `lora_A` (bit for bit), as an adapter made that way does.
+
+use crate::lora::LoraConfig;
+use crate::module::{HfPart, LinearParams};
+use crate::{GptModel, ModelError, Result};
+
+/// PEFT's prefix of every module name in a saved adapter (`PeftModel.base_model.model`).
+const PEFT_PREFIX: &str = "base_model.model.";
+
+/// One tensor of a PEFT adapter: its name in `adapter_model.safetensors` and its `[rows,
+/// cols]` f32 values (row-major).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeftTensor {
+    /// E.g. `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+    pub name: String,
+    /// `[r, in]` for `lora_A`, `[out, r]` for `lora_B`.
+    pub shape: [usize; 2],
+    /// Row-major values.
+    pub values: Vec<f32>,
+}
+
+/// The HF module (`model.layers.0.self_attn.q_proj`) of a base weight's HF part.
+fn hf_module(part: &HfPart) -> &str {
+    part.name.strip_suffix(".weight").unwrap_or(&part.name)
+}
+
+fn peft_name(part: &HfPart, matrix: &str) -> String {
+    format!("{PEFT_PREFIX}{}.{matrix}.weight", hf_module(part))
+}
+
+/// The HF modules of `model` that carry an adapter (PEFT's `target_modules` as full module
+/// names, e.g. `model.layers.0.self_attn.q_proj`), in table order.
+pub fn peft_module_names(model: &GptModel) -> Vec<String> {
+    model
+        .adapted_linears()
+        .flat_map(|p| model.layout().decl(p.weight).hf.clone())
+        .map(|part| hf_module(&part).to_string())
+        .collect()
+}
+
+impl GptModel {
+    /// The linear layers that carry an adapter.
+    fn adapted_linears(&self) -> impl Iterator<Item = LinearParams> + '_ {
+        self.linear_params().filter(|p| p.lora.is_some())
+    }
+
+    /// Every adapter as PEFT tensors (`lora_A`, then `lora_B`, per HF projection in table
+    /// order); see the module doc. Whole models only.
+    ///
+    /// # Errors
+    /// A shard or stage, or a model without adapters.
+    pub fn peft_tensors(&self) -> Result<Vec<PeftTensor>> {
+        self.require_adapters()?;
+        let mut out = Vec::new();
+        for p in self.adapted_linears() {
+            let a = p.lora.expect("adapted");
+            let a_view = self.param(a.linear_in);
+            let (r, k) = (a_view.shape()[0], a_view.shape()[1]);
+            let a_values = a_view.to_f32().into_owned();
+            let b = self.param(a.linear_out).to_f32();
+            for part in &self.layout().decl(p.weight).hf {
+                out.push(PeftTensor {
+                    name: peft_name(part, "lora_A"),
+                    shape: [r, k],
+                    values: a_values.clone(),
+                });
+                let rows: Vec<f32> = part
+                    .rows
+                    .iter()
+                    .flat_map(|range| &b[range.start * r..range.end * r])
+                    .copied()
+                    .collect();
+                out.push(PeftTensor {
+                    name: peft_name(part, "lora_B"),
+                    shape: [rows.len() / r, r],
+                    values: rows,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sets every adapter from a PEFT adapter's tensors, `get(name)` giving the tensor of
+    /// that name ([`GptModel::peft_tensors`]' names and shapes). Whole models only.
+    ///
+    /// # Errors
+    /// A shard or stage, a model without adapters, a missing tensor or one of another
+    /// shape (naming it), or projections of one fused layer whose `lora_A` differ (naming
+    /// both). The adapters written before the error keep their new values.
+    pub fn load_peft_tensors(
+        &mut self,
+        mut get: impl FnMut(&str) -> Option<PeftTensor>,
+    ) -> Result<()> {
+        self.require_adapters()?;
+        let linears: Vec<LinearParams> = self.adapted_linears().collect();
+        for p in linears {
+            let a = p.lora.expect("adapted");
+            let a_shape = self.param(a.linear_in).shape().to_vec();
+            let r = a_shape[0];
+            let mut b = self.param(a.linear_out).to_f32().into_owned();
+            let mut shared_a: Option<(String, Vec<f32>)> = None;
+            for part in self.layout().decl(p.weight).hf.clone() {
+                let a_name = peft_name(&part, "lora_A");
+                let t = fetch(&mut get, &a_name, [a_shape[0], a_shape[1]])?;
+                match &shared_a {
+                    Some((first, values)) if *values != t.values => {
+                        return Err(ModelError::Input(format!(
+                            "{a_name} differs from {first}: the fused layer {} has one \
+                             adapter, so its projections must share lora_A",
+                            self.layout().decl(p.weight).name
+                        )));
+                    }
+                    Some(_) => {}
+                    None => shared_a = Some((a_name, t.values)),
+                }
+                let rows: usize = part.rows.iter().map(|range| range.len()).sum();
+                let t = fetch(&mut get, &peft_name(&part, "lora_B"), [rows, r])?;
+                let mut src = t.values.iter();
+                for range in &part.rows {
+                    for v in &mut b[range.start * r..range.end * r] {
+                        *v = *src.next().expect("rows counted");
+                    }
+                }
+            }
+            let (a_name, values) = shared_a.expect("a linear weight has an HF part");
+            let in_name = self.layout().decl(a.linear_in).name.clone();
+            self.param_table_mut()
+                .set_from_f32(a.linear_in.index(), &in_name, &values)
+                .map_err(|e| ModelError::Input(format!("{a_name}: {e}")))?;
+            let out_name = self.layout().decl(a.linear_out).name.clone();
+            self.param_table_mut()
+                .set_from_f32(a.linear_out.index(), &out_name, &b)?;
+        }
+        Ok(())
+    }
+
+    fn require_adapters(&self) -> Result<()> {
+        self.require_whole("PEFT adapters are mapped")?;
+        if self.config().lora.is_none() {
+            return Err(ModelError::Input("the model has no LoRA adapters".into()));
+        }
+        Ok(())
+    }
+}
+
+/// `get(name)`, checked to exist with `shape`.
+fn fetch(
+    get: &mut impl FnMut(&str) -> Option<PeftTensor>,
+    name: &str,
+    shape: [usize; 2],
+) -> Result<PeftTensor> {
+    let t = get(name)
+        .ok_or_else(|| ModelError::Input(format!("PEFT adapter tensor {name} is missing")))?;
+    if t.shape != shape || t.values.len() != shape[0] * shape[1] {
+        return Err(ModelError::Input(format!(
+            "PEFT adapter tensor {name} is {:?} ({} values), the model needs {shape:?}",
+            t.shape,
+            t.values.len()
+        )));
+    }
+    Ok(t)
+}
+
+impl GptModel {
+    /// The [`LoraConfig`] that puts adapters exactly where a PEFT adapter of rank `r` and
+    /// `alpha` has them: `adapted(module)` says whether the adapter holds tensors for an HF
+    /// module (`model.layers.0.self_attn.q_proj`). A module kind adapted in every layer is
+    /// named bare (`linear_qkv`), otherwise each adapted layer by its Megatron name.
+    ///
+    /// # Errors
+    /// Some but not all of a fused layer's projections adapted (naming them), or none at
+    /// all.
+    pub fn peft_lora_config(
+        &self,
+        rank: usize,
+        alpha: f32,
+        adapted: impl Fn(&str) -> bool,
+    ) -> Result<LoraConfig> {
+        let mut targets: Vec<String> = Vec::new();
+        let mut kinds: Vec<(String, usize)> = Vec::new();
+        for p in self.linear_params() {
+            let decl = self.layout().decl(p.weight);
+            let module = decl.name.strip_suffix(".weight").unwrap_or(&decl.name);
+            let parts: Vec<&str> = decl.hf.iter().map(hf_module).collect();
+            let on: Vec<bool> = parts.iter().map(|m| adapted(m)).collect();
+            if on.iter().all(|&b| !b) {
+                continue;
+            }
+            if on.iter().any(|&b| !b) {
+                return Err(ModelError::Input(format!(
+                    "the PEFT adapter adapts only some of {parts:?}, which {module} fuses: it \
+                     takes one adapter for all of them"
+                )));
+            }
+            let kind = module.rsplit('.').next().unwrap_or(module).to_string();
+            match kinds.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, n)) => *n += 1,
+                None => kinds.push((kind, 1)),
+            }
+            targets.push(module.to_string());
+        }
+        if targets.is_empty() {
+            return Err(ModelError::Input(
+                "the PEFT adapter adapts none of the model's linear layers".into(),
+            ));
+        }
+        let layers = self.layers().len();
+        let whole: Vec<&String> = kinds
+            .iter()
+            .filter(|(_, n)| *n == layers)
+            .map(|(k, _)| k)
+            .collect();
+        targets.retain(|t| !whole.iter().any(|k| t.ends_with(&format!(".{k}"))));
+        let mut target_modules: Vec<String> = whole.into_iter().cloned().collect();
+        target_modules.extend(targets);
+        let lora = LoraConfig {
+            target_modules,
+            rank,
+            alpha,
+            dropout: 0.0,
+        };
+        lora.validate()?;
+        Ok(lora)
+    }
+}

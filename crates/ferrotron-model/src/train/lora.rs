@@ -1,0 +1,57 @@
+//! The backward of a LoRA adapter (`y += s·(x·Aᵀ)·Bᵀ`, [`ferrotron_nn::LoraAdapter`]),
+//! beside its base layer's backward in `backward.rs::linear_backward`.
+//!
+//! The adapter's bottleneck `z = s·x·Aᵀ` (`[rows, r]`) is recomputed from the layer's saved
+//! input rather than kept: it costs `2·rows·in·r` FLOPs, a small fraction of the base
+//! layer's, and no activation memory.
+
+use crate::module::LoraParams;
+use ferrotron_nn::LoraAdapter;
+use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
+use ferrotron_tensor::gemm_bf16::Operand;
+
+/// Backward of adapter `p` (values `adapter`) for the layer input `x: [rows, in]` and output
+/// gradient `dy: [rows, out]`: **accumulates** `dB += dyᵀ·z` and `dA += dzᵀ·x` (with
+/// `dz = s·dy·B`) into `grads` (table order) and `dx += dz·A` into the layer's input
+/// gradient.
+///
+/// Under tensor parallelism each rank's `dz` (column-parallel base: `B`'s rows are split) or
+/// `z` (row-parallel base: `A`'s columns are split) is a partial sum over the ranks, so the
+/// replicated matrix's gradient is too; `GptModel::finalize_grads` all-reduces it, and `dx`
+/// joins the base layer's partial input gradient.
+pub(super) fn lora_backward(
+    adapter: &LoraAdapter<'_>,
+    p: LoraParams,
+    x: Operand<'_>,
+    dy: &[f32],
+    dx: &mut [f32],
+    grads: &mut [&mut [f32]],
+) {
+    let (a, b) = (adapter.linear_in, adapter.linear_out);
+    let (r, k, n) = (adapter.rank(), a.shape()[1], b.shape()[0]);
+    let rows = dy.len() / n;
+    let mut z = vec![0f32; rows * r];
+    adapter.down(&x.to_f32(), &mut z);
+    weight_grad(
+        dy,
+        Operand::F32(&z),
+        b.weight_ref(),
+        grads[p.linear_out.index()],
+        rows,
+        n,
+        r,
+    );
+    let mut dz = z;
+    matmul_weight(dy, b.weight_ref(), &mut dz, rows, n, r, false);
+    dz.iter_mut().for_each(|v| *v *= adapter.scale);
+    weight_grad(
+        &dz,
+        x,
+        a.weight_ref(),
+        grads[p.linear_in.index()],
+        rows,
+        r,
+        k,
+    );
+    matmul_weight(&dz, a.weight_ref(), dx, rows, r, k, true);
+}
