@@ -16,7 +16,7 @@ fn four_params(config: BufferConfig) -> ParamAndGradBuffer {
 fn offsets(buf: &ParamAndGradBuffer) -> Vec<(usize, usize)> {
     buf.params()
         .iter()
-        .map(|p| (p.offset, p.bucket_id))
+        .map(|p| (p.offset, p.bucket_id.expect("not frozen")))
         .collect()
 }
 
@@ -115,7 +115,7 @@ fn slices_do_not_overlap_and_views_write_the_right_grads() {
     assert!(ranges.windows(2).all(|w| w[0].end <= w[1].start));
     for (i, p) in buf.params().iter().enumerate() {
         let r = p.range();
-        let bucket = &buf.buckets()[p.bucket_id];
+        let bucket = &buf.buckets()[p.bucket_id.unwrap()];
         assert!(bucket.start <= r.start && r.end <= bucket.end, "param {i}");
     }
     let ids: Vec<ParamId> = (0..4).map(ParamId).collect();
@@ -220,4 +220,39 @@ fn param_storage_is_lent_and_put_back() {
     assert_eq!(buf.grad(a)[0], 3.0);
     let again = ParamStorage::zeros(DType::BF16, buf.numel());
     assert!(buf.put_params(again).is_err());
+}
+
+/// A frozen parameter (a LoRA model's base) keeps its place in the registration order but
+/// takes no elements, no bucket and no place in buffer order; the others lay out as if it
+/// were absent.
+#[test]
+fn frozen_parameters_take_no_room() {
+    let cfg = BufferConfig::new(DType::BF16, 2);
+    let mut b = ParamAndGradBufferBuilder::new(cfg.clone());
+    b.register_auto("a.weight", &[10, 17]).unwrap();
+    let frozen = ParamFlags {
+        frozen: true,
+        ..ParamFlags::default()
+    };
+    b.register("base.weight", &[100, 3], frozen).unwrap();
+    b.register_auto("c.weight", &[4, 4]).unwrap();
+    let mut buf = b.build().unwrap();
+    let mut without = ParamAndGradBufferBuilder::new(cfg);
+    without.register_auto("a.weight", &[10, 17]).unwrap();
+    without.register_auto("c.weight", &[4, 4]).unwrap();
+    let without = without.build().unwrap();
+    assert_eq!(buf.numel(), without.numel());
+    assert_eq!(buf.info(ParamId(1)).numel, 0);
+    assert_eq!(buf.info(ParamId(1)).bucket_id, None);
+    assert_eq!(buf.buffer_order(), &[ParamId(2), ParamId(0)]);
+    assert!(
+        buf.buckets()
+            .iter()
+            .all(|bk| !bk.params.contains(&ParamId(1)))
+    );
+    let grads = buf.grad_slices_mut();
+    assert_eq!(
+        grads.iter().map(|g| g.len()).collect::<Vec<_>>(),
+        [170, 0, 16]
+    );
 }

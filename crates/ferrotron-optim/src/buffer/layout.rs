@@ -132,6 +132,11 @@ pub struct ParamFlags {
     /// on tp rank > 0 and on the last stage's copy of a tied embedding (Megatron's
     /// `param_is_not_tensor_parallel_duplicate` / `param_is_not_shared` filter).
     pub exclude_from_grad_norm: bool,
+    /// Frozen (Megatron's `requires_grad = False`, e.g. a LoRA model's base): registered so
+    /// every per-parameter list keeps the model's order, but it takes no elements of the
+    /// buffer, no bucket, no gradient and no optimizer state.
+    #[serde(default)]
+    pub frozen: bool,
 }
 
 impl ParamFlags {
@@ -152,12 +157,12 @@ pub struct ParamInfo {
     pub name: String,
     /// Logical shape (row-major); `numel` is its product.
     pub shape: Vec<usize>,
-    /// Number of elements.
+    /// Number of elements in the buffer: the shape's product, 0 for a frozen parameter.
     pub numel: usize,
     /// First flat element index in the param and grad buffers.
     pub offset: usize,
-    /// Index of the bucket holding this parameter.
-    pub bucket_id: usize,
+    /// Index of the bucket holding this parameter; `None` for a frozen one.
+    pub bucket_id: Option<usize>,
     /// Weight-decay / norm / embedding flags.
     pub flags: ParamFlags,
 }
@@ -214,7 +219,7 @@ impl BucketInfo {
 #[derive(Debug, Clone)]
 pub(crate) struct Layout {
     /// (offset, bucket_id) per param id.
-    pub placements: Vec<(usize, usize)>,
+    pub placements: Vec<(usize, Option<usize>)>,
     pub buckets: Vec<BucketInfo>,
     pub numel: usize,
 }
@@ -252,11 +257,13 @@ fn close_bucket(
 }
 
 /// Computes the layout of params with the given element counts and flags (indexed by
-/// registration id). Megatron's algorithm, see the module docs.
+/// registration id). Megatron's algorithm, see the module docs; a frozen parameter is left
+/// out (no elements, no bucket), as Megatron builds its buffers from the parameters that
+/// require gradients.
 pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags)]) -> Layout {
     let divisor = config.bucket_size_divisor();
     let pad = config.pad_for_sharding;
-    let mut placements = vec![(0usize, 0usize); params.len()];
+    let mut placements = vec![(0usize, None); params.len()];
     let mut buckets: Vec<BucketInfo> = Vec::new();
     let mut bucket_start = 0usize;
     let mut bucket_params: Vec<ParamId> = Vec::new();
@@ -270,6 +277,10 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
     };
     for id in order {
         let (numel, flags) = params[id];
+        if flags.frozen {
+            placements[id] = (param_start, None);
+            continue;
+        }
         if pad {
             param_start = pad_to(param_start, PARAM_START_ALIGN);
         }
@@ -284,7 +295,7 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
             );
         }
         param_end = param_start + numel;
-        placements[id] = (param_start, buckets.len());
+        placements[id] = (param_start, Some(buckets.len()));
         bucket_params.push(ParamId(id));
         let full = config
             .bucket_size

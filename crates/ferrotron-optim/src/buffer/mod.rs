@@ -93,7 +93,7 @@ impl ParamAndGradBufferBuilder {
         let sizes: Vec<(usize, ParamFlags)> = self
             .params
             .iter()
-            .map(|(_, shape, flags)| (shape.iter().product(), *flags))
+            .map(|(_, shape, flags)| (numel(shape, flags), *flags))
             .collect();
         let layout = layout::compute_layout(&self.config, &sizes);
         let params: Vec<ParamInfo> = self
@@ -101,7 +101,7 @@ impl ParamAndGradBufferBuilder {
             .into_iter()
             .zip(&layout.placements)
             .map(|((name, shape, flags), &(offset, bucket_id))| ParamInfo {
-                numel: shape.iter().product(),
+                numel: numel(&shape, &flags),
                 name,
                 shape,
                 offset,
@@ -109,7 +109,11 @@ impl ParamAndGradBufferBuilder {
                 flags,
             })
             .collect();
-        let mut order: Vec<ParamId> = (0..params.len()).map(ParamId).collect();
+        // Frozen parameters hold no elements: they are in no bucket and not in buffer order.
+        let mut order: Vec<ParamId> = (0..params.len())
+            .filter(|&i| !params[i].flags.frozen)
+            .map(ParamId)
+            .collect();
         order.sort_by_key(|id| params[id.0].offset);
         Ok(ParamAndGradBuffer {
             param_data: Some(ParamStorage::zeros(self.config.param_dtype, layout.numel)),
@@ -120,6 +124,15 @@ impl ParamAndGradBufferBuilder {
             buckets: layout.buckets,
             order,
         })
+    }
+}
+
+/// Elements a parameter takes in the buffer: its shape's, none when frozen.
+fn numel(shape: &[usize], flags: &ParamFlags) -> usize {
+    if flags.frozen {
+        0
+    } else {
+        shape.iter().product()
     }
 }
 
@@ -172,7 +185,8 @@ impl ParamAndGradBuffer {
     pub fn params(&self) -> &[ParamInfo] {
         &self.params
     }
-    /// Parameter ids in buffer order (ascending offset).
+    /// Parameter ids in buffer order (ascending offset); frozen ones, which the buffer does
+    /// not hold, are left out.
     pub fn buffer_order(&self) -> &[ParamId] {
         &self.order
     }
@@ -398,13 +412,17 @@ impl ParamAndGradBuffer {
 }
 
 /// Splits `data` into one exclusive slice per parameter (ranges are disjoint; `order` sorts
-/// them by offset), returned indexed by param id.
+/// them by offset; a frozen parameter's is empty), returned indexed by param id.
 fn split_disjoint<'a, E>(
     data: &'a mut [E],
     params: &[ParamInfo],
     order: &[ParamId],
 ) -> Vec<&'a mut [E]> {
-    let mut out: Vec<Option<&'a mut [E]>> = (0..params.len()).map(|_| None).collect();
+    // Frozen parameters (not in `order`) get empty slices.
+    let mut out: Vec<Option<&'a mut [E]>> = params
+        .iter()
+        .map(|p| p.flags.frozen.then_some(&mut [][..]))
+        .collect();
     let mut rest = data;
     let mut consumed = 0;
     for id in order {

@@ -1,7 +1,7 @@
 //! Run configuration of `ferrotron train --config run.toml [--set section.key=value ...]`.
 //!
 //! The TOML uses Megatron's argument names, grouped in sections (`[model]`, `[data]`,
-//! `[training]`, `[optimizer]`, `[precision]`, `[checkpoint]`, `[logging]`). Loading is two
+//! `[training]`, `[optimizer]`, `[precision]`, `[checkpoint]`, `[logging]`, `[lora]`). Loading is two
 //! steps: the text (plus `--set` overrides) is parsed into a [`RawConfig`], then
 //! [`RunConfig::from_raw`] checks everything and derives the values the trainer uses. Both steps
 //! collect *every* problem and report them together in one [`ConfigError`], each naming its key.
@@ -14,7 +14,7 @@ mod validate;
 mod values;
 
 pub use sections::{
-    BlendItem, CheckpointSection, DataPath, DataSection, LoggingSection, ModelSection,
+    BlendItem, CheckpointSection, DataPath, DataSection, LoggingSection, LoraSection, ModelSection,
     OptimizerSection, ParallelSection, PrecisionSection, RawConfig, SECTIONS, TrainingSection,
 };
 pub use types::{
@@ -199,6 +199,7 @@ pub fn parse_raw(text: &str, overrides: &[String]) -> Result<RawConfig, ConfigEr
         parallel: section_from_table("parallel", take("parallel"), &mut problems),
         checkpoint: section_from_table("checkpoint", take("checkpoint"), &mut problems),
         logging: section_from_table("logging", take("logging"), &mut problems),
+        lora: section_from_table("lora", take("lora"), &mut problems),
     };
     if problems.is_empty() {
         Ok(raw)

@@ -301,8 +301,42 @@ section! {
         load: Option<PathBuf> = None,
         /// Keep only the newest K checkpoints. Default: unset (keep all).
         keep_last: Option<usize> = None,
-        /// Export the final model as an HF directory here. Default: unset.
+        /// Export the final model as an HF directory here (a LoRA run's adapters merged into
+        /// the base weights, NeMo's `LoRAMerge`). Default: unset.
         export_hf: Option<PathBuf> = None,
+        /// A LoRA run: export the final adapters as a HuggingFace PEFT directory here
+        /// (`adapter_config.json` + `adapter_model.safetensors`, which
+        /// `peft.PeftModel.from_pretrained` loads onto the base). Default: unset.
+        export_peft: Option<PathBuf> = None,
+    }
+}
+
+section! {
+    /// `[lora]`: LoRA fine-tuning (NeMo's `LoRA` transform,
+    /// `nemo/collections/llm/peft/lora.py`): adapters on the targeted linear layers, every
+    /// other parameter frozen (no gradient, no optimizer state; checkpoints hold the adapters).
+    LoraSection, "lora" {
+        /// Train LoRA adapters on the base of `model.load` instead of the whole model.
+        /// Default: false.
+        enabled: bool = false,
+        /// The linear layers that get an adapter: `linear_qkv`, `linear_proj`, `linear_fc1`,
+        /// `linear_fc2` (in every layer), or whole Megatron module names with `*` wildcards
+        /// (e.g. "*.layers.0.*.linear_qkv"). Default: all four (NeMo's).
+        target_modules: Vec<String> = ferrotron_model::lora::LORA_MODULES
+            .iter()
+            .map(|m| m.to_string())
+            .collect(),
+        /// Adapter rank (NeMo `dim`, PEFT `r`). Default: 32 (NeMo's).
+        rank: usize = 32,
+        /// Scale numerator: adapter outputs are multiplied by alpha / rank. Default: 32
+        /// (NeMo's).
+        alpha: f64 = 32.0,
+        /// Dropout on the adapter input; only 0 is supported. Default: 0.0 (NeMo's).
+        dropout: f64 = 0.0,
+        /// Start from this HuggingFace PEFT adapter directory (its targets, rank, alpha and
+        /// values) instead of fresh adapters (`linear_in` Xavier-normal from
+        /// `training.seed`, `linear_out` zeros). Default: unset.
+        adapter: Option<PathBuf> = None,
     }
 }
 
@@ -337,6 +371,8 @@ pub struct RawConfig {
     pub checkpoint: CheckpointSection,
     /// `[logging]`.
     pub logging: LoggingSection,
+    /// `[lora]`.
+    pub lora: LoraSection,
 }
 
 /// `(section, keys)` for every section, in file order.
@@ -349,4 +385,5 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
     (ParallelSection::SECTION, ParallelSection::KEYS),
     (CheckpointSection::SECTION, CheckpointSection::KEYS),
     (LoggingSection::SECTION, LoggingSection::KEYS),
+    (LoraSection::SECTION, LoraSection::KEYS),
 ];

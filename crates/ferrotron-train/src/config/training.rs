@@ -10,6 +10,7 @@ use super::sections::{
 };
 use super::types::{LrDecayStyle, ModelSource, Precision, Recompute, RecomputeMethod};
 use super::values::{ceil_div, check_exists, nonneg, positive};
+use ferrotron_model::LoraConfig;
 
 /// `(micro_batch_size, global_batch_size)`: the global batch defaults to
 /// `micro_batch_size · dp` (written back) and must be a multiple of it; under the interleaved
@@ -143,6 +144,37 @@ pub(super) fn finetune(r: &RawConfig, p: &mut Vec<String>) {
         }
         None => {}
         Some(l) => check_exists("checkpoint.load", l, p),
+    }
+}
+
+/// `[lora]` when enabled: its keys as a [`LoraConfig`] (each problem naming its key), on a
+/// loaded base (`model.load`); `lora.adapter` must exist. `checkpoint.export_peft` needs it.
+pub(super) fn lora(r: &RawConfig, p: &mut Vec<String>) -> Option<LoraConfig> {
+    let l = &r.lora;
+    if !l.enabled {
+        if r.checkpoint.export_peft.is_some() {
+            p.push("checkpoint.export_peft needs a LoRA run (lora.enabled = true)".into());
+        }
+        return None;
+    }
+    if r.model.load.is_none() {
+        p.push("lora.enabled needs model.load: the pretrained base the adapters train on".into());
+    }
+    if let Some(dir) = &l.adapter {
+        check_exists("lora.adapter", dir, p);
+    }
+    let config = LoraConfig {
+        target_modules: l.target_modules.clone(),
+        rank: l.rank,
+        alpha: l.alpha as f32,
+        dropout: l.dropout as f32,
+    };
+    match config.validate() {
+        Ok(()) => Some(config),
+        Err(e) => {
+            p.push(e.to_string());
+            None
+        }
     }
 }
 

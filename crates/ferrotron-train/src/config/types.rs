@@ -134,4 +134,7 @@ pub struct RunConfig {
     pub precision: Precision,
     /// Activation recomputation.
     pub recompute: Recompute,
+    /// `[lora]` when enabled: the adapters to add to the loaded model (unless
+    /// `lora.adapter` gives them).
+    pub lora: Option<ferrotron_model::LoraConfig>,
 }

@@ -8,8 +8,8 @@ use super::ConfigError;
 use super::requirements;
 use super::sections::{DataSection, ModelSection, ParallelSection, RawConfig};
 use super::training::{
-    adam_ranges, batch_sizes, checkpoint, finetune, intervals, lr_schedule, precision, recompute,
-    train_iters,
+    adam_ranges, batch_sizes, checkpoint, finetune, intervals, lora, lr_schedule, precision,
+    recompute, train_iters,
 };
 use super::types::*;
 use super::values::{blend_tokens, check_exists, parse_blend, parse_split, positive};
@@ -41,6 +41,7 @@ impl RunConfig {
         let schedule = lr_schedule(&mut r.optimizer, gbs, tokens_per_iter, train_iters, &mut p);
         adam_ranges(&r.optimizer, &mut p);
         let precision = precision(&r.precision, &mut p);
+        let lora = lora(&r, &mut p);
         checkpoint(&r.checkpoint, &mut p);
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
@@ -65,6 +66,7 @@ impl RunConfig {
             lr_decay_style: schedule.lr_decay_style,
             precision,
             recompute,
+            lora,
         })
     }
 }

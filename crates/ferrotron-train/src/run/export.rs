@@ -9,7 +9,7 @@ use crate::config::{Precision, RunConfig};
 use crate::trainer::{NamedParams, SavePlan, Trainer};
 use ferrotron_checkpoint::convert::TOKENIZER_SUBDIR;
 use ferrotron_checkpoint::{
-    HfExportOptions, HfExportSource, OutputDtype, export_hf, tokenizer_files,
+    HfExportOptions, HfExportSource, OutputDtype, export_hf, tokenizer_files, write_peft_adapter,
 };
 use ferrotron_model::GptModel;
 use ferrotron_model::families::hf_config_json;
@@ -66,11 +66,16 @@ fn checkpoint_tokenizer_files(tokenizer: &Path) -> Vec<(String, PathBuf)> {
         .collect()
 }
 
-/// What the HF export at the end of a run needs.
+/// What the exports at the end of a run need: the HF export (`checkpoint.export_hf`) and,
+/// for a LoRA run, the PEFT adapter (`checkpoint.export_peft`).
 pub(super) struct ExportPlan {
     /// The trained model is split over ranks (tensor or pipeline parallelism): its weights
     /// are gathered for the export.
     pub split: bool,
+    /// `checkpoint.export_hf`.
+    hf_dir: Option<PathBuf>,
+    /// `checkpoint.export_peft`.
+    peft_dir: Option<PathBuf>,
     /// The logging rank's copy of the full model's structure to load the gathered weights
     /// into (only when split and exporting).
     full_model: Option<GptModel>,
@@ -92,27 +97,35 @@ impl ExportPlan {
     ) -> Self {
         let par = &rc.resolved.parallel;
         let split = par.tensor_model_parallel_size > 1 || par.pipeline_model_parallel_size > 1;
-        let exporting = rc.resolved.checkpoint.export_hf.is_some();
+        let ck = &rc.resolved.checkpoint;
+        let exporting = ck.export_hf.is_some() || ck.export_peft.is_some();
         ExportPlan {
             split,
+            hf_dir: ck.export_hf.clone(),
+            peft_dir: ck.export_peft.clone(),
             full_model: (lead && split && exporting).then(|| full.clone()),
             source,
             tokenizer_dir,
         }
     }
 
-    /// Exports the trained model to `dir`: `full_params` (gathered from every rank) loaded
-    /// into the full model's structure when the model is split, the trainer's model
-    /// otherwise. `notes` hears what was written.
+    /// Whether the run exports anything.
+    pub fn exporting(&self) -> bool {
+        self.hf_dir.is_some() || self.peft_dir.is_some()
+    }
+
+    /// Exports the trained model: `full_params` (gathered from every rank) loaded into the
+    /// full model's structure when the model is split, the trainer's model otherwise; a
+    /// LoRA model's adapters as a PEFT directory and merged into the HF export. `notes`
+    /// hears what was written.
     ///
     /// # Errors
     /// A parameter missing from `full_params`, or a failed export (naming
-    /// `checkpoint.export_hf`).
+    /// `checkpoint.export_hf` or `checkpoint.export_peft`).
     pub fn export(
         self,
         trainer: Trainer,
         full_params: Option<NamedParams>,
-        dir: &Path,
         rc: &RunConfig,
         notes: &mut NoteSink<'_>,
     ) -> Result<(), RunError> {
@@ -136,6 +149,30 @@ impl ExportPlan {
                 full
             }
             _ => trainer.into_model(),
+        };
+        if let Some(dir) = &self.peft_dir {
+            let base = rc
+                .resolved
+                .model
+                .load
+                .as_ref()
+                .map(|p| p.display().to_string());
+            let context = || format!("checkpoint.export_peft {}", dir.display());
+            let bytes = write_peft_adapter(&model, dir, &base.unwrap_or_default(), true)
+                .with_context(context)?;
+            notes(&RunNote::ExportedAdapter {
+                dir: dir.clone(),
+                bytes,
+            });
+        }
+        let Some(dir) = &self.hf_dir else {
+            return Ok(());
+        };
+        let model = match model.config().lora {
+            Some(_) => model
+                .merge_lora()
+                .context("merging the LoRA adapters for checkpoint.export_hf")?,
+            None => model,
         };
         export(&model, &self.source, self.tokenizer_dir, dir, rc, notes)
     }

@@ -145,6 +145,13 @@ pub enum RunNote {
         /// `OUTPUT/loss.png`.
         loss_plot: PathBuf,
     },
+    /// The trained LoRA adapters were exported (`checkpoint.export_peft`, logging rank).
+    ExportedAdapter {
+        /// The PEFT adapter directory.
+        dir: PathBuf,
+        /// Bytes of `adapter_model.safetensors`.
+        bytes: u64,
+    },
     /// The trained model was exported (`checkpoint.export_hf`, logging rank).
     Exported {
         /// The HF directory.
@@ -221,6 +228,12 @@ impl fmt::Display for RunNote {
                  curve in {}",
                 metrics.display(),
                 loss_plot.display()
+            ),
+            RunNote::ExportedAdapter { dir, bytes } => write!(
+                f,
+                "exported the LoRA adapters to {} (PEFT, {:.1} MB)",
+                dir.display(),
+                *bytes as f64 / 1e6
             ),
             RunNote::Exported {
                 dir,

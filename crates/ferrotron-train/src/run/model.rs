@@ -5,9 +5,9 @@
 
 use super::{Context, RunError};
 use crate::config::{ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig};
-use ferrotron_checkpoint::HfExportSource;
 use ferrotron_checkpoint::convert::CheckpointWeights;
 use ferrotron_checkpoint::dist::locate_checkpoint;
+use ferrotron_checkpoint::{HfExportSource, PeftAdapter};
 use ferrotron_data::Tokenizer;
 use ferrotron_data::preprocess::megatron_eod_id;
 use ferrotron_model::families::{HfConfigInputs, load_hf_model};
@@ -87,10 +87,32 @@ pub fn build_model(rc: &RunConfig) -> Result<RunModel, RunError> {
         }
         ModelSource::Explicit(dims) => from_scratch(rc, dims, dtype, tokenizer_model)?,
     };
+    run.model = with_lora(rc, run.model, dtype)?;
     run.model
         .set_recompute_granularity(recompute(rc.recompute))
         .context("training.recompute_num_layers")?;
     Ok(run)
+}
+
+/// `model` with the run's LoRA adapters (`[lora]`): fresh ones (seed `training.seed`,
+/// stored in `dtype`) or those of `lora.adapter`; `model` as it is without `[lora]`.
+fn with_lora(rc: &RunConfig, model: GptModel, dtype: DType) -> Result<GptModel, RunError> {
+    let Some(lora) = &rc.lora else {
+        return Ok(model);
+    };
+    if let Some(dir) = &rc.resolved.lora.adapter {
+        let adapter =
+            PeftAdapter::read(dir).with_context(|| format!("lora.adapter {}", dir.display()))?;
+        return adapter
+            .apply_to(model)
+            .with_context(|| format!("lora.adapter {}", dir.display()));
+    }
+    let init = InitConfig {
+        seed: rc.resolved.training.seed,
+        init_method_std: rc.resolved.model.init_method_std as f32,
+        params_dtype: dtype,
+    };
+    model.with_lora(lora.clone(), &init).context("[lora]")
 }
 
 /// The model of a Ferrotron checkpoint (converted from HF or saved by a run, any layout):

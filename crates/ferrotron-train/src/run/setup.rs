@@ -156,8 +156,8 @@ impl<'a> Run<'a> {
         Ok(line)
     }
 
-    /// After [`Run::train`] ended with `summary`: the HF export (`checkpoint.export_hf`,
-    /// unless training stopped at `exit_interval`), its weights gathered over tensor and
+    /// After [`Run::train`] ended with `summary`: the exports (`checkpoint.export_hf`,
+    /// `checkpoint.export_peft`; not when training stopped at `exit_interval`), the weights gathered over tensor and
     /// pipeline parallelism onto the logging rank (collective), which writes it; `notes`
     /// hears how the run ended (logging rank).
     ///
@@ -165,14 +165,9 @@ impl<'a> Run<'a> {
     /// A failed gather or export.
     pub fn finish(self, summary: &TrainSummary, notes: &mut NoteSink<'_>) -> Result<(), RunError> {
         let rc = self.rc;
-        let export_dir = rc
-            .resolved
-            .checkpoint
-            .export_hf
-            .as_ref()
-            .filter(|_| !summary.exited_early);
-        let full_params = match export_dir {
-            Some(_) if self.export.split => self.trainer.gather_model_parameters()?,
+        let exporting = self.export.exporting() && !summary.exited_early;
+        let full_params = match exporting {
+            true if self.export.split => self.trainer.gather_model_parameters()?,
             _ => None,
         };
         if !self.lead {
@@ -196,11 +191,9 @@ impl<'a> Run<'a> {
             metrics: self.metrics_path.clone(),
             loss_plot: out_dir.join("loss.png"),
         });
-        match export_dir {
-            Some(dir) => self
-                .export
-                .export(self.trainer, full_params, dir, rc, notes),
-            None => Ok(()),
+        match exporting {
+            true => self.export.export(self.trainer, full_params, rc, notes),
+            false => Ok(()),
         }
     }
 }

@@ -215,9 +215,11 @@ impl Trainer {
             ),
         };
         let params = self.buffer.params().to_vec();
+        // A LoRA checkpoint holds the adapters: the frozen base comes from the base model.
         let expected: Vec<(String, Vec<usize>)> = params
             .iter()
             .enumerate()
+            .filter(|(_, p)| !p.flags.frozen)
             .map(|(i, p)| {
                 (
                     format!("{MODEL}{}", p.name),
@@ -233,7 +235,7 @@ impl Trainer {
         }
         let mut buffer_state = StateDict::meta_only(self.buffer.meta());
         let mut flat = vec![0f32; self.buffer.numel()];
-        for (i, p) in params.iter().enumerate() {
+        for (i, p) in params.iter().enumerate().filter(|(_, p)| !p.flags.frozen) {
             let values = self.read_local(&reader, &format!("{MODEL}{}", p.name), i, 0..p.numel)?;
             flat[p.range()].copy_from_slice(&values);
         }
@@ -291,7 +293,10 @@ impl Trainer {
         let names: Vec<String> = current.arrays.keys().cloned().collect();
         let missing: Vec<String> = names
             .iter()
-            .flat_map(|n| params.iter().map(move |p| format!("{OPTIM}{n}.{}", p.name)))
+            .flat_map(|n| {
+                let trainable = params.iter().filter(|p| !p.flags.frozen);
+                trainable.map(move |p| format!("{OPTIM}{n}.{}", p.name))
+            })
             .filter(|k| !reader.metadata().tensors.contains_key(k))
             .collect();
         if !missing.is_empty() {

@@ -32,8 +32,8 @@ pub(super) struct BucketOverlap<'a> {
     comm: &'a AsyncComm,
     distributed: bool,
     buckets: Vec<Bucket>,
-    /// Per parameter: its bucket and flat range.
-    params: Vec<(usize, Range<usize>)>,
+    /// Per parameter: its bucket and flat range (`None` for a frozen one).
+    params: Vec<Option<(usize, Range<usize>)>>,
     error: Option<String>,
 }
 
@@ -54,8 +54,9 @@ impl<'a> BucketOverlap<'a> {
         let params = (0..buffer.params().len())
             .map(|i| {
                 let info = buffer.info(ParamId(i));
-                buckets[info.bucket_id].waiting_for += 1;
-                (info.bucket_id, info.range())
+                let bucket = info.bucket_id?;
+                buckets[bucket].waiting_for += 1;
+                Some((bucket, info.range()))
             })
             .collect();
         BucketOverlap {
@@ -94,9 +95,13 @@ impl<'a> BucketOverlap<'a> {
 impl GradReady for BucketOverlap<'_> {
     fn ready(&mut self, params: &[usize], grads: &[&mut [f32]]) {
         for &i in params {
-            let Some((b, range)) = self.params.get(i).cloned() else {
-                self.error = Some(format!("parameter {i} is not in the gradient buffer"));
-                continue;
+            let (b, range) = match self.params.get(i) {
+                Some(Some(p)) => p.clone(),
+                Some(None) => continue, // frozen: no gradient
+                None => {
+                    self.error = Some(format!("parameter {i} is not in the gradient buffer"));
+                    continue;
+                }
             };
             let bucket = &mut self.buckets[b];
             if bucket.staging.is_empty() {

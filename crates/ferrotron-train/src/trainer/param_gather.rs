@@ -26,8 +26,8 @@ use super::{Result, TrainError};
 pub(super) struct ParamGather {
     /// Per bucket: its gather, until installed.
     pending: Vec<Option<CommHandle<Vec<u8>>>>,
-    /// Per parameter: its bucket.
-    param_bucket: Vec<usize>,
+    /// Per parameter: its bucket (`None` when frozen).
+    param_bucket: Vec<Option<usize>>,
     /// Time spent waiting for gathers so far.
     waited: Duration,
 }
@@ -38,7 +38,7 @@ impl ParamGather {
     pub(super) fn launch(comm: &AsyncComm, buffer: &mut ParamAndGradBuffer) -> ParamGather {
         let ranges: Vec<_> = buffer.buckets().iter().map(|b| b.start..b.end).collect();
         let n = buffer.params().len();
-        let param_bucket: Vec<usize> = (0..n).map(|i| buffer.info(ParamId(i)).bucket_id).collect();
+        let param_bucket = (0..n).map(|i| buffer.info(ParamId(i)).bucket_id).collect();
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
         let bytes = storage_bytes(params);
@@ -69,6 +69,7 @@ impl ParamGather {
     ) -> Result<()> {
         let mut needed: Vec<usize> = self.param_bucket[..end.min(self.param_bucket.len())]
             .iter()
+            .flatten()
             .copied()
             .filter(|&b| self.pending[b].is_some())
             .collect();

@@ -54,7 +54,8 @@ impl Trainer {
         if self.dp.rank() == 0 {
             let mut planned = Vec::new();
             for (i, p) in infos.iter().enumerate() {
-                if self.model.is_param_replica(i) {
+                // Frozen parameters (a LoRA model's base) come from the base model.
+                if self.model.is_param_replica(i) || p.flags.frozen {
                     continue;
                 }
                 self.plan(&mut planned, MODEL, &p.name, i, 0..p.numel, 0);
@@ -84,7 +85,8 @@ impl Trainer {
             let prefix = format!("{OPTIM}{name}.");
             let mut planned = Vec::new();
             for (i, p) in infos.iter().enumerate() {
-                if self.model.is_param_replica(i) {
+                // Frozen parameters (a LoRA model's base) come from the base model.
+                if self.model.is_param_replica(i) || p.flags.frozen {
                     continue;
                 }
                 for (off, len, start) in owned_parts(p, owned) {

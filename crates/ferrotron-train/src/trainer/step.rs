@@ -109,6 +109,7 @@ impl Trainer {
                 is_norm_or_bias: p.is_norm_or_bias,
                 is_embedding: p.is_embedding,
                 exclude_from_grad_norm: model.is_param_replica(i),
+                frozen: p.frozen,
                 ..ParamFlags::default()
             };
             builder.register(&p.name, &p.shape, flags)?;

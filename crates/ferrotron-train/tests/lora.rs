@@ -1,0 +1,136 @@
+//! LoRA training: only the adapters train (the base is bit-for-bit unchanged, holds no
+//! gradient or optimizer state), every parallel layout gives the single rank's losses and
+//! adapters (tp 2 with and without sequence parallelism, pp 2, dp 2 with the distributed
+//! optimizer, tp 2 x dp 2), and a LoRA checkpoint holds the adapters alone and resumes
+//! exactly, on one rank and under tp 2.
+
+mod common;
+
+use common::layouts::*;
+use common::*;
+use ferrotron_checkpoint::PeftAdapter;
+use ferrotron_comm::run_local;
+use ferrotron_model::GptModel;
+use ferrotron_train::trainer::{TrainError, Trainer};
+use std::path::Path;
+
+/// tiny-llama with the PEFT fixture's adapters (random `lora_B`, so `lora_A` trains from
+/// the first step).
+fn adapted() -> GptModel {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/lora/tiny-llama");
+    PeftAdapter::read(&dir)
+        .unwrap()
+        .apply_to(fixture("tiny-llama"))
+        .unwrap()
+}
+
+#[test]
+fn only_the_adapters_train() {
+    let full_state = Trainer::new(fixture("tiny-llama"), dp_options(1, ITERS))
+        .unwrap()
+        .model_state_bytes();
+    let model = adapted();
+    let before = model.parameters_f32();
+    let mut t = Trainer::new(model, dp_options(1, ITERS)).unwrap();
+    let lora_state = t.model_state_bytes();
+    let (losses, _) = train(&mut t, 0, ITERS);
+    assert!(losses.last() < losses.first(), "{losses:?}");
+    let infos = t.model().parameters();
+    let mut adapters = 0;
+    for (i, p) in infos.iter().enumerate() {
+        let moved = t.param(i) != before[i];
+        assert_eq!(moved, !p.frozen, "{}", p.name);
+        adapters += usize::from(!p.frozen);
+    }
+    assert_eq!(adapters, 2 * 4 * 2, "2 layers x 4 linear layers x (A, B)");
+    // Frozen weights: 4 bytes each (f32); adapters: + grads + master-less Adam (8).
+    let base: usize = infos.iter().filter(|p| p.frozen).map(|p| p.numel()).sum();
+    let trainable: usize = infos.iter().filter(|p| !p.frozen).map(|p| p.numel()).sum();
+    assert!(lora_state < full_state / 2, "{lora_state} vs {full_state}");
+    assert!(lora_state >= 4 * base + 16 * trainable, "{lora_state}");
+    assert!(lora_state <= 4 * base + 16 * (trainable + 64 * adapters + 128));
+}
+
+/// Runs `layout` on `world` ranks and checks every rank against `reference`.
+fn assert_layout(label: &str, world: usize, layout: Layout, reference: &Run) {
+    let runs = run_local(world, |comm| {
+        let mut t = layout.trainer(comm, ITERS, adapted())?;
+        Ok::<_, TrainError>(train(&mut t, 0, ITERS))
+    })
+    .unwrap_or_else(|e| panic!("{label}: {e}"));
+    for (r, run) in runs.iter().enumerate() {
+        assert_same_run(&format!("{label} rank {r}"), run, reference);
+    }
+}
+
+#[test]
+fn lora_layouts_match_one_rank() {
+    let mut one = Trainer::new(adapted(), dp_options(1, ITERS)).unwrap();
+    let reference = train(&mut one, 0, ITERS);
+    let layouts = [
+        (
+            "tp2",
+            2,
+            Layout {
+                tp: 2,
+                ..Layout::default()
+            },
+        ),
+        (
+            "tp2 sp",
+            2,
+            Layout {
+                tp: 2,
+                sp: true,
+                ..Layout::default()
+            },
+        ),
+        (
+            "pp2",
+            2,
+            Layout {
+                pp: 2,
+                ..Layout::default()
+            },
+        ),
+        (
+            "dp2 distributed",
+            2,
+            Layout {
+                distributed: true,
+                overlap: true,
+                ..Layout::default()
+            },
+        ),
+        (
+            "tp2 dp2",
+            4,
+            Layout {
+                tp: 2,
+                ..Layout::default()
+            },
+        ),
+    ];
+    for (label, world, layout) in layouts {
+        assert_layout(label, world, layout, &reference);
+    }
+}
+
+#[test]
+fn lora_checkpoints_hold_the_adapters_and_resume() {
+    let mut one = Trainer::new(adapted(), dp_options(1, ITERS)).unwrap();
+    let reference = train(&mut one, 0, ITERS);
+    let tail = tail_of(&reference);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = save_after_two(1, Layout::default(), adapted, dir.path());
+    let reader = ferrotron_checkpoint::dist::CheckpointReader::open(&ckpt).unwrap();
+    let names: Vec<String> = reader.metadata().tensors.keys().cloned().collect();
+    assert!(!names.is_empty());
+    assert!(names.iter().all(|n| n.contains(".adapter.")), "{names:?}");
+    assert_resumes("1 rank", 1, Layout::default(), adapted, &ckpt, &tail);
+    let tp2 = Layout {
+        tp: 2,
+        ..Layout::default()
+    };
+    assert_resumes("tp2", 2, tp2, adapted, &ckpt, &tail);
+}
