@@ -145,3 +145,86 @@ fn a_layout_the_model_does_not_split_into_names_its_key() {
         "{text}"
     );
 }
+
+/// A LoRA run under tp 2: the losses fall, the adapters come out as a PEFT directory and
+/// merged into the HF export, and the two agree: the PEFT adapter read onto the base and
+/// merged is the exported model, weight for weight.
+#[test]
+fn a_lora_run_exports_its_adapters_and_the_merged_model() {
+    use ferrotron_checkpoint::PeftAdapter;
+    use ferrotron_model::families::load_hf_model;
+    let tmp = tempfile::tempdir().unwrap();
+    let peft = tmp.path().join("adapter");
+    let peft_set = format!("checkpoint.export_peft={peft:?}");
+    let sets = [
+        "lora.enabled=true",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "optimizer.lr=3e-2",
+        "parallel.tensor_model_parallel_size=2",
+        peft_set.as_str(),
+    ];
+    let rc = config(tmp.path(), "lora", &sets);
+    let runs = run_local(2, |comm| {
+        let config = ParallelConfig {
+            tensor_model_parallel_size: 2,
+            ..ParallelConfig::default()
+        };
+        let state = ParallelState::new(2, comm.world_rank(), config)?;
+        let groups = ProcessGroups::new(state, Arc::new(comm))?;
+        run_rank(&rc, &groups)
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (_, losses, _, notes) = &runs[0];
+    let train: Vec<f64> = losses.iter().filter(|l| l.0).map(|l| l.1).collect();
+    assert!(train.last() < train.first(), "{train:?}");
+    assert!(
+        notes
+            .iter()
+            .any(|n| matches!(n, RunNote::ExportedAdapter { .. }))
+    );
+    assert!(notes.iter().any(|n| matches!(n, RunNote::Exported { .. })));
+    let base_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    let (base, _) = load_hf_model(&base_dir, ferrotron_tensor::DType::F32).unwrap();
+    let adapted = PeftAdapter::read(&peft)
+        .unwrap()
+        .apply_to(base.clone())
+        .unwrap();
+    let merged = adapted.merge_lora().unwrap();
+    let (exported, _) =
+        load_hf_model(&tmp.path().join("lora-hf"), ferrotron_tensor::DType::F32).unwrap();
+    let mut changed = 0;
+    for i in 0..merged.parameters().len() {
+        let (m, e) = (
+            merged.parameter_f32(i).unwrap(),
+            exported.parameter_f32(i).unwrap(),
+        );
+        assert_eq!(m, e, "{}", merged.parameters()[i].name);
+        changed += usize::from(m != base.parameter_f32(i).unwrap());
+    }
+    assert_eq!(
+        changed,
+        2 * 4,
+        "every linear weight of both layers took its adapter"
+    );
+}
+
+#[test]
+fn lora_keys_are_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "[model]\nnum_layers = 2\nhidden_size = 8\nnum_attention_heads = 2\n\
+                vocab_size = 16\nseq_length = 8\n[data]\ndata_path = \"x\"\n\
+                [training]\ntrain_iters = 1\n[optimizer]\nlr = 1e-3\n\
+                [lora]\nenabled = true\nrank = 0\ntarget_modules = [\"q_proj\"]\n";
+    let err = RunConfig::from_toml_str(text, &[]).unwrap_err().to_string();
+    assert!(err.contains("lora.enabled needs model.load"), "{err}");
+    assert!(err.contains("`q_proj` is not a linear layer"), "{err}");
+    let peft = format!("checkpoint.export_peft={:?}", tmp.path());
+    let err = RunConfig::from_toml_str(&text.replace("enabled = true", "enabled = false"), &[peft])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("checkpoint.export_peft needs a LoRA run"),
+        "{err}"
+    );
+}
