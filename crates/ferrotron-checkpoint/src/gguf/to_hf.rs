@@ -159,8 +159,7 @@ fn write_tokenizer(
     dir: &Path,
     tok: &HfTokenizerFiles,
 ) -> Result<u64, CheckpointError> {
-    let mut bytes = write_json(dir, "tokenizer.json", &tok.tokenizer_json)?;
-    bytes += write_json(dir, "tokenizer_config.json", &tok.tokenizer_config)?;
+    let bytes = tok.write(dir)?;
     tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| {
         CheckpointError::Tokenizer {
             file: f.file_name().to_string(),

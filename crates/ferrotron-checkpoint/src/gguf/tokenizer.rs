@@ -41,6 +41,20 @@ pub struct HfTokenizerFiles {
     pub added_tokens: usize,
 }
 
+impl HfTokenizerFiles {
+    /// Writes `tokenizer.json` and `tokenizer_config.json` into `dir` (created if needed);
+    /// returns the bytes written.
+    ///
+    /// # Errors
+    /// An I/O failure, naming the path.
+    pub fn write(&self, dir: &std::path::Path) -> Result<u64, CheckpointError> {
+        std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
+        let bytes = crate::staging::write_json(dir, "tokenizer.json", &self.tokenizer_json)?;
+        Ok(bytes
+            + crate::staging::write_json(dir, "tokenizer_config.json", &self.tokenizer_config)?)
+    }
+}
+
 /// ggml token types (`enum llama_token_type` in llama.cpp's `include/llama.h`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;

@@ -17,6 +17,7 @@ pub use sections::{
     BlendItem, CheckpointSection, DataPath, DataSection, LoggingSection, LoraSection, ModelSection,
     OptimizerSection, ParallelSection, PrecisionSection, RawConfig, SECTIONS, TrainingSection,
 };
+pub(crate) use training::is_gguf;
 pub use types::{
     DatasetType, LrDecayStyle, ModelDims, ModelSource, Precision, Recompute, RecomputeMethod,
     RunConfig,

@@ -57,7 +57,9 @@ macro_rules! section {
 section! {
     /// `[model]`: where the weights/architecture come from.
     ModelSection, "model" {
-        /// HF directory (config.json + safetensors) or Ferrotron checkpoint to initialise from.
+        /// HF directory (config.json + safetensors) or Ferrotron checkpoint to initialise from,
+        /// or a GGUF file as a LoRA run's frozen base (its quantized weights kept in their
+        /// blocks; the tokenizer from its metadata unless `data.tokenizer_model`).
         /// When set, the architecture comes from it and the explicit keys below must be unset
         /// (except `seq_length`). Default: unset. Megatron: `--load` / `--pretrained-checkpoint`.
         load: Option<PathBuf> = None,

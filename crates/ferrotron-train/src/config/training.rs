@@ -155,6 +155,13 @@ pub(super) fn lora(r: &RawConfig, p: &mut Vec<String>) -> Option<LoraConfig> {
         if r.checkpoint.export_peft.is_some() {
             p.push("checkpoint.export_peft needs a LoRA run (lora.enabled = true)".into());
         }
+        if let Some(gguf) = r.model.load.as_ref().filter(|l| is_gguf(l)) {
+            p.push(format!(
+                "model.load {}: a GGUF base trains LoRA adapters only (set lora.enabled = true, \
+                 or `ferrotron convert gguf-to-hf` it for full training)",
+                gguf.display()
+            ));
+        }
         return None;
     }
     if r.model.load.is_none() {
@@ -176,6 +183,12 @@ pub(super) fn lora(r: &RawConfig, p: &mut Vec<String>) -> Option<LoraConfig> {
             None
         }
     }
+}
+
+/// Whether `path` names a GGUF file (by its extension, as `ferrotron serve --model` does).
+pub(crate) fn is_gguf(path: &std::path::Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
 /// The learning-rate schedule of `[optimizer]`, in iterations.

@@ -7,6 +7,7 @@ use super::{Context, RunError};
 use crate::config::{ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig};
 use ferrotron_checkpoint::convert::CheckpointWeights;
 use ferrotron_checkpoint::dist::locate_checkpoint;
+use ferrotron_checkpoint::gguf::load_gguf_model;
 use ferrotron_checkpoint::{HfExportSource, PeftAdapter};
 use ferrotron_data::Tokenizer;
 use ferrotron_data::preprocess::megatron_eod_id;
@@ -66,6 +67,9 @@ pub fn build_model(rc: &RunConfig) -> Result<RunModel, RunError> {
     let (_, dtype) = precision(rc);
     let tokenizer_model = rc.resolved.data.tokenizer_model.clone();
     let mut run = match &rc.model {
+        ModelSource::Load(file) if crate::config::is_gguf(file) => {
+            from_gguf(rc, file, dtype, tokenizer_model)?
+        }
         ModelSource::Load(dir)
             if locate_checkpoint(dir)
                 .with_context(|| format!("model.load {}", dir.display()))?
@@ -113,6 +117,46 @@ fn with_lora(rc: &RunConfig, model: GptModel, dtype: DType) -> Result<GptModel, 
         params_dtype: dtype,
     };
     model.with_lora(lora.clone(), &init).context("[lora]")
+}
+
+/// The frozen base of a LoRA run from a GGUF file: quantized weights kept in their blocks
+/// (multiplied by the int8 / bf16-tile kernels, never trained), the rest stored in `dtype`.
+/// Without `data.tokenizer_model` the file's tokenizer is written to
+/// `logging.output_dir/gguf-tokenizer` for the run (SFT encoding, exports).
+fn from_gguf(
+    rc: &RunConfig,
+    file: &Path,
+    dtype: DType,
+    tokenizer_model: Option<PathBuf>,
+) -> Result<RunModel, RunError> {
+    let context = || format!("loading model.load {}", file.display());
+    let gguf = load_gguf_model(file, dtype).with_context(context)?;
+    let tokenizer_dir = match tokenizer_model {
+        Some(dir) => dir,
+        None => {
+            let dir = rc.resolved.logging.output_dir.join("gguf-tokenizer");
+            gguf.tokenizer
+                .write(&dir)
+                .with_context(|| format!("writing {}", dir.display()))?;
+            dir
+        }
+    };
+    let info = gguf.info;
+    let export_source = HfExportSource {
+        config: HfConfigInputs {
+            original: None,
+            bos_token_id: info.bos_token_id,
+            eos_token_ids: info.eos_token_ids.clone(),
+            pad_token_id: None,
+        },
+        generation_config: None,
+    };
+    Ok(RunModel {
+        model: gguf.model,
+        eod: info.eos_token_ids.first().copied(),
+        tokenizer_dir: Some(tokenizer_dir),
+        export_source,
+    })
 }
 
 /// The model of a Ferrotron checkpoint (converted from HF or saved by a run, any layout):
