@@ -134,3 +134,35 @@ fn lora_checkpoints_hold_the_adapters_and_resume() {
     };
     assert_resumes("tp2", 2, tp2, adapted, &ckpt, &tail);
 }
+
+/// bf16 LoRA (Megatron's `--bf16`): bf16 base and adapters, fp32 master weights of the
+/// adapters only; the base stays bit-for-bit, the losses track the f32 LoRA run's.
+#[test]
+fn bf16_lora_tracks_f32() {
+    let to_bf16 = |m: GptModel| {
+        let values = (0..m.parameters().len())
+            .map(|i| m.param_table().value(i))
+            .map(|v| match v {
+                ferrotron_model::ParamValue::Dense(t) => {
+                    ferrotron_model::ParamValue::Dense(t.to_dtype(ferrotron_tensor::DType::BF16))
+                }
+                q => q,
+            })
+            .collect();
+        GptModel::from_values(m.config().clone(), values).unwrap()
+    };
+    let mut f32_run = Trainer::new(adapted(), dp_options(1, ITERS)).unwrap();
+    let (want, _) = train(&mut f32_run, 0, ITERS);
+    let model = to_bf16(adapted());
+    let before = model.parameters_f32();
+    let mut options = dp_options(1, ITERS);
+    options.precision = ferrotron_optim::Precision::Bf16;
+    let mut t = Trainer::new(model, options).unwrap();
+    let (got, _) = train(&mut t, 0, ITERS);
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() < 2e-2 * w, "bf16 {got:?} vs f32 {want:?}");
+    }
+    for (i, p) in t.model().parameters().iter().enumerate() {
+        assert_eq!(t.param(i) != before[i], !p.frozen, "{}", p.name);
+    }
+}
