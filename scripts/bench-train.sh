@@ -12,17 +12,20 @@
 #   bash scripts/bench-train.sh                  # all configs: warmup 2, 5 timed steps
 #   bash scripts/bench-train.sh --quick          # micro-batch 1 only, warmup 1, 2 timed steps
 #   bash scripts/bench-train.sh --micro-batches 1,2 --modes f32 --steps 3 --rounds 2
+#   bash scripts/bench-train.sh --lora-rank 16   # LoRA on the frozen model (ours vs PEFT)
 #
 # Options: --model DIR (default .cache/smollm2-hf, converted from the GGUF when missing),
 # --warmup N, --steps N, --micro-batches LIST, --modes LIST (f32,bf16), --seq N, --threads N,
 # --rounds N (repeat everything; the table keeps the median tok/s and the highest peak RSS),
-# --tokens FILE (a Megatron .bin token file instead of random tokens), --out FILE (JSON lines).
+# --tokens FILE (a Megatron .bin token file instead of random tokens), --out FILE (JSON lines),
+# --lora-rank R (train LoRA adapters of rank R, alpha R: ours on linear_qkv/proj/fc1/fc2, PEFT on
+# q/k/v/o/gate/up/down; model FLOPs and MFU are then not shown: Megatron's count is full training).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
 model="$root/.cache/smollm2-hf"
-warmup=2 steps=5 mbs="1,2,4" modes="f32,bf16" seq=512 threads=2 rounds=1 tokens="" out=""
+warmup=2 steps=5 mbs="1,2,4" modes="f32,bf16" seq=512 threads=2 rounds=1 tokens="" out="" lora=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) warmup=1 steps=2 mbs=1 ;;
@@ -36,7 +39,8 @@ while [ $# -gt 0 ]; do
     --rounds) rounds="$2"; shift ;;
     --tokens) tokens="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --lora-rank) lora="$2"; shift ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "bench-train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -44,6 +48,7 @@ done
 for v in warmup steps seq threads rounds; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "bench-train.sh: --$v must be a number, got '${!v}'" >&2; exit 2; }
 done
+[[ -z "$lora" || "$lora" =~ ^[1-9][0-9]*$ ]] || { echo "bench-train.sh: --lora-rank must be >= 1, got '$lora'" >&2; exit 2; }
 IFS=',' read -r -a mb_list <<< "$mbs"
 IFS=',' read -r -a mode_list <<< "$modes"
 for m in "${mode_list[@]}"; do
@@ -67,6 +72,7 @@ mkdir -p "$(dirname "$out")"
 : > "$out"
 common=(--seq "$seq" --warmup "$warmup" --steps "$steps" --threads "$threads")
 [ -z "$tokens" ] || common+=(--tokens "$tokens")
+[ -z "$lora" ] || common+=(--lora-rank "$lora")
 load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
 
 # run_one IMPL MODE MB: one fresh process; its JSON line (or an error line) goes to $out.
@@ -101,7 +107,7 @@ for ((r = 0; r < rounds; r++)); do
 done
 
 echo
-echo "SmolLM2-135M training step (fwd+bwd+clip+AdamW), seq $seq, $threads threads, warmup $warmup," \
+echo "SmolLM2-135M training step (fwd+bwd+clip+AdamW${lora:+, LoRA rank $lora}), seq $seq, $threads threads, warmup $warmup," \
   "$steps timed steps (median), $rounds round(s); $model"
 echo "load average before: $load_before, after: $(cut -d' ' -f1-3 /proc/loadavg); results: $out"
 "$py" - "$out" <<'EOF'
@@ -122,7 +128,7 @@ def side(impl, cfg):
 
 # Model FLOPs (Megatron's count) and the machine's measured peaks come from our rows; the same
 # count per token applies to torch (same model, same tokens).
-ours_ok = [r for r in rows if r["impl"] == "ferrotron" and "model_flops_per_step" in r]
+ours_ok = [r for r in rows if r["impl"] == "ferrotron" and r.get("model_flops_per_step")]
 flops_per_token = (ours_ok[0]["model_flops_per_step"] / (ours_ok[0]["micro_batch"] * ours_ok[0]["seq"])
                    if ours_ok else None)
 peak = lambda key: max((r[key] for r in ours_ok if r.get(key)), default=None)

@@ -83,8 +83,9 @@ def step_batches(stream, steps, b, s):
 def adamw(model, lr, weight_decay, impl):
     import torch
 
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -109,6 +110,8 @@ def main():
                     help="torch.optim.AdamW implementation (fused was fastest on this CPU)")
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--tokens", help="Megatron .bin token file instead of random tokens")
+    ap.add_argument("--lora-rank", type=int, help="train PEFT LoRA adapters of this rank (alpha = rank) "
+                    "on every projection (q/k/v/o, gate/up/down) of the frozen model")
     a = ap.parse_args()
     for name in ["micro_batch", "seq", "steps", "threads"]:
         if getattr(a, name) < 1:
@@ -121,13 +124,19 @@ def main():
 
     torch.set_num_threads(a.threads)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
+    if a.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = LoraConfig(r=a.lora_rank, lora_alpha=a.lora_rank, lora_dropout=0.0, target_modules=targets)
+        model = get_peft_model(model, config)
     model.train()
     vocab = model.config.vocab_size
     b, s, total = a.micro_batch, a.seq, a.warmup + a.steps
     stream = file_tokens(a.tokens, vocab) if a.tokens else lcg_tokens(a.seed, total * b * (s + 1), vocab)
     batches = step_batches(stream, total, b, s)
     opt = adamw(model, a.lr, a.weight_decay, a.adamw)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def train_step(inputs, targets):
         opt.zero_grad(set_to_none=True)
@@ -160,6 +169,7 @@ def main():
         "threads": a.threads,
         "warmup": a.warmup,
         "steps": a.steps,
+        "lora_rank": a.lora_rank,
         "tokens_per_s": round(b * s / med, 2),
         "ms_per_step": round(med * 1e3, 1),
         "ms_per_step_min": round(min(times) * 1e3, 1),

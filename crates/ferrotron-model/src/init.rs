@@ -169,8 +169,7 @@ impl GptModel {
 }
 
 /// Parameter `d` drawn as its declaration says: normals from the stream of its name (`σ`, or
-/// `scaled` = `σ/√(2L)`) in `init.params_dtype`, gains 1 and biases 0 (the model's table
-/// converts them to its dtype).
+/// `scaled` = `σ/√(2L)`, or Xavier's), gains 1 and zeros, all in `init.params_dtype`.
 pub(crate) fn init_param(d: &ParamDecl, init: &InitConfig, scaled: f32) -> Result<Tensor> {
     let n = d.numel();
     let values = match d.init {
@@ -183,7 +182,7 @@ pub(crate) fn init_param(d: &ParamDecl, init: &InitConfig, scaled: f32) -> Resul
             return normal(init, &d.name, &d.shape, std);
         }
     };
-    Ok(Tensor::from_f32(&d.shape, values)?)
+    Ok(Tensor::from_f32(&d.shape, values)?.to_dtype(init.params_dtype))
 }
 
 /// A `shape` tensor of `N(0, std)` draws from the stream of `name`, stored in

@@ -25,6 +25,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use ferrotron_data::MicroBatch;
 use ferrotron_model::families::load_hf_model;
+use ferrotron_model::{InitConfig, LoraConfig};
 use ferrotron_optim::{LrDecayStyle, Precision as OptimPrecision};
 use ferrotron_tensor::DType;
 use ferrotron_tensor::gemm_bf16::Bf16Kernel;
@@ -88,6 +89,11 @@ struct Args {
     /// Megatron .bin token file instead of random tokens.
     #[arg(long)]
     tokens: Option<PathBuf>,
+    /// Train LoRA adapters of this rank (alpha = rank, on linear_qkv, linear_proj,
+    /// linear_fc1, linear_fc2) on the frozen model instead of the whole model. The model
+    /// FLOPs (and MFU) are then not reported: Megatron's formula counts full training.
+    #[arg(long)]
+    lora_rank: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -121,10 +127,22 @@ fn run(a: &Args) -> Result<()> {
         Precision::F32 => (DType::F32, OptimPrecision::Fp32, "f32"),
         Precision::Bf16 => (DType::BF16, OptimPrecision::Bf16, "bf16"),
     };
-    let (model, _) = load_hf_model(&a.model_dir, dtype)
+    let (mut model, _) = load_hf_model(&a.model_dir, dtype)
         .with_context(|| format!("loading {}", a.model_dir.display()))?;
     let flops_per_step =
         num_floating_point_operations(&FlopsModel::from(model.config()), b as u64, s as u64);
+    if let Some(rank) = a.lora_rank {
+        let lora = LoraConfig {
+            rank,
+            alpha: rank as f32,
+            ..LoraConfig::default()
+        };
+        let init = InitConfig {
+            params_dtype: dtype,
+            ..InitConfig::default()
+        };
+        model = model.with_lora(lora, &init).context("--lora-rank")?;
+    }
     let vocab = model.config().vocab_size;
     let total = a.warmup + a.steps;
     let stream = match &a.tokens {
@@ -181,8 +199,10 @@ fn run(a: &Args) -> Result<()> {
     }
     let med = median(&mut times);
     let peaks = Peaks::measure();
-    let gflops = flops_per_step / med / 1e9;
-    let mfu = |peak: Option<f64>| peak.map(|p| round(gflops / p, 4));
+    // Megatron's FLOPs count full training (weight gradients included): not LoRA's work.
+    let full = a.lora_rank.is_none();
+    let gflops = full.then(|| flops_per_step / med / 1e9);
+    let mfu = |peak: Option<f64>| Some(round(gflops? / peak?, 4));
     let line = json!({
         "impl": "ferrotron",
         "mode": mode,
@@ -198,8 +218,9 @@ fn run(a: &Args) -> Result<()> {
         "peak_rss_mib": peak_rss_mib().map(|m| round(m, 1)),
         "loss_first": round(losses[0], 5),
         "loss_last": round(losses[losses.len() - 1], 5),
-        "model_flops_per_step": flops_per_step,
-        "model_gflops_per_s": round(gflops, 1),
+        "lora_rank": a.lora_rank,
+        "model_flops_per_step": full.then_some(flops_per_step),
+        "model_gflops_per_s": gflops.map(|g| round(g, 1)),
         "bf16_kernel": peaks.bf16_kernel,
         "peak_f32_gflops": peaks.f32_fma.map(|p| round(p, 1)),
         "peak_bf16_gflops": peaks.bf16_dot.map(|p| round(p, 1)),

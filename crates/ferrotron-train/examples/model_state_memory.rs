@@ -16,14 +16,19 @@
 //! allocations, and the formula; plus the peak live bytes per rank during the step and the
 //! process's `VmRSS`.
 //!
+//! With `--lora-rank R` the model trains LoRA adapters (rank R, alpha R, on all four linear
+//! layers) and its frozen base holds only its weights: the formula is then
+//! `frozen · param_bytes + trainable · (param_bytes + 4 + optimizer/dp)`.
+//!
 //! `cargo run --release -p ferrotron-train --example model_state_memory -- MODEL_DIR \
-//!   --precision bf16 --data-parallel-size 2 --use-distributed-optimizer`
+//!   --precision bf16 --data-parallel-size 2 --use-distributed-optimizer [--lora-rank 16]`
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Parser;
 use ferrotron_comm::run_local;
 use ferrotron_data::MicroBatch;
 use ferrotron_model::families::load_hf_model;
+use ferrotron_model::{InitConfig, LoraConfig};
 use ferrotron_optim::Precision;
 use ferrotron_tensor::DType;
 use ferrotron_train::trainer::{DataParallel, Trainer, TrainerOptions};
@@ -87,6 +92,10 @@ struct Args {
     /// Tokens per sequence of the one training step (one sequence per rank).
     #[arg(long, default_value_t = 64)]
     seq: usize,
+    /// Train LoRA adapters of this rank (alpha = rank, NeMo's four targets) on the frozen
+    /// model instead of the whole model.
+    #[arg(long)]
+    lora_rank: Option<usize>,
 }
 
 fn main() -> ExitCode {
@@ -106,12 +115,24 @@ fn run(a: &Args) -> Result<()> {
     }
     let (precision, sharded) = (a.precision, a.use_distributed_optimizer);
     let dtype = precision.param_dtype();
-    let formula = megatron_bytes_per_param(dtype, if sharded { dp } else { 1 });
+    let trained = megatron_bytes_per_param(dtype, if sharded { dp } else { 1 });
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
     let trainers = run_local(dp, |comm| -> Result<Trainer> {
-        let (model, _) = load_hf_model(&a.model_dir, dtype)
+        let (mut model, _) = load_hf_model(&a.model_dir, dtype)
             .with_context(|| format!("loading {}", a.model_dir.display()))?;
+        if let Some(rank) = a.lora_rank {
+            let lora = LoraConfig {
+                rank,
+                alpha: rank as f32,
+                ..LoraConfig::default()
+            };
+            let init = InitConfig {
+                params_dtype: dtype,
+                ..InitConfig::default()
+            };
+            model = model.with_lora(lora, &init)?;
+        }
         let vocab = model.config().vocab_size as u64;
         let options = TrainerOptions {
             micro_batch_size: 1,
@@ -142,12 +163,13 @@ fn run(a: &Args) -> Result<()> {
     .map_err(|e| anyhow!("{e}"))?;
     let live = LIVE.load(Ordering::Relaxed) - before;
     let peak = PEAK.load(Ordering::Relaxed) - before;
-    let numel: usize = trainers[0]
-        .model()
-        .parameters()
-        .iter()
-        .map(|p| p.numel())
-        .sum();
+    let infos = trainers[0].model().parameters();
+    let numel: usize = infos.iter().map(|p| p.numel()).sum();
+    let trainable: usize = infos.iter().filter(|p| !p.frozen).map(|p| p.numel()).sum();
+    // Frozen parameters hold their weights only.
+    let formula_bytes =
+        (numel - trainable) as f64 * dtype.size_in_bytes() as f64 + trainable as f64 * trained;
+    let formula = formula_bytes / numel as f64;
     let per_param = |bytes: usize| bytes as f64 / (dp * numel) as f64;
     let counted: usize = trainers.iter().map(Trainer::model_state_bytes).sum();
     let line = json!({
@@ -155,6 +177,8 @@ fn run(a: &Args) -> Result<()> {
         "data_parallel_size": dp,
         "use_distributed_optimizer": sharded,
         "parameters": numel,
+        "lora_rank": a.lora_rank,
+        "trainable_parameters": trainable,
         "measured_bytes_per_param_per_rank": round(per_param(live)),
         "counted_bytes_per_param_per_rank": round(per_param(counted)),
         "formula_bytes_per_param": round(formula),
