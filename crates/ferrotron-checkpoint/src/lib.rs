@@ -17,6 +17,7 @@ mod hf_export;
 pub mod peft;
 mod safetensors_writer;
 mod staging;
+pub mod vocab;
 
 pub use error::CheckpointError;
 pub use gguf::{GgufFile, GgufToHfOptions, GgufToHfReport, OutputDtype, gguf_to_hf};
@@ -25,3 +26,4 @@ pub use hf_export::{
     export_hf, tokenizer_files,
 };
 pub use peft::{PeftAdapter, write_peft_adapter};
+pub use vocab::{ExpandVocabOptions, ExpandVocabReport, expand_vocab};

@@ -19,6 +19,7 @@ mod param_table;
 mod pipeline_stage;
 pub mod tensor_parallel;
 pub mod train;
+mod vocab;
 
 pub use config::{
     ActivationFunc, ModelFamily, Normalization, PositionEmbedding, RecomputeGranularity,
@@ -38,6 +39,7 @@ pub use train::{
     ActivationMemory, ForwardTrace, GradReady, LossStats, NoGradHook, ParamInfo, StageForward,
     TrainBatch,
 };
+pub use vocab::NewToken;
 
 /// Result alias for model construction and forward passes.
 pub type Result<T> = std::result::Result<T, ModelError>;

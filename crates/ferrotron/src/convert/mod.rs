@@ -1,8 +1,9 @@
 //! `ferrotron convert`: GGUF -> HF, HF <-> distributed checkpoint (any tp x pp), with dry
-//! runs and forward checks.
+//! runs and forward checks; vocabulary expansion of an HF model.
 
 mod check;
 mod checkpoint;
+mod vocab;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
@@ -31,6 +32,12 @@ pub enum ConvertCommand {
     /// tensor x pipeline-parallel size (resharding; training also reshards on load, optimizer
     /// state included, so this is for handing weights on).
     CkptToCkpt(checkpoint::CkptToCkptArgs),
+    /// HuggingFace directory -> the same model with tokens added to its vocabulary
+    /// (Pai-Megatron-Patch's vocabulary expansion): tokenizer.json gains them as HF's
+    /// `add_tokens` adds them, each new embedding (and untied output) row is the mean of the
+    /// rows of the pieces the old tokenizer split the token into, config.json's vocab_size
+    /// grows (padded with --pad-to-multiple-of). Logits over the old vocabulary are unchanged.
+    ExpandVocab(vocab::ExpandVocabArgs),
 }
 
 #[derive(Args)]
@@ -105,5 +112,6 @@ pub fn run(cmd: ConvertCommand) -> Result<ExitCode> {
         ConvertCommand::HfToCkpt(a) => checkpoint::hf_to_ckpt(a),
         ConvertCommand::CkptToHf(a) => checkpoint::ckpt_to_hf(a),
         ConvertCommand::CkptToCkpt(a) => checkpoint::ckpt_to_ckpt(a),
+        ConvertCommand::ExpandVocab(a) => vocab::expand(a),
     }
 }
