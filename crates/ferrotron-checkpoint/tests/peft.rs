@@ -148,60 +148,70 @@ fn adapter_gradients_match_peft() {
         for (p, g) in model.parameters().iter().zip(&grads) {
             assert_eq!(p.frozen, g.is_empty(), "{}", p.name);
         }
-        // Our gradients in PEFT's names: a copy of the model holding them as its adapters.
-        let mut as_values = model.clone();
-        let adapters: Vec<usize> = (0..grads.len())
-            .filter(|&i| model.layout().decls()[i].role == ParamRole::Adapter)
-            .collect();
-        as_values
-            .load_parameters_with(&adapters, |i| std::borrow::Cow::Borrowed(&grads[i]))
-            .unwrap();
-        let ours: HashMap<String, Vec<f32>> = as_values
-            .peft_tensors()
-            .unwrap()
-            .into_iter()
-            .map(|t| (t.name, t.values))
-            .collect();
-        let grad = |n: &str| f32s(&reference[&format!("grad.{n}")].1);
-        let mut checked = 0;
-        for (n, got) in &ours {
-            let want = if n.contains("lora_A") {
-                // A fused layer's shared lora_A gets the sum of its projections' gradients.
-                let fused: &[&str] = match () {
-                    _ if n.contains("self_attn") && !n.contains("o_proj") => {
-                        &["q_proj", "k_proj", "v_proj"]
-                    }
-                    _ if n.contains("gate_proj") || n.contains("up_proj") => {
-                        &["gate_proj", "up_proj"]
-                    }
-                    _ => &[""],
-                };
-                let own = fused
-                    .iter()
-                    .find(|p| !p.is_empty() && n.contains(*p))
-                    .copied();
-                let mut sum = vec![0f32; got.len()];
-                for p in fused {
-                    let other = match own {
-                        Some(own) => n.replace(own, p),
-                        None => n.clone(),
-                    };
-                    sum.iter_mut().zip(grad(&other)).for_each(|(s, g)| *s += g);
-                }
-                sum
-            } else {
-                grad(n)
-            };
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
-            let d = max_diff(got, &want);
-            assert!(
-                d <= 1e-4 * scale,
-                "{name}: {n} gradient differs from PEFT's by {d} (max {scale})"
-            );
-            checked += 1;
-        }
+        let checked = assert_peft_grads(name, &model, &grads, &reference);
         assert_eq!(checked, 28, "{name}: 2 layers x 7 projections x (A, B)");
     }
+}
+
+/// Checks `grads` (the model's, table order) against PEFT's `grad.<adapter tensor>` entries of
+/// `reference`: each lora_B exactly as PEFT's, each fused layer's shared lora_A as the sum of
+/// its projections' lora_A gradients. Returns the tensors checked.
+fn assert_peft_grads(
+    name: &str,
+    model: &GptModel,
+    grads: &[Vec<f32>],
+    reference: &Tensors,
+) -> usize {
+    let mut as_values = model.clone();
+    let adapters: Vec<usize> = (0..grads.len())
+        .filter(|&i| model.layout().decls()[i].role == ParamRole::Adapter)
+        .collect();
+    as_values
+        .load_parameters_with(&adapters, |i| std::borrow::Cow::Borrowed(&grads[i]))
+        .unwrap();
+    let ours: HashMap<String, Vec<f32>> = as_values
+        .peft_tensors()
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.name, t.values))
+        .collect();
+    let grad = |n: &str| f32s(&reference[&format!("grad.{n}")].1);
+    let mut checked = 0;
+    for (n, got) in &ours {
+        let want = if n.contains("lora_A") {
+            // A fused layer's shared lora_A gets the sum of its projections' gradients.
+            let fused: &[&str] = match () {
+                _ if n.contains("self_attn") && !n.contains("o_proj") => {
+                    &["q_proj", "k_proj", "v_proj"]
+                }
+                _ if n.contains("gate_proj") || n.contains("up_proj") => &["gate_proj", "up_proj"],
+                _ => &[""],
+            };
+            let own = fused
+                .iter()
+                .find(|p| !p.is_empty() && n.contains(*p))
+                .copied();
+            let mut sum = vec![0f32; got.len()];
+            for p in fused {
+                let other = match own {
+                    Some(own) => n.replace(own, p),
+                    None => n.clone(),
+                };
+                sum.iter_mut().zip(grad(&other)).for_each(|(s, g)| *s += g);
+            }
+            sum
+        } else {
+            grad(n)
+        };
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+        let d = max_diff(got, &want);
+        assert!(
+            d <= 1e-4 * scale,
+            "{name}: {n} gradient differs from PEFT's by {d} (max {scale})"
+        );
+        checked += 1;
+    }
+    checked
 }
 
 #[test]
@@ -263,4 +273,89 @@ fn bad_adapters_are_named() {
         err.contains("lm_head.lora_A.weight") && err.contains("no LoRA adapter"),
         "{err}"
     );
+}
+
+/// DPO against TRL's loss (`tools/make_dpo_fixture.py`: two pairs on tiny-llama with the PEFT
+/// adapter, the reference being the base with the adapter disabled, β 0.1): the reference and
+/// policy log-probs, the loss and every adapter gradient; and at step 0 (fresh adapters,
+/// policy = reference) the loss is exactly ln 2.
+#[test]
+fn dpo_matches_trl() {
+    use ferrotron_model::DpoTargets;
+    let (mut model, _, _) = adapted("tiny-llama");
+    let dpo = read(fixtures().join("lora/tiny-llama/dpo.safetensors"));
+    let i64s = |n: &str| -> Vec<i64> {
+        let b = &dpo[n].1;
+        b.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let (ids, mask) = (i64s("input_ids"), i64s("completion_mask"));
+    let n = dpo["input_ids"].0[1];
+    // TRL's rows [c0, c1, r0, r1] as our pairs [c0, r0, c1, r1].
+    let order = [0, 2, 1, 3];
+    let s = n - 1;
+    let (mut tokens, mut labels, mut loss_mask) = (Vec::new(), Vec::new(), Vec::new());
+    for &r in &order {
+        let row = &ids[r * n..(r + 1) * n];
+        tokens.extend(row[..s].iter().map(|&t| t as u32));
+        labels.extend_from_slice(&row[1..]);
+        loss_mask.extend(mask[r * n + 1..(r + 1) * n].iter().map(|&m| m as f32));
+    }
+    let mut batch = TrainBatch::from_batch_major(&tokens, &labels, Some(&loss_mask), 4, s);
+    let reordered = |name: &str| -> Vec<f64> {
+        let v = f32s(&dpo[name].1);
+        order.iter().map(|&r| v[r] as f64).collect()
+    };
+    model.set_adapters_enabled(false);
+    let reference = model.sequence_logps(&batch).unwrap();
+    model.set_adapters_enabled(true);
+    let policy = model.sequence_logps(&batch).unwrap();
+    for (got, want) in [
+        (&reference, reordered("reference_logps")),
+        (&policy, reordered("policy_logps")),
+    ] {
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-4, "log-probs {got:?} vs TRL {want:?}");
+        }
+    }
+    batch.dpo = Some(DpoTargets {
+        beta: 0.1,
+        label_smoothing: 0.0,
+        reference_logps: reference.clone(),
+    });
+    let mut grads = model.zero_grads();
+    let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
+    let stats = model.forward_backward(&batch, &mut views, 1.0).unwrap();
+    let want = f32s(&dpo["loss"].1)[0];
+    assert!(
+        (stats.loss - want).abs() < 1e-6,
+        "loss {} vs TRL {want}",
+        stats.loss
+    );
+    let d = stats.dpo.unwrap();
+    assert_eq!(d.pairs, 2.0);
+    let chosen: f64 = 0.1 * ((policy[0] - reference[0]) + (policy[2] - reference[2]));
+    assert!((d.rewards_chosen - chosen).abs() < 1e-9);
+    assert_eq!(assert_peft_grads("dpo", &model, &grads, &dpo), 28);
+    // Step 0: fresh adapters leave the policy equal to the reference.
+    let (base, _) = load_hf_model(&fixtures().join("tiny-llama"), DType::F32).unwrap();
+    let fresh = base
+        .with_lora(
+            ferrotron_model::LoraConfig::default(),
+            &ferrotron_model::InitConfig::default(),
+        )
+        .unwrap();
+    let mut batch0 = batch.clone();
+    let reference0 = fresh.sequence_logps(&batch0).unwrap();
+    batch0.dpo = Some(DpoTargets {
+        reference_logps: reference0,
+        ..batch.dpo.clone().unwrap()
+    });
+    let mut grads = fresh.zero_grads();
+    let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
+    let stats = fresh.forward_backward(&batch0, &mut views, 1.0).unwrap();
+    assert_eq!(stats.loss_sum / 2.0, std::f64::consts::LN_2);
+    let d = stats.dpo.unwrap();
+    assert_eq!((d.rewards_chosen, d.rewards_rejected), (0.0, 0.0));
 }

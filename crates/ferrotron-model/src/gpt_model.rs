@@ -48,6 +48,9 @@ pub struct GptModel {
     pub(crate) tp: Option<TpInfo>,
     /// Set on a pipeline stage.
     pub(crate) stage: Option<StageInfo>,
+    /// The LoRA adapters take part in the passes (PEFT's `disable_adapter()` turns this off
+    /// for a DPO reference forward); true when built.
+    adapters_enabled: bool,
 }
 
 /// Checks `params` (this rank's values, table order) against their declarations over `t`
@@ -180,6 +183,7 @@ impl GptModel {
             alibi_slopes,
             tp,
             stage,
+            adapters_enabled: true,
         })
     }
 
@@ -264,8 +268,23 @@ impl GptModel {
         }
     }
 
-    /// The LoRA adapter of the linear layer `p`, if it has one.
+    /// Turns the LoRA adapters on or off for the passes that follow (PEFT's
+    /// `disable_adapter()`): with them off the model computes what its frozen base does, as
+    /// DPO's reference. Backward passes must run with the setting of their forward.
+    pub fn set_adapters_enabled(&mut self, enabled: bool) {
+        self.adapters_enabled = enabled;
+    }
+
+    /// Whether the LoRA adapters take part in the passes.
+    pub fn adapters_enabled(&self) -> bool {
+        self.adapters_enabled
+    }
+
+    /// The LoRA adapter of the linear layer `p`, if it has one and adapters are enabled.
     pub(crate) fn lora_adapter(&self, p: LinearParams) -> Option<LoraAdapter<'_>> {
+        if !self.adapters_enabled {
+            return None;
+        }
         let (a, lora) = (p.lora?, self.config.lora.as_ref()?);
         Some(LoraAdapter {
             linear_in: self.param(a.linear_in),

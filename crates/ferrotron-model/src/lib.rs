@@ -36,8 +36,8 @@ pub use param_table::{ParamTable, ParamValue};
 pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
-    ActivationMemory, ForwardTrace, GradReady, LossStats, NoGradHook, ParamInfo, StageForward,
-    TrainBatch,
+    ActivationMemory, DpoStats, DpoTargets, ForwardTrace, GradReady, LossStats, NoGradHook,
+    ParamInfo, StageForward, TrainBatch,
 };
 pub use vocab::NewToken;
 

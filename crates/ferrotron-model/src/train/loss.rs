@@ -30,13 +30,17 @@ impl GptModel {
     }
 
     /// Cross entropy of the logits in `acts.dlogits` (Megatron's masked mean), replacing them
-    /// with the gradient of `loss_scale · loss`.
+    /// with the gradient of `loss_scale · loss`; DPO's loss instead for a batch of pairs
+    /// ([`TrainBatch::dpo`]).
     pub(crate) fn loss_and_logit_grad(
         &self,
         batch: &TrainBatch,
         acts: &mut Activations,
         loss_scale: f32,
     ) -> Result<LossStats> {
+        if let Some(targets) = &batch.dpo {
+            return self.dpo_loss_and_logit_grad(batch, targets, acts, loss_scale);
+        }
         let rows = batch.tokens.len();
         let count = batch.loss_token_count();
         let dl = if count > 0.0 {
@@ -44,14 +48,36 @@ impl GptModel {
         } else {
             0.0
         };
-        let dloss = vec![dl; rows];
-        let mut losses = vec![0f32; rows];
+        let losses = self.token_losses(batch, acts.dlogits.host_mut(), &vec![dl; rows])?;
+        let loss_sum: f64 = losses.iter().map(|&l| l as f64).sum();
+        let loss = if count > 0.0 {
+            (loss_sum / count) as f32
+        } else {
+            0.0
+        };
+        Ok(LossStats {
+            loss,
+            loss_sum,
+            loss_count: count,
+            dpo: None,
+        })
+    }
+
+    /// Per-token `mask·CE` `[rows]` of the logits `[rows, v]` (this rank's vocabulary part on
+    /// a tensor-parallel shard), which become `dloss[t]·mask·(softmax − onehot)`.
+    pub(crate) fn token_losses(
+        &self,
+        batch: &TrainBatch,
+        dlogits: &mut [f32],
+        dloss: &[f32],
+    ) -> Result<Vec<f32>> {
+        let mut losses = vec![0f32; batch.tokens.len()];
         match &self.tp {
             None => cross_entropy_fused_inplace(
-                acts.dlogits.host_mut(),
+                dlogits,
                 &batch.labels,
                 batch.loss_mask.as_deref(),
-                &dloss,
+                dloss,
                 &mut losses,
                 self.local_config().vocab_size,
             )?,
@@ -67,22 +93,12 @@ impl GptModel {
                     &tp.group,
                     &shard,
                     self.config().vocab_size,
-                    acts.dlogits.host_mut(),
-                    &dloss,
+                    dlogits,
+                    dloss,
                     &mut losses,
                 )?;
             }
         }
-        let loss_sum: f64 = losses.iter().map(|&l| l as f64).sum();
-        let loss = if count > 0.0 {
-            (loss_sum / count) as f32
-        } else {
-            0.0
-        };
-        Ok(LossStats {
-            loss,
-            loss_sum,
-            loss_count: count,
-        })
+        Ok(losses)
     }
 }

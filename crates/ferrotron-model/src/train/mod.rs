@@ -34,6 +34,7 @@
 mod attention;
 mod backward;
 pub(crate) mod core_attention;
+mod dpo;
 pub(crate) mod forward;
 mod lora;
 mod loss;
@@ -47,6 +48,7 @@ mod stored;
 mod tp_ops;
 mod trace;
 
+pub use dpo::{DpoStats, DpoTargets};
 pub use stage::StageForward;
 pub use trace::ForwardTrace;
 
@@ -80,6 +82,9 @@ pub struct TrainBatch {
     pub micro_batch: usize,
     /// Sequence length `s`.
     pub seq: usize,
+    /// Preference pairs instead of language modeling: the loss is DPO's over rows `2k`
+    /// (chosen) and `2k + 1` (rejected), their completions marked by the loss mask.
+    pub dpo: Option<DpoTargets>,
 }
 
 impl TrainBatch {
@@ -111,6 +116,7 @@ impl TrainBatch {
             document_starts: None,
             micro_batch,
             seq,
+            dpo: None,
         }
     }
 
@@ -156,8 +162,20 @@ impl TrainBatch {
             .sum()
     }
 
+    /// What this batch adds to the denominator of the global batch's mean loss: its loss
+    /// tokens ([`TrainBatch::loss_token_count`]), or its pairs under DPO.
+    pub fn loss_units(&self) -> f64 {
+        match &self.dpo {
+            Some(_) => (self.micro_batch / 2) as f64,
+            None => self.loss_token_count(),
+        }
+    }
+
     fn validate(&self, model: &GptModel) -> Result<()> {
         let n = self.micro_batch * self.seq;
+        if let Some(d) = &self.dpo {
+            d.validate(self.micro_batch)?;
+        }
         let bad = |what: &str, len: usize| {
             Err(ModelError::Input(format!(
                 "train batch: {what} has {len} entries, expected s·b = {}·{} = {n}",
@@ -244,12 +262,15 @@ impl GradReady for NoGradHook {
 /// The loss of one [`GptModel::forward_backward`] call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossStats {
-    /// Mean loss over the loss tokens, `loss_sum / loss_count` (0 when there are none).
+    /// Mean loss over the loss tokens (or DPO pairs), `loss_sum / loss_count` (0 when there
+    /// are none).
     pub loss: f32,
-    /// `Σ mask·CE` over the micro-batch (summed in f64).
+    /// `Σ mask·CE` over the micro-batch (summed in f64); under DPO, `Σ` of the pairs' losses.
     pub loss_sum: f64,
-    /// `Σ mask` over tokens with a label ([`TrainBatch::loss_token_count`]).
+    /// [`TrainBatch::loss_units`]: `Σ mask` over tokens with a label, or the pairs.
     pub loss_count: f64,
+    /// DPO's metrics, summed over the pairs (`None` for language modeling).
+    pub dpo: Option<DpoStats>,
 }
 
 impl GptModel {
