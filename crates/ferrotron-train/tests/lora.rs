@@ -11,7 +11,8 @@ use common::*;
 use ferrotron_checkpoint::PeftAdapter;
 use ferrotron_comm::run_local;
 use ferrotron_model::GptModel;
-use ferrotron_train::trainer::{TrainError, Trainer};
+use ferrotron_model::{InitConfig, LoraConfig};
+use ferrotron_train::trainer::{DpoOptions, DpoReference, TrainError, Trainer};
 use std::path::Path;
 
 /// tiny-llama with the PEFT fixture's adapters (random `lora_B`, so `lora_A` trains from
@@ -165,4 +166,91 @@ fn bf16_lora_tracks_f32() {
     for (i, p) in t.model().parameters().iter().enumerate() {
         assert_eq!(t.param(i) != before[i], !p.frozen, "{}", p.name);
     }
+}
+
+/// DPO options on pairs of the layout tests' rows (each micro-batch of 2 rows is one pair).
+fn dpo_options(reference: DpoReference) -> ferrotron_train::trainer::TrainerOptions {
+    ferrotron_train::trainer::TrainerOptions {
+        dpo: Some(DpoOptions {
+            beta: 0.1,
+            label_smoothing: 0.0,
+            reference,
+        }),
+        ..dp_options(1, ITERS)
+    }
+}
+
+/// DPO with LoRA (the reference: adapters disabled): every layout gives the single rank's
+/// losses and adapters; fresh adapters start at ln 2 and a frozen copy as the reference
+/// gives the same run.
+#[test]
+fn dpo_layouts_match_one_rank() {
+    let reference_run = |model: GptModel, reference| {
+        let mut t = Trainer::new(model, dpo_options(reference)).unwrap();
+        let stats = t.train_step(&rank_batches(0, 0, 1)).unwrap();
+        let d = stats.dpo.unwrap();
+        assert_eq!(d.pairs, (GBS / 2) as f64);
+        let mut run = train(&mut t, 1, ITERS - 1);
+        run.0.insert(0, stats.loss);
+        run
+    };
+    let one = reference_run(adapted(), DpoReference::AdaptersDisabled);
+    assert!(one.0.last() < one.0.first(), "{:?}", one.0);
+    for (label, world, layout) in [
+        (
+            "tp2",
+            2,
+            Layout {
+                tp: 2,
+                ..Layout::default()
+            },
+        ),
+        (
+            "tp2 sp",
+            2,
+            Layout {
+                tp: 2,
+                sp: true,
+                ..Layout::default()
+            },
+        ),
+        (
+            "dp2 distributed",
+            2,
+            Layout {
+                distributed: true,
+                ..Layout::default()
+            },
+        ),
+    ] {
+        let layout = Layout {
+            dpo: Some(DpoReference::AdaptersDisabled),
+            ..layout
+        };
+        let runs = run_local(world, |comm| {
+            let mut t = layout.trainer(comm, ITERS, adapted())?;
+            Ok::<_, TrainError>(train(&mut t, 0, ITERS))
+        })
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+        for (r, run) in runs.iter().enumerate() {
+            assert_same_run(&format!("DPO {label} rank {r}"), run, &one);
+        }
+    }
+    // Fresh adapters: policy = reference at step 0.
+    let fresh = || {
+        fixture("tiny-llama")
+            .with_lora(
+                LoraConfig {
+                    rank: 4,
+                    alpha: 8.0,
+                    ..LoraConfig::default()
+                },
+                &InitConfig::default(),
+            )
+            .unwrap()
+    };
+    let a = reference_run(fresh(), DpoReference::AdaptersDisabled);
+    assert_eq!(a.0[0], std::f64::consts::LN_2);
+    let b = reference_run(fresh(), DpoReference::FrozenCopy);
+    assert_same_run("frozen copy vs adapters disabled", &b, &a);
 }

@@ -227,6 +227,7 @@ mod tests {
             skipped_iterations: 0,
             nan_iterations: 0,
             comm_wait_ms: 0.0,
+            dpo: None,
         }
     }
 

@@ -17,29 +17,48 @@ impl Trainer {
     ///
     /// # Errors
     /// Malformed batches or a model failure.
-    pub fn evaluate(&self, batches: &[MicroBatch]) -> Result<f64> {
+    pub fn evaluate(&mut self, batches: &[MicroBatch]) -> Result<f64> {
+        Ok(self.evaluate_with_dpo(batches)?.0)
+    }
+
+    /// [`Trainer::evaluate`], and under DPO the mean DPO loss over the pairs with TRL's
+    /// metrics summed over every rank's pairs (reference log-probs as in training).
+    ///
+    /// # Errors
+    /// As [`Trainer::evaluate`].
+    pub fn evaluate_with_dpo(
+        &mut self,
+        batches: &[MicroBatch],
+    ) -> Result<(f64, Option<ferrotron_model::DpoStats>)> {
         self.require_params_current("evaluate")?;
-        let batches = batches
+        let mut batches = batches
             .iter()
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
-        let count: f64 = batches.iter().map(TrainBatch::loss_token_count).sum();
+        self.attach_dpo(&mut batches)?;
+        let count: f64 = batches.iter().map(TrainBatch::loss_units).sum();
         let mut sum = 0.0f64;
+        let mut dpo: Option<ferrotron_model::DpoStats> = None;
         if let Some(pp) = &self.pp {
             sum = self.evaluate_pipeline(pp, &batches)?;
         }
         for batch in batches.iter().filter(|_| self.pp.is_none()) {
             let plain = batch.position_ids.is_none() && batch.document_starts.is_none();
-            sum += if plain && self.model.tensor_parallel().is_none() {
+            sum += if plain && batch.dpo.is_none() && self.model.tensor_parallel().is_none() {
                 self.forward_loss_sum(batch)?
             } else {
-                self.model.forward_loss(batch)?.loss_sum
+                let stats = self.model.forward_loss(batch)?;
+                if let Some(d) = &stats.dpo {
+                    dpo.get_or_insert_default().add(d);
+                }
+                stats.loss_sum
             };
         }
         let mut totals = [sum, count];
         self.dp.sum(&mut totals)?;
         let [sum, count] = totals;
-        Ok(if count > 0.0 { sum / count } else { 0.0 })
+        let dpo = self.sum_dpo_stats(dpo)?;
+        Ok((if count > 0.0 { sum / count } else { 0.0 }, dpo))
     }
 
     /// `Σ mask·CE` of `batch` (default positions) through the inference forward.

@@ -1,6 +1,7 @@
 //! The Megatron-style log lines (`training_log` and `evaluate_and_print_results` in
 //! `megatron/training/training.py`) and their JSON form for `metrics.jsonl`.
 
+use super::DpoMetrics;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -41,6 +42,10 @@ pub struct LogLine {
     /// milliseconds (metrics only; 0 on one rank).
     #[serde(default)]
     pub comm_wait_ms: f64,
+    /// DPO's metrics over the interval (`None`, and not written, for language modeling);
+    /// `lm_loss` is then the DPO loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dpo: Option<DpoMetrics>,
 }
 
 /// One validation result (`evaluate_and_print_results`).
@@ -52,6 +57,10 @@ pub struct EvalLine {
     pub lm_loss: f64,
     /// `exp(min(20, lm_loss))`, as Megatron.
     pub ppl: f64,
+    /// DPO's metrics on the validation pairs (`None`, and not written, for language
+    /// modeling); `lm_loss` is then the DPO loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dpo: Option<DpoMetrics>,
 }
 
 impl EvalLine {
@@ -61,6 +70,7 @@ impl EvalLine {
             iteration,
             lm_loss,
             ppl: lm_loss.min(20.0).exp(),
+            dpo: None,
         }
     }
 }
@@ -143,7 +153,11 @@ impl fmt::Display for LogLine {
             " number of skipped iterations: {:3} |",
             self.skipped_iterations
         )?;
-        write!(f, " number of nan iterations: {:3} |", self.nan_iterations)
+        write!(f, " number of nan iterations: {:3} |", self.nan_iterations)?;
+        match &self.dpo {
+            Some(d) => d.fmt(f),
+            None => Ok(()),
+        }
     }
 }
 
@@ -157,7 +171,11 @@ impl fmt::Display for EvalLine {
             self.iteration,
             format_sci(self.lm_loss, 6),
             format_sci(self.ppl, 6)
-        )
+        )?;
+        match &self.dpo {
+            Some(d) => write!(f, "{d} "),
+            None => Ok(()),
+        }
     }
 }
 
@@ -205,6 +223,7 @@ mod tests {
             skipped_iterations: 0,
             nan_iterations: 0,
             comm_wait_ms: 0.0,
+            dpo: None,
         }
     }
 

@@ -24,6 +24,7 @@
 
 mod checkpoint;
 mod data_parallel;
+mod dpo;
 mod evaluate;
 mod flops;
 mod full_state;
@@ -39,6 +40,7 @@ mod step;
 
 pub use checkpoint::{LoadMode, SavePlan, TrainerState};
 pub use data_parallel::DataParallel;
+pub use dpo::{DpoMetrics, DpoOptions, DpoReference};
 pub use flops::{FlopsModel, num_floating_point_operations};
 pub use full_state::NamedParams;
 pub use log::{EvalLine, LogLine, SavedLine, TrainLog, format_sci};

@@ -65,6 +65,11 @@ pub struct TrainerOptions {
     /// Run seed (`seed`). The step itself draws no random numbers yet (no dropout); kept so
     /// the CLI and checkpoints carry it.
     pub seed: u64,
+    /// DPO over pairs of rows instead of language modeling (`data.dataset_type = "dpo"`):
+    /// each micro-batch's rows `2k` (chosen) and `2k + 1` (rejected) are a pair, so
+    /// `micro_batch_size` counts rows and must be even; the loss is the mean over the
+    /// global batch's pairs.
+    pub dpo: Option<super::DpoOptions>,
 }
 
 impl Default for TrainerOptions {
@@ -95,6 +100,7 @@ impl Default for TrainerOptions {
             loss_scale: None,
             dynamic_loss_scale: DynamicGradScalerConfig::default(),
             exit_interval: None,
+            dpo: None,
             seed: 1234,
         }
     }
@@ -122,6 +128,12 @@ impl TrainerOptions {
                 "global_batch_size {} is not a positive multiple of micro_batch_size {} x \
                  data_parallel_size {}",
                 self.global_batch_size, self.micro_batch_size, self.data_parallel_size
+            ));
+        }
+        if self.dpo.is_some() && !self.micro_batch_size.is_multiple_of(2) {
+            problems.push(format!(
+                "DPO: micro_batch_size {} rows do not form (chosen, rejected) pairs",
+                self.micro_batch_size
             ));
         }
         if self.ddp_bucket_size == Some(0) {

@@ -9,7 +9,7 @@ use super::param_gather::ParamGather;
 use super::step::with_params_in_buffer;
 use super::{PipelineParallel, Result, TrainError, Trainer};
 use ferrotron_data::MicroBatch;
-use ferrotron_model::{GptModel, GradReady, LossStats, NoGradHook, TrainBatch};
+use ferrotron_model::{DpoStats, GptModel, GradReady, LossStats, NoGradHook, TrainBatch};
 use ferrotron_optim::{ParamAndGradBuffer, StepOutcome};
 use std::time::{Duration, Instant};
 
@@ -24,17 +24,19 @@ pub(super) struct Pass {
     pub comm_wait: Duration,
     /// Time waited for the last step's parameter all-gathers (`overlap_param_gather`).
     pub gather_wait: Duration,
+    /// DPO's metrics summed over this rank's pairs.
+    pub dpo: Option<DpoStats>,
 }
 
 impl Trainer {
-    /// This rank's `num_microbatches` loader micro-batches as the model's batches, and the
-    /// loss tokens of the whole global batch (summed over the data-parallel ranks;
-    /// collective).
+    /// This rank's `num_microbatches` loader micro-batches as the model's batches (with
+    /// their DPO targets under DPO), and the loss units (tokens, or pairs) of the whole
+    /// global batch (summed over the data-parallel ranks; collective).
     ///
     /// # Errors
     /// The wrong number of micro-batches, malformed ones, or a failed all-reduce.
     pub(super) fn global_batch(
-        &self,
+        &mut self,
         micro_batches: &[MicroBatch],
     ) -> Result<(Vec<TrainBatch>, f64)> {
         let want = self.options.num_microbatches();
@@ -44,14 +46,12 @@ impl Trainer {
                 micro_batches.len()
             )));
         }
-        let batches = micro_batches
+        let mut batches = micro_batches
             .iter()
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
-        let mut total = [batches
-            .iter()
-            .map(TrainBatch::loss_token_count)
-            .sum::<f64>()];
+        self.attach_dpo(&mut batches)?;
+        let mut total = [batches.iter().map(TrainBatch::loss_units).sum::<f64>()];
         self.dp.sum(&mut total)?;
         Ok((batches, total[0]))
     }
@@ -77,6 +77,7 @@ impl Trainer {
             tokens,
             comm_wait: wait.elapsed(),
             gather_wait,
+            dpo: None,
         })
     }
 
@@ -97,9 +98,10 @@ impl Trainer {
             .map(|c| BucketOverlap::new(c, distributed, &self.buffer));
         let last = batches.len() - 1;
         let (mut loss_sum, mut tokens, mut gather_wait) = (0.0, 0, Duration::ZERO);
+        let mut dpo: Option<DpoStats> = None;
         for (k, batch) in batches.iter().enumerate() {
             let scale = if total > 0.0 {
-                (batch.loss_token_count() / total) as f32 * loss_scale
+                (batch.loss_units() / total) as f32 * loss_scale
             } else {
                 0.0
             };
@@ -119,6 +121,9 @@ impl Trainer {
             )?;
             gather_wait += waited;
             loss_sum += stats.loss_sum;
+            if let Some(d) = &stats.dpo {
+                dpo.get_or_insert_default().add(d);
+            }
             tokens += batch.tokens.len();
         }
         let comm_wait = match overlap {
@@ -134,6 +139,7 @@ impl Trainer {
             tokens,
             comm_wait,
             gather_wait,
+            dpo,
         })
     }
 

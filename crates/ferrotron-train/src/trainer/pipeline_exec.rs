@@ -116,7 +116,7 @@ impl Trainer {
                 Action::Forward { mb, chunk } => {
                     let batch = &batches[mb];
                     let scale = if total > 0.0 {
-                        (batch.loss_token_count() / total) as f32 * loss_scale
+                        (batch.loss_units() / total) as f32 * loss_scale
                     } else {
                         0.0
                     };

@@ -2,10 +2,11 @@
 //! `metrics.jsonl` (Megatron's `train` + `training_log`).
 
 use super::{
-    EvalLine, FlopsModel, LogLine, Result, SavePlan, SavedLine, StepStats, TrainError, TrainLog,
-    Trainer, num_floating_point_operations,
+    DpoMetrics, EvalLine, FlopsModel, LogLine, Result, SavePlan, SavedLine, StepStats, TrainError,
+    TrainLog, Trainer, num_floating_point_operations,
 };
 use ferrotron_data::{DatasetError, MicroBatch};
+use ferrotron_model::DpoStats;
 use std::io::Write;
 use std::time::Duration;
 
@@ -53,6 +54,8 @@ struct Interval {
     skipped: u64,
     nan: u64,
     comm_wait: Duration,
+    /// DPO's metric sums over the interval's advanced iterations.
+    dpo: Option<DpoStats>,
 }
 
 impl Interval {
@@ -67,6 +70,9 @@ impl Interval {
         } else {
             self.advanced += 1;
             self.loss_sum += stats.loss;
+            if let Some(d) = &stats.dpo {
+                self.dpo.get_or_insert_default().add(d);
+            }
         }
         if !stats.loss.is_finite() {
             self.nan += 1;
@@ -237,6 +243,7 @@ impl Trainer {
             skipped_iterations: acc.skipped,
             nan_iterations: acc.nan,
             comm_wait_ms: acc.comm_wait.as_secs_f64() * 1e3 / acc.iterations as f64,
+            dpo: acc.dpo.as_ref().and_then(DpoMetrics::from_sums),
         }
     }
 
@@ -248,8 +255,10 @@ impl Trainer {
         metrics: &mut dyn Write,
         on_log: &mut dyn TrainObserver,
     ) -> Result<f64> {
-        let loss = self.evaluate_counted(&provider()?)?;
-        let line = TrainLog::Valid(EvalLine::new(self.iteration, loss));
+        let (loss, dpo) = self.evaluate_counted(&provider()?)?;
+        let mut line = EvalLine::new(self.iteration, loss);
+        line.dpo = dpo.as_ref().and_then(DpoMetrics::from_sums);
+        let line = TrainLog::Valid(line);
         emit(line, metrics, on_log)?;
         Ok(loss)
     }
@@ -286,11 +295,11 @@ impl Trainer {
         })
     }
 
-    /// [`Trainer::evaluate`], counting the samples into `consumed_valid_samples`.
-    fn evaluate_counted(&mut self, batches: &[MicroBatch]) -> Result<f64> {
-        let loss = self.evaluate(batches)?;
+    /// [`Trainer::evaluate_with_dpo`], counting the samples into `consumed_valid_samples`.
+    fn evaluate_counted(&mut self, batches: &[MicroBatch]) -> Result<(f64, Option<DpoStats>)> {
+        let out = self.evaluate_with_dpo(batches)?;
         let local: u64 = batches.iter().map(|b| b.micro_batch_size as u64).sum();
         self.consumed_valid_samples += local * self.dp.size() as u64;
-        Ok(loss)
+        Ok(out)
     }
 }

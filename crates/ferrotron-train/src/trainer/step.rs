@@ -29,6 +29,8 @@ pub struct StepStats {
     pub lr: f64,
     /// The optimizer skipped the update (inf/NaN gradients).
     pub skipped: bool,
+    /// DPO's metrics summed over the global batch's pairs (`None` for language modeling).
+    pub dpo: Option<ferrotron_model::DpoStats>,
     /// Input tokens processed by all ranks (`global_batch_size · seq_length`).
     pub tokens: usize,
     /// Wall time of the step (forward, backward, optimizer, weight copy).
@@ -56,6 +58,8 @@ pub struct Trainer {
     pub(super) pp: Option<super::PipelineParallel>,
     /// The last step's parameter all-gathers still in flight (`overlap_param_gather`).
     pub(super) param_gather: Option<ParamGather>,
+    /// DPO's frozen reference model ([`super::DpoReference::FrozenCopy`]).
+    pub(super) dpo_reference: Option<GptModel>,
 }
 
 impl Trainer {
@@ -115,6 +119,7 @@ impl Trainer {
             builder.register(&p.name, &p.shape, flags)?;
         }
         let mut buffer = builder.build()?;
+        let dpo_reference = super::dpo::reference_copy(&model, options.dpo.as_ref())?;
         // The model's values move into the buffer's zeroed storage, laid out as the buffer
         // says; the model's table reads them there from now on (one copy of the weights).
         let offsets: Vec<usize> = buffer.params().iter().map(|p| p.offset).collect();
@@ -140,6 +145,7 @@ impl Trainer {
             dp,
             pp: None,
             param_gather: None,
+            dpo_reference,
         })
     }
 
@@ -233,7 +239,8 @@ impl Trainer {
     /// buffer with `loss_scale = tokens_i / tokens_total` (loss tokens of the micro-batch
     /// over those of the global batch), so the accumulated gradient is that of the
     /// per-token mean over the global batch (Megatron's `--calculate-per-token-loss`; equal
-    /// for any split into micro-batches). Then AdamW with the scheduled lr and weight decay;
+    /// for any split into micro-batches). Under DPO the units are pairs, each micro-batch's
+    /// reference log-probs computed first. Then AdamW with the scheduled lr and weight decay;
     /// on success the updated weights go back into the model and the schedule advances one
     /// iteration. A global batch without loss tokens gives zero gradients and loss 0.
     ///
@@ -243,6 +250,11 @@ impl Trainer {
     pub fn train_step(&mut self, micro_batches: &[MicroBatch]) -> Result<StepStats> {
         let start = Instant::now();
         let (batches, total) = self.global_batch(micro_batches)?;
+        if self.pp.is_some() && self.options.dpo.is_some() {
+            return Err(TrainError::Config(
+                "DPO does not run under pipeline parallelism yet".into(),
+            ));
+        }
         // fp16: backpropagate the loss times the scaler's scale; the optimizer unscales.
         let loss_scale = self.optimizer.loss_scale();
         self.buffer.zero_grad();
@@ -255,6 +267,7 @@ impl Trainer {
             .finalize_grads(&mut self.buffer.grad_slices_mut())?;
         let mut sums = [pass.loss_sum, pass.tokens as f64];
         self.dp.sum(&mut sums)?;
+        let dpo = self.sum_dpo_stats(pass.dpo)?;
         let [loss_sum, tokens] = sums;
         let lr = self.scheduler.lr();
         let (out, gather_wait) = self.update(lr)?;
@@ -267,6 +280,7 @@ impl Trainer {
             grad_norm: out.grad_norm,
             lr,
             skipped: !out.update_successful,
+            dpo,
             tokens: tokens as usize,
             elapsed: start.elapsed(),
             comm_wait: pass.comm_wait + pass.gather_wait + gather_wait,

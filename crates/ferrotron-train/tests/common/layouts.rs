@@ -125,6 +125,8 @@ pub struct Layout {
     pub overlap_params: bool,
     /// Train with bf16 weights and fp32 master weights (the model must be bf16).
     pub bf16: bool,
+    /// Train DPO (β 0.1) on pairs of rows with this reference.
+    pub dpo: Option<ferrotron_train::trainer::DpoReference>,
 }
 
 impl Layout {
@@ -164,6 +166,13 @@ impl Layout {
         if self.bf16 {
             options.precision = ferrotron_optim::Precision::Bf16;
         }
+        options.dpo = self
+            .dpo
+            .map(|reference| ferrotron_train::trainer::DpoOptions {
+                beta: 0.1,
+                label_smoothing: 0.0,
+                reference,
+            });
         let mut t = Trainer::new_data_parallel(shard, options, group)?;
         if pp > 1 {
             let pipeline = PipelineParallel::new(groups.pipeline.clone(), groups.embedding.clone());

@@ -1,0 +1,162 @@
+//! DPO in the trainer (TRL's `DPOTrainer` over our passes): each micro-batch of preference
+//! pairs gets its reference log-probs before its forward — from the policy with its LoRA
+//! adapters disabled (TRL's PEFT reference) or from a frozen copy of the model taken when the
+//! trainer was built — and the metrics TRL logs, summed over the data-parallel ranks.
+
+use super::{Result, TrainError, Trainer};
+use ferrotron_model::{DpoStats, DpoTargets, GptModel, TrainBatch};
+use serde::{Deserialize, Serialize};
+
+/// Where DPO's reference log-probs come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DpoReference {
+    /// The policy with its LoRA adapters disabled: the base model (TRL with a PEFT model and
+    /// no `ref_model`). Needs a LoRA model; costs one more forward per micro-batch.
+    AdaptersDisabled,
+    /// A frozen copy of the model as the trainer got it (TRL's `ref_model`): one more copy
+    /// of the weights and one more forward per micro-batch.
+    FrozenCopy,
+}
+
+/// `data.dataset_type = "dpo"`: the loss is DPO's over pairs of rows (chosen, rejected).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DpoOptions {
+    /// `β` (TRL's default 0.1).
+    pub beta: f64,
+    /// `ε` of the conservative loss (TRL's default 0).
+    pub label_smoothing: f64,
+    /// The reference model.
+    pub reference: DpoReference,
+}
+
+/// TRL's DPO metrics, means over pairs, for the log lines and `metrics.jsonl`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DpoMetrics {
+    /// `rewards/chosen`: mean `β·(logπ(c) − logπ_ref(c))`.
+    pub rewards_chosen: f64,
+    /// `rewards/rejected`.
+    pub rewards_rejected: f64,
+    /// `rewards/margins`: chosen − rejected.
+    pub rewards_margins: f64,
+    /// `rewards/accuracies`: the fraction of pairs whose chosen reward is higher.
+    pub rewards_accuracies: f64,
+    /// `logps/chosen`: mean summed completion log-prob of the chosen answers.
+    pub logps_chosen: f64,
+    /// `logps/rejected`.
+    pub logps_rejected: f64,
+}
+
+impl DpoMetrics {
+    /// The means of `sums`; `None` without pairs.
+    pub fn from_sums(sums: &DpoStats) -> Option<DpoMetrics> {
+        let n = sums.pairs;
+        (n > 0.0).then(|| DpoMetrics {
+            rewards_chosen: sums.rewards_chosen / n,
+            rewards_rejected: sums.rewards_rejected / n,
+            rewards_margins: (sums.rewards_chosen - sums.rewards_rejected) / n,
+            rewards_accuracies: sums.accuracies / n,
+            logps_chosen: sums.logps_chosen / n,
+            logps_rejected: sums.logps_rejected / n,
+        })
+    }
+}
+
+impl std::fmt::Display for DpoMetrics {
+    /// `rewards/chosen: x | rewards/rejected: y | rewards/margins: z | rewards/accuracies: a |`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, " rewards/chosen: {:.4} |", self.rewards_chosen)?;
+        write!(f, " rewards/rejected: {:.4} |", self.rewards_rejected)?;
+        write!(f, " rewards/margins: {:.4} |", self.rewards_margins)?;
+        write!(f, " rewards/accuracies: {:.3} |", self.rewards_accuracies)
+    }
+}
+
+/// The frozen reference copy of `model` when `options` asks for one; checks that the model
+/// can run DPO with this reference.
+pub(super) fn reference_copy(
+    model: &GptModel,
+    options: Option<&DpoOptions>,
+) -> Result<Option<GptModel>> {
+    let Some(dpo) = options else {
+        return Ok(None);
+    };
+    if !model.is_pre_process() || !model.is_post_process() {
+        return Err(TrainError::Config(
+            "DPO does not run under pipeline parallelism yet (pipeline_model_parallel_size 1)"
+                .into(),
+        ));
+    }
+    match dpo.reference {
+        DpoReference::FrozenCopy => Ok(Some(model.clone())),
+        DpoReference::AdaptersDisabled if model.config().lora.is_none() => Err(TrainError::Config(
+            "DPO's reference without adapters needs a LoRA model (lora.enabled), or a \
+                 frozen copy as the reference"
+                .into(),
+        )),
+        DpoReference::AdaptersDisabled => Ok(None),
+    }
+}
+
+impl Trainer {
+    /// Gives every batch its DPO targets (the reference log-probs of its rows) when the
+    /// trainer runs DPO; nothing otherwise.
+    ///
+    /// # Errors
+    /// A failed reference forward.
+    pub(super) fn attach_dpo(&mut self, batches: &mut [TrainBatch]) -> Result<()> {
+        let Some(dpo) = self.options.dpo else {
+            return Ok(());
+        };
+        // The reference forward reads every parameter: the last step's gathers must be in.
+        self.finish_param_gather()?;
+        for batch in batches {
+            let reference_logps = match &self.dpo_reference {
+                Some(reference) => reference.sequence_logps(batch)?,
+                None => {
+                    self.model.set_adapters_enabled(false);
+                    let logps = self.model.sequence_logps(batch);
+                    self.model.set_adapters_enabled(true);
+                    logps?
+                }
+            };
+            batch.dpo = Some(DpoTargets {
+                beta: dpo.beta,
+                label_smoothing: dpo.label_smoothing,
+                reference_logps,
+            });
+        }
+        Ok(())
+    }
+
+    /// `local` (this rank's sums) summed over the data-parallel ranks. Collective.
+    pub(super) fn sum_dpo_stats(&self, local: Option<DpoStats>) -> Result<Option<DpoStats>> {
+        let Some(s) = local else {
+            return Ok(None);
+        };
+        let mut v = [
+            s.pairs,
+            s.rewards_chosen,
+            s.rewards_rejected,
+            s.accuracies,
+            s.logps_chosen,
+            s.logps_rejected,
+        ];
+        self.dp.sum(&mut v)?;
+        let [
+            pairs,
+            rewards_chosen,
+            rewards_rejected,
+            accuracies,
+            logps_chosen,
+            logps_rejected,
+        ] = v;
+        Ok(Some(DpoStats {
+            pairs,
+            rewards_chosen,
+            rewards_rejected,
+            accuracies,
+            logps_chosen,
+            logps_rejected,
+        }))
+    }
+}
