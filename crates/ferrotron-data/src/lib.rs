@@ -6,6 +6,7 @@
 
 pub mod blended;
 pub mod chat;
+pub mod dpo;
 pub mod epochs;
 pub mod gpt_dataset;
 pub mod indexed;

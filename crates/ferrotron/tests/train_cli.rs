@@ -20,6 +20,7 @@ fn main() {
         bf16_with_selective_recompute_tracks_f32,
         pretrain_from_scratch_loss_falls,
         expanded_vocabulary_continues_pretraining,
+        dpo_with_lora_on_smollm2,
     ];
     weights::run(plain.into_iter().chain(smollm2));
 }
@@ -454,4 +455,72 @@ fn expanded_vocabulary_continues_pretraining() {
     let losses = train_losses(&out);
     assert_eq!(losses.len(), 3, "{out}");
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+}
+
+/// DPO with LoRA from `run.toml` (issue 19) on a small preference file in both forms (chat
+/// and plain text): the first step's loss is ln 2 (fresh adapters: policy = reference), the
+/// log lines carry TRL's reward metrics, the adapters come out as a PEFT directory; a row
+/// without `rejected` is an error naming its line.
+fn dpo_with_lora_on_smollm2() {
+    let model = model_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let pairs = tmp.path().join("pairs.jsonl");
+    let mut lines = Vec::new();
+    for i in 0..12 {
+        lines.push(format!(
+            "{{\"prompt\": [{{\"role\": \"user\", \"content\": \"What is {i} plus {i}?\"}}], \
+             \"chosen\": \"{i} plus {i} is {}.\", \"rejected\": \"I like turtles.\"}}",
+            2 * i
+        ));
+        lines.push(format!(
+            "{{\"prompt\": \"Count to {i}:\", \"chosen\": \" {}\", \"rejected\": \" no\"}}",
+            (1..=i.max(1))
+                .map(|k| k.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    std::fs::write(&pairs, lines.join("\n")).unwrap();
+    let adapter = tmp.path().join("adapter");
+    let toml = |data: &Path| {
+        format!(
+            "[model]\nload = {:?}\nseq_length = 64\n\
+             [data]\ndata_path = {:?}\ndataset_type = \"dpo\"\nsplit = \"20,4,0\"\n\
+             [training]\nmicro_batch_size = 2\nglobal_batch_size = 4\ntrain_iters = 2\n\
+             log_interval = 1\neval_interval = 2\neval_iters = 1\n\
+             [optimizer]\nlr = 5e-4\n\
+             [lora]\nenabled = true\nrank = 8\nalpha = 16\n\
+             [checkpoint]\nexport_peft = {:?}\n\
+             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
+            model.to_str().unwrap(),
+            data.to_str().unwrap(),
+            adapter.to_str().unwrap(),
+            tmp.path().join("out").to_str().unwrap()
+        )
+    };
+    let out = train(tmp.path(), &toml(&pairs));
+    let losses = train_losses(&out);
+    assert_eq!(losses.len(), 2, "{out}");
+    assert_eq!(losses[0], 6.931472e-1, "ln 2 at step 0: {out}");
+    assert!(out.contains("rewards/accuracies:"), "{out}");
+    assert!(
+        out.contains("validation loss at iteration 2") && out.contains("rewards/margins"),
+        "{out}"
+    );
+    assert!(adapter.join("adapter_model.safetensors").is_file());
+    let broken = tmp.path().join("broken.jsonl");
+    std::fs::write(
+        &broken,
+        format!("{}\n{{\"prompt\": \"x\", \"chosen\": \"y\"}}\n", lines[0]),
+    )
+    .unwrap();
+    let cfg = tmp.path().join("broken.toml");
+    std::fs::write(&cfg, toml(&broken)).unwrap();
+    let o = ferrotron(&["train", "--config", cfg.to_str().unwrap()]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("broken.jsonl:2: missing field `rejected`"),
+        "{err}"
+    );
 }

@@ -14,8 +14,9 @@ mod validate;
 mod values;
 
 pub use sections::{
-    BlendItem, CheckpointSection, DataPath, DataSection, LoggingSection, LoraSection, ModelSection,
-    OptimizerSection, ParallelSection, PrecisionSection, RawConfig, SECTIONS, TrainingSection,
+    BlendItem, CheckpointSection, DataPath, DataSection, DpoSection, LoggingSection, LoraSection,
+    ModelSection, OptimizerSection, ParallelSection, PrecisionSection, RawConfig, SECTIONS,
+    TrainingSection,
 };
 pub(crate) use training::is_gguf;
 pub use types::{
@@ -201,6 +202,7 @@ pub fn parse_raw(text: &str, overrides: &[String]) -> Result<RawConfig, ConfigEr
         checkpoint: section_from_table("checkpoint", take("checkpoint"), &mut problems),
         logging: section_from_table("logging", take("logging"), &mut problems),
         lora: section_from_table("lora", take("lora"), &mut problems),
+        dpo: section_from_table("dpo", take("dpo"), &mut problems),
     };
     if problems.is_empty() {
         Ok(raw)

@@ -115,10 +115,11 @@ section! {
         data_path: Option<DataPath> = None,
         /// Train/valid/test split weights. Default: "969,30,1". Megatron: `--split`.
         split: String = "969,30,1".to_string(),
-        /// "gpt" (pretraining on indexed data), "sft_raw" (chat JSONL) or "sft_mmap"
-        /// (pre-tokenised SFT). Default: "gpt".
+        /// "gpt" (pretraining on indexed data), "sft_raw" (chat JSONL), "sft_mmap"
+        /// (pre-tokenised SFT) or "dpo" (preference pairs: JSONL with prompt / chosen /
+        /// rejected, plain or chat; see `[dpo]`). Default: "gpt".
         dataset_type: String = "gpt".to_string(),
-        /// Tokenizer (tokenizer.json or HF dir) for `sft_raw`. Default: unset (from `model.load`).
+        /// Tokenizer (tokenizer.json or HF dir) for `sft_raw` and `dpo`. Default: unset (from `model.load`).
         /// Megatron: `--tokenizer-model`.
         tokenizer_model: Option<PathBuf> = None,
         /// Mask the loss on EOD tokens. Default: false. Megatron: `--eod-mask-loss`.
@@ -353,6 +354,22 @@ section! {
     }
 }
 
+section! {
+    /// `[dpo]`: direct preference optimization (TRL's `DPOTrainer`, `loss_type = "sigmoid"`)
+    /// when `data.dataset_type = "dpo"`. `training.micro_batch_size` and
+    /// `global_batch_size` count pairs (two rows each, as TRL's batch sizes do).
+    DpoSection, "dpo" {
+        /// β, the strength of the implicit KL penalty. Default: 0.1 (TRL's).
+        beta: f64 = 0.1,
+        /// ε of the conservative DPO loss, in [0, 0.5). Default: 0.0 (TRL's).
+        label_smoothing: f64 = 0.0,
+        /// Where the reference log-probs come from: "base" (the LoRA policy with its adapters
+        /// disabled, TRL with PEFT), "frozen_copy" (a copy of the starting model, TRL's
+        /// `ref_model`) or "auto" (base for LoRA runs, else frozen_copy). Default: "auto".
+        reference: String = "auto".to_string(),
+    }
+}
+
 /// The whole `run.toml` as written (before validation); every section defaults to its defaults.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -375,6 +392,8 @@ pub struct RawConfig {
     pub logging: LoggingSection,
     /// `[lora]`.
     pub lora: LoraSection,
+    /// `[dpo]`.
+    pub dpo: DpoSection,
 }
 
 /// `(section, keys)` for every section, in file order.
@@ -388,4 +407,5 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
     (CheckpointSection::SECTION, CheckpointSection::KEYS),
     (LoggingSection::SECTION, LoggingSection::KEYS),
     (LoraSection::SECTION, LoraSection::KEYS),
+    (DpoSection::SECTION, DpoSection::KEYS),
 ];

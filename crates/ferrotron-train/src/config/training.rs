@@ -185,6 +185,52 @@ pub(super) fn lora(r: &RawConfig, p: &mut Vec<String>) -> Option<LoraConfig> {
     }
 }
 
+/// `[dpo]` as the trainer's options when `data.dataset_type = "dpo"` (`lora`: the run trains
+/// LoRA adapters, which "auto" takes the base of as the reference); each bad key named.
+pub(super) fn dpo(
+    r: &RawConfig,
+    dataset_type: super::types::DatasetType,
+    lora: bool,
+    p: &mut Vec<String>,
+) -> Option<crate::trainer::DpoOptions> {
+    use crate::trainer::{DpoOptions, DpoReference};
+    if dataset_type != super::types::DatasetType::Dpo {
+        return None;
+    }
+    let d = &r.dpo;
+    if !(d.beta.is_finite() && d.beta > 0.0) {
+        p.push(format!("dpo.beta must be > 0, got {}", d.beta));
+    }
+    if !(0.0..0.5).contains(&d.label_smoothing) {
+        p.push(format!(
+            "dpo.label_smoothing must be in [0, 0.5), got {}",
+            d.label_smoothing
+        ));
+    }
+    let reference = match (d.reference.as_str(), lora) {
+        ("base", true) | ("auto", true) => DpoReference::AdaptersDisabled,
+        ("frozen_copy", _) | ("auto", false) => DpoReference::FrozenCopy,
+        ("base", false) => {
+            p.push("dpo.reference = \"base\" needs a LoRA run (lora.enabled = true)".into());
+            DpoReference::FrozenCopy
+        }
+        (other, _) => {
+            p.push(format!(
+                "dpo.reference: `{other}` is not one of \"auto\", \"base\", \"frozen_copy\""
+            ));
+            DpoReference::FrozenCopy
+        }
+    };
+    if r.parallel.pipeline_model_parallel_size > 1 {
+        p.push("data.dataset_type = \"dpo\" does not run under pipeline parallelism yet".into());
+    }
+    Some(DpoOptions {
+        beta: d.beta,
+        label_smoothing: d.label_smoothing,
+        reference,
+    })
+}
+
 /// Whether `path` names a GGUF file (by its extension, as `ferrotron serve --model` does).
 pub(crate) fn is_gguf(path: &std::path::Path) -> bool {
     path.extension()

@@ -44,6 +44,8 @@ pub enum DatasetType {
     SftRaw,
     /// SFT from pre-tokenised indexed data.
     SftMmap,
+    /// DPO on preference pairs from a JSONL file.
+    Dpo,
 }
 
 /// `optimizer.lr_decay_style`.
@@ -137,4 +139,14 @@ pub struct RunConfig {
     /// `[lora]` when enabled: the adapters to add to the loaded model (unless
     /// `lora.adapter` gives them).
     pub lora: Option<ferrotron_model::LoraConfig>,
+    /// `[dpo]` when `data.dataset_type = "dpo"`.
+    pub dpo: Option<crate::trainer::DpoOptions>,
+}
+
+impl RunConfig {
+    /// Rows of a training sample: 2 for DPO (a pair's chosen and rejected rows), else 1.
+    /// The loader, the trainer and `consumed samples` count rows.
+    pub fn rows_per_sample(&self) -> usize {
+        if self.dpo.is_some() { 2 } else { 1 }
+    }
 }

@@ -8,7 +8,7 @@ use super::ConfigError;
 use super::requirements;
 use super::sections::{DataSection, ModelSection, ParallelSection, RawConfig};
 use super::training::{
-    adam_ranges, batch_sizes, checkpoint, finetune, intervals, lora, lr_schedule, precision,
+    adam_ranges, batch_sizes, checkpoint, dpo, finetune, intervals, lora, lr_schedule, precision,
     recompute, train_iters,
 };
 use super::types::*;
@@ -42,6 +42,7 @@ impl RunConfig {
         adam_ranges(&r.optimizer, &mut p);
         let precision = precision(&r.precision, &mut p);
         let lora = lora(&r, &mut p);
+        let dpo = dpo(&r, data.dataset_type, lora.is_some(), &mut p);
         checkpoint(&r.checkpoint, &mut p);
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
@@ -67,6 +68,7 @@ impl RunConfig {
             precision,
             recompute,
             lora,
+            dpo,
         })
     }
 }
@@ -205,9 +207,11 @@ fn data_section(d: &DataSection, p: &mut Vec<String>) -> DataView {
         "gpt" => DatasetType::Gpt,
         "sft_raw" => DatasetType::SftRaw,
         "sft_mmap" => DatasetType::SftMmap,
+        "dpo" => DatasetType::Dpo,
         other => {
             p.push(format!(
-                "data.dataset_type: `{other}` is not one of \"gpt\", \"sft_raw\", \"sft_mmap\""
+                "data.dataset_type: `{other}` is not one of \"gpt\", \"sft_raw\", \"sft_mmap\", \
+                 \"dpo\""
             ));
             DatasetType::Gpt
         }
@@ -220,7 +224,7 @@ fn data_section(d: &DataSection, p: &mut Vec<String>) -> DataView {
         Some(dp) => parse_blend(&blend_tokens(dp), p),
     };
     for (_, prefix) in &blend {
-        if dataset_type == DatasetType::SftRaw {
+        if matches!(dataset_type, DatasetType::SftRaw | DatasetType::Dpo) {
             check_exists("data.data_path", prefix, p);
         } else {
             for ext in ["bin", "idx"] {

@@ -1,9 +1,11 @@
 //! The train and validation datasets of a run: Megatron GPT datasets (blends of `.bin/.idx`)
-//! for pretraining, or SFT sequences (raw chat/alpaca JSONL or Pai's idxmap form) split and
-//! repeated over shuffled epochs for fine-tuning.
+//! for pretraining, SFT sequences (raw chat/alpaca JSONL or Pai's idxmap form) split and
+//! repeated over shuffled epochs for fine-tuning, or DPO's preference pairs (split and
+//! shuffled as pairs, handed out as rows).
 
 use super::{Context, NoteSink, RunError, RunNote};
 use crate::config::{DatasetType, RunConfig};
+use ferrotron_data::dpo::{DpoPairs, DpoRows, load_dpo_jsonl};
 use ferrotron_data::sft::{IdxmapSftDataset, RawSftDataset, SftEncoder, SftOptions};
 use ferrotron_data::{Blend, Dataset, GptDatasetConfig, build_epoch_splits, build_gpt_datasets};
 use std::path::{Path, PathBuf};
@@ -57,6 +59,7 @@ pub(super) fn build_datasets(
                 x.map(|d| d as Arc<dyn Dataset>),
             ]
         }
+        DatasetType::Dpo => dpo_datasets(rc, sizes, model_dir, notes)?,
         DatasetType::SftRaw | DatasetType::SftMmap => {
             let all = sft_dataset(rc, model_dir, notes)?;
             let [t, v, x] = build_epoch_splits(all, &r.data.split, sizes, r.data.seed as u32)
@@ -75,6 +78,65 @@ pub(super) fn build_datasets(
         ))
     })?;
     Ok(RunData { train, valid })
+}
+
+/// The tokenizer directory of `sft_raw` / `dpo`: `data.tokenizer_model`, else `model_dir`.
+fn tokenizer_dir(rc: &RunConfig, model_dir: Option<&Path>) -> Result<PathBuf, RunError> {
+    rc.resolved
+        .data
+        .tokenizer_model
+        .clone()
+        .or_else(|| model_dir.map(Path::to_path_buf))
+        .ok_or_else(|| {
+            RunError::Config(
+                "data.tokenizer_model is required without model.load (to tokenize the JSONL)"
+                    .into(),
+            )
+        })
+}
+
+/// `dpo`: the preference pairs of the JSONL `data.data_path`, split and repeated over
+/// shuffled epochs **as pairs** (`sizes` count rows, two per pair), each split handed out as
+/// rows (`DpoRows`: chosen then rejected); `notes` hears the encoding report.
+fn dpo_datasets(
+    rc: &RunConfig,
+    sizes: [Option<usize>; 3],
+    model_dir: Option<&Path>,
+    notes: &mut NoteSink<'_>,
+) -> Result<[Option<Arc<dyn Dataset>>; 3], RunError> {
+    let [(_, path)] = rc.blend.as_slice() else {
+        return Err(RunError::Config(format!(
+            "data.data_path: DPO takes one JSONL file, got a blend of {}",
+            rc.blend.len()
+        )));
+    };
+    let tok = tokenizer_dir(rc, model_dir)?;
+    let encoder =
+        SftEncoder::from_model_dir(&tok).with_context(|| format!("tokenizer {}", tok.display()))?;
+    let (pairs, report) = load_dpo_jsonl(path, &encoder, rc.seq_length)
+        .with_context(|| format!("data.data_path {}", path.display()))?;
+    if pairs.is_empty() {
+        return Err(RunError::Config(format!(
+            "data.data_path {}: no preference pairs",
+            path.display()
+        )));
+    }
+    notes(&RunNote::DpoEncoded {
+        pairs: report.pairs,
+        truncated: report.truncated,
+        seq_length: rc.seq_length,
+    });
+    let all = Arc::new(DpoPairs::new(
+        pairs,
+        rc.seq_length,
+        encoder.default_pad_id(),
+    ));
+    let pair_sizes = sizes.map(|n| n.map(|rows| rows.div_ceil(2)));
+    let r = &rc.resolved.data;
+    let splits = build_epoch_splits(all, &r.split, pair_sizes, r.seed as u32)
+        .context("splitting the DPO pairs")?;
+    Ok(splits
+        .map(|s| s.map(|pairs| Arc::new(DpoRows::new(pairs, rc.seq_length)) as Arc<dyn Dataset>)))
 }
 
 /// All SFT sequences of `data.data_path` (one file or prefix; blends are not supported for SFT).
@@ -123,17 +185,7 @@ fn raw_sft_dataset(
     model_dir: Option<&Path>,
     notes: &mut NoteSink<'_>,
 ) -> Result<Arc<dyn Dataset>, RunError> {
-    let tok: PathBuf = rc
-        .resolved
-        .data
-        .tokenizer_model
-        .clone()
-        .or_else(|| model_dir.map(Path::to_path_buf))
-        .ok_or_else(|| {
-            RunError::Config(
-                "data.tokenizer_model is required for sft_raw without model.load".into(),
-            )
-        })?;
+    let tok = tokenizer_dir(rc, model_dir)?;
     let encoder =
         SftEncoder::from_model_dir(&tok).with_context(|| format!("tokenizer {}", tok.display()))?;
     let opts = SftOptions::new(rc.seq_length);

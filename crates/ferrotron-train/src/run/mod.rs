@@ -145,6 +145,15 @@ pub enum RunNote {
         /// `OUTPUT/loss.png`.
         loss_plot: PathBuf,
     },
+    /// The DPO pairs were read and tokenized (`data.dataset_type = "dpo"`).
+    DpoEncoded {
+        /// Pairs read.
+        pairs: usize,
+        /// Sides cut to `seq_length`.
+        truncated: usize,
+        /// `model.seq_length`.
+        seq_length: usize,
+    },
     /// The trained LoRA adapters were exported (`checkpoint.export_peft`, logging rank).
     ExportedAdapter {
         /// The PEFT adapter directory.
@@ -228,6 +237,14 @@ impl fmt::Display for RunNote {
                  curve in {}",
                 metrics.display(),
                 loss_plot.display()
+            ),
+            RunNote::DpoEncoded {
+                pairs,
+                truncated,
+                seq_length,
+            } => write!(
+                f,
+                "DPO data: {pairs} preference pairs, {truncated} sides cut to {seq_length} tokens"
             ),
             RunNote::ExportedAdapter { dir, bytes } => write!(
                 f,

@@ -216,7 +216,8 @@ fn datasets(
     run_model: &RunModel,
     notes: &mut NoteSink<'_>,
 ) -> Result<RunData, RunError> {
-    let (gbs, iters) = (rc.global_batch_size, rc.train_iters);
+    // Rows: two per DPO pair.
+    let (gbs, iters) = (rc.global_batch_size * rc.rows_per_sample(), rc.train_iters);
     let t = &rc.resolved.training;
     let evals = iters.checked_div(t.eval_interval).map_or(0, |n| n + 1);
     let valid_samples = t.eval_iters as usize * gbs * evals as usize;
@@ -240,9 +241,10 @@ fn trainer_options(rc: &RunConfig, has_valid_data: bool) -> Result<TrainerOption
     let r = &rc.resolved;
     let (o, pr) = (&r.optimizer, &r.precision);
     let eval_iters = r.training.eval_iters as usize;
+    let rows = rc.rows_per_sample();
     Ok(TrainerOptions {
-        micro_batch_size: r.training.micro_batch_size,
-        global_batch_size: rc.global_batch_size,
+        micro_batch_size: r.training.micro_batch_size * rows,
+        global_batch_size: rc.global_batch_size * rows,
         data_parallel_size: rc.data_parallel_size,
         ddp_bucket_size: r.parallel.ddp_bucket_size,
         train_iters: rc.train_iters,
@@ -275,7 +277,7 @@ fn trainer_options(rc: &RunConfig, has_valid_data: bool) -> Result<TrainerOption
         },
         exit_interval: r.training.exit_interval,
         seed: r.training.seed,
-        dpo: None,
+        dpo: rc.dpo,
     })
 }
 
@@ -338,7 +340,8 @@ fn loaders(
     has_valid: bool,
 ) -> Result<(DataLoader, Option<DataLoader>), RunError> {
     let dp = trainer.data_parallel();
-    let (mbs, dp_rank, dp_size) = (rc.resolved.training.micro_batch_size, dp.rank(), dp.size());
+    let mbs = rc.resolved.training.micro_batch_size * rc.rows_per_sample();
+    let (dp_rank, dp_size) = (dp.rank(), dp.size());
     let config = |prefetch, consumed: u64| {
         let mut c = LoaderConfig::new(mbs, dp_rank, dp_size, consumed as usize);
         c.prefetch = prefetch;

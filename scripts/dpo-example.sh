@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# DPO example: LoRA adapters on SmolLM2-135M-Instruct (an instruction-tuned, i.e. SFT'd, model)
+# trained with TRL's sigmoid DPO loss on preference pairs built from the Chit-Chat Challenge
+# chats (PyPI chitchat-dataset==0.9.0, MIT; tools/make_chitchat_preferences.py: chosen = the
+# real next reply, rejected = a reply from another chat). The reference is the base with the
+# adapters disabled. Prints the held-out DPO metrics (reward margin and accuracy on pairs of
+# chats never trained on), exports the adapters (PEFT) and the merged model, and chats with the
+# original and the DPO'd model side by side. Safe to re-run: downloads, the build, the model
+# and the pairs are reused.
+#
+#   bash scripts/dpo-example.sh [--iters N] [--seq N] [--dp N] [--prompt TEXT] [--out DIR]
+#
+#   --iters N      training iterations of 8 pairs (default 60)
+#   --seq N        row length in tokens (default 256; longer sides lose prompt tokens first)
+#   --dp N         data-parallel ranks in this process (default 1)
+#   --prompt TEXT  the chat message (default "Hi! How was your weekend?")
+#   --out DIR      where the run goes (default runs/dpo-example)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+iters=60 seq=256 dp=1 out="$root/runs/dpo-example"
+prompt="Hi! How was your weekend?"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --iters) iters="$2"; shift 2 ;;
+    --seq) seq="$2"; shift 2 ;;
+    --dp) dp="$2"; shift 2 ;;
+    --prompt) prompt="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "dpo-example.sh: unknown flag $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+for v in iters seq dp; do
+  [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || { echo "dpo-example.sh: --$v must be a positive number" >&2; exit 2; }
+done
+start=$(date +%s) steps=5
+. "$root/scripts/lib/example.sh"
+echo "Ferrotron DPO example: LoRA on SmolLM2-135M-Instruct, $iters iterations of 8 chitchat preference pairs."
+# Each step: 16 rows of $seq tokens, forward + backward, and the reference's forward.
+echo "Expect ~$(( (iters * 16 * seq * 4 / 3 / 170 + 240 + 59) / 60 )) minutes on 2 cores, plus ~8 the first time (release build, downloads)."
+
+step 1 "release build"
+release_build
+
+step 2 "SmolLM2-135M-Instruct: GGUF -> HF"
+smollm2_hf
+
+step 3 "chitchat chats -> preference pairs (train / held-out by chat)"
+pairs="$root/.cache/chitchat-dpo"
+[ -f "$pairs/all.jsonl" ] || python3 tools/make_chitchat_preferences.py --output-dir "$pairs"
+n_train=$(wc -l < "$pairs/train.jsonl") n_held=$(wc -l < "$pairs/heldout.jsonl")
+echo "$n_train training pairs, $n_held held-out pairs"
+
+step 4 "DPO with LoRA (rank 16): $iters iterations, data parallel $dp"
+rm -rf "$out"
+mkdir -p "$out"
+cat > "$out/run.toml" <<TOML
+# DPO of SmolLM2-135M-Instruct on chitchat preference pairs (scripts/dpo-example.sh).
+[model]
+load = "$model"
+seq_length = $seq
+[data]
+data_path = "$pairs/all.jsonl"
+dataset_type = "dpo"
+split = "$n_train,$n_held,0"   # all.jsonl: the training pairs, then the held-out ones
+[training]
+micro_batch_size = 2           # pairs (two rows each)
+global_batch_size = 8
+train_iters = $iters
+eval_interval = $(( iters > 10 ? iters / 2 : iters ))
+eval_iters = 16                # 16 x 8 = 128 held-out pairs
+log_interval = 5
+[optimizer]
+lr = 5e-4
+min_lr = 5e-5
+lr_decay_style = "cosine"
+lr_warmup_iters = $(( iters / 10 + 1 ))
+[parallel]
+data_parallel_size = $dp
+[lora]
+enabled = true
+rank = 16
+alpha = 32
+[dpo]
+beta = 0.1                     # TRL's default; the reference is the base without adapters
+[checkpoint]
+export_peft = "$out/adapter"
+export_hf = "$out/merged-hf"
+[logging]
+output_dir = "$out/train"
+TOML
+"$bin" train --config "$out/run.toml"
+python3 - "$out/train/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("held-out pairs (128, chats never trained on); at iteration 0 the policy is the reference:"
+      " loss ln 2 = 0.6931, margin 0, accuracy 0")
+for r in rows:
+    if r["kind"] == "valid":
+        d = r["dpo"]
+        print(f"  iteration {r['iteration']}: DPO loss {r['lm_loss']:.4f}, reward margin "
+              f"{d['rewards_margins']:.4f}, accuracy {d['rewards_accuracies']:.3f}")
+PY
+
+step 5 "chat: \"$prompt\""
+echo "-- original SmolLM2-135M-Instruct:"
+"$bin" generate --model "$model" --chat --prompt "$prompt" --max-new-tokens 48
+echo
+echo "-- after DPO (adapters merged):"
+"$bin" generate --model "$out/merged-hf" --chat --prompt "$prompt" --max-new-tokens 48
+echo
+echo "done in $(( $(date +%s) - start )) s. Run: $out/train (metrics.jsonl, loss.png); PEFT adapter: $out/adapter; merged HF: $out/merged-hf"
