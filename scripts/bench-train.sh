@@ -19,7 +19,7 @@
 # --rounds N (repeat everything; the table keeps the median tok/s and the highest peak RSS),
 # --tokens FILE (a Megatron .bin token file instead of random tokens), --out FILE (JSON lines),
 # --lora-rank R (train LoRA adapters of rank R, alpha R: ours on linear_qkv/proj/fc1/fc2, PEFT on
-# q/k/v/o/gate/up/down; model FLOPs and MFU are then not shown: Megatron's count is full training).
+# q/k/v/o/gate/up/down; model FLOPs then leave out the frozen base's weight gradients).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"

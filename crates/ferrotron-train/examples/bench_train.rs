@@ -90,8 +90,8 @@ struct Args {
     #[arg(long)]
     tokens: Option<PathBuf>,
     /// Train LoRA adapters of this rank (alpha = rank, on linear_qkv, linear_proj,
-    /// linear_fc1, linear_fc2) on the frozen model instead of the whole model. The model
-    /// FLOPs (and MFU) are then not reported: Megatron's formula counts full training.
+    /// linear_fc1, linear_fc2) on the frozen model instead of the whole model (the model
+    /// FLOPs then leave out the base's weight-gradient GEMMs).
     #[arg(long)]
     lora_rank: Option<usize>,
 }
@@ -129,8 +129,6 @@ fn run(a: &Args) -> Result<()> {
     };
     let (mut model, _) = load_hf_model(&a.model_dir, dtype)
         .with_context(|| format!("loading {}", a.model_dir.display()))?;
-    let flops_per_step =
-        num_floating_point_operations(&FlopsModel::from(model.config()), b as u64, s as u64);
     if let Some(rank) = a.lora_rank {
         let lora = LoraConfig {
             rank,
@@ -143,6 +141,9 @@ fn run(a: &Args) -> Result<()> {
         };
         model = model.with_lora(lora, &init).context("--lora-rank")?;
     }
+    // The model's FLOPs (a frozen base runs no weight-gradient GEMMs).
+    let flops_per_step =
+        num_floating_point_operations(&FlopsModel::from(model.config()), b as u64, s as u64);
     let vocab = model.config().vocab_size;
     let total = a.warmup + a.steps;
     let stream = match &a.tokens {
@@ -199,10 +200,8 @@ fn run(a: &Args) -> Result<()> {
     }
     let med = median(&mut times);
     let peaks = Peaks::measure();
-    // Megatron's FLOPs count full training (weight gradients included): not LoRA's work.
-    let full = a.lora_rank.is_none();
-    let gflops = full.then(|| flops_per_step / med / 1e9);
-    let mfu = |peak: Option<f64>| Some(round(gflops? / peak?, 4));
+    let gflops = flops_per_step / med / 1e9;
+    let mfu = |peak: Option<f64>| peak.map(|p| round(gflops / p, 4));
     let line = json!({
         "impl": "ferrotron",
         "mode": mode,
@@ -219,8 +218,8 @@ fn run(a: &Args) -> Result<()> {
         "loss_first": round(losses[0], 5),
         "loss_last": round(losses[losses.len() - 1], 5),
         "lora_rank": a.lora_rank,
-        "model_flops_per_step": full.then_some(flops_per_step),
-        "model_gflops_per_s": gflops.map(|g| round(g, 1)),
+        "model_flops_per_step": flops_per_step,
+        "model_gflops_per_s": round(gflops, 1),
         "bf16_kernel": peaks.bf16_kernel,
         "peak_f32_gflops": peaks.f32_fma.map(|p| round(p, 1)),
         "peak_bf16_gflops": peaks.bf16_dot.map(|p| round(p, 1)),

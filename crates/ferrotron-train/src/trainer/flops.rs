@@ -17,15 +17,29 @@ pub struct FlopsModel {
     /// `num_layers · a · d`: the width of core attention's `QKᵀ` and `AV` products, summed
     /// over the layers (each costs `2·s·a·d` FLOPs per token and layer).
     pub attention_width: u64,
+    /// Elements of the LoRA adapter matrices (0 without LoRA).
+    pub adapter_weights: u64,
+    /// The matmul weights and the logits' weight are frozen (LoRA): their weight-gradient
+    /// GEMMs are not run.
+    pub frozen_base: bool,
+    /// Each step also runs a forward of the reference model (DPO).
+    pub reference_forward: bool,
 }
 
 impl From<&TransformerConfig> for FlopsModel {
     fn from(c: &TransformerConfig) -> Self {
         let layout = ModelLayout::new(c, c.vocab_size, &ModelPart::whole(c.num_layers));
+        let adapters = (0..layout.decls().len()).filter(|&i| {
+            !layout.is_frozen(i)
+                && layout.decls()[i].role == ferrotron_model::module::ParamRole::Adapter
+        });
         FlopsModel {
             matmul_weights: layout.matmul_weight_elements() as u64,
             logit_weights: (c.vocab_size * c.hidden_size) as u64,
             attention_width: (c.num_layers * c.num_attention_heads * c.kv_channels) as u64,
+            adapter_weights: adapters.map(|i| layout.decls()[i].numel() as u64).sum(),
+            frozen_base: c.lora.is_some(),
+            reference_forward: false,
         }
     }
 }
@@ -37,12 +51,24 @@ impl From<&TransformerConfig> for FlopsModel {
 /// written per GEMM: 3 for the forward, weight-gradient and data-gradient GEMMs, 2 FLOPs per
 /// multiply-add; attention counts the full `s x s` score matrix (no causal halving), as
 /// Megatron does; norms, softmax and element-wise ops are not counted.
+///
+/// With a frozen base (LoRA) the base's weight-gradient GEMMs are left out (the forward and
+/// the data-gradient GEMMs stay; attention's backward is still twice its forward), the
+/// adapters count like any weight (`3 · 2·A`); a reference forward (DPO) adds one forward
+/// without the adapters.
 pub fn num_floating_point_operations(m: &FlopsModel, batch_size: u64, seq_length: u64) -> f64 {
     let s = seq_length as f64;
-    let forward_per_token = 2.0 * m.matmul_weights as f64
-        + 2.0 * m.logit_weights as f64
-        + 4.0 * s * m.attention_width as f64;
-    3.0 * forward_per_token * batch_size as f64 * s
+    let base = 2.0 * m.matmul_weights as f64 + 2.0 * m.logit_weights as f64;
+    let attention = 4.0 * s * m.attention_width as f64;
+    let adapters = 2.0 * m.adapter_weights as f64;
+    let weight_grads = if m.frozen_base { 0.0 } else { base };
+    let mut per_token = (base + adapters + attention) // forward
+        + (base + adapters + 2.0 * attention) // data gradients
+        + (weight_grads + adapters); // weight gradients
+    if m.reference_forward {
+        per_token += base + attention;
+    }
+    per_token * batch_size as f64 * s
 }
 
 #[cfg(test)]
@@ -68,5 +94,26 @@ mod tests {
             * h
             * ((1.0 + g / n + s / h) * (d * n / h) + (ffn / h) * 1.5 + v / (2.0 * l * h));
         assert_eq!(num_floating_point_operations(&m, 2, 32), megatron);
+        // LoRA: forward and data gradients of everything, no weight gradients of the base,
+        // the adapters 3 times. Per token: matmuls 2·W = 163840 - 2·8192 (two layers'
+        // attention products), logits 32768, attention 16384.
+        let lora = ferrotron_model::LoraConfig {
+            rank: 4,
+            ..Default::default()
+        };
+        let mut c = c;
+        c.lora = Some(lora);
+        let m = FlopsModel::from(&c);
+        let (w, v, att) = (163840.0 - 16384.0, 32768.0, 16384.0);
+        let a = m.adapter_weights as f64;
+        assert!(a > 0.0);
+        let want = (w + v + 2.0 * a + att) + (w + v + 2.0 * a + 2.0 * att) + 2.0 * a;
+        assert_eq!(num_floating_point_operations(&m, 2, 32), want * 64.0);
+        let dpo = FlopsModel {
+            reference_forward: true,
+            ..m
+        };
+        let want = want + w + v + att;
+        assert_eq!(num_floating_point_operations(&dpo, 2, 32), want * 64.0);
     }
 }

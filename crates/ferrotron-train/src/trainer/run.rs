@@ -129,7 +129,10 @@ impl Trainer {
         on_log: &mut dyn TrainObserver,
     ) -> Result<TrainSummary> {
         let opts = self.options.clone();
-        let flops_model = FlopsModel::from(self.model.config());
+        let flops_model = FlopsModel {
+            reference_forward: self.options.dpo.is_some(),
+            ..FlopsModel::from(self.model.config())
+        };
         let mut acc = Interval::default();
         let mut summary = TrainSummary {
             iterations: self.iteration,
