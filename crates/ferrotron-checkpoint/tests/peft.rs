@@ -281,7 +281,7 @@ fn bad_adapters_are_named() {
 /// policy = reference) the loss is exactly ln 2.
 #[test]
 fn dpo_matches_trl() {
-    use ferrotron_model::DpoTargets;
+    use ferrotron_model::{DpoTargets, Objective};
     let (mut model, _, _) = adapted("tiny-llama");
     let dpo = read(fixtures().join("lora/tiny-llama/dpo.safetensors"));
     let i64s = |n: &str| -> Vec<i64> {
@@ -319,11 +319,12 @@ fn dpo_matches_trl() {
             assert!((g - w).abs() < 1e-4, "log-probs {got:?} vs TRL {want:?}");
         }
     }
-    batch.dpo = Some(DpoTargets {
+    let targets = DpoTargets {
         beta: 0.1,
         label_smoothing: 0.0,
         reference_logps: reference.clone(),
-    });
+    };
+    batch.objective = Objective::Dpo(targets.clone());
     let mut grads = model.zero_grads();
     let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
     let stats = model.forward_backward(&batch, &mut views, 1.0).unwrap();
@@ -348,9 +349,9 @@ fn dpo_matches_trl() {
         .unwrap();
     let mut batch0 = batch.clone();
     let reference0 = fresh.sequence_logps(&batch0).unwrap();
-    batch0.dpo = Some(DpoTargets {
+    batch0.objective = Objective::Dpo(DpoTargets {
         reference_logps: reference0,
-        ..batch.dpo.clone().unwrap()
+        ..targets
     });
     let mut grads = fresh.zero_grads();
     let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();

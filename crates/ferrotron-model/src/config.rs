@@ -48,6 +48,19 @@ impl ModelFamily {
         self.hf_names().architecture
     }
 
+    /// The HF `architectures[0]` of a model with `head`: `XForCausalLM`, or
+    /// `XForSequenceClassification` for a score head.
+    pub fn hf_architecture_with(self, head: OutputHead) -> String {
+        let lm = self.hf_architecture();
+        match head {
+            OutputHead::LanguageModel => lm.to_string(),
+            OutputHead::Score => {
+                let stem = lm.strip_suffix("ForCausalLM").unwrap_or(lm);
+                format!("{stem}ForSequenceClassification")
+            }
+        }
+    }
+
     /// The HF `model_type`.
     pub fn model_type(self) -> &'static str {
         self.hf_names().model_type
@@ -144,6 +157,20 @@ pub struct TransformerConfig {
     /// `LoRA` transform; see [`LoraConfig`]); `None` trains (or serves) the model as it is.
     /// HF config parsing leaves it `None`; [`crate::GptModel::with_lora`] sets it.
     pub lora: Option<LoraConfig>,
+    /// What the last stage computes from the final norm's output.
+    pub output_head: OutputHead,
+}
+
+/// The head on the final hidden states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OutputHead {
+    /// Logits over the vocabulary (the output layer, or the tied embedding): a causal LM.
+    #[default]
+    LanguageModel,
+    /// One scalar per token from `score.weight: [1, h]` (HF's `score` of
+    /// `...ForSequenceClassification` with one label, no bias): a reward model, whose reward
+    /// is read at a sequence's last token. Never tied to the embedding.
+    Score,
 }
 
 /// Which activations the training forward drops and the backward recomputes (Megatron-Core

@@ -19,7 +19,7 @@
 //! the other parameters, the thread count or whether biases exist).
 
 use crate::config::field_error;
-use crate::config::{ActivationFunc, Normalization, PositionEmbedding};
+use crate::config::{ActivationFunc, Normalization, OutputHead, PositionEmbedding};
 use crate::module::{Init, ModelLayout, ModelPart, ParamDecl};
 use crate::{GptModel, ModelFamily, Result, TransformerConfig};
 use ferrotron_tensor::ops::RopeScaling;
@@ -135,6 +135,7 @@ impl TransformerConfig {
             sliding_window: None,
             recompute_granularity: None,
             lora: None,
+            output_head: OutputHead::LanguageModel,
         };
         config.validate()?;
         Ok(config)

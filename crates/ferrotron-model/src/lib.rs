@@ -22,8 +22,8 @@ pub mod train;
 mod vocab;
 
 pub use config::{
-    ActivationFunc, ModelFamily, Normalization, PositionEmbedding, RecomputeGranularity,
-    RecomputeMethod, TransformerConfig,
+    ActivationFunc, ModelFamily, Normalization, OutputHead, PositionEmbedding,
+    RecomputeGranularity, RecomputeMethod, TransformerConfig,
 };
 pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
@@ -37,7 +37,7 @@ pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
     ActivationMemory, DpoStats, DpoTargets, ForwardTrace, GradReady, LossStats, NoGradHook,
-    ParamInfo, StageForward, TrainBatch,
+    Objective, ParamInfo, RewardTargets, StageForward, TrainBatch,
 };
 pub use vocab::NewToken;
 

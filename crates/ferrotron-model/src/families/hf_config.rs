@@ -1,5 +1,5 @@
 use super::schema::{Biases, KvHeads, activation_from_hf};
-use crate::config::{ActivationFunc, field_error};
+use crate::config::{ActivationFunc, OutputHead, field_error};
 use crate::{ModelError, ModelFamily, Result, TransformerConfig};
 use ferrotron_tensor::ops::RopeScaling;
 use serde_json::{Map, Value};
@@ -43,7 +43,7 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
     let obj = value
         .as_object()
         .ok_or_else(|| field_error("<root>", "expected a JSON object"))?;
-    let family = family_of(obj)?;
+    let (family, output_head) = family_of(obj)?;
     let schema = family.config_schema();
     check_family_fields(obj, family)?;
     let hidden_size = req_usize(obj, "hidden_size")?;
@@ -105,6 +105,7 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
         sliding_window: sliding_window(obj, family, schema.sliding_window)?,
         recompute_granularity: None,
         lora: None,
+        output_head,
     };
     schema.switches.apply(&mut config);
     config.validate()?;
@@ -193,7 +194,9 @@ fn partial_rotary_factor(obj: &Map<String, Value>) -> Result<Option<f64>> {
     }
 }
 
-fn family_of(obj: &Map<String, Value>) -> Result<ModelFamily> {
+/// The family and head of `architectures[0]`: `XForCausalLM` (a language model) or
+/// `XForSequenceClassification` (a reward model's score head); by `model_type` without it.
+fn family_of(obj: &Map<String, Value>) -> Result<(ModelFamily, OutputHead)> {
     let arch = obj
         .get("architectures")
         .and_then(|a| a.as_array())
@@ -203,11 +206,15 @@ fn family_of(obj: &Map<String, Value>) -> Result<ModelFamily> {
     match arch {
         Some(name) => ModelFamily::ALL
             .into_iter()
-            .find(|f| f.hf_architecture() == name)
+            .flat_map(|f| [OutputHead::LanguageModel, OutputHead::Score].map(|h| (f, h)))
+            .find(|&(f, h)| f.hf_architecture_with(h) == name)
             .ok_or_else(|| {
                 field_error(
                     "architectures",
-                    format!("`{name}` is not supported ({})", known()),
+                    format!(
+                        "`{name}` is not supported ({}, or their ...ForSequenceClassification)",
+                        known()
+                    ),
                 )
             }),
         None => {
@@ -215,6 +222,7 @@ fn family_of(obj: &Map<String, Value>) -> Result<ModelFamily> {
             ModelFamily::ALL
                 .into_iter()
                 .find(|f| Some(f.model_type()) == model_type)
+                .map(|f| (f, OutputHead::LanguageModel))
                 .ok_or_else(|| {
                     field_error(
                         "architectures",

@@ -104,7 +104,7 @@ pub fn hf_config_json(
         None => Map::new(),
     };
     let owned = json!({
-        "architectures": [c.family.hf_architecture()],
+        "architectures": [c.family.hf_architecture_with(c.output_head)],
         "model_type": c.family.model_type(),
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
@@ -123,6 +123,11 @@ pub fn hf_config_json(
         unreachable!("json! of an object literal is an object")
     };
     obj.extend(owned);
+    if c.output_head == crate::OutputHead::Score {
+        // One label, as transformers writes `num_labels = 1`.
+        obj.insert("id2label".into(), json!({"0": "LABEL_0"}));
+        obj.insert("label2id".into(), json!({"LABEL_0": 0}));
+    }
     insert_schema_fields(&mut obj, c, &schema)?;
     Ok(Value::Object(obj))
 }

@@ -4,7 +4,7 @@
 use super::decl::{Declarer, ParamDecl, ParamId, ParamRole};
 use super::layer::TransformerLayer;
 use super::norm::{Norm, declare_vocab_table};
-use crate::TransformerConfig;
+use crate::{OutputHead, TransformerConfig};
 
 /// Which part of the model a layout covers (Megatron-Core `GPTModel(pre_process,
 /// post_process)` on one pipeline rank).
@@ -43,7 +43,8 @@ pub struct ModelLayout {
     pub layers: Vec<TransformerLayer>,
     /// `[h]` (HF `model.norm`); set on the last stage.
     pub final_layernorm: Option<Norm>,
-    /// `[v, h]`, untied models only (HF `lm_head`).
+    /// `[v, h]`, untied models only (HF `lm_head`); `[1, h]` under
+    /// [`OutputHead::Score`] (HF `score`).
     pub output_layer: Option<ParamId>,
     /// The config has LoRA: every parameter but the adapters is frozen.
     frozen_base: bool,
@@ -55,7 +56,9 @@ impl ModelLayout {
     /// (`c.vocab_size` when unsplit).
     pub fn new(c: &TransformerConfig, padded_vocab: usize, part: &ModelPart) -> ModelLayout {
         let mut d = Declarer::new(c, padded_vocab);
-        let tied = !c.untie_embeddings_and_output_weights;
+        // A score head is its own weight, whatever the tying of an LM head would be.
+        let tied =
+            !c.untie_embeddings_and_output_weights && c.output_head == OutputHead::LanguageModel;
         let hf = d.hf;
         let embedding = (part.pre_process || (part.post_process && tied)).then(|| {
             let name = format!("{}.weight", hf.embedding);
@@ -76,9 +79,12 @@ impl ModelLayout {
         let final_layernorm = part.post_process.then(|| {
             Norm::declare_hidden(&mut d, "decoder.final_layernorm", hf.final_layernorm, None)
         });
-        let output_layer = (part.post_process && !tied).then(|| {
-            let name = format!("{}.weight", hf.output_layer);
-            declare_vocab_table(&mut d, "output_layer.weight", &name)
+        let output_layer = (part.post_process && !tied).then(|| match c.output_head {
+            OutputHead::LanguageModel => {
+                let name = format!("{}.weight", hf.output_layer);
+                declare_vocab_table(&mut d, "output_layer.weight", &name)
+            }
+            OutputHead::Score => declare_score(&mut d),
         });
         ModelLayout {
             decls: d.finish(),
@@ -92,9 +98,12 @@ impl ModelLayout {
     }
 
     /// Whether the parameter at table position `index` is frozen: under LoRA, every one but
-    /// the adapters ([`ParamRole::Adapter`]); none otherwise.
+    /// the adapters ([`ParamRole::Adapter`]) and a reward model's score head (trained in full,
+    /// as PEFT's `modules_to_save` does for sequence classification); none otherwise.
     pub fn is_frozen(&self, index: usize) -> bool {
-        self.frozen_base && self.decls[index].role != ParamRole::Adapter
+        let head = self.output_layer.is_some_and(|id| id.0 == index)
+            && self.decls[index].name == SCORE_WEIGHT;
+        self.frozen_base && self.decls[index].role != ParamRole::Adapter && !head
     }
 
     /// Every parameter's declaration, in table order.
@@ -138,4 +147,21 @@ impl ModelLayout {
             .map(ParamDecl::numel)
             .sum()
     }
+}
+
+/// The score head's name (Megatron and HF alike).
+const SCORE_WEIGHT: &str = "score.weight";
+
+/// The `[1, h]` score head of a reward model (HF `score.weight`, `nn.Linear(h, 1, bias=False)`,
+/// init `N(0, σ)` as HF's `initializer_range`), replicated over tensor-parallel ranks.
+fn declare_score(d: &mut Declarer<'_>) -> ParamId {
+    d.push(super::decl::whole(
+        SCORE_WEIGHT.into(),
+        SCORE_WEIGHT.into(),
+        vec![1, d.c.hidden_size],
+        crate::TpSplit::Replicated,
+        super::decl::Init::Normal,
+        ParamRole::Weight,
+        None,
+    ))
 }

@@ -160,15 +160,15 @@ impl GptModel {
             normed_final,
             dlogits,
         } = head;
-        let c = self.local_config();
-        let (h, v) = (c.hidden_size, c.vocab_size);
         let rows = batch.tokens.len();
-        // Output layer `logits = normed·Wᵀ`, W: [v, h] (the embedding table when tied).
+        // Output layer `logits = normed·Wᵀ`, W: [v, h] (the embedding table when tied; [1, h]
+        // for a score head).
         let layout = self.layout();
         let out_id = layout
             .output_weight()
             .expect("the last stage holds an output weight");
         let w_out = self.param(out_id);
+        let (v, h) = (w_out.shape()[0], w_out.shape()[1]);
         let mut dnormed_all = Buffer::zeros(self.device(), rows * h);
         let (dl, w) = (dlogits.host(), w_out.weight_ref());
         matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);

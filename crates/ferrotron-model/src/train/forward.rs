@@ -302,9 +302,9 @@ impl GptModel {
         }
         let (normed, stats) = self.final_norm(acts.x_final.host())?;
         acts.normed_final = column_input(self.tp.as_ref(), normed)?;
-        let c = self.local_config();
-        let (h, v, rows) = (c.hidden_size, c.vocab_size, batch.tokens.len());
         let weight = self.output_weight()?;
+        // `v` outputs per row: the (local) vocabulary, or 1 for a score head.
+        let (h, v, rows) = (weight.shape()[1], weight.shape()[0], batch.tokens.len());
         acts.dlogits = Buffer::zeros(self.device(), rows * v);
         let (normed, logits) = (acts.normed_final.host(), acts.dlogits.host_mut());
         matmul_weight_t(normed, weight.weight_ref(), logits, rows, v, h, false);

@@ -3,7 +3,7 @@
 //! counts a pass works with.
 
 use super::forward::Activations;
-use super::{LossStats, TrainBatch};
+use super::{LossStats, Objective, TrainBatch};
 use crate::{GptModel, Result};
 use ferrotron_nn::tensor_parallel::vocab_parallel_cross_entropy;
 use ferrotron_tensor::ops::{VocabShard, cross_entropy_fused_inplace};
@@ -30,16 +30,20 @@ impl GptModel {
     }
 
     /// Cross entropy of the logits in `acts.dlogits` (Megatron's masked mean), replacing them
-    /// with the gradient of `loss_scale · loss`; DPO's loss instead for a batch of pairs
-    /// ([`TrainBatch::dpo`]).
+    /// with the gradient of `loss_scale · loss`; DPO's or a reward model's loss instead for a
+    /// batch of pairs ([`TrainBatch::objective`]).
     pub(crate) fn loss_and_logit_grad(
         &self,
         batch: &TrainBatch,
         acts: &mut Activations,
         loss_scale: f32,
     ) -> Result<LossStats> {
-        if let Some(targets) = &batch.dpo {
-            return self.dpo_loss_and_logit_grad(batch, targets, acts, loss_scale);
+        match &batch.objective {
+            Objective::LanguageModel => {}
+            Objective::Dpo(t) => return self.dpo_loss_and_logit_grad(batch, t, acts, loss_scale),
+            Objective::Reward(t) => {
+                return self.reward_loss_and_logit_grad(batch, t, acts, loss_scale);
+            }
         }
         let rows = batch.tokens.len();
         let count = batch.loss_token_count();

@@ -43,12 +43,14 @@ mod mlp;
 mod norm;
 pub(crate) mod params;
 pub mod recompute;
+mod reward;
 mod stage;
 mod stored;
 mod tp_ops;
 mod trace;
 
 pub use dpo::{DpoStats, DpoTargets};
+pub use reward::RewardTargets;
 pub use stage::StageForward;
 pub use trace::ForwardTrace;
 
@@ -82,9 +84,21 @@ pub struct TrainBatch {
     pub micro_batch: usize,
     /// Sequence length `s`.
     pub seq: usize,
-    /// Preference pairs instead of language modeling: the loss is DPO's over rows `2k`
-    /// (chosen) and `2k + 1` (rejected), their completions marked by the loss mask.
-    pub dpo: Option<DpoTargets>,
+    /// What the batch trains: language modeling, or a loss over preference pairs (rows `2k`
+    /// chosen, `2k + 1` rejected, their completions marked by the loss mask).
+    pub objective: Objective,
+}
+
+/// The loss a [`TrainBatch`] trains.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Objective {
+    /// Megatron's masked-mean next-token cross entropy.
+    #[default]
+    LanguageModel,
+    /// DPO over the pairs ([`DpoTargets`]).
+    Dpo(DpoTargets),
+    /// A reward model's Bradley-Terry loss over the pairs ([`RewardTargets`]).
+    Reward(RewardTargets),
 }
 
 impl TrainBatch {
@@ -116,7 +130,7 @@ impl TrainBatch {
             document_starts: None,
             micro_batch,
             seq,
-            dpo: None,
+            objective: Objective::LanguageModel,
         }
     }
 
@@ -163,18 +177,20 @@ impl TrainBatch {
     }
 
     /// What this batch adds to the denominator of the global batch's mean loss: its loss
-    /// tokens ([`TrainBatch::loss_token_count`]), or its pairs under DPO.
+    /// tokens ([`TrainBatch::loss_token_count`]), or its pairs under a pairwise objective.
     pub fn loss_units(&self) -> f64 {
-        match &self.dpo {
-            Some(_) => (self.micro_batch / 2) as f64,
-            None => self.loss_token_count(),
+        match &self.objective {
+            Objective::LanguageModel => self.loss_token_count(),
+            Objective::Dpo(_) | Objective::Reward(_) => (self.micro_batch / 2) as f64,
         }
     }
 
     fn validate(&self, model: &GptModel) -> Result<()> {
         let n = self.micro_batch * self.seq;
-        if let Some(d) = &self.dpo {
-            d.validate(self.micro_batch)?;
+        match &self.objective {
+            Objective::LanguageModel => {}
+            Objective::Dpo(d) => d.validate(self.micro_batch)?,
+            Objective::Reward(r) => r.validate(self.micro_batch)?,
         }
         let bad = |what: &str, len: usize| {
             Err(ModelError::Input(format!(
@@ -269,7 +285,8 @@ pub struct LossStats {
     pub loss_sum: f64,
     /// [`TrainBatch::loss_units`]: `Σ mask` over tokens with a label, or the pairs.
     pub loss_count: f64,
-    /// DPO's metrics, summed over the pairs (`None` for language modeling).
+    /// DPO's or the reward model's pair metrics, summed over the pairs (`None` for language
+    /// modeling).
     pub dpo: Option<DpoStats>,
 }
 

@@ -4,7 +4,7 @@
 //! trainer was built — and the metrics TRL logs, summed over the data-parallel ranks.
 
 use super::{Result, TrainError, Trainer};
-use ferrotron_model::{DpoStats, DpoTargets, GptModel, TrainBatch};
+use ferrotron_model::{DpoStats, DpoTargets, GptModel, Objective, TrainBatch};
 use serde::{Deserialize, Serialize};
 
 /// Where DPO's reference log-probs come from.
@@ -119,7 +119,7 @@ impl Trainer {
                     logps?
                 }
             };
-            batch.dpo = Some(DpoTargets {
+            batch.objective = Objective::Dpo(DpoTargets {
                 beta: dpo.beta,
                 label_smoothing: dpo.label_smoothing,
                 reference_logps,

@@ -44,7 +44,8 @@ impl Trainer {
         }
         for batch in batches.iter().filter(|_| self.pp.is_none()) {
             let plain = batch.position_ids.is_none() && batch.document_starts.is_none();
-            sum += if plain && batch.dpo.is_none() && self.model.tensor_parallel().is_none() {
+            let lm = batch.objective == ferrotron_model::Objective::LanguageModel;
+            sum += if plain && lm && self.model.tensor_parallel().is_none() {
                 self.forward_loss_sum(batch)?
             } else {
                 let stats = self.model.forward_loss(batch)?;

@@ -1,0 +1,190 @@
+//! A reward model's pairwise loss (TRL's `RewardTrainer`, Bradley-Terry): per pair of rows,
+//! `loss = −logσ(r_c − r_r) + c·(r_c + r_r)²` averaged over the pairs, the reward `r` of a row
+//! being its score head's output at its last token (the last one with a label, i.e. the
+//! token after the last loss-masked position), as HF's `...ForSequenceClassification` reads
+//! it at the last non-padding token; `c` is TRL's `center_rewards_coefficient`.
+
+use super::forward::Activations;
+use super::{DpoStats, LossStats, TrainBatch};
+use crate::{GptModel, ModelError, OutputHead, Result};
+
+/// A micro-batch of preference pairs for a reward model: rows `2k` (chosen) and `2k + 1`
+/// (rejected); the loss mask marks each row's completion, whose end carries the reward.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RewardTargets {
+    /// TRL's `center_rewards_coefficient` (0 turns the centering term off); >= 0.
+    pub center_rewards_coefficient: f64,
+}
+
+impl RewardTargets {
+    pub(crate) fn validate(&self, micro_batch: usize) -> Result<()> {
+        if !micro_batch.is_multiple_of(2) {
+            return Err(ModelError::Input(format!(
+                "reward batch: {micro_batch} rows do not form chosen/rejected pairs"
+            )));
+        }
+        let c = self.center_rewards_coefficient;
+        if !(c.is_finite() && c >= 0.0) {
+            return Err(ModelError::Input(format!(
+                "reward batch: center_rewards_coefficient must be >= 0, got {c}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `ln σ(x)`, stable for large `|x|`.
+fn log_sigmoid(x: f64) -> f64 {
+    -((-x).max(0.0) + (-x.abs()).exp().ln_1p())
+}
+
+/// The `[s, b]` index of each row's reward token: one past its last loss-masked position
+/// (clamped to the row's last position), or the row's last position without any.
+pub(crate) fn reward_positions(batch: &TrainBatch) -> Vec<usize> {
+    let (b, s) = (batch.micro_batch, batch.seq);
+    (0..b)
+        .map(|j| {
+            let masked = |t: usize| {
+                let i = t * b + j;
+                batch.labels[i] != ferrotron_tensor::ops::IGNORE_INDEX
+                    && batch.loss_mask.as_ref().is_none_or(|m| m[i] > 0.0)
+            };
+            let t = (0..s)
+                .rev()
+                .find(|&t| masked(t))
+                .map_or(s - 1, |t| (t + 1).min(s - 1));
+            t * b + j
+        })
+        .collect()
+}
+
+impl GptModel {
+    /// The reward of each row `[b]` (the score at its reward token, see the module doc): the
+    /// training forward without a backward. A whole model with a score head.
+    ///
+    /// # Errors
+    /// No score head, a pipeline stage, or what the training forward reports.
+    pub fn rewards(&self, batch: &TrainBatch) -> Result<Vec<f64>> {
+        self.require_score_head()?;
+        let part = self.chunk_part(0)?;
+        let acts = self.train_forward(batch, part, None, &mut super::memory::Ledger::default())?;
+        let scores = acts.dlogits.host();
+        Ok(reward_positions(batch)
+            .iter()
+            .map(|&i| scores[i] as f64)
+            .collect())
+    }
+
+    fn require_score_head(&self) -> Result<()> {
+        if self.config().output_head != OutputHead::Score {
+            return Err(ModelError::Input(
+                "a reward needs a model with a score head (OutputHead::Score)".into(),
+            ));
+        }
+        if !self.is_pre_process() || !self.is_post_process() || self.tp.is_some() {
+            return Err(ModelError::Input(
+                "reward models run on one rank for now (no tensor or pipeline parallelism)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The reward model's loss over the pairs of `batch`, replacing the scores in
+    /// `acts.dlogits` (`[rows, 1]`) with the gradient of `loss_scale ·` their mean loss
+    /// (nonzero only at the reward tokens). The stats reuse DPO's fields: rewards, accuracies
+    /// (chosen above rejected), no log-probs.
+    pub(crate) fn reward_loss_and_logit_grad(
+        &self,
+        batch: &TrainBatch,
+        targets: &RewardTargets,
+        acts: &mut Activations,
+        loss_scale: f32,
+    ) -> Result<LossStats> {
+        self.require_score_head()?;
+        let b = batch.micro_batch;
+        let positions = reward_positions(batch);
+        let scores = acts.dlogits.host_mut();
+        let r: Vec<f64> = positions.iter().map(|&i| scores[i] as f64).collect();
+        scores.iter_mut().for_each(|x| *x = 0.0);
+        let pairs = (b / 2) as f64;
+        let (c, scale) = (
+            targets.center_rewards_coefficient,
+            loss_scale as f64 / pairs,
+        );
+        let mut stats = DpoStats::default();
+        let mut loss_sum = 0.0;
+        for k in 0..b / 2 {
+            let (rc, rr) = (r[2 * k], r[2 * k + 1]);
+            let (delta, sum) = (rc - rr, rc + rr);
+            loss_sum += -log_sigmoid(delta) + c * sum * sum;
+            // ∂/∂Δ −logσ(Δ) = −σ(−Δ); ∂/∂r of c·(r_c + r_r)² = 2c·(r_c + r_r).
+            let sig = 1.0 / (1.0 + delta.exp());
+            scores[positions[2 * k]] = (scale * (-sig + 2.0 * c * sum)) as f32;
+            scores[positions[2 * k + 1]] = (scale * (sig + 2.0 * c * sum)) as f32;
+            stats.add(&DpoStats {
+                pairs: 1.0,
+                rewards_chosen: rc,
+                rewards_rejected: rr,
+                accuracies: f64::from(u8::from(rc > rr)),
+                ..DpoStats::default()
+            });
+        }
+        Ok(LossStats {
+            loss: (loss_sum / pairs) as f32,
+            loss_sum,
+            loss_count: pairs,
+            dpo: Some(stats),
+        })
+    }
+}
+
+impl GptModel {
+    /// This whole causal LM as a reward model (HF's `AutoModelForSequenceClassification` with
+    /// `num_labels = 1` on a causal LM checkpoint): the output layer (or the tie to the
+    /// embedding) replaced by a `score` head `[1, h]` drawn `N(0, init.init_method_std)` from
+    /// `init.seed`, every other parameter kept.
+    ///
+    /// # Errors
+    /// A shard or stage, or a model that has a score head already.
+    pub fn with_score_head(self, init: &crate::InitConfig) -> Result<GptModel> {
+        if self.tp.is_some() || self.stage.is_some() {
+            return Err(ModelError::Input(
+                "a score head is added to the whole model, not a shard or stage".into(),
+            ));
+        }
+        if self.config().output_head == OutputHead::Score {
+            return Err(ModelError::Input(
+                "the model has a score head already".into(),
+            ));
+        }
+        let mut config = self.config().clone();
+        config.output_head = OutputHead::Score;
+        let whole = crate::module::ModelPart::whole(config.num_layers);
+        let layout = crate::module::ModelLayout::new(&config, config.vocab_size, &whole);
+        let names: Vec<String> = self
+            .layout()
+            .decls()
+            .iter()
+            .map(|d| d.name.clone())
+            .collect();
+        let mut old: Vec<Option<crate::ParamValue>> = self
+            .into_param_table()
+            .into_values()
+            .into_iter()
+            .map(Some)
+            .collect();
+        let values = layout
+            .decls()
+            .iter()
+            .map(|d| match names.iter().position(|n| *n == d.name) {
+                Some(i) => old[i]
+                    .take()
+                    .ok_or_else(|| ModelError::Input(format!("{}: declared twice", d.name))),
+                None => Ok(crate::ParamValue::Dense(crate::init::init_param(
+                    d, init, 0.0,
+                )?)),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        GptModel::from_values(config, values)
+    }
+}
