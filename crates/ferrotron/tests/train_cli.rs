@@ -21,6 +21,7 @@ fn main() {
         pretrain_from_scratch_loss_falls,
         expanded_vocabulary_continues_pretraining,
         dpo_with_lora_on_smollm2,
+        reward_model_on_smollm2,
     ];
     weights::run(plain.into_iter().chain(smollm2));
 }
@@ -464,23 +465,7 @@ fn expanded_vocabulary_continues_pretraining() {
 fn dpo_with_lora_on_smollm2() {
     let model = model_dir();
     let tmp = tempfile::tempdir().unwrap();
-    let pairs = tmp.path().join("pairs.jsonl");
-    let mut lines = Vec::new();
-    for i in 0..12 {
-        lines.push(format!(
-            "{{\"prompt\": [{{\"role\": \"user\", \"content\": \"What is {i} plus {i}?\"}}], \
-             \"chosen\": \"{i} plus {i} is {}.\", \"rejected\": \"I like turtles.\"}}",
-            2 * i
-        ));
-        lines.push(format!(
-            "{{\"prompt\": \"Count to {i}:\", \"chosen\": \" {}\", \"rejected\": \" no\"}}",
-            (1..=i.max(1))
-                .map(|k| k.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    std::fs::write(&pairs, lines.join("\n")).unwrap();
+    let (pairs, lines) = preference_pairs(tmp.path());
     let adapter = tmp.path().join("adapter");
     let toml = |data: &Path| {
         format!(
@@ -522,5 +507,72 @@ fn dpo_with_lora_on_smollm2() {
     assert!(
         err.contains("broken.jsonl:2: missing field `rejected`"),
         "{err}"
+    );
+}
+
+/// A small preference file in both forms (chat and plain text): 24 pairs. Returns its path
+/// and its lines.
+fn preference_pairs(dir: &Path) -> (PathBuf, Vec<String>) {
+    let pairs = dir.join("pairs.jsonl");
+    let mut lines = Vec::new();
+    for i in 0..12 {
+        lines.push(format!(
+            "{{\"prompt\": [{{\"role\": \"user\", \"content\": \"What is {i} plus {i}?\"}}], \
+             \"chosen\": \"{i} plus {i} is {}.\", \"rejected\": \"I like turtles.\"}}",
+            2 * i
+        ));
+        lines.push(format!(
+            "{{\"prompt\": \"Count to {i}:\", \"chosen\": \" {}\", \"rejected\": \" no\"}}",
+            (1..=i.max(1))
+                .map(|k| k.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    std::fs::write(&pairs, lines.join("\n")).unwrap();
+    (pairs, lines)
+}
+
+/// A reward model from `run.toml` (issue 19): SmolLM2 gets a score head, trains two steps on
+/// the preference pairs (accuracy in the log lines), and exports as
+/// `LlamaForSequenceClassification`, which loads back as a score-head model.
+fn reward_model_on_smollm2() {
+    let model = model_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let (pairs, _) = preference_pairs(tmp.path());
+    let export = tmp.path().join("rm-hf");
+    let out = train(
+        tmp.path(),
+        &format!(
+            "[model]\nload = {:?}\nseq_length = 64\n\
+             [data]\ndata_path = {:?}\ndataset_type = \"reward\"\nsplit = \"20,4,0\"\n\
+             [training]\nmicro_batch_size = 2\nglobal_batch_size = 4\ntrain_iters = 2\n\
+             log_interval = 1\neval_interval = 2\neval_iters = 1\n\
+             [optimizer]\nlr = 1e-4\n\
+             [reward]\ncenter_rewards_coefficient = 0.01\n\
+             [checkpoint]\nexport_hf = {:?}\n\
+             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
+            model.to_str().unwrap(),
+            pairs.to_str().unwrap(),
+            export.to_str().unwrap(),
+            tmp.path().join("out").to_str().unwrap()
+        ),
+    );
+    let losses = train_losses(&out);
+    assert_eq!(losses.len(), 2, "{out}");
+    assert!(
+        losses.iter().all(|l| l.is_finite() && *l > 0.0),
+        "{losses:?}"
+    );
+    assert!(out.contains("rewards/accuracies:"), "{out}");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["architectures"][0], "LlamaForSequenceClassification");
+    let (back, _) =
+        ferrotron_model::families::load_hf_model(&export, ferrotron_tensor::DType::F32).unwrap();
+    assert_eq!(
+        back.config().output_head,
+        ferrotron_model::OutputHead::Score
     );
 }

@@ -15,8 +15,8 @@ mod values;
 
 pub use sections::{
     BlendItem, CheckpointSection, DataPath, DataSection, DpoSection, LoggingSection, LoraSection,
-    ModelSection, OptimizerSection, ParallelSection, PrecisionSection, RawConfig, SECTIONS,
-    TrainingSection,
+    ModelSection, OptimizerSection, ParallelSection, PrecisionSection, RawConfig, RewardSection,
+    SECTIONS, TrainingSection,
 };
 pub(crate) use training::is_gguf;
 pub use types::{
@@ -203,6 +203,7 @@ pub fn parse_raw(text: &str, overrides: &[String]) -> Result<RawConfig, ConfigEr
         logging: section_from_table("logging", take("logging"), &mut problems),
         lora: section_from_table("lora", take("lora"), &mut problems),
         dpo: section_from_table("dpo", take("dpo"), &mut problems),
+        reward: section_from_table("reward", take("reward"), &mut problems),
     };
     if problems.is_empty() {
         Ok(raw)

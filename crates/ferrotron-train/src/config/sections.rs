@@ -116,8 +116,9 @@ section! {
         /// Train/valid/test split weights. Default: "969,30,1". Megatron: `--split`.
         split: String = "969,30,1".to_string(),
         /// "gpt" (pretraining on indexed data), "sft_raw" (chat JSONL), "sft_mmap"
-        /// (pre-tokenised SFT) or "dpo" (preference pairs: JSONL with prompt / chosen /
-        /// rejected, plain or chat; see `[dpo]`). Default: "gpt".
+        /// (pre-tokenised SFT), "dpo" (preference pairs: JSONL with prompt / chosen /
+        /// rejected, plain or chat; see `[dpo]`) or "reward" (a reward model on the same
+        /// pairs; see `[reward]`). Default: "gpt".
         dataset_type: String = "gpt".to_string(),
         /// Tokenizer (tokenizer.json or HF dir) for `sft_raw` and `dpo`. Default: unset (from `model.load`).
         /// Megatron: `--tokenizer-model`.
@@ -370,6 +371,18 @@ section! {
     }
 }
 
+section! {
+    /// `[reward]`: a reward model (TRL's `RewardTrainer`, Bradley-Terry) when
+    /// `data.dataset_type = "reward"`: the loaded causal LM gets a one-label score head (HF
+    /// `...ForSequenceClassification`) read at each sequence's last token; the data is DPO's
+    /// (prompt / chosen / rejected), batch sizes in pairs.
+    RewardSection, "reward" {
+        /// TRL's `center_rewards_coefficient`: adds `c·mean((r_c + r_r)²)` to keep rewards
+        /// centred. Default: 0.0 (off, TRL's `None`).
+        center_rewards_coefficient: f64 = 0.0,
+    }
+}
+
 /// The whole `run.toml` as written (before validation); every section defaults to its defaults.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -394,6 +407,8 @@ pub struct RawConfig {
     pub lora: LoraSection,
     /// `[dpo]`.
     pub dpo: DpoSection,
+    /// `[reward]`.
+    pub reward: RewardSection,
 }
 
 /// `(section, keys)` for every section, in file order.
@@ -408,4 +423,5 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
     (LoggingSection::SECTION, LoggingSection::KEYS),
     (LoraSection::SECTION, LoraSection::KEYS),
     (DpoSection::SECTION, DpoSection::KEYS),
+    (RewardSection::SECTION, RewardSection::KEYS),
 ];

@@ -231,6 +231,35 @@ pub(super) fn dpo(
     })
 }
 
+/// `[reward]` as the trainer's options when `data.dataset_type = "reward"` (a reward model
+/// runs on one tensor and pipeline rank for now); each bad key named.
+pub(super) fn reward(
+    r: &RawConfig,
+    dataset_type: super::types::DatasetType,
+    p: &mut Vec<String>,
+) -> Option<crate::trainer::RewardOptions> {
+    if dataset_type != super::types::DatasetType::Reward {
+        return None;
+    }
+    let c = r.reward.center_rewards_coefficient;
+    if !(c.is_finite() && c >= 0.0) {
+        p.push(format!(
+            "reward.center_rewards_coefficient must be >= 0, got {c}"
+        ));
+    }
+    let par = &r.parallel;
+    if par.tensor_model_parallel_size > 1 || par.pipeline_model_parallel_size > 1 {
+        p.push(
+            "data.dataset_type = \"reward\" runs on one tensor and pipeline rank for now \
+             (data parallelism works)"
+                .into(),
+        );
+    }
+    Some(crate::trainer::RewardOptions {
+        center_rewards_coefficient: c,
+    })
+}
+
 /// Whether `path` names a GGUF file (by its extension, as `ferrotron serve --model` does).
 pub(crate) fn is_gguf(path: &std::path::Path) -> bool {
     path.extension()

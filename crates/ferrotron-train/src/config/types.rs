@@ -46,6 +46,8 @@ pub enum DatasetType {
     SftMmap,
     /// DPO on preference pairs from a JSONL file.
     Dpo,
+    /// A reward model on the same preference pairs.
+    Reward,
 }
 
 /// `optimizer.lr_decay_style`.
@@ -141,12 +143,18 @@ pub struct RunConfig {
     pub lora: Option<ferrotron_model::LoraConfig>,
     /// `[dpo]` when `data.dataset_type = "dpo"`.
     pub dpo: Option<crate::trainer::DpoOptions>,
+    /// `[reward]` when `data.dataset_type = "reward"`.
+    pub reward: Option<crate::trainer::RewardOptions>,
 }
 
 impl RunConfig {
-    /// Rows of a training sample: 2 for DPO (a pair's chosen and rejected rows), else 1.
-    /// The loader, the trainer and `consumed samples` count rows.
+    /// Rows of a training sample: 2 for DPO and reward models (a pair's chosen and rejected
+    /// rows), else 1. The loader, the trainer and `consumed samples` count rows.
     pub fn rows_per_sample(&self) -> usize {
-        if self.dpo.is_some() { 2 } else { 1 }
+        if self.dpo.is_some() || self.reward.is_some() {
+            2
+        } else {
+            1
+        }
     }
 }

@@ -9,7 +9,7 @@ use super::requirements;
 use super::sections::{DataSection, ModelSection, ParallelSection, RawConfig};
 use super::training::{
     adam_ranges, batch_sizes, checkpoint, dpo, finetune, intervals, lora, lr_schedule, precision,
-    recompute, train_iters,
+    recompute, reward, train_iters,
 };
 use super::types::*;
 use super::values::{blend_tokens, check_exists, parse_blend, parse_split, positive};
@@ -43,6 +43,7 @@ impl RunConfig {
         let precision = precision(&r.precision, &mut p);
         let lora = lora(&r, &mut p);
         let dpo = dpo(&r, data.dataset_type, lora.is_some(), &mut p);
+        let reward = reward(&r, data.dataset_type, &mut p);
         checkpoint(&r.checkpoint, &mut p);
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
@@ -69,6 +70,7 @@ impl RunConfig {
             recompute,
             lora,
             dpo,
+            reward,
         })
     }
 }
@@ -208,10 +210,11 @@ fn data_section(d: &DataSection, p: &mut Vec<String>) -> DataView {
         "sft_raw" => DatasetType::SftRaw,
         "sft_mmap" => DatasetType::SftMmap,
         "dpo" => DatasetType::Dpo,
+        "reward" => DatasetType::Reward,
         other => {
             p.push(format!(
                 "data.dataset_type: `{other}` is not one of \"gpt\", \"sft_raw\", \"sft_mmap\", \
-                 \"dpo\""
+                 \"dpo\", \"reward\""
             ));
             DatasetType::Gpt
         }
@@ -224,7 +227,10 @@ fn data_section(d: &DataSection, p: &mut Vec<String>) -> DataView {
         Some(dp) => parse_blend(&blend_tokens(dp), p),
     };
     for (_, prefix) in &blend {
-        if matches!(dataset_type, DatasetType::SftRaw | DatasetType::Dpo) {
+        if matches!(
+            dataset_type,
+            DatasetType::SftRaw | DatasetType::Dpo | DatasetType::Reward
+        ) {
             check_exists("data.data_path", prefix, p);
         } else {
             for ext in ["bin", "idx"] {

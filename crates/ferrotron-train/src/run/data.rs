@@ -59,7 +59,7 @@ pub(super) fn build_datasets(
                 x.map(|d| d as Arc<dyn Dataset>),
             ]
         }
-        DatasetType::Dpo => dpo_datasets(rc, sizes, model_dir, notes)?,
+        DatasetType::Dpo | DatasetType::Reward => dpo_datasets(rc, sizes, model_dir, notes)?,
         DatasetType::SftRaw | DatasetType::SftMmap => {
             let all = sft_dataset(rc, model_dir, notes)?;
             let [t, v, x] = build_epoch_splits(all, &r.data.split, sizes, r.data.seed as u32)
@@ -121,7 +121,7 @@ fn dpo_datasets(
             path.display()
         )));
     }
-    notes(&RunNote::DpoEncoded {
+    notes(&RunNote::PairsEncoded {
         pairs: report.pairs,
         truncated: report.truncated,
         seq_length: rc.seq_length,

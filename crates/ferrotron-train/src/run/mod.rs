@@ -145,8 +145,8 @@ pub enum RunNote {
         /// `OUTPUT/loss.png`.
         loss_plot: PathBuf,
     },
-    /// The DPO pairs were read and tokenized (`data.dataset_type = "dpo"`).
-    DpoEncoded {
+    /// The preference pairs were read and tokenized (`data.dataset_type` "dpo" or "reward").
+    PairsEncoded {
         /// Pairs read.
         pairs: usize,
         /// Sides cut to `seq_length`.
@@ -238,13 +238,13 @@ impl fmt::Display for RunNote {
                 metrics.display(),
                 loss_plot.display()
             ),
-            RunNote::DpoEncoded {
+            RunNote::PairsEncoded {
                 pairs,
                 truncated,
                 seq_length,
             } => write!(
                 f,
-                "DPO data: {pairs} preference pairs, {truncated} sides cut to {seq_length} tokens"
+                "preference data: {pairs} pairs, {truncated} sides cut to {seq_length} tokens"
             ),
             RunNote::ExportedAdapter { dir, bytes } => write!(
                 f,

@@ -13,8 +13,8 @@ use ferrotron_data::Tokenizer;
 use ferrotron_data::preprocess::megatron_eod_id;
 use ferrotron_model::families::{HfConfigInputs, load_hf_model};
 use ferrotron_model::{
-    GptModel, InitConfig, RecomputeGranularity, RecomputeMethod as ModelRecomputeMethod,
-    TransformerConfig,
+    GptModel, InitConfig, OutputHead, RecomputeGranularity,
+    RecomputeMethod as ModelRecomputeMethod, TransformerConfig,
 };
 use ferrotron_optim::Precision as OptimPrecision;
 use ferrotron_tensor::DType;
@@ -91,6 +91,17 @@ pub fn build_model(rc: &RunConfig) -> Result<RunModel, RunError> {
         }
         ModelSource::Explicit(dims) => from_scratch(rc, dims, dtype, tokenizer_model)?,
     };
+    if rc.reward.is_some() && run.model.config().output_head != OutputHead::Score {
+        let init = InitConfig {
+            seed: rc.resolved.training.seed,
+            init_method_std: rc.resolved.model.init_method_std as f32,
+            params_dtype: dtype,
+        };
+        run.model = run
+            .model
+            .with_score_head(&init)
+            .context("the reward model's score head")?;
+    }
     run.model = with_lora(rc, run.model, dtype)?;
     run.model
         .set_recompute_granularity(recompute(rc.recompute))

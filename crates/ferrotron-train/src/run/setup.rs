@@ -278,6 +278,7 @@ fn trainer_options(rc: &RunConfig, has_valid_data: bool) -> Result<TrainerOption
         exit_interval: r.training.exit_interval,
         seed: r.training.seed,
         dpo: rc.dpo,
+        reward: rc.reward,
     })
 }
 

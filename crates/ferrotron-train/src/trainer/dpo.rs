@@ -4,7 +4,7 @@
 //! trainer was built — and the metrics TRL logs, summed over the data-parallel ranks.
 
 use super::{Result, TrainError, Trainer};
-use ferrotron_model::{DpoStats, DpoTargets, GptModel, Objective, TrainBatch};
+use ferrotron_model::{DpoStats, DpoTargets, GptModel, Objective, RewardTargets, TrainBatch};
 use serde::{Deserialize, Serialize};
 
 /// Where DPO's reference log-probs come from.
@@ -16,6 +16,14 @@ pub enum DpoReference {
     /// A frozen copy of the model as the trainer got it (TRL's `ref_model`): one more copy
     /// of the weights and one more forward per micro-batch.
     FrozenCopy,
+}
+
+/// A reward model (`data.dataset_type = "reward"`): TRL's `RewardTrainer` loss over pairs of
+/// rows (chosen, rejected), the model's score head read at each row's last real token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RewardOptions {
+    /// TRL's `center_rewards_coefficient` (0: off).
+    pub center_rewards_coefficient: f64,
 }
 
 /// `data.dataset_type = "dpo"`: the loss is DPO's over pairs of rows (chosen, rejected).
@@ -98,12 +106,20 @@ pub(super) fn reference_copy(
 }
 
 impl Trainer {
-    /// Gives every batch its DPO targets (the reference log-probs of its rows) when the
-    /// trainer runs DPO; nothing otherwise.
+    /// Gives every batch its objective: a reward model's targets, or DPO's (the reference
+    /// log-probs of its rows); language modeling otherwise.
     ///
     /// # Errors
     /// A failed reference forward.
-    pub(super) fn attach_dpo(&mut self, batches: &mut [TrainBatch]) -> Result<()> {
+    pub(super) fn attach_objective(&mut self, batches: &mut [TrainBatch]) -> Result<()> {
+        if let Some(reward) = self.options.reward {
+            for batch in batches.iter_mut() {
+                batch.objective = Objective::Reward(RewardTargets {
+                    center_rewards_coefficient: reward.center_rewards_coefficient,
+                });
+            }
+            return Ok(());
+        }
         let Some(dpo) = self.options.dpo else {
             return Ok(());
         };

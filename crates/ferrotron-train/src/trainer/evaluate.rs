@@ -35,7 +35,7 @@ impl Trainer {
             .iter()
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
-        self.attach_dpo(&mut batches)?;
+        self.attach_objective(&mut batches)?;
         let count: f64 = batches.iter().map(TrainBatch::loss_units).sum();
         let mut sum = 0.0f64;
         let mut dpo: Option<ferrotron_model::DpoStats> = None;

@@ -40,7 +40,7 @@ mod step;
 
 pub use checkpoint::{LoadMode, SavePlan, TrainerState};
 pub use data_parallel::DataParallel;
-pub use dpo::{DpoMetrics, DpoOptions, DpoReference};
+pub use dpo::{DpoMetrics, DpoOptions, DpoReference, RewardOptions};
 pub use flops::{FlopsModel, num_floating_point_operations};
 pub use full_state::NamedParams;
 pub use log::{EvalLine, LogLine, SavedLine, TrainLog, format_sci};

@@ -70,6 +70,9 @@ pub struct TrainerOptions {
     /// `micro_batch_size` counts rows and must be even; the loss is the mean over the
     /// global batch's pairs.
     pub dpo: Option<super::DpoOptions>,
+    /// A reward model over pairs of rows (`data.dataset_type = "reward"`), as [`Self::dpo`]
+    /// counts rows; not with `dpo`.
+    pub reward: Option<super::RewardOptions>,
 }
 
 impl Default for TrainerOptions {
@@ -101,6 +104,7 @@ impl Default for TrainerOptions {
             dynamic_loss_scale: DynamicGradScalerConfig::default(),
             exit_interval: None,
             dpo: None,
+            reward: None,
             seed: 1234,
         }
     }
@@ -130,11 +134,15 @@ impl TrainerOptions {
                 self.global_batch_size, self.micro_batch_size, self.data_parallel_size
             ));
         }
-        if self.dpo.is_some() && !self.micro_batch_size.is_multiple_of(2) {
+        let pairwise = self.dpo.is_some() || self.reward.is_some();
+        if pairwise && !self.micro_batch_size.is_multiple_of(2) {
             problems.push(format!(
-                "DPO: micro_batch_size {} rows do not form (chosen, rejected) pairs",
+                "micro_batch_size {} rows do not form (chosen, rejected) pairs",
                 self.micro_batch_size
             ));
+        }
+        if self.dpo.is_some() && self.reward.is_some() {
+            problems.push("dpo and reward are two objectives: set one".to_string());
         }
         if self.ddp_bucket_size == Some(0) {
             problems.push("ddp_bucket_size must be > 0".into());
