@@ -71,83 +71,59 @@ for r in (json.loads(l) for l in open(sys.argv[1])):
 PY
 }
 
-step 4 "reward model (score head + LoRA rank 16): $rm_iters iterations"
-if [ "$rm_iters" -gt 0 ]; then
-  cat > "$out/rm.toml" <<TOML
-# Reward model of SmolLM2-135M-Instruct on chitchat preference pairs (scripts/dpo-example.sh).
+# Prints the run.toml of a LoRA run on the pairs: dataset type $1, $2 iterations, output
+# directory $3, then the sections $4 (the objective's and the exports).
+pairs_toml() {
+  cat <<TOML
+# $1 on SmolLM2-135M-Instruct with chitchat preference pairs (scripts/dpo-example.sh).
 [model]
 load = "$model"
 seq_length = $seq
 [data]
 data_path = "$pairs/all.jsonl"
-dataset_type = "reward"
-split = "$n_train,$n_held,0"
-[training]
-micro_batch_size = 2
-global_batch_size = 8
-train_iters = $rm_iters
-eval_interval = $(( rm_iters > 10 ? rm_iters / 2 : rm_iters ))
-eval_iters = 16
-log_interval = 5
-[optimizer]
-lr = 5e-4
-min_lr = 5e-5
-lr_decay_style = "cosine"
-lr_warmup_iters = $(( rm_iters / 10 + 1 ))
-[parallel]
-data_parallel_size = $dp
-[lora]
-enabled = true                 # the score head trains in full beside the adapters
-rank = 16
-alpha = 32
-[reward]
-center_rewards_coefficient = 0.01
-[checkpoint]
-export_hf = "$out/reward-hf"   # LlamaForSequenceClassification
-[logging]
-output_dir = "$out/reward"
-TOML
-  "$bin" train --config "$out/rm.toml"
-  echo "reward model on the 128 held-out pairs (accuracy = the real reply scored above another chat's):"
-  heldout "$out/reward/metrics.jsonl"
-fi
-
-step 5 "DPO with LoRA (rank 16): $iters iterations, data parallel $dp"
-cat > "$out/run.toml" <<TOML
-# DPO of SmolLM2-135M-Instruct on chitchat preference pairs (scripts/dpo-example.sh).
-[model]
-load = "$model"
-seq_length = $seq
-[data]
-data_path = "$pairs/all.jsonl"
-dataset_type = "dpo"
+dataset_type = "$1"
 split = "$n_train,$n_held,0"   # all.jsonl: the training pairs, then the held-out ones
 [training]
 micro_batch_size = 2           # pairs (two rows each)
 global_batch_size = 8
-train_iters = $iters
-eval_interval = $(( iters > 10 ? iters / 2 : iters ))
+train_iters = $2
+eval_interval = $(( $2 > 10 ? $2 / 2 : $2 ))
 eval_iters = 16                # 16 x 8 = 128 held-out pairs
 log_interval = 5
 [optimizer]
 lr = 5e-4
 min_lr = 5e-5
 lr_decay_style = "cosine"
-lr_warmup_iters = $(( iters / 10 + 1 ))
+lr_warmup_iters = $(( $2 / 10 + 1 ))
 [parallel]
 data_parallel_size = $dp
 [lora]
-enabled = true
+enabled = true                 # a reward model's score head trains in full beside the adapters
 rank = 16
 alpha = 32
-[dpo]
+$4
+[logging]
+output_dir = "$3"
+TOML
+}
+
+step 4 "reward model (score head + LoRA rank 16): $rm_iters iterations"
+if [ "$rm_iters" -gt 0 ]; then
+  pairs_toml reward "$rm_iters" "$out/reward" "[reward]
+center_rewards_coefficient = 0.01
+[checkpoint]
+export_hf = \"$out/reward-hf\"   # LlamaForSequenceClassification" > "$out/rm.toml"
+  "$bin" train --config "$out/rm.toml"
+  echo "reward model on the 128 held-out pairs (accuracy = the real reply scored above another chat's):"
+  heldout "$out/reward/metrics.jsonl"
+fi
+
+step 5 "DPO with LoRA (rank 16): $iters iterations, data parallel $dp"
+pairs_toml dpo "$iters" "$out/train" "[dpo]
 beta = 0.1                     # TRL's default; the reference is the base without adapters
 [checkpoint]
-export_peft = "$out/adapter"
-export_hf = "$out/merged-hf"
-[logging]
-output_dir = "$out/train"
-TOML
+export_peft = \"$out/adapter\"
+export_hf = \"$out/merged-hf\"" > "$out/run.toml"
 "$bin" train --config "$out/run.toml"
 echo "DPO on the 128 held-out pairs (chats never trained on); at iteration 0 the policy is the"
 echo "reference: loss ln 2 = 0.6931, margin 0, accuracy 0"

@@ -238,6 +238,17 @@ impl GptModel {
         self.params.view(id.index())
     }
 
+    /// Errors unless this is a whole model (not a shard or a stage): `what` happens on the
+    /// whole model (a model transform, then split).
+    pub(crate) fn require_whole(&self, what: &str) -> Result<()> {
+        if self.tp.is_some() || self.stage.is_some() {
+            return Err(ModelError::Input(format!(
+                "{what} on the whole model, not a tensor-parallel shard or pipeline stage"
+            )));
+        }
+        Ok(())
+    }
+
     /// The parameter table, consumed.
     pub(crate) fn into_param_table(self) -> ParamTable {
         self.params

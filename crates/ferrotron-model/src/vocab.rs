@@ -31,11 +31,7 @@ impl GptModel {
     /// the id). (A new token may take an old padding row past the tokenizer's tokens, as HF's
     /// `add_tokens` does when `vocab_size` was padded.)
     pub fn expand_vocab(&self, new_vocab: usize, new_tokens: &[NewToken]) -> Result<GptModel> {
-        if self.tp.is_some() || self.stage.is_some() {
-            return Err(ModelError::Input(
-                "the vocabulary is expanded on the whole model, not a shard or stage".into(),
-            ));
-        }
+        self.require_whole("the vocabulary is expanded")?;
         let old_vocab = self.config().vocab_size;
         if new_vocab < old_vocab {
             return Err(ModelError::Input(format!(

@@ -227,14 +227,7 @@ fn dpo_layouts_match_one_rank() {
             dpo: Some(DpoReference::AdaptersDisabled),
             ..layout
         };
-        let runs = run_local(world, |comm| {
-            let mut t = layout.trainer(comm, ITERS, adapted())?;
-            Ok::<_, TrainError>(train(&mut t, 0, ITERS))
-        })
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
-        for (r, run) in runs.iter().enumerate() {
-            assert_same_run(&format!("DPO {label} rank {r}"), run, &one);
-        }
+        assert_layout(&format!("DPO {label}"), world, layout, &one);
     }
     // Fresh adapters: policy = reference at step 0.
     let fresh = || {

@@ -123,16 +123,6 @@ impl GptModel {
     pub(crate) fn linear_params(&self) -> impl Iterator<Item = LinearParams> + '_ {
         self.layers().iter().flat_map(|l| l.linears())
     }
-
-    /// Errors unless this is a whole model (not a shard or a stage).
-    fn require_whole(&self, what: &str) -> Result<()> {
-        if self.tp.is_some() || self.stage.is_some() {
-            return Err(ModelError::Input(format!(
-                "{what} on the whole model, not a tensor-parallel shard or pipeline stage"
-            )));
-        }
-        Ok(())
-    }
 }
 
 /// The Megatron names of the linear layers that have an adapter in `layout`.

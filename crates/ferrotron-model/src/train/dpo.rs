@@ -84,15 +84,19 @@ impl DpoStats {
 }
 
 /// `ln σ(x)`, stable for large `|x|`.
-fn log_sigmoid(x: f64) -> f64 {
+pub(super) fn log_sigmoid(x: f64) -> f64 {
     -((-x).max(0.0) + (-x.abs()).exp().ln_1p())
+}
+
+/// `σ(x) = 1 / (1 + e^{−x})`.
+pub(super) fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
 }
 
 /// TRL's sigmoid loss of one pair at `z` and its derivative `∂loss/∂z`.
 fn sigmoid_loss(z: f64, beta: f64, eps: f64) -> (f64, f64) {
     let loss = -(1.0 - eps) * log_sigmoid(beta * z) - eps * log_sigmoid(-beta * z);
-    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
-    let dz = -(1.0 - eps) * beta * sig(-beta * z) + eps * beta * sig(beta * z);
+    let dz = -(1.0 - eps) * beta * sigmoid(-beta * z) + eps * beta * sigmoid(beta * z);
     (loss, dz)
 }
 

@@ -374,21 +374,28 @@ impl GptModel {
         batch.validate(self)?;
         self.local_config().validate_recompute()?;
         let table = self.param_table();
-        let frozen_len = |i: usize, g: &&mut [f32]| match table.is_frozen(i) {
-            true if g.is_empty() => table.numel(i),
-            _ => g.len(),
-        };
-        self.check_slices(grads.iter().enumerate().map(|(i, g)| frozen_len(i, g)))?;
-        match grads
-            .iter()
-            .enumerate()
-            .find(|(i, g)| table.is_frozen(*i) && !g.is_empty())
-        {
-            Some((i, _)) => Err(crate::ModelError::Input(format!(
-                "{}: a frozen parameter takes an empty gradient slice",
-                self.layout().decls()[i].name
-            ))),
-            None => Ok(()),
+        if grads.len() != table.len() {
+            return Err(ModelError::Input(format!(
+                "{} gradient slices given, the model has {} parameters",
+                grads.len(),
+                table.len()
+            )));
         }
+        for (i, (g, d)) in grads.iter().zip(self.layout().decls()).enumerate() {
+            let want = if table.is_frozen(i) {
+                0
+            } else {
+                table.numel(i)
+            };
+            if g.len() != want {
+                return Err(ModelError::Input(format!(
+                    "{}: gradient slice of {} elements, expected {want} ({})",
+                    d.name,
+                    g.len(),
+                    if want == 0 { "frozen" } else { "its elements" }
+                )));
+            }
+        }
+        Ok(())
     }
 }

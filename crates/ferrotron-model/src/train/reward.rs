@@ -4,6 +4,7 @@
 //! token after the last loss-masked position), as HF's `...ForSequenceClassification` reads
 //! it at the last non-padding token; `c` is TRL's `center_rewards_coefficient`.
 
+use super::dpo::{log_sigmoid, sigmoid};
 use super::forward::Activations;
 use super::{DpoStats, LossStats, TrainBatch};
 use crate::{GptModel, ModelError, OutputHead, Result};
@@ -31,11 +32,6 @@ impl RewardTargets {
         }
         Ok(())
     }
-}
-
-/// `ln σ(x)`, stable for large `|x|`.
-fn log_sigmoid(x: f64) -> f64 {
-    -((-x).max(0.0) + (-x.abs()).exp().ln_1p())
 }
 
 /// The `[s, b]` index of each row's reward token: one past its last loss-masked position
@@ -118,7 +114,7 @@ impl GptModel {
             let (delta, sum) = (rc - rr, rc + rr);
             loss_sum += -log_sigmoid(delta) + c * sum * sum;
             // ∂/∂Δ −logσ(Δ) = −σ(−Δ); ∂/∂r of c·(r_c + r_r)² = 2c·(r_c + r_r).
-            let sig = 1.0 / (1.0 + delta.exp());
+            let sig = sigmoid(-delta);
             scores[positions[2 * k]] = (scale * (-sig + 2.0 * c * sum)) as f32;
             scores[positions[2 * k + 1]] = (scale * (sig + 2.0 * c * sum)) as f32;
             stats.add(&DpoStats {
@@ -147,11 +143,7 @@ impl GptModel {
     /// # Errors
     /// A shard or stage, or a model that has a score head already.
     pub fn with_score_head(self, init: &crate::InitConfig) -> Result<GptModel> {
-        if self.tp.is_some() || self.stage.is_some() {
-            return Err(ModelError::Input(
-                "a score head is added to the whole model, not a shard or stage".into(),
-            ));
-        }
+        self.require_whole("a score head is added")?;
         if self.config().output_head == OutputHead::Score {
             return Err(ModelError::Input(
                 "the model has a score head already".into(),
