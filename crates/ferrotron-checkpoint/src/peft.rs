@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use ferrotron_model::GptModel;
-use ferrotron_model::lora::{PeftTensor, peft_module_names};
+use ferrotron_model::lora::{LoraWeights, PeftTensor, peft_module_names};
 use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{Value, json};
@@ -54,8 +54,8 @@ impl PeftAdapter {
     ///
     /// # Errors
     /// A missing or malformed file; a config that is not plain LoRA (`peft_type` other than
-    /// `LORA`, DoRA, rsLoRA, trained biases, `fan_in_fan_out`, per-module ranks or alphas) or
-    /// has dropout; a tensor that is not a 2-D f32/bf16/f16 matrix. Each names the file and
+    /// `LORA`, DoRA, rsLoRA, trained biases, `fan_in_fan_out`, per-module ranks or alphas); a
+    /// tensor that is not a 2-D f32/bf16/f16 matrix. Each names the file and
     /// the key or tensor.
     pub fn read(dir: &Path) -> Result<PeftAdapter, CheckpointError> {
         let config_path = dir.join(ADAPTER_CONFIG);
@@ -102,13 +102,6 @@ impl PeftAdapter {
                 format!("{bias}: only adapters without biases (\"none\")"),
             ));
         }
-        if let Some(d) = config
-            .get("lora_dropout")
-            .and_then(Value::as_f64)
-            .filter(|&d| d != 0.0)
-        {
-            return Err(bad("lora_dropout", format!("{d}: only 0 is supported")));
-        }
         for key in ["rank_pattern", "alpha_pattern"] {
             if config
                 .get(key)
@@ -142,31 +135,57 @@ impl PeftAdapter {
     /// shape, projections of one fused layer with different `lora_A`, or a tensor the model
     /// has no place for (e.g. an adapter on `lm_head`), each named.
     pub fn apply_to(&self, base: GptModel) -> Result<GptModel, CheckpointError> {
-        let file = ADAPTER_WEIGHTS;
+        let lora = self.lora_config(&base)?;
+        let init = ferrotron_model::InitConfig {
+            params_dtype: base.dtype(),
+            ..Default::default()
+        };
+        let mut model = base.with_lora(lora, &init).map_err(|e| model_err(&e))?;
+        self.map_tensors(|get| model.load_peft_tensors(get))?;
+        Ok(model)
+    }
+
+    /// The adapter's matrices for serving beside others over `base` (a whole model without
+    /// adapters, left as it is): the adapters [`PeftAdapter::apply_to`] would build in.
+    ///
+    /// # Errors
+    /// As [`PeftAdapter::apply_to`].
+    pub fn served_weights(&self, base: &GptModel) -> Result<LoraWeights, CheckpointError> {
+        let lora = self.lora_config(base)?;
+        self.map_tensors(|get| base.lora_weights_from_peft(&lora, get))
+    }
+
+    /// The [`ferrotron_model::LoraConfig`] that adapts exactly the modules this adapter has
+    /// tensors for, in `base`.
+    fn lora_config(&self, base: &GptModel) -> Result<ferrotron_model::LoraConfig, CheckpointError> {
         let adapted = |module: &str| {
             ["lora_A", "lora_B"].iter().any(|m| {
                 self.tensors
                     .contains_key(&format!("base_model.model.{module}.{m}.weight"))
             })
         };
-        let lora = base
-            .peft_lora_config(self.rank, self.alpha, adapted)
-            .map_err(|e| model_err(&e))?;
-        let init = ferrotron_model::InitConfig {
-            params_dtype: base.dtype(),
-            ..Default::default()
-        };
-        let mut model = base.with_lora(lora, &init).map_err(|e| model_err(&e))?;
+        base.peft_lora_config(self.rank, self.alpha, adapted)
+            .map_err(|e| model_err(&e))
+    }
+
+    /// Runs `map` over a lookup of the adapter's tensors, then checks that it used them all.
+    ///
+    /// # Errors
+    /// `map`'s error (naming the file), or a tensor the model has no place for.
+    fn map_tensors<T>(
+        &self,
+        map: impl FnOnce(&mut dyn FnMut(&str) -> Option<PeftTensor>) -> ferrotron_model::Result<T>,
+    ) -> Result<T, CheckpointError> {
+        let file = ADAPTER_WEIGHTS;
         let mut used = std::collections::HashSet::new();
-        model
-            .load_peft_tensors(|name| {
-                used.insert(name.to_string());
-                self.tensors.get(name).cloned()
-            })
-            .map_err(|e| CheckpointError::Format {
-                file: file.into(),
-                detail: e.to_string(),
-            })?;
+        let out = map(&mut |name: &str| {
+            used.insert(name.to_string());
+            self.tensors.get(name).cloned()
+        })
+        .map_err(|e| CheckpointError::Format {
+            file: file.into(),
+            detail: e.to_string(),
+        })?;
         let mut unused: Vec<&String> = self.tensors.keys().filter(|k| !used.contains(*k)).collect();
         unused.sort();
         if let Some(name) = unused.first() {
@@ -178,7 +197,7 @@ impl PeftAdapter {
                     .into(),
             });
         }
-        Ok(model)
+        Ok(out)
     }
 }
 

@@ -96,6 +96,7 @@ fn decode_rate(model: &Arc<GptModel>, draft: Option<Arc<GptModel>>, b: usize) ->
             id: i as u64,
             prompt,
             params,
+            lora: None,
         };
         let count = outputs.clone();
         let sink = Box::new(move |_| {

@@ -6,122 +6,16 @@
 
 use ferrotron_infer::engine::{
     Engine, EngineConfig, EngineHandle, FinishReason, Request, RequestOutput, RequestParams,
-    SchedulerConfig, SpeculativeConfig,
+    SpeculativeConfig,
 };
 use ferrotron_infer::sampler::{SamplingParams, log_softmax};
-use ferrotron_infer::{GenerateOptions, generate};
-use ferrotron_model::families::load_hf_model;
 use ferrotron_model::{GptModel, KvCache, LogitsMode};
-use ferrotron_tensor::DType;
 use std::ops::ControlFlow;
-use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, channel};
 use std::sync::{Arc, Mutex};
 
-fn model(name: &str) -> Arc<GptModel> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name);
-    Arc::new(load_hf_model(&dir, DType::F32).unwrap().0)
-}
-
-fn config(num_blocks: usize, budget: usize, prefix_caching: bool) -> EngineConfig {
-    EngineConfig {
-        block_size: 4,
-        num_blocks,
-        scheduler: SchedulerConfig {
-            max_num_seqs: 8,
-            max_num_batched_tokens: budget,
-        },
-        enable_prefix_caching: prefix_caching,
-        speculative: None,
-        speculative_disable_by_batch_size: None,
-    }
-}
-
-fn prompt(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (x >> 33) as u32 % vocab as u32
-        })
-        .collect()
-}
-
-/// Outputs collected per request.
-type Outputs = Arc<Mutex<Vec<RequestOutput>>>;
-
-fn submit(engine: &mut Engine, id: u64, prompt: Vec<u32>, params: RequestParams) -> Outputs {
-    let outputs = Outputs::default();
-    let sink = outputs.clone();
-    let request = Request { id, prompt, params };
-    let sink = Box::new(move |o| {
-        sink.lock().unwrap().push(o);
-        ControlFlow::Continue(())
-    });
-    engine.add_request(request, sink).unwrap();
-    outputs
-}
-
-/// Submits `prompts` as requests `first_id..` with `params`, runs the engine until they end
-/// and returns each one's tokens.
-fn run_prompts(
-    engine: &mut Engine,
-    prompts: &[Vec<u32>],
-    params: &RequestParams,
-    first_id: u64,
-) -> Vec<Vec<u32>> {
-    let outs: Vec<Outputs> = prompts
-        .iter()
-        .zip(first_id..)
-        .map(|(p, id)| submit(engine, id, p.clone(), params.clone()))
-        .collect();
-    run_to_end(engine);
-    outs.iter().map(tokens).collect()
-}
-
-fn run_to_end(engine: &mut Engine) {
-    while engine.has_work() {
-        engine.step().unwrap();
-    }
-}
-
-fn tokens(outputs: &Outputs) -> Vec<u32> {
-    let o = outputs.lock().unwrap();
-    o.iter()
-        .filter_map(|o| o.token.as_ref().map(|t| t.token))
-        .collect()
-}
-
-fn finish(outputs: &Outputs) -> FinishReason {
-    outputs.lock().unwrap().last().unwrap().finished.unwrap()
-}
-
-fn solo_generate(
-    model: &GptModel,
-    prompt: &[u32],
-    max: usize,
-    sampling: SamplingParams,
-) -> Vec<u32> {
-    let options = GenerateOptions {
-        max_new_tokens: max,
-        sampling,
-        stop_token_ids: vec![],
-    };
-    generate(model, prompt, &options, &mut |_| ControlFlow::Continue(()))
-        .unwrap()
-        .generated_ids
-}
-
-fn greedy(max_tokens: usize) -> RequestParams {
-    RequestParams {
-        max_tokens,
-        ..RequestParams::default()
-    }
-}
+mod common;
+use common::*;
 
 #[test]
 fn a_lone_request_reproduces_generate() {
@@ -246,6 +140,7 @@ fn stop_tokens_length_limits_and_cancellation() {
         id: 2,
         prompt: p.clone(),
         params: greedy(10),
+        lora: None,
     };
     engine.add_request(request, sink).unwrap();
     run_to_end(&mut engine);
@@ -267,6 +162,7 @@ fn stop_tokens_length_limits_and_cancellation() {
             id: 9,
             prompt,
             params,
+            lora: None,
         };
         let err = engine
             .add_request(request, Box::new(|_| ControlFlow::Continue(())))
@@ -332,6 +228,7 @@ fn the_engine_thread_serves_requests_from_other_threads_and_drains_on_shutdown()
                         id,
                         prompt: p.clone(),
                         params: greedy(12),
+                        lora: None,
                     },
                     sink,
                 )
@@ -349,6 +246,7 @@ fn the_engine_thread_serves_requests_from_other_threads_and_drains_on_shutdown()
             id: 99,
             prompt: vec![1],
             params: greedy(1),
+            lora: None,
         },
         Box::new(|_| ControlFlow::Continue(())),
     );

@@ -405,7 +405,8 @@ impl GptModel {
     /// same tokens (same kernels on the same rows).
     ///
     /// # Errors
-    /// A batch [`RaggedBatch::validate`] rejects, or a model that is a shard or stage.
+    /// A batch [`RaggedBatch::validate`] rejects, a LoRA adapter made for another base, or a
+    /// model that is a shard or stage.
     pub fn forward_paged(&self, batch: &RaggedBatch, cache: &mut PagedKvCache) -> Result<Vec<f32>> {
         if self.tp.is_some() || self.stage.is_some() {
             return Err(ModelError::Input(
@@ -413,10 +414,15 @@ impl GptModel {
             ));
         }
         batch.validate(&self.local, cache)?;
+        let adapter_rows = batch.adapter_rows();
+        for (_, w) in &adapter_rows {
+            w.check_fits(self)?;
+        }
         rayon::scope(|_| {
             let mut x = self.embed_forward(&batch.tokens)?.0;
             let positions = batch.positions();
-            let pass = Pass::generation(self, &positions, positions.len(), 1);
+            let mut pass = Pass::generation(self, &positions, positions.len(), 1);
+            pass.adapter_rows = adapter_rows;
             for (layer_index, layer) in self.layers().iter().enumerate() {
                 let kv = KeysValues::Paged {
                     cache: &mut *cache,

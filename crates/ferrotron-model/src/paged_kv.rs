@@ -3,7 +3,10 @@
 //! names its blocks in a block table, and one forward runs new tokens of many sequences —
 //! prompt chunks and single decode tokens side by side — through the shared layer forward.
 
+use crate::lora::LoraWeights;
 use crate::{ModelError, Result, TransformerConfig};
+use std::ops::Range;
+use std::sync::Arc;
 
 /// Keys and values of every layer in blocks of `block_size` tokens. Per layer
 /// `k, v: [num_blocks · block_size, g, d]` f32; token `t` of block `b` is row
@@ -105,7 +108,7 @@ impl PagedKvCache {
 /// One sequence's part of a [`RaggedBatch`]: `num_tokens` new tokens at positions
 /// `context_len..context_len + num_tokens`, after `context_len` tokens whose keys and values
 /// are already in the blocks of `block_table`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RaggedSeq {
     /// New tokens of this sequence in the batch (its rows are consecutive).
     pub num_tokens: usize,
@@ -121,11 +124,14 @@ pub struct RaggedSeq {
     /// arithmetic of a one-token step), instead of the tiled prefill kernel: speculative
     /// verification then computes exactly what decoding the tokens one by one computes.
     pub row_by_row: bool,
+    /// The LoRA adapter this sequence's rows take (`None`: the base model alone); see
+    /// [`crate::lora::LoraWeights`].
+    pub adapter: Option<Arc<LoraWeights>>,
 }
 
 /// New tokens of several sequences in one forward (vLLM's flattened batch): `tokens` holds
 /// each sequence's new tokens in turn, `seqs` says whose they are.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RaggedBatch {
     /// `[Σ num_tokens]`, sequence after sequence.
     pub tokens: Vec<u32>,
@@ -142,12 +148,30 @@ impl RaggedBatch {
     }
 
     /// Row ranges of the sequences, in order.
-    pub fn row_ranges(&self) -> impl Iterator<Item = (std::ops::Range<usize>, &RaggedSeq)> {
+    pub fn row_ranges(&self) -> impl Iterator<Item = (Range<usize>, &RaggedSeq)> {
         self.seqs.iter().scan(0, |start, s| {
             let rows = *start..*start + s.num_tokens;
             *start += s.num_tokens;
             Some((rows, s))
         })
+    }
+
+    /// The rows that take a LoRA adapter, with their adapter: consecutive sequences of one
+    /// adapter form one range.
+    pub(crate) fn adapter_rows(&self) -> Vec<(Range<usize>, &LoraWeights)> {
+        let mut out: Vec<(Range<usize>, &LoraWeights)> = Vec::new();
+        for (rows, s) in self.row_ranges() {
+            let Some(w) = s.adapter.as_deref() else {
+                continue;
+            };
+            match out.last_mut() {
+                Some((r, last)) if r.end == rows.start && std::ptr::eq(*last, w) => {
+                    r.end = rows.end
+                }
+                _ => out.push((rows, w)),
+            }
+        }
+        out
     }
 
     /// Checks the batch against the model and the cache: token count, ids below `vocab`,

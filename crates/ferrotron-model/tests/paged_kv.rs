@@ -69,6 +69,7 @@ fn one_sequence_is_bit_identical_to_the_contiguous_cache() {
                     block_table: table.clone(),
                     num_logits: 1,
                     row_by_row: false,
+                    adapter: None,
                 }],
             };
             let got = model.forward_paged(&batch, &mut cache).unwrap();
@@ -98,6 +99,7 @@ fn a_ragged_batch_gives_every_sequence_its_solo_logits() {
             block_table: t.clone(),
             num_logits: usize::from(logits),
             row_by_row: false,
+            adapter: None,
         };
         let extra = tokens(c, 4, 3);
         let steps = [
@@ -162,6 +164,7 @@ fn bad_batches_are_errors() {
             block_table: table,
             num_logits: 1,
             row_by_row: false,
+            adapter: None,
         }],
     };
     let cases = [
@@ -217,6 +220,7 @@ fn row_by_row_tokens_equal_one_decode_step_each() {
                     block_table: table.clone(),
                     num_logits: if context_len == 0 { 1 } else { chunk.len() },
                     row_by_row: row_by_row && context_len > 0,
+                    adapter: None,
                 };
                 let batch = RaggedBatch {
                     tokens: chunk.to_vec(),

@@ -1,5 +1,6 @@
 use ferrotron_tensor::{TensorView, gemm::matmul_weight_t, ops::add_bias};
 use std::borrow::Cow;
+use std::ops::Range;
 
 /// A dense layer `y = x·Wᵀ + b` over borrowed parameters (Megatron `ColumnParallelLinear` /
 /// `RowParallelLinear` on one rank's shard).
@@ -12,6 +13,8 @@ pub struct Linear<'a> {
     weight: TensorView<'a>,
     bias: Option<Cow<'a, [f32]>>,
     lora: Option<LoraAdapter<'a>>,
+    /// Adapters of row ranges (serving several adapters in one batch).
+    row_lora: Vec<(Range<usize>, LoraAdapter<'a>)>,
 }
 
 /// A LoRA adapter on a linear layer (Hu et al. 2021; NeMo's `ParallelLinearAdapter`): adds
@@ -42,6 +45,14 @@ impl LoraAdapter<'_> {
         z.iter_mut().for_each(|v| *v *= self.scale);
     }
 
+    /// `y[rows, out] += scale·(x[rows, in]·Aᵀ)·Bᵀ`.
+    pub fn apply(&self, x: &[f32], y: &mut [f32]) {
+        let rows = x.len() / self.linear_in.shape()[1];
+        let mut z = vec![0f32; rows * self.rank()];
+        self.down(x, &mut z);
+        self.up(&z, y);
+    }
+
     /// `y[rows, out] += z[rows, r]·Bᵀ` for `z` from [`LoraAdapter::down`].
     pub fn up(&self, z: &[f32], y: &mut [f32]) {
         let (n, r) = (self.linear_out.shape()[0], self.rank());
@@ -65,6 +76,7 @@ impl<'a> Linear<'a> {
             weight,
             bias,
             lora: None,
+            row_lora: Vec::new(),
         }
     }
 
@@ -73,12 +85,30 @@ impl<'a> Linear<'a> {
     /// # Panics
     /// When the adapter's shapes do not fit the weight (`A: [r, in]`, `B: [out, r]`).
     pub fn with_lora(mut self, adapter: LoraAdapter<'a>) -> Linear<'a> {
+        self.check_fits(&adapter);
+        self.lora = Some(adapter);
+        self
+    }
+
+    fn check_fits(&self, adapter: &LoraAdapter<'a>) {
         let (a, b) = (adapter.linear_in.shape(), adapter.linear_out.shape());
         assert!(
             a.len() == 2 && b == [self.out_features(), a[0]] && a[1] == self.in_features(),
             "a LoRA adapter of a [out, in] layer is A: [r, in], B: [out, r]"
         );
-        self.lora = Some(adapter);
+    }
+
+    /// The layer with a LoRA adapter on each of the given row ranges of its input (S-LoRA,
+    /// Sheng et al. 2023; vLLM's punica kernels): rows `range` of the output get
+    /// `adapter`'s `scale·(x·Aᵀ)·Bᵀ`, other rows none. Serving batches the sequences of
+    /// several adapters this way over one base weight. Forward only: a backward takes
+    /// [`Linear::lora`] alone.
+    ///
+    /// # Panics
+    /// When an adapter's shapes do not fit the weight (as [`Linear::with_lora`]).
+    pub fn with_row_lora(mut self, adapters: Vec<(Range<usize>, LoraAdapter<'a>)>) -> Linear<'a> {
+        adapters.iter().for_each(|(_, a)| self.check_fits(a));
+        self.row_lora = adapters;
         self
     }
 
@@ -123,9 +153,13 @@ impl<'a> Linear<'a> {
         let rows = x.len() / k;
         matmul_weight_t(x, self.weight.weight_ref(), y, rows, n, k, false);
         if let Some(a) = &self.lora {
-            let mut z = vec![0f32; rows * a.rank()];
-            a.down(x, &mut z);
-            a.up(&z, y);
+            a.apply(x, y);
+        }
+        for (rows, a) in &self.row_lora {
+            a.apply(
+                &x[rows.start * k..rows.end * k],
+                &mut y[rows.start * n..rows.end * n],
+            );
         }
     }
 }

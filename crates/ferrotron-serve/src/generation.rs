@@ -213,6 +213,7 @@ impl Generation {
                 id,
                 prompt,
                 params: params.engine,
+                lora: None,
             };
             state
                 .engine

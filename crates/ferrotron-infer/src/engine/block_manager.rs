@@ -2,7 +2,8 @@
 //! `KVCacheManager` / `BlockPool`): blocks are reference-counted, every *full* block is keyed
 //! by a hash chain of its tokens (`hash(parent_hash, block_tokens)`), a new sequence reuses the
 //! longest run of cached full blocks of its prompt, and blocks nobody references stay cached
-//! until a new allocation evicts them, least recently used first.
+//! until a new allocation evicts them, least recently used first. Each LoRA adapter's blocks
+//! chain from a root of their own ([`CacheNamespace`]).
 
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
@@ -12,9 +13,15 @@ use std::collections::{BTreeMap, HashMap};
 /// cannot serve another prompt's keys.
 type BlockHash = u128;
 
-fn chain_hash(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+/// Which chains of the prefix cache a sequence's blocks belong to: the same tokens under
+/// another LoRA adapter have other keys and values, so the blocks of each adapter chain from
+/// a root of their own (vLLM puts the adapter's id into every block hash's extra keys). 0:
+/// the base model.
+pub type CacheNamespace = u64;
+
+fn chain_hash(parent: BlockHash, tokens: &[u32]) -> BlockHash {
     let mut h = Sha256::new();
-    h.update(parent.unwrap_or(0).to_le_bytes());
+    h.update(parent.to_le_bytes());
     for t in tokens {
         h.update(t.to_le_bytes());
     }
@@ -25,7 +32,8 @@ fn chain_hash(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
 #[derive(Clone, Debug)]
 struct CachedBlock {
     hash: BlockHash,
-    parent: Option<BlockHash>,
+    /// The previous block's hash (the namespace's root for a first block).
+    parent: BlockHash,
     tokens: Vec<u32>,
     /// While no sequence references it: when it was released (its key in
     /// [`BlockManager::evictable`]).
@@ -33,11 +41,31 @@ struct CachedBlock {
 }
 
 /// The blocks of one sequence: `table[i]` holds positions `i·block_size..`, and the first
-/// `hashes.len()` blocks are full and registered in the prefix cache (or were hits).
+/// `hashes.len()` blocks are full and registered in the prefix cache (or were hits), in the
+/// chains of `namespace`.
 #[derive(Clone, Debug, Default)]
 pub struct SeqBlocks {
     pub table: Vec<u32>,
     hashes: Vec<BlockHash>,
+    namespace: CacheNamespace,
+}
+
+impl SeqBlocks {
+    /// No blocks yet, to be registered in the chains of `namespace`.
+    pub fn new(namespace: CacheNamespace) -> SeqBlocks {
+        SeqBlocks {
+            namespace,
+            ..SeqBlocks::default()
+        }
+    }
+
+    /// The hash the block after the registered ones chains from.
+    fn parent(&self) -> BlockHash {
+        match self.hashes.last() {
+            Some(&h) => h,
+            None => self.namespace as BlockHash,
+        }
+    }
 }
 
 /// Allocation, reference counts and the prefix cache over a pool of `num_blocks` blocks.
@@ -93,17 +121,17 @@ impl BlockManager {
         1.0 - self.available() as f64 / self.num_blocks() as f64
     }
 
-    /// The longest run of cached full blocks that starts `prompt`, limited to
-    /// `prompt[..prompt.len() - 1]` so the last token is always computed (its logits start
+    /// The longest run of cached full blocks of `namespace` that starts `prompt`, limited
+    /// to `prompt[..prompt.len() - 1]` so the last token is always computed (its logits start
     /// the generation): takes a reference on each and returns them as a sequence's first
     /// blocks; the hit is `blocks.table.len() · block_size` tokens.
-    pub fn lookup_prefix(&mut self, prompt: &[u32]) -> SeqBlocks {
-        let mut blocks = SeqBlocks::default();
+    pub fn lookup_prefix(&mut self, prompt: &[u32], namespace: CacheNamespace) -> SeqBlocks {
+        let mut blocks = SeqBlocks::new(namespace);
         if !self.enable_prefix_caching || prompt.is_empty() {
             return blocks;
         }
-        let mut parent = None;
         for chunk in prompt[..prompt.len() - 1].chunks_exact(self.block_size) {
+            let parent = blocks.parent();
             let hash = chain_hash(parent, chunk);
             let Some(&block) = self.cached.get(&hash) else {
                 break;
@@ -115,7 +143,6 @@ impl BlockManager {
             self.take_ref(block);
             blocks.table.push(block);
             blocks.hashes.push(hash);
-            parent = Some(hash);
         }
         blocks
     }
@@ -150,7 +177,7 @@ impl BlockManager {
         let full = tokens.len() / self.block_size;
         while blocks.hashes.len() < full {
             let i = blocks.hashes.len();
-            let parent = blocks.hashes.last().copied();
+            let parent = blocks.parent();
             let chunk = &tokens[i * self.block_size..(i + 1) * self.block_size];
             let hash = chain_hash(parent, chunk);
             let block = blocks.table[i];
@@ -223,7 +250,7 @@ mod tests {
     fn a_repeated_prompt_hits_its_full_blocks_but_never_its_last_token() {
         let mut m = BlockManager::new(8, 4, true);
         let prompt: Vec<u32> = (0..9).collect();
-        let mut a = m.lookup_prefix(&prompt);
+        let mut a = m.lookup_prefix(&prompt, 0);
         assert!(a.table.is_empty());
         assert!(m.allocate(&mut a, 9));
         m.commit_full_blocks(&mut a, &prompt);
@@ -231,17 +258,38 @@ mod tests {
         m.free(a);
         assert_eq!(m.available(), 8);
         // 9 tokens: the hit stops at 8 = two full blocks of the first 8 of `prompt[..8]`.
-        let b = m.lookup_prefix(&prompt);
+        let b = m.lookup_prefix(&prompt, 0);
         assert_eq!(b.table, table[..2]);
         // 8 tokens: only `prompt[..7]` may hit: one block.
-        let c = m.lookup_prefix(&prompt[..8]);
+        let c = m.lookup_prefix(&prompt[..8], 0);
         assert_eq!(c.table, table[..1]);
         // Another continuation of the first block shares only it.
         let mut other = prompt[..4].to_vec();
         other.extend([50, 51, 52, 53, 54]);
-        let d = m.lookup_prefix(&other);
+        let d = m.lookup_prefix(&other, 0);
         assert_eq!(d.table, table[..1]);
         assert_eq!(m.available(), 6);
+    }
+
+    #[test]
+    fn each_namespace_hits_only_its_own_blocks() {
+        let mut m = BlockManager::new(8, 4, true);
+        let prompt: Vec<u32> = (0..9).collect();
+        let mut a = m.lookup_prefix(&prompt, 7);
+        assert!(m.allocate(&mut a, 9));
+        m.commit_full_blocks(&mut a, &prompt);
+        let table = a.table.clone();
+        m.free(a);
+        assert!(m.lookup_prefix(&prompt, 0).table.is_empty());
+        assert!(m.lookup_prefix(&prompt, 8).table.is_empty());
+        assert_eq!(m.lookup_prefix(&prompt, 7).table, table[..2]);
+        // A sequence without a lookup still registers in its own namespace.
+        let mut b = SeqBlocks::new(9);
+        assert!(m.allocate(&mut b, 9));
+        m.commit_full_blocks(&mut b, &prompt);
+        m.free(b);
+        assert_eq!(m.lookup_prefix(&prompt, 9).table.len(), 2);
+        assert!(m.lookup_prefix(&prompt, 0).table.is_empty());
     }
 
     #[test]
@@ -249,7 +297,7 @@ mod tests {
         let mut m = BlockManager::new(2, 2, true);
         let (p, q) = (vec![1, 2, 3], vec![7, 8, 9]);
         for prompt in [&p, &q] {
-            let mut s = m.lookup_prefix(prompt);
+            let mut s = m.lookup_prefix(prompt, 0);
             assert!(m.allocate(&mut s, 2));
             m.commit_full_blocks(&mut s, &prompt[..2]);
             m.free(s);
@@ -257,8 +305,8 @@ mod tests {
         assert_eq!(m.available(), 2);
         let mut r = SeqBlocks::default();
         assert!(m.allocate(&mut r, 1)); // evicts p's block, released first
-        assert!(m.lookup_prefix(&p).table.is_empty());
-        assert_eq!(m.lookup_prefix(&q).table.len(), 1);
+        assert!(m.lookup_prefix(&p, 0).table.is_empty());
+        assert_eq!(m.lookup_prefix(&q, 0).table.len(), 1);
         assert!(!m.allocate(&mut r, 4), "no block left");
         assert_eq!(r.table.len(), 1, "a failed allocation changes nothing");
     }
@@ -267,10 +315,10 @@ mod tests {
     fn shared_blocks_stay_referenced_until_every_sequence_frees_them() {
         let mut m = BlockManager::new(4, 2, true);
         let prompt = vec![4, 5, 6];
-        let mut a = m.lookup_prefix(&prompt);
+        let mut a = m.lookup_prefix(&prompt, 0);
         assert!(m.allocate(&mut a, 3));
         m.commit_full_blocks(&mut a, &prompt);
-        let b = m.lookup_prefix(&prompt);
+        let b = m.lookup_prefix(&prompt, 0);
         assert_eq!(b.table, a.table[..1]);
         m.free(a);
         assert_eq!(m.available(), 3, "the shared block is still held by b");
@@ -282,11 +330,11 @@ mod tests {
     fn without_prefix_caching_nothing_hits() {
         let mut m = BlockManager::new(4, 2, false);
         let prompt = vec![4, 5, 6];
-        let mut a = m.lookup_prefix(&prompt);
+        let mut a = m.lookup_prefix(&prompt, 0);
         assert!(m.allocate(&mut a, 3));
         m.commit_full_blocks(&mut a, &prompt);
         m.free(a);
-        assert!(m.lookup_prefix(&prompt).table.is_empty());
+        assert!(m.lookup_prefix(&prompt, 0).table.is_empty());
         assert_eq!(m.available(), 4);
     }
 }

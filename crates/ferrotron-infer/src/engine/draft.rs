@@ -123,5 +123,6 @@ fn draft_row(seq: &Sequence, num_tokens: usize, context_len: usize, propose: boo
         block_table: seq.blocks.table.clone(),
         num_logits: usize::from(propose),
         row_by_row: false,
+        adapter: None,
     }
 }

@@ -24,7 +24,8 @@ mod stats;
 
 pub use handle::EngineHandle;
 pub use request::{
-    FinishReason, OutputSink, Request, RequestId, RequestOutput, RequestParams, TokenOutput,
+    FinishReason, LoraRequest, OutputSink, Request, RequestId, RequestOutput, RequestParams,
+    TokenOutput,
 };
 pub use scheduler::SchedulerConfig;
 pub use speculative::{NgramConfig, SpeculativeConfig};
@@ -249,12 +250,24 @@ impl Engine {
         Ok(())
     }
 
-    /// What [`Engine::add_request`] checks: the [`RequestLimits`] and a fresh id.
+    /// What [`Engine::add_request`] checks: the [`RequestLimits`], a fresh id, and a LoRA
+    /// adapter made for the model.
     ///
     /// # Errors
     /// The first problem found.
     pub fn check(&self, request: &Request) -> Result<(), EngineError> {
         self.limits.check(request)?;
+        if let Some(lora) = &request.lora {
+            if lora.id == 0 {
+                return Err(EngineError::Request(format!(
+                    "LoRA adapter {}: its id must be > 0 (0 is the base model's)",
+                    lora.name
+                )));
+            }
+            lora.weights
+                .check_fits(&self.model)
+                .map_err(|e| EngineError::Request(format!("LoRA adapter {}: {e}", lora.name)))?;
+        }
         if self.find(request.id).is_some() {
             let id = request.id;
             return Err(EngineError::Request(format!(
@@ -407,6 +420,7 @@ impl Engine {
                 block_table: seq.blocks.table.clone(),
                 num_logits,
                 row_by_row: !seq.draft.is_empty(),
+                adapter: seq.lora.as_ref().map(|l| l.weights.clone()),
             });
         }
         batch

@@ -3,9 +3,11 @@
 //! ([`Sequence`]): its tokens, how many have keys and values in the cache, its blocks and its
 //! sampler.
 
-use super::block_manager::SeqBlocks;
+use super::block_manager::{CacheNamespace, SeqBlocks};
 use crate::sampler::{Sampler, SamplingError, SamplingParams, log_softmax};
+use ferrotron_model::lora::LoraWeights;
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
 /// A request's id, unique among the engine's live requests.
 pub type RequestId = u64;
@@ -51,12 +53,25 @@ impl Default for RequestParams {
     }
 }
 
+/// The LoRA adapter a request runs with (vLLM's `LoRARequest`).
+#[derive(Clone, Debug)]
+pub struct LoraRequest {
+    /// The name clients select it by (the API's `model`).
+    pub name: String,
+    /// Unique among the adapters the engine ever runs, and > 0 (a name loaded again gets a
+    /// new id): the prefix-cache namespace of the request's blocks.
+    pub id: CacheNamespace,
+    pub weights: Arc<LoraWeights>,
+}
+
 /// One request: a tokenized prompt and its settings.
 #[derive(Clone, Debug)]
 pub struct Request {
     pub id: RequestId,
     pub prompt: Vec<u32>,
     pub params: RequestParams,
+    /// The LoRA adapter its rows take (`None`: the base model).
+    pub lora: Option<LoraRequest>,
 }
 
 /// Why a request ended (OpenAI's `finish_reason`).
@@ -124,6 +139,7 @@ pub(crate) struct Sequence {
     pub draft_computed: usize,
     /// Log-probabilities of prompt tokens `1..` computed so far (prompt_logprobs).
     pub prompt_logprobs: Vec<TokenOutput>,
+    pub lora: Option<LoraRequest>,
 }
 
 impl RequestOutput {
@@ -160,7 +176,13 @@ impl Sequence {
             draft_room: 0,
             draft_computed: 0,
             prompt_logprobs: Vec::new(),
+            lora: request.lora,
         })
+    }
+
+    /// The prefix-cache namespace of the sequence's blocks: its adapter's id, 0 for the base.
+    pub fn cache_namespace(&self) -> CacheNamespace {
+        self.lora.as_ref().map_or(0, |l| l.id)
     }
 
     /// Records the log-probabilities of the prompt tokens that the rows `rows` (logits of

@@ -6,7 +6,7 @@
 //! blocks are freed and it waits at the front of the queue to be recomputed (its full blocks
 //! usually come back from the prefix cache).
 
-use super::block_manager::BlockManager;
+use super::block_manager::{BlockManager, SeqBlocks};
 use super::request::Sequence;
 use super::speculative::SpeculativeConfig;
 use std::collections::VecDeque;
@@ -140,9 +140,10 @@ impl Scheduler {
     /// `budget` tokens (after its prefix-cache hit); `None` when its blocks do not fit.
     fn admit_front(&mut self, budget: usize, blocks: &mut BlockManager) -> Option<usize> {
         let seq = self.waiting.front_mut()?;
+        let namespace = seq.cache_namespace();
         let mut hit = match seq.params.prompt_logprobs {
-            None => blocks.lookup_prefix(&seq.tokens),
-            Some(_) => Default::default(),
+            None => blocks.lookup_prefix(&seq.tokens, namespace),
+            Some(_) => SeqBlocks::new(namespace),
         };
         let computed = hit.table.len() * blocks.block_size();
         let n = (seq.tokens.len() - computed).min(budget);

@@ -10,9 +10,11 @@
 
 mod config;
 mod peft;
+mod served;
 
 pub use config::{LORA_MODULES, LoraConfig};
 pub use peft::{PeftTensor, peft_module_names};
+pub use served::LoraWeights;
 
 use crate::module::{LinearParams, LoraParams, ModelLayout, ModelPart, ParamRole};
 use crate::param_table::ParamValue;
@@ -44,15 +46,7 @@ impl GptModel {
             config.vocab_size,
             &ModelPart::whole(config.num_layers),
         );
-        let modules = adapted_modules(&layout);
-        for target in &lora.target_modules {
-            if !modules.iter().any(|m| config::target_matches(target, m)) {
-                return Err(ModelError::ConfigField {
-                    field: "lora.target_modules".into(),
-                    message: format!("`{target}` matches no linear layer of the model"),
-                });
-            }
-        }
+        self.check_lora_targets(&lora)?;
         let scaled = init.output_layer_init_std(config.num_layers);
         let mut base = self.into_param_table().into_values().into_iter();
         let values = layout
@@ -119,18 +113,34 @@ impl GptModel {
         ferrotron_tensor::gemm::matmul_weight(&b, a_in.weight_ref(), w, n, r, k, true);
     }
 
+    /// Checks that each of `lora`'s targets matches a linear layer of the model.
+    ///
+    /// # Errors
+    /// [`ModelError::ConfigField`] `lora.target_modules` naming the first target that
+    /// matches none.
+    fn check_lora_targets(&self, lora: &LoraConfig) -> Result<()> {
+        let modules: Vec<&str> = self
+            .linear_params()
+            .map(|p| {
+                let name = &self.layout().decl(p.weight).name;
+                name.strip_suffix(".weight").unwrap_or(name)
+            })
+            .collect();
+        match lora
+            .target_modules
+            .iter()
+            .find(|t| !modules.iter().any(|m| config::target_matches(t, m)))
+        {
+            Some(target) => Err(ModelError::ConfigField {
+                field: "lora.target_modules".into(),
+                message: format!("`{target}` matches no linear layer of the model"),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Every linear layer of the model's layers, in table order.
     pub(crate) fn linear_params(&self) -> impl Iterator<Item = LinearParams> + '_ {
         self.layers().iter().flat_map(|l| l.linears())
     }
-}
-
-/// The Megatron names of the linear layers that have an adapter in `layout`.
-fn adapted_modules(layout: &ModelLayout) -> Vec<String> {
-    layout
-        .decls()
-        .iter()
-        .filter_map(|d| d.name.strip_suffix(".adapter.linear_in.weight"))
-        .map(str::to_string)
-        .collect()
 }

@@ -10,7 +10,7 @@
 //! their `lora_A` (bit for bit), as an adapter made that way does.
 
 use crate::lora::LoraConfig;
-use crate::module::{HfPart, LinearParams};
+use crate::module::{HfPart, LinearParams, ParamId};
 use crate::{GptModel, ModelError, Result};
 
 /// PEFT's prefix of every module name in a saved adapter (`PeftModel.base_model.model`).
@@ -104,43 +104,61 @@ impl GptModel {
         let linears: Vec<LinearParams> = self.adapted_linears().collect();
         for p in linears {
             let a = p.lora.expect("adapted");
-            let a_shape = self.param(a.linear_in).shape().to_vec();
-            let r = a_shape[0];
-            let mut b = self.param(a.linear_out).to_f32().into_owned();
-            let mut shared_a: Option<(String, Vec<f32>)> = None;
-            for part in self.layout().decl(p.weight).hf.clone() {
-                let a_name = peft_name(&part, "lora_A");
-                let t = fetch(&mut get, &a_name, [a_shape[0], a_shape[1]])?;
-                match &shared_a {
-                    Some((first, values)) if *values != t.values => {
-                        return Err(ModelError::Input(format!(
-                            "{a_name} differs from {first}: the fused layer {} has one \
-                             adapter, so its projections must share lora_A",
-                            self.layout().decl(p.weight).name
-                        )));
-                    }
-                    Some(_) => {}
-                    None => shared_a = Some((a_name, t.values)),
-                }
-                let rows: usize = part.rows.iter().map(|range| range.len()).sum();
-                let t = fetch(&mut get, &peft_name(&part, "lora_B"), [rows, r])?;
-                let mut src = t.values.iter();
-                for range in &part.rows {
-                    for v in &mut b[range.start * r..range.end * r] {
-                        *v = *src.next().expect("rows counted");
-                    }
-                }
-            }
-            let (a_name, values) = shared_a.expect("a linear weight has an HF part");
+            let r = self.param(a.linear_in).shape()[0];
+            let (a_values, b_values) = self.fused_from_peft(p.weight, r, &mut get)?;
             let in_name = self.layout().decl(a.linear_in).name.clone();
             self.param_table_mut()
-                .set_from_f32(a.linear_in.index(), &in_name, &values)
-                .map_err(|e| ModelError::Input(format!("{a_name}: {e}")))?;
+                .set_from_f32(a.linear_in.index(), &in_name, &a_values)?;
             let out_name = self.layout().decl(a.linear_out).name.clone();
             self.param_table_mut()
-                .set_from_f32(a.linear_out.index(), &out_name, &b)?;
+                .set_from_f32(a.linear_out.index(), &out_name, &b_values)?;
         }
         Ok(())
+    }
+
+    /// The fused adapter of the linear layer whose weight is `weight` (`[out, in]`), rank
+    /// `r`, from its projections' PEFT tensors: `A: [r, in]` (the projections' shared
+    /// `lora_A`) and `B: [out, r]` (their `lora_B` rows where the projections' rows sit in
+    /// the fused weight), both row-major.
+    ///
+    /// # Errors
+    /// A missing tensor or one of another shape, or projections whose `lora_A` differ (each
+    /// named).
+    pub(crate) fn fused_from_peft(
+        &self,
+        weight: ParamId,
+        r: usize,
+        get: &mut impl FnMut(&str) -> Option<PeftTensor>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let decl = self.layout().decl(weight);
+        let (out, inp) = (decl.shape[0], decl.shape[1]);
+        let mut b = vec![0f32; out * r];
+        let mut shared_a: Option<(String, Vec<f32>)> = None;
+        for part in &decl.hf {
+            let a_name = peft_name(part, "lora_A");
+            let t = fetch(get, &a_name, [r, inp])?;
+            match &shared_a {
+                Some((first, values)) if *values != t.values => {
+                    return Err(ModelError::Input(format!(
+                        "{a_name} differs from {first}: the fused layer {} has one adapter, \
+                         so its projections must share lora_A",
+                        decl.name
+                    )));
+                }
+                Some(_) => {}
+                None => shared_a = Some((a_name, t.values)),
+            }
+            let rows: usize = part.rows.iter().map(|range| range.len()).sum();
+            let t = fetch(get, &peft_name(part, "lora_B"), [rows, r])?;
+            let mut src = t.values.iter();
+            for range in &part.rows {
+                for v in &mut b[range.start * r..range.end * r] {
+                    *v = *src.next().expect("rows counted");
+                }
+            }
+        }
+        let (_, a) = shared_a.expect("a linear weight has an HF part");
+        Ok((a, b))
     }
 
     fn require_adapters(&self) -> Result<()> {

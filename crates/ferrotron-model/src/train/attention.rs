@@ -39,7 +39,7 @@ pub(super) fn attention_forward(
     let sa = &layer.self_attention;
     let dev = pass.device;
     let mut qkv = Buffer::zeros(dev, rows * c.qkv_size());
-    model.linear(sa.linear_qkv).forward(input, qkv.host_mut());
+    pass.linear(sa.linear_qkv).forward(input, qkv.host_mut());
     let mut q = Buffer::zeros(dev, rows * a * d);
     let mut k = Buffer::zeros(dev, rows * g * d);
     let mut v = Buffer::zeros(dev, rows * g * d);
@@ -84,7 +84,7 @@ pub(super) fn attention_forward(
             pass,
         ),
     };
-    let proj = model.linear(sa.linear_proj);
+    let proj = pass.linear(sa.linear_proj);
     let out = row_parallel_forward(pass, &proj, ctx.values())?;
     let core_attn = keep_core_attention.then_some(CoreAttnOut {
         ctx: ctx.stored,

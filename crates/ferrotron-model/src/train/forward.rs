@@ -15,9 +15,11 @@ use super::norm::{NormLayer, NormStats};
 use super::recompute::Keep;
 use super::stored::{Kept, Stored, element_bytes};
 use super::tp_ops::{EmbeddingActs, column_input};
-use crate::module::{Norm, TransformerLayer};
+use crate::lora::LoraWeights;
+use crate::module::{LinearParams, Norm, TransformerLayer};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig};
+use ferrotron_nn::Linear;
 use ferrotron_nn::attention::DocumentStarts;
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{RopeTable, add_inplace};
@@ -47,6 +49,9 @@ pub(crate) struct Pass<'a> {
     pub narrow: bool,
     /// Where the activations live (the model's device).
     pub device: Device,
+    /// Row ranges that take a LoRA adapter apart from the model's own (serving several
+    /// adapters over one base, [`crate::lora::LoraWeights`]); empty in training.
+    pub adapter_rows: Vec<(Range<usize>, &'a LoraWeights)>,
 }
 
 impl<'a> Pass<'a> {
@@ -73,6 +78,7 @@ impl<'a> Pass<'a> {
             tp,
             narrow: model.activation_dtype() == DType::BF16,
             device: model.device(),
+            adapter_rows: Vec::new(),
         }
     }
 
@@ -96,7 +102,23 @@ impl<'a> Pass<'a> {
             tp: model.tp.as_ref(),
             narrow: false,
             device: model.device(),
+            adapter_rows: Vec::new(),
         }
+    }
+
+    /// The linear layer `p` of the pass's model, with the adapters of
+    /// [`Pass::adapter_rows`] on their rows.
+    pub(crate) fn linear(&self, p: LinearParams) -> Linear<'a> {
+        let linear = self.model.linear(p);
+        if self.adapter_rows.is_empty() {
+            return linear;
+        }
+        let adapters = self
+            .adapter_rows
+            .iter()
+            .filter_map(|(rows, w)| Some((rows.clone(), w.adapter(p.weight)?)))
+            .collect();
+        linear.with_row_lora(adapters)
     }
 }
 

@@ -20,12 +20,11 @@ pub(super) fn mlp_forward(
     pass: &Pass<'_>,
     input: &[f32],
 ) -> Result<(Stored, Stored, Buffer<f32>)> {
-    let (c, model) = (pass.c, pass.model);
+    let c = pass.c;
     let rows = pass.positions.len();
     let f = c.ffn_hidden_size;
     let mut fc1 = Buffer::zeros(pass.device, rows * c.fc1_size());
-    model
-        .linear(layer.mlp.linear_fc1)
+    pass.linear(layer.mlp.linear_fc1)
         .forward(input, fc1.host_mut());
     let fc1 = Kept::new(fc1, pass.narrow);
     let mut act = Buffer::zeros(pass.device, rows * f);
@@ -35,7 +34,7 @@ pub(super) fn mlp_forward(
         activation(c.activation_func, fc1.values(), act.host_mut());
     }
     let act = Kept::new(act, pass.narrow);
-    let fc2 = model.linear(layer.mlp.linear_fc2);
+    let fc2 = pass.linear(layer.mlp.linear_fc2);
     let out = row_parallel_forward(pass, &fc2, act.values())?;
     Ok((fc1.stored, act.stored, out))
 }

@@ -1,0 +1,143 @@
+//! LoRA adapters held apart from the base model, so that one base serves many (S-LoRA, Sheng
+//! et al. 2023; vLLM's `LoRAModel` beside its `LoRAModelManager`): a [`LoraWeights`] holds
+//! one adapter's matrices for the base's linear layers, and each sequence of a ragged batch
+//! names the adapter its rows take ([`crate::RaggedSeq::adapter`]). The base weights are
+//! multiplied once for all rows; each adapter adds `scale·(x·Aᵀ)·Bᵀ` to its own rows.
+//!
+//! For the rows of one sequence this is the arithmetic of a model with the same adapter
+//! built in ([`GptModel::with_lora`]): a sequence alone in a batch gets the same logits, bit
+//! for bit.
+
+use crate::lora::{LoraConfig, PeftTensor};
+use crate::module::ParamId;
+use crate::{GptModel, ModelError, Result};
+use ferrotron_nn::LoraAdapter;
+use ferrotron_tensor::Tensor;
+
+/// One LoRA adapter's matrices for the linear layers of a base model (see the module doc).
+#[derive(PartialEq)]
+pub struct LoraWeights {
+    /// `alpha / r`.
+    scale: f32,
+    rank: usize,
+    /// By the base's parameter index: `(A: [r, in], B: [out, r])` of each adapted linear
+    /// weight, in the base's dtype.
+    adapters: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl std::fmt::Debug for LoraWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoraWeights")
+            .field("rank", &self.rank)
+            .field("scale", &self.scale)
+            .field("num_adapted", &self.num_adapted())
+            .field("bytes", &self.bytes())
+            .finish()
+    }
+}
+
+impl LoraWeights {
+    /// The rank `r`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// `alpha / r`.
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// Linear layers the adapter adapts.
+    pub fn num_adapted(&self) -> usize {
+        self.adapters.iter().flatten().count()
+    }
+
+    /// Bytes of the adapter's matrices.
+    pub fn bytes(&self) -> usize {
+        let size = |t: &Tensor| t.numel() * t.dtype().size_in_bytes();
+        self.adapters
+            .iter()
+            .flatten()
+            .map(|(a, b)| size(a) + size(b))
+            .sum()
+    }
+
+    /// The adapter of the linear layer whose weight is `weight`, if it adapts that layer.
+    pub(crate) fn adapter(&self, weight: ParamId) -> Option<LoraAdapter<'_>> {
+        let (a, b) = self.adapters.get(weight.index())?.as_ref()?;
+        Some(LoraAdapter {
+            linear_in: a.view(),
+            linear_out: b.view(),
+            scale: self.scale,
+        })
+    }
+
+    /// Checks that the adapter was made for `model`'s parameter table: as many parameters,
+    /// and each adapted weight `[out, in]` with `A: [r, in]`, `B: [out, r]`.
+    ///
+    /// # Errors
+    /// [`ModelError::Input`] when it does not fit.
+    pub fn check_fits(&self, model: &GptModel) -> Result<()> {
+        let decls = model.layout().decls();
+        let fits = self.adapters.len() == decls.len()
+            && self.adapters.iter().zip(decls).all(|(pair, d)| match pair {
+                None => true,
+                Some((a, b)) => {
+                    d.shape.len() == 2
+                        && a.shape() == [self.rank, d.shape[1]]
+                        && b.shape() == [d.shape[0], self.rank]
+                }
+            });
+        match fits {
+            true => Ok(()),
+            false => Err(ModelError::Input(
+                "a LoRA adapter made for another base model was given to this one".into(),
+            )),
+        }
+    }
+}
+
+impl GptModel {
+    /// The adapter `lora` describes, for this base model, from a PEFT adapter's tensors
+    /// (`get(name)` gives the tensor of that name; see [`GptModel::load_peft_tensors`] for the
+    /// mapping of per-projection adapters onto the fused layers), stored in the base's dtype
+    /// as [`GptModel::with_lora`] stores adapters.
+    ///
+    /// # Errors
+    /// A shard or stage, a model that has adapters built in, an invalid `lora`, a target
+    /// that matches no linear layer, or a missing or misshapen tensor (each named).
+    pub fn lora_weights_from_peft(
+        &self,
+        lora: &LoraConfig,
+        mut get: impl FnMut(&str) -> Option<PeftTensor>,
+    ) -> Result<LoraWeights> {
+        self.require_whole("LoRA adapters are served")?;
+        if self.config().lora.is_some() {
+            return Err(ModelError::Input(
+                "a model with LoRA adapters built in cannot serve others (use the base)".into(),
+            ));
+        }
+        lora.validate()?;
+        self.check_lora_targets(lora)?;
+        let mut adapters: Vec<Option<(Tensor, Tensor)>> = vec![None; self.layout().decls().len()];
+        let linears: Vec<_> = self.linear_params().collect();
+        for p in linears {
+            let decl = self.layout().decl(p.weight);
+            let module = decl.name.strip_suffix(".weight").unwrap_or(&decl.name);
+            if !lora.matches(module) {
+                continue;
+            }
+            let [out, inp] = [decl.shape[0], decl.shape[1]];
+            let (a, b) = self.fused_from_peft(p.weight, lora.rank, &mut get)?;
+            let dtype = self.dtype();
+            let a = Tensor::from_f32(&[lora.rank, inp], a)?.to_dtype(dtype);
+            let b = Tensor::from_f32(&[out, lora.rank], b)?.to_dtype(dtype);
+            adapters[p.weight.index()] = Some((a, b));
+        }
+        Ok(LoraWeights {
+            scale: lora.scale(),
+            rank: lora.rank,
+            adapters,
+        })
+    }
+}

@@ -1,0 +1,204 @@
+//! Several LoRA adapters served over one base in one ragged batch ([`LoraWeights`],
+//! [`RaggedSeq::adapter`]): a sequence alone gets bit for bit the logits of the model with
+//! its adapter built in ([`GptModel::with_lora`]), at prefill and at every decode step;
+//! sequences of different adapters and of none, batched together, each get their solo logits
+//! within float rounding; an adapter made for another base is refused. LLaMA (GQA) and
+//! Qwen2 (q/k/v biases).
+
+use ferrotron_model::families::load_hf_model;
+use ferrotron_model::lora::LoraWeights;
+use ferrotron_model::{
+    GptModel, InitConfig, KvCache, LogitsMode, LoraConfig, PagedKvCache, RaggedBatch, RaggedSeq,
+};
+use ferrotron_tensor::DType;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+const FAMILIES: [&str; 2] = ["tiny-llama", "tiny-qwen2"];
+const BLOCK: usize = 4;
+
+fn base(name: &str) -> GptModel {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name);
+    load_hf_model(&dir, DType::F32).unwrap().0
+}
+
+fn lora() -> LoraConfig {
+    LoraConfig {
+        target_modules: vec![
+            "linear_qkv".into(),
+            "linear_fc1".into(),
+            "*.layers.1.*.linear_proj".into(),
+        ],
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+    }
+}
+
+/// The base of `name` with the adapter of seed `seed` built in (`linear_out` random too: a
+/// fresh one is zero).
+fn adapted(name: &str, seed: u64) -> GptModel {
+    let init = InitConfig {
+        seed,
+        ..InitConfig::default()
+    };
+    let mut model = base(name).with_lora(lora(), &init).unwrap();
+    let outs: Vec<usize> = (0..model.parameters().len())
+        .filter(|&i| {
+            model.layout().decls()[i]
+                .name
+                .ends_with("linear_out.weight")
+        })
+        .collect();
+    let sizes: Vec<usize> = model.parameters().iter().map(|p| p.numel()).collect();
+    let mut x = seed;
+    model
+        .load_parameters_with(&outs, |i| {
+            Cow::Owned(
+                (0..sizes[i])
+                    .map(|_| {
+                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+                    })
+                    .collect(),
+            )
+        })
+        .unwrap();
+    model
+}
+
+/// `adapted`'s adapter as served weights over `base`, through its PEFT tensors.
+fn served(base: &GptModel, adapted: &GptModel) -> Arc<LoraWeights> {
+    let tensors: HashMap<String, _> = adapted
+        .peft_tensors()
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect();
+    let weights = base
+        .lora_weights_from_peft(&lora(), |n| tensors.get(n).cloned())
+        .unwrap();
+    Arc::new(weights)
+}
+
+fn tokens(vocab: usize, seed: u64, n: usize) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn seq(n: usize, ctx: usize, table: Vec<u32>, adapter: Option<&Arc<LoraWeights>>) -> RaggedSeq {
+    RaggedSeq {
+        num_tokens: n,
+        context_len: ctx,
+        block_table: table,
+        num_logits: 1,
+        row_by_row: false,
+        adapter: adapter.cloned(),
+    }
+}
+
+/// Last-row logits of each chunk fed to `model` through a contiguous cache.
+fn solo(model: &GptModel, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
+    let total = chunks.iter().map(|c| c.len()).sum();
+    let mut cache = KvCache::new(model.config(), 1, total).unwrap();
+    chunks
+        .iter()
+        .map(|c| model.forward(c, &mut cache, LogitsMode::Last).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_lone_sequence_matches_the_model_with_its_adapter_built_in() {
+    for name in FAMILIES {
+        let base = base(name);
+        let with = adapted(name, 11);
+        let weights = served(&base, &with);
+        assert_eq!(weights.num_adapted(), 2 * 2 + 1);
+        let ids = tokens(base.config().vocab_size, 3, 14);
+        let chunks: Vec<&[u32]> = std::iter::once(&ids[..11])
+            .chain(ids[11..].chunks(1))
+            .collect();
+        let want = solo(&with, &chunks);
+        assert_ne!(
+            want,
+            solo(&base, &chunks),
+            "{name}: the adapter changes nothing"
+        );
+        let mut cache = PagedKvCache::new(base.config(), BLOCK, 8).unwrap();
+        let mut ctx = 0;
+        for (chunk, want) in chunks.iter().zip(&want) {
+            let batch = RaggedBatch {
+                tokens: chunk.to_vec(),
+                seqs: vec![seq(chunk.len(), ctx, vec![5, 1, 7, 2], Some(&weights))],
+            };
+            let got = base.forward_paged(&batch, &mut cache).unwrap();
+            assert!(got == *want, "{name}: logits differ at position {ctx}");
+            ctx += chunk.len();
+        }
+    }
+}
+
+#[test]
+fn sequences_of_several_adapters_share_a_batch() {
+    for name in FAMILIES {
+        let base = base(name);
+        let (with_x, with_y) = (adapted(name, 21), adapted(name, 22));
+        let (x, y) = (served(&base, &with_x), served(&base, &with_y));
+        let v = base.config().vocab_size;
+        let prompts: Vec<Vec<u32>> = (0..4)
+            .map(|i| tokens(v, 40 + i, 5 + 2 * i as usize))
+            .collect();
+        // Two sequences of x side by side (one row range), the base, then y.
+        let adapters = [Some(&x), Some(&x), None, Some(&y)];
+        let models = [&with_x, &with_x, &base, &with_y];
+        let mut cache = PagedKvCache::new(base.config(), BLOCK, 16).unwrap();
+        let batch = RaggedBatch {
+            tokens: prompts.concat(),
+            seqs: (0..4)
+                .map(|i| {
+                    let table = (4 * i as u32..4 * i as u32 + 4).collect();
+                    seq(prompts[i].len(), 0, table, adapters[i])
+                })
+                .collect(),
+        };
+        let got = base.forward_paged(&batch, &mut cache).unwrap();
+        for (i, g) in got.chunks_exact(v).enumerate() {
+            let want = &solo(models[i], &[&prompts[i]])[0];
+            let diff = g
+                .iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-4, "{name} sequence {i}: max |diff| {diff}");
+        }
+    }
+}
+
+#[test]
+fn an_adapter_of_another_base_is_refused() {
+    let llama = base("tiny-llama");
+    let qwen = base("tiny-qwen2");
+    let weights = served(&qwen, &adapted("tiny-qwen2", 5));
+    let mut cache = PagedKvCache::new(llama.config(), BLOCK, 4).unwrap();
+    let batch = RaggedBatch {
+        tokens: vec![1, 2, 3],
+        seqs: vec![seq(3, 0, vec![0], Some(&weights))],
+    };
+    let err = llama.forward_paged(&batch, &mut cache).unwrap_err();
+    assert!(err.to_string().contains("another base model"), "{err}");
+    let mut bad = lora();
+    bad.target_modules = vec!["*.layers.7.*".into()];
+    let err = llama.lora_weights_from_peft(&bad, |_| None).unwrap_err();
+    assert!(err.to_string().contains("matches no linear layer"), "{err}");
+}
