@@ -54,7 +54,7 @@ pub fn chat_prompt(state: &AppState, req: &ChatCompletionRequest) -> Result<Vec<
 async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_request(body)?;
     let f = &req.sampling;
-    state.check_model(f.model.as_deref())?;
+    let target = state.resolve_model(f.model.as_deref())?;
     if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::bad_request(
             "tools are not supported",
@@ -88,8 +88,8 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             Ok((prompt.clone(), params))
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let generation = Generation::start(state.clone(), choices)?;
-    let envelope = Envelope::new(&state, "chatcmpl", n);
+    let generation = Generation::start(state.clone(), choices, target.lora)?;
+    let envelope = Envelope::new(&state, &target.name, "chatcmpl", n);
     let endpoint = Chat {
         logprobs: logprobs.is_some(),
         started: vec![false; n],

@@ -49,7 +49,7 @@ fn prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<(Vec<u32>, String)>,
 async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_request(body)?;
     let f = &req.sampling;
-    state.check_model(f.model.as_deref())?;
+    let target = state.resolve_model(f.model.as_deref())?;
     let n = f.n(state.max_n)?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::bad_request(
@@ -81,8 +81,8 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             choices.push((ids.clone(), params));
         }
     }
-    let generation = Generation::start(state.clone(), choices)?;
-    let envelope = Envelope::new(&state, "cmpl", n);
+    let generation = Generation::start(state.clone(), choices, target.lora)?;
+    let envelope = Envelope::new(&state, &target.name, "cmpl", n);
     // Per choice: the echoed prompt (text, and its first token for the logprobs).
     let echo = prompts
         .iter()

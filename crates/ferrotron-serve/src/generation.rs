@@ -8,7 +8,9 @@ use crate::error::ApiError;
 use crate::protocol::ChoiceParams;
 use crate::state::AppState;
 use ferrotron_data::{StreamDecoder, Tokenizer};
-use ferrotron_infer::engine::{FinishReason, Request, RequestId, RequestOutput, TokenOutput};
+use ferrotron_infer::engine::{
+    FinishReason, LoraRequest, Request, RequestId, RequestOutput, TokenOutput,
+};
 use serde_json::{Value, json};
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -182,14 +184,19 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Submits one engine request per `(prompt, params)`; choice `i` is the `i`-th.
+    /// Submits one engine request per `(prompt, params)`, all with the LoRA adapter `lora`
+    /// (`None`: the base model); choice `i` is the `i`-th.
     ///
     /// # Errors
     /// A request the engine refuses (400), or an engine that has stopped (503).
     pub fn start(
         state: Arc<AppState>,
         choices: Vec<(Vec<u32>, ChoiceParams)>,
+        lora: Option<LoraRequest>,
     ) -> Result<Generation, ApiError> {
+        if let Some(l) = &lora {
+            state.adapters.count_request(&l.name);
+        }
         let (tx, rx) = unbounded_channel();
         let mut g = Generation {
             state: state.clone(),
@@ -213,7 +220,7 @@ impl Generation {
                 id,
                 prompt,
                 params: params.engine,
-                lora: None,
+                lora: lora.clone(),
             };
             state
                 .engine

@@ -1,7 +1,9 @@
 //! The OpenAI-compatible HTTP server over the serving engine
 //! ([`ferrotron_infer::engine`]), vLLM's `vllm serve` API on axum: `/v1/models`,
 //! `/v1/completions`, `/v1/chat/completions` (whole or streamed as server-sent events),
-//! `/tokenize`, `/detokenize`, `/health` and `/metrics` (Prometheus text).
+//! `/tokenize`, `/detokenize`, `/health`, `/metrics` (Prometheus text), and LoRA adapters
+//! selected per request by `model` ([`lora`], with `/v1/load_lora_adapter` and
+//! `/v1/unload_lora_adapter`).
 //!
 //! Each HTTP request becomes one engine request per choice ([`generation`]); its outputs
 //! come back over a channel, are detokenized incrementally and checked against the stop
@@ -13,6 +15,7 @@ mod chat;
 mod completions;
 pub mod error;
 pub mod generation;
+pub mod lora;
 pub mod metrics;
 pub mod protocol;
 pub mod state;
@@ -20,6 +23,7 @@ mod stream;
 mod tokenize;
 
 pub use error::ApiError;
+pub use lora::LoraRegistry;
 pub use state::{AppState, ServedModel};
 
 use axum::Router;
@@ -38,6 +42,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/load_lora_adapter", post(lora::load_adapter))
+        .route("/v1/unload_lora_adapter", post(lora::unload_adapter))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(health))
@@ -139,18 +145,27 @@ async fn log_stats(state: Arc<AppState>, every: Duration) {
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let limits = state.engine.limits();
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.model.name,
+    let card = |id: &str, root: &str, parent: Option<&str>| {
+        json!({
+            "id": id,
             "object": "model",
             "created": state.created,
             "owned_by": "ferrotron",
-            "root": state.model.name,
+            "root": root,
+            "parent": parent,
             "max_model_len": limits.max_model_len,
-        }],
-    }))
-    .into_response()
+        })
+    };
+    let base = &state.model.name;
+    let adapters = state.adapters.list();
+    let data: Vec<_> = std::iter::once(card(base, base, None))
+        .chain(
+            adapters
+                .iter()
+                .map(|a| card(&a.name, &a.path.to_string_lossy(), Some(base))),
+        )
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {

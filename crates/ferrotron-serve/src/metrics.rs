@@ -172,6 +172,24 @@ pub fn render(state: &AppState) -> String {
         get(&s.request_success_length),
         get(&s.request_abort)
     );
+    let adapters = state.adapters.list();
+    let _ = writeln!(
+        out,
+        "# HELP ferrotron:lora_adapters_loaded LoRA adapters served.\n\
+         # TYPE ferrotron:lora_adapters_loaded gauge\n\
+         ferrotron:lora_adapters_loaded {}\n\
+         # HELP ferrotron:lora_requests_total Requests per LoRA adapter.\n\
+         # TYPE ferrotron:lora_requests_total counter",
+        adapters.len()
+    );
+    for a in &adapters {
+        let name = label_value(&a.name);
+        let _ = writeln!(
+            out,
+            "ferrotron:lora_requests_total{{lora_name=\"{name}\"}} {}",
+            a.requests
+        );
+    }
     let m = &state.metrics;
     let histograms = [
         (
@@ -194,4 +212,12 @@ pub fn render(state: &AppState) -> String {
         h.render(&mut out, &format!("ferrotron:{name}"), help);
     }
     out
+}
+
+/// `value` as a Prometheus label value (backslash, quote and newline escaped).
+fn label_value(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }

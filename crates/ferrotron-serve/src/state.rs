@@ -2,10 +2,11 @@
 //! the server's metrics, and the shutdown flag.
 
 use crate::error::ApiError;
+use crate::lora::LoraRegistry;
 use crate::metrics::ServerMetrics;
 use ferrotron_data::Tokenizer;
 use ferrotron_data::chat::ChatTemplate;
-use ferrotron_infer::engine::EngineHandle;
+use ferrotron_infer::engine::{EngineHandle, LoraRequest};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -20,10 +21,20 @@ pub struct ServedModel {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// What a request's `model` selects: the base model, or one of its LoRA adapters.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// The name responses carry (`model`).
+    pub name: String,
+    pub lora: Option<LoraRequest>,
+}
+
 /// Shared by every handler.
 pub struct AppState {
     pub model: ServedModel,
     pub engine: EngineHandle,
+    /// The LoRA adapters served over the model.
+    pub adapters: LoraRegistry,
     pub metrics: ServerMetrics,
     /// Most choices (`n`) per prompt: the engine's `max_num_seqs`.
     pub max_n: usize,
@@ -35,12 +46,18 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// State for `model` served by `engine`.
-    pub fn new(model: ServedModel, engine: EngineHandle, max_n: usize) -> AppState {
+    /// State for `model` served by `engine`, with the LoRA adapters of `adapters`.
+    pub fn new(
+        model: ServedModel,
+        engine: EngineHandle,
+        adapters: LoraRegistry,
+        max_n: usize,
+    ) -> AppState {
         let now = since_epoch();
         AppState {
             model,
             engine,
+            adapters,
             metrics: ServerMetrics::default(),
             max_n,
             created: now.as_secs(),
@@ -49,11 +66,26 @@ impl AppState {
         }
     }
 
-    /// A 404 unless `model` is absent or the served name.
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// What the request's `model` names: the base model when absent or its served name, or
+    /// a LoRA adapter served by that name.
+    ///
+    /// # Errors
+    /// A 404 for any other name.
+    pub fn resolve_model(&self, model: Option<&str>) -> Result<Target, ApiError> {
+        let base = Target {
+            name: self.model.name.clone(),
+            lora: None,
+        };
         match model {
-            Some(m) if m != self.model.name => Err(ApiError::model_not_found(m)),
-            _ => Ok(()),
+            None => Ok(base),
+            Some(m) if m == self.model.name => Ok(base),
+            Some(m) => match self.adapters.get(m) {
+                Some(lora) => Ok(Target {
+                    name: m.to_string(),
+                    lora: Some(lora),
+                }),
+                None => Err(ApiError::model_not_found(m)),
+            },
         }
     }
 

@@ -24,13 +24,13 @@ pub struct Envelope {
 }
 
 impl Envelope {
-    /// The envelope of a request to `state`'s model with `n` choices per prompt, its id
-    /// `{prefix}-` and 16 hex digits.
-    pub fn new(state: &AppState, prefix: &str, n: usize) -> Envelope {
+    /// The envelope of a request to `model` (the base's or an adapter's name) with `n`
+    /// choices per prompt, its id `{prefix}-` and 16 hex digits.
+    pub fn new(state: &AppState, model: &str, prefix: &str, n: usize) -> Envelope {
         Envelope {
             id: format!("{prefix}-{:016x}", state.seed(None, 0)),
             created: unix_now(),
-            model: state.model.name.clone(),
+            model: model.to_string(),
             choices_per_prompt: n,
         }
     }

@@ -32,11 +32,11 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         let v: serde_json::Value = parse_body(&body)?;
         let ids = if v.get("messages").is_some() {
             let req: ChatCompletionRequest = parse_request(&body)?;
-            state.check_model(req.sampling.model.as_deref())?;
+            state.resolve_model(req.sampling.model.as_deref())?;
             chat_prompt(&state, &req)?
         } else {
             let req: TokenizeRequest = parse_body(&body)?;
-            state.check_model(req.model.as_deref())?;
+            state.resolve_model(req.model.as_deref())?;
             let prompt = req.prompt.ok_or_else(|| {
                 ApiError::bad_request("give a prompt or messages", Some("prompt"))
             })?;
@@ -58,7 +58,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
 pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let req: DetokenizeRequest = parse_body(&body)?;
-        state.check_model(req.model.as_deref())?;
+        state.resolve_model(req.model.as_deref())?;
         let vocab = state.engine.limits().vocab_size;
         if let Some(&t) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
             let m = format!("token id {t} is outside the vocabulary ({vocab} ids)");

@@ -1,6 +1,7 @@
 use crate::model_dir::{LoadedModel, WeightDtype};
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use ferrotron_checkpoint::peft::PeftAdapter;
 use ferrotron_data::StreamDecoder;
 use ferrotron_data::chat::ChatMessage;
 use ferrotron_infer::sampler::SamplingParams;
@@ -62,6 +63,10 @@ pub struct GenerateArgs {
     /// Weight storage in memory; bf16 halves memory traffic (compute stays f32).
     #[arg(long, value_enum, default_value_t = WeightDtype::F32)]
     dtype: WeightDtype,
+    /// Generate with this LoRA adapter (a PEFT adapter directory for --model) added to the
+    /// model, as `ferrotron serve --lora NAME=DIR` serves it.
+    #[arg(long, value_name = "DIR")]
+    lora: Option<PathBuf>,
 }
 
 impl GenerateArgs {
@@ -151,7 +156,14 @@ fn decode_rate(n: usize, g: &Generation) -> f64 {
 
 pub fn run(args: GenerateArgs) -> Result<ExitCode> {
     let sampling = args.sampling()?;
-    let loaded = LoadedModel::load(&args.model, args.dtype)?;
+    let mut loaded = LoadedModel::load(&args.model, args.dtype)?;
+    if let Some(dir) = &args.lora {
+        let adapter =
+            PeftAdapter::read(dir).with_context(|| format!("--lora {}", dir.display()))?;
+        loaded.model = adapter
+            .apply_to(loaded.model)
+            .with_context(|| format!("--lora {}", dir.display()))?;
+    }
     let stop_token_ids = loaded.stop_token_ids(&args.model)?;
     let runner = Runner {
         loaded,

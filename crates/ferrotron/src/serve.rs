@@ -7,7 +7,7 @@ use clap::Args;
 use ferrotron_infer::engine::{
     Engine, EngineConfig, EngineHandle, NgramConfig, SchedulerConfig, SpeculativeConfig,
 };
-use ferrotron_serve::{AppState, ServedModel};
+use ferrotron_serve::{AppState, LoraRegistry, ServedModel};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -65,9 +65,31 @@ pub struct ServeArgs {
     /// Weight storage in memory; bf16 multiplies in bf16 with f32 accumulation.
     #[arg(long, value_enum, default_value_t = WeightDtype::F32)]
     dtype: WeightDtype,
+    /// A LoRA adapter to serve as NAME: a PEFT adapter directory (adapter_config.json +
+    /// adapter_model.safetensors) for this model, selected by requests whose `model` is NAME
+    /// (repeat the flag for several; vLLM's --lora-modules).
+    #[arg(long = "lora", alias = "lora-modules", value_name = "NAME=DIR", value_parser = parse_lora)]
+    lora: Vec<(String, PathBuf)>,
+    /// Allow loading and unloading LoRA adapters while serving, through
+    /// POST /v1/load_lora_adapter {"lora_name", "lora_path"} and POST
+    /// /v1/unload_lora_adapter {"lora_name"} (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    #[arg(long)]
+    allow_runtime_lora_updating: bool,
     /// Seconds between throughput log lines while busy (0: off).
     #[arg(long, default_value_t = 10)]
     log_stats_interval: u64,
+}
+
+/// `NAME=DIR` of `--lora`.
+fn parse_lora(value: &str) -> Result<(String, PathBuf), String> {
+    match value.split_once('=') {
+        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(dir)))
+        }
+        _ => Err(format!(
+            "`{value}`: expected NAME=DIR (e.g. sql=adapters/sql)"
+        )),
+    }
 }
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
@@ -123,7 +145,8 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         speculative,
         speculative_disable_by_batch_size: args.speculative_disable_by_batch_size,
     };
-    let mut engine = Engine::new(model, config).context("--kv-cache-memory / --max-num-seqs")?;
+    let mut engine =
+        Engine::new(model.clone(), config).context("--kv-cache-memory / --max-num-seqs")?;
     if let Some(draft) = draft {
         engine = engine.with_draft_model(draft).context("--draft-model")?;
     }
@@ -139,7 +162,17 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         chat_template: loaded.chat_template,
         eos_token_ids,
     };
-    let state = Arc::new(AppState::new(served, handle, args.max_num_seqs));
+    let adapters = LoraRegistry::new(model, &name, args.allow_runtime_lora_updating);
+    for (lora_name, dir) in &args.lora {
+        adapters
+            .load(lora_name, dir)
+            .map_err(|e| anyhow::anyhow!("--lora {lora_name}={}: {}", dir.display(), e.message))?;
+    }
+    for a in adapters.list() {
+        let (name, dir, rank) = (a.name, a.path.display(), a.rank);
+        eprintln!("ferrotron serve: LoRA adapter {name} from {dir} (rank {rank})");
+    }
+    let state = Arc::new(AppState::new(served, handle, adapters, args.max_num_seqs));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

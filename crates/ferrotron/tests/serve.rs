@@ -4,8 +4,10 @@
 //! (`FERROTRON_OPENAI_PYTHON`: a Python with `openai` installed) passes
 //! tools/check_openai_client.py; SIGTERM lets a streaming request finish and exits 0; many
 //! requests in a row (1,000) leave the RSS flat; the quantized GGUF of `FERROTRON_SMOLLM2_GGUF`
-//! serves what `generate` answers from it. Without the variables the tests are reported as
-//! ignored (`common::weights`).
+//! serves what `generate` answers from it; LoRA adapters selected per request (`--lora`, and
+//! one loaded at run time) answer what `generate --lora` answers, beside the base model in
+//! the same batches. Without the variables the tests are reported as ignored
+//! (`common::weights`).
 
 use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -23,6 +25,7 @@ fn main() {
         sigterm_finishes_the_stream_in_flight_and_exits_0,
         many_requests_leave_the_rss_flat,
         a_client_that_disconnects_mid_stream_cancels_its_request,
+        lora_adapters_answer_what_generate_with_them_answers,
     ];
     all.extend(trials![needs [OPENAI_PYTHON]: the_openai_python_client_passes_its_checks]);
     all.extend(trials![needs [GGUF]: a_gguf_file_serves_what_generate_answers]);
@@ -97,7 +100,12 @@ impl Server {
     }
 
     fn chat(&self, prompt: &str, max_tokens: usize) -> String {
-        let body = json!({"model": NAME, "messages": [{"role": "user", "content": prompt}],
+        self.chat_as(NAME, prompt, max_tokens)
+    }
+
+    /// A temperature-0 chat answer of `model` (the served name or a LoRA adapter's).
+    fn chat_as(&self, model: &str, prompt: &str, max_tokens: usize) -> String {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}],
                           "temperature": 0, "max_tokens": max_tokens});
         let (status, text) = self.post("/v1/chat/completions", &body);
         assert_eq!(status, 200, "{text}");
@@ -166,8 +174,18 @@ fn generate_text(prompt: &str, max_tokens: usize) -> String {
 
 /// `ferrotron generate --chat --greedy` of `prompt` on `model`.
 fn generate_text_with(model: &std::path::Path, prompt: &str, max_tokens: usize) -> String {
+    generate_text_args(model, prompt, max_tokens, &[])
+}
+
+/// `ferrotron generate --chat --greedy` of `prompt` on `model` with `extra` flags.
+fn generate_text_args(
+    model: &std::path::Path,
+    prompt: &str,
+    max_tokens: usize,
+    extra: &[&str],
+) -> String {
     let n = max_tokens.to_string();
-    let o = ferrotron(&[
+    let mut args = vec![
         "generate",
         "--model",
         model.to_str().unwrap(),
@@ -178,7 +196,9 @@ fn generate_text_with(model: &std::path::Path, prompt: &str, max_tokens: usize) 
         "--max-new-tokens",
         &n,
         "--json",
-    ]);
+    ];
+    args.extend(extra);
+    let o = ferrotron(&args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     v["text"].as_str().unwrap().to_string()
@@ -354,4 +374,95 @@ fn the_openai_python_client_passes_its_checks() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(out.contains("all checks passed"), "{out}");
+}
+
+/// A PEFT adapter for SmolLM2 written to `dir`: rank 8 on every linear layer, `linear_in`
+/// Xavier-normal from `seed` and `linear_out` uniform in ±0.1 (a fresh adapter's is zero,
+/// which would change nothing).
+fn write_random_adapter(dir: &std::path::Path, seed: u64) {
+    use ferrotron_model::{InitConfig, LoraConfig, families::load_hf_model};
+    let base = load_hf_model(&weights::path(HF), ferrotron_tensor::DType::F32)
+        .unwrap()
+        .0;
+    let lora = LoraConfig {
+        target_modules: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+            .map(String::from)
+            .to_vec(),
+        rank: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+    };
+    let init = InitConfig {
+        seed,
+        ..InitConfig::default()
+    };
+    let mut model = base.with_lora(lora, &init).unwrap();
+    let outs: Vec<usize> = (0..model.parameters().len())
+        .filter(|&i| {
+            model.layout().decls()[i]
+                .name
+                .ends_with("linear_out.weight")
+        })
+        .collect();
+    let sizes: Vec<usize> = model.parameters().iter().map(|p| p.numel()).collect();
+    let mut x = seed;
+    model
+        .load_parameters_with(&outs, |i| {
+            let mut next = || {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+            };
+            std::borrow::Cow::Owned((0..sizes[i]).map(|_| next()).collect())
+        })
+        .unwrap();
+    ferrotron_checkpoint::peft::write_peft_adapter(&model, dir, "smollm2", false).unwrap();
+}
+
+/// Two adapters, `a` given with `--lora` and `b` loaded at run time: each answers at
+/// temperature 0 what `generate --lora DIR --chat --greedy` answers, with requests of both and
+/// of the base model in flight together.
+fn lora_adapters_answer_what_generate_with_them_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    write_random_adapter(&a, 1);
+    write_random_adapter(&b, 2);
+    let hf = weights::path(HF);
+    let with = |dir: &std::path::Path, p: &str| {
+        generate_text_args(&hf, p, 32, &["--lora", dir.to_str().unwrap()])
+    };
+    let jobs = [
+        ("a", PROMPTS[1]),
+        ("b", PROMPTS[1]),
+        (NAME, PROMPTS[1]),
+        ("a", PROMPTS[0]),
+    ];
+    let want: Vec<String> = jobs
+        .iter()
+        .map(|&(model, p)| match model {
+            "a" => with(&a, p),
+            "b" => with(&b, p),
+            _ => generate_text(p, 32),
+        })
+        .collect();
+    assert!(
+        want[0] != want[2] && want[1] != want[0],
+        "the adapters change nothing: {want:?}"
+    );
+    let lora_a = format!("a={}", a.display());
+    let server = Server::start_with(&["--lora", &lora_a, "--allow-runtime-lora-updating"]);
+    let load = json!({"lora_name": "b", "lora_path": b});
+    let (status, text) = server.post("/v1/load_lora_adapter", &load);
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(server.chat_as("a", PROMPTS[1], 32), want[0], "a alone");
+    let server = &server;
+    let got: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|&(model, p)| s.spawn(move || server.chat_as(model, p, 32)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want, "adapters and base in flight together");
 }
