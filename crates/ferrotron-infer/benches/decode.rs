@@ -50,6 +50,7 @@ fn main() {
             max_new_tokens: new_tokens,
             sampling: SamplingParams::greedy(),
             stop_token_ids: vec![], // never stop early: time exactly `new_tokens` tokens
+            lora: None,
         };
         let mut rates = Vec::new();
         for _ in 0..runs + 1 {

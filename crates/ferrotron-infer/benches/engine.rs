@@ -2,14 +2,16 @@
 //! cache) on a real HF model directory or GGUF file: B requests of a 32-token prompt, 64 new tokens each,
 //! all admitted at once; aggregate output tokens/s of the decode steps (prefill excluded)
 //! for B = 1, 4, 8, 16, 32, f32 and bf16 weights, and with `FERROTRON_BENCH_DRAFT` (a draft
-//! model: HF directory or GGUF file) each batch again with draft-model speculation. Not a
+//! model: HF directory or GGUF file) each batch again with draft-model speculation, and with
+//! `FERROTRON_BENCH_LORA=N` each batch again with LoRA adapters (rank 16 on every linear
+//! layer, random), request `i` taking adapter `i mod N` (S-LoRA's many-adapter decode). Not a
 //! test: run with
 //! `FERROTRON_BENCH_MODEL=/path/to/smollm2 cargo bench -p ferrotron-infer --bench engine`.
 
 use ferrotron_infer::engine::{
-    Engine, EngineConfig, Request, RequestParams, SchedulerConfig, SpeculativeConfig,
+    Engine, EngineConfig, LoraRequest, Request, RequestParams, SchedulerConfig, SpeculativeConfig,
 };
-use ferrotron_model::GptModel;
+use ferrotron_model::{GptModel, InitConfig, LoraConfig};
 use ferrotron_tensor::DType;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -38,6 +40,10 @@ fn main() {
     // with draft-model speculation, 4 tokens per step.
     let draft = std::env::var_os("FERROTRON_BENCH_DRAFT")
         .map(|p| Arc::new(common::load(&PathBuf::from(p), DType::F32)));
+    let num_adapters: usize = std::env::var("FERROTRON_BENCH_LORA")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     println!(
         "engine benchmark: {}, prompt {PROMPT}, {NEW} new tokens per request, {} threads",
         dir.display(),
@@ -46,24 +52,81 @@ fn main() {
     ferrotron_tensor::allocator::retain_freed_memory();
     for (label, dtype) in common::variants(&dir) {
         let model = Arc::new(common::load(&dir, dtype));
+        let adapters = random_adapters(&model, num_adapters);
         for &b in &batches {
-            let (rate, ms) = decode_rate(&model, None, b);
+            let (rate, ms) = decode_rate(&model, None, &[], b);
             println!(
                 "weights {label:>4} batch {b:>2}: {rate:.1} output tokens/s ({ms:.1} ms per step)"
             );
             if let Some(d) = &draft {
-                let (rate, ms) = decode_rate(&model, Some(d.clone()), b);
+                let (rate, ms) = decode_rate(&model, Some(d.clone()), &[], b);
                 println!(
                     "weights {label:>4} batch {b:>2} + draft model: {rate:.1} output tokens/s \
                      ({ms:.1} ms per step)"
+                );
+            }
+            if !adapters.is_empty() {
+                let (rate, ms) = decode_rate(&model, None, &adapters, b);
+                println!(
+                    "weights {label:>4} batch {b:>2} + {} LoRA adapters: {rate:.1} output \
+                     tokens/s ({ms:.1} ms per step)",
+                    adapters.len()
                 );
             }
         }
     }
 }
 
-/// Output tokens/s and ms per step of `b` requests decoding together after their prefill.
-fn decode_rate(model: &Arc<GptModel>, draft: Option<Arc<GptModel>>, b: usize) -> (f64, f64) {
+/// `n` LoRA adapters of rank 16 on every linear layer of `model`: `A` Xavier-normal, `B`
+/// uniform in ±0.05 (through their PEFT tensors, as a server reads them).
+fn random_adapters(model: &GptModel, n: usize) -> Vec<LoraRequest> {
+    let lora = LoraConfig {
+        target_modules: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+            .map(String::from)
+            .to_vec(),
+        rank: 16,
+        alpha: 16.0,
+        dropout: 0.0,
+    };
+    (0..n as u64)
+        .map(|seed| {
+            let init = InitConfig {
+                seed,
+                params_dtype: model.dtype(),
+                ..InitConfig::default()
+            };
+            let adapted = model.clone().with_lora(lora.clone(), &init).expect("LoRA");
+            let tensors = adapted.peft_tensors().expect("PEFT tensors");
+            let mut x = seed;
+            let weights = model
+                .lora_weights_from_peft(&lora, |name| {
+                    let mut t = tensors.iter().find(|t| t.name == name)?.clone();
+                    if name.contains("lora_B") {
+                        for v in &mut t.values {
+                            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                            *v = ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
+                        }
+                    }
+                    Some(t)
+                })
+                .expect("adapter");
+            LoraRequest {
+                name: format!("adapter{seed}"),
+                id: seed + 1,
+                weights: Arc::new(weights),
+            }
+        })
+        .collect()
+}
+
+/// Output tokens/s and ms per step of `b` requests decoding together after their prefill,
+/// request `i` with `adapters[i % len]` when there are adapters.
+fn decode_rate(
+    model: &Arc<GptModel>,
+    draft: Option<Arc<GptModel>>,
+    adapters: &[LoraRequest],
+    b: usize,
+) -> (f64, f64) {
     let vocab = model.config().vocab_size as u32;
     let models: Vec<&GptModel> = std::iter::once(&**model).chain(draft.as_deref()).collect();
     let config = EngineConfig {
@@ -96,7 +159,7 @@ fn decode_rate(model: &Arc<GptModel>, draft: Option<Arc<GptModel>>, b: usize) ->
             id: i as u64,
             prompt,
             params,
-            lora: None,
+            lora: (!adapters.is_empty()).then(|| adapters[i as usize % adapters.len()].clone()),
         };
         let count = outputs.clone();
         let sink = Box::new(move |_| {

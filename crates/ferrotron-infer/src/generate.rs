@@ -1,6 +1,8 @@
 use crate::sampler::{Sampler, SamplingError, SamplingParams};
+use ferrotron_model::lora::LoraWeights;
 use ferrotron_model::{GptModel, KvCache, LogitsMode, ModelError};
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
 /// What to generate: the HF `generate` knobs Ferrotron supports.
 #[derive(Clone, Debug)]
@@ -12,6 +14,9 @@ pub struct GenerateOptions {
     /// Generation stops after emitting any of these (HF `eos_token_id`; the EOS is kept in the
     /// output, as transformers does).
     pub stop_token_ids: Vec<u32>,
+    /// A LoRA adapter on every token (`None`: the model alone), computed as a served request
+    /// with it computes ([`GptModel::forward_with_lora`]).
+    pub lora: Option<Arc<LoraWeights>>,
 }
 
 /// Why generation ended.
@@ -76,7 +81,8 @@ pub fn generate(
     let mut history = prompt_ids.to_vec();
     let mut generated = Vec::with_capacity(options.max_new_tokens);
     let start = std::time::Instant::now();
-    let mut logits = model.forward(prompt_ids, &mut cache, LogitsMode::Last)?;
+    let lora = options.lora.as_deref();
+    let mut logits = model.forward_with_lora(prompt_ids, &mut cache, LogitsMode::Last, lora)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = std::time::Instant::now();
     let mut stop_reason = StopReason::MaxTokens;
@@ -95,7 +101,7 @@ pub fn generate(
         if generated.len() == options.max_new_tokens || cache.len() == cache.capacity() {
             break;
         }
-        logits = model.forward(&[token], &mut cache, LogitsMode::Last)?;
+        logits = model.forward_with_lora(&[token], &mut cache, LogitsMode::Last, lora)?;
     }
     Ok(Generation {
         generated_ids: generated,

@@ -1,6 +1,7 @@
 //! LoRA adapters per request on the committed PEFT fixture (`fixtures/lora/tiny-llama`): a
-//! lone request with an adapter reproduces `generate` on the model with that adapter built in
-//! (`PeftAdapter::apply_to`), token for token; requests of two adapters and of none, running
+//! lone request with an adapter reproduces `generate` with that adapter, token for token, and
+//! so does the model with the adapter built in (`PeftAdapter::apply_to`) on these prompts;
+//! requests of two adapters and of none, running
 //! together, each get their solo output; the prefix cache never serves one adapter's blocks
 //! to another; an adapter of another base is refused by name.
 

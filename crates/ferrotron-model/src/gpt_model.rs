@@ -1,3 +1,4 @@
+use crate::lora::LoraWeights;
 use crate::module::{LinearParams, ModelLayout, ModelPart, ParamId, TransformerLayer};
 use crate::param_table::{ParamTable, ParamValue, dense};
 use crate::train::core_attention::KeysValues;
@@ -342,14 +343,34 @@ impl GptModel {
         cache: &mut KvCache,
         mode: LogitsMode,
     ) -> Result<Vec<f32>> {
+        self.forward_with_lora(tokens, cache, mode, None)
+    }
+
+    /// [`GptModel::forward`] with the LoRA adapter `lora` on every row (`None`: the model
+    /// alone): the arithmetic of a served request with that adapter
+    /// ([`RaggedSeq::adapter`](crate::RaggedSeq::adapter)), so a lone request gets the same
+    /// logits bit for bit.
+    ///
+    /// # Errors
+    /// As [`GptModel::forward`], or an adapter made for another base.
+    pub fn forward_with_lora(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        mode: LogitsMode,
+        lora: Option<&LoraWeights>,
+    ) -> Result<Vec<f32>> {
         if self.tp.is_some() || self.stage.is_some() {
             return Err(ModelError::Input(
                 "the KV-cached forward runs the whole model (not a shard or a stage)".into(),
             ));
         }
+        if let Some(w) = lora {
+            w.check_fits(self)?;
+        }
         // Run the whole pass on a rayon worker: the many small parallel kernels then start
         // inline instead of each being injected into the pool from outside (a futex handoff).
-        rayon::scope(|_| self.forward_on_worker(tokens, cache, mode))
+        rayon::scope(|_| self.forward_on_worker(tokens, cache, mode, lora))
     }
 
     fn forward_on_worker(
@@ -357,6 +378,7 @@ impl GptModel {
         tokens: &[u32],
         cache: &mut KvCache,
         mode: LogitsMode,
+        lora: Option<&LoraWeights>,
     ) -> Result<Vec<f32>> {
         let b = cache.batch();
         if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
@@ -378,7 +400,8 @@ impl GptModel {
         let positions: Vec<usize> = (start..start + s)
             .flat_map(|p| std::iter::repeat_n(p, b))
             .collect();
-        let pass = Pass::generation(self, &positions, s, b);
+        let mut pass = Pass::generation(self, &positions, s, b);
+        pass.adapter_rows = lora.map(|w| (0..s * b, w)).into_iter().collect();
         for (layer_index, layer) in self.layers().iter().enumerate() {
             let kv = KeysValues::Cached {
                 cache: &mut *cache,

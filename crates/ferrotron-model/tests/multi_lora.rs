@@ -1,7 +1,8 @@
 //! Several LoRA adapters served over one base in one ragged batch ([`LoraWeights`],
-//! [`RaggedSeq::adapter`]): a sequence alone gets bit for bit the logits of the model with
-//! its adapter built in ([`GptModel::with_lora`]), at prefill and at every decode step;
-//! sequences of different adapters and of none, batched together, each get their solo logits
+//! [`RaggedSeq::adapter`]): a sequence alone gets bit for bit the logits of
+//! [`GptModel::forward_with_lora`] (what `generate` runs), at prefill and at every decode
+//! step, and those of the model with its adapter built in ([`GptModel::with_lora`]) to float
+//! rounding; sequences of different adapters and of none, batched together, each get their solo logits
 //! within float rounding; an adapter made for another base is refused. LLaMA (GQA) and
 //! Qwen2 (q/k/v biases).
 
@@ -108,14 +109,29 @@ fn seq(n: usize, ctx: usize, table: Vec<u32>, adapter: Option<&Arc<LoraWeights>>
     }
 }
 
-/// Last-row logits of each chunk fed to `model` through a contiguous cache.
-fn solo(model: &GptModel, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
+/// Last-row logits of each chunk fed to `model` (with `lora`) through a contiguous cache.
+fn solo_with(model: &GptModel, lora: Option<&LoraWeights>, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
     let total = chunks.iter().map(|c| c.len()).sum();
     let mut cache = KvCache::new(model.config(), 1, total).unwrap();
     chunks
         .iter()
-        .map(|c| model.forward(c, &mut cache, LogitsMode::Last).unwrap())
+        .map(|c| {
+            model
+                .forward_with_lora(c, &mut cache, LogitsMode::Last, lora)
+                .unwrap()
+        })
         .collect()
+}
+
+fn solo(model: &GptModel, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
+    solo_with(model, None, chunks)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
 }
 
 #[test]
@@ -129,12 +145,16 @@ fn a_lone_sequence_matches_the_model_with_its_adapter_built_in() {
         let chunks: Vec<&[u32]> = std::iter::once(&ids[..11])
             .chain(ids[11..].chunks(1))
             .collect();
-        let want = solo(&with, &chunks);
+        let want = solo_with(&base, Some(&weights), &chunks);
         assert_ne!(
             want,
             solo(&base, &chunks),
             "{name}: the adapter changes nothing"
         );
+        for (w, built_in) in want.iter().zip(solo(&with, &chunks)) {
+            let diff = max_diff(w, &built_in);
+            assert!(diff < 1e-5, "{name}: {diff} from the built-in adapter");
+        }
         let mut cache = PagedKvCache::new(base.config(), BLOCK, 8).unwrap();
         let mut ctx = 0;
         for (chunk, want) in chunks.iter().zip(&want) {
@@ -174,12 +194,7 @@ fn sequences_of_several_adapters_share_a_batch() {
         };
         let got = base.forward_paged(&batch, &mut cache).unwrap();
         for (i, g) in got.chunks_exact(v).enumerate() {
-            let want = &solo(models[i], &[&prompts[i]])[0];
-            let diff = g
-                .iter()
-                .zip(want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let diff = max_diff(g, &solo(models[i], &[&prompts[i]])[0]);
             assert!(diff < 1e-4, "{name} sequence {i}: max |diff| {diff}");
         }
     }

@@ -15,7 +15,7 @@ pub mod tensor_parallel;
 pub use attention::{AttentionMask, core_attention};
 pub use embedding::Embedding;
 pub use error::NnError;
-pub use linear::{Linear, LoraAdapter};
+pub use linear::{Linear, LoraAdapter, TransposedLoraAdapter};
 pub use tensor_parallel::TensorParallel;
 
 /// Result alias for layer construction and forward passes.

@@ -1,4 +1,7 @@
-use ferrotron_tensor::{TensorView, gemm::matmul_weight_t, ops::add_bias};
+use ferrotron_tensor::gemm::{WeightRef, matmul_weight_t};
+use ferrotron_tensor::gemv::{gemv_serial, gemv_transposed};
+use ferrotron_tensor::{TensorView, ops::add_bias};
+use rayon::prelude::*;
 use std::borrow::Cow;
 use std::ops::Range;
 
@@ -14,7 +17,7 @@ pub struct Linear<'a> {
     bias: Option<Cow<'a, [f32]>>,
     lora: Option<LoraAdapter<'a>>,
     /// Adapters of row ranges (serving several adapters in one batch).
-    row_lora: Vec<(Range<usize>, LoraAdapter<'a>)>,
+    row_lora: Vec<(Range<usize>, TransposedLoraAdapter<'a>)>,
 }
 
 /// A LoRA adapter on a linear layer (Hu et al. 2021; NeMo's `ParallelLinearAdapter`): adds
@@ -36,15 +39,6 @@ impl LoraAdapter<'_> {
         self.linear_in.shape()[0]
     }
 
-    /// `z[rows, r] = scale·x[rows, in]·Aᵀ` (**overwritten**): the adapter's scaled
-    /// bottleneck.
-    pub fn down(&self, x: &[f32], z: &mut [f32]) {
-        let (r, k) = (self.rank(), self.linear_in.shape()[1]);
-        let rows = x.len() / k;
-        matmul_weight_t(x, self.linear_in.weight_ref(), z, rows, r, k, false);
-        z.iter_mut().for_each(|v| *v *= self.scale);
-    }
-
     /// `y[rows, out] += scale·(x[rows, in]·Aᵀ)·Bᵀ`.
     pub fn apply(&self, x: &[f32], y: &mut [f32]) {
         let rows = x.len() / self.linear_in.shape()[1];
@@ -53,11 +47,77 @@ impl LoraAdapter<'_> {
         self.up(&z, y);
     }
 
+    /// `z[rows, r] = scale·x[rows, in]·Aᵀ` (**overwritten**): the adapter's scaled
+    /// bottleneck.
+    pub fn down(&self, x: &[f32], z: &mut [f32]) {
+        lora_down(self.linear_in, self.scale, x, z);
+    }
+
     /// `y[rows, out] += z[rows, r]·Bᵀ` for `z` from [`LoraAdapter::down`].
     pub fn up(&self, z: &[f32], y: &mut [f32]) {
         let (n, r) = (self.linear_out.shape()[0], self.rank());
         let rows = z.len() / r;
-        matmul_weight_t(z, self.linear_out.weight_ref(), y, rows, n, r, true);
+        lora_product(self.linear_out.weight_ref(), z, y, (rows, n, r), true);
+    }
+}
+
+/// A LoRA adapter with `B` stored transposed, `linear_out_t = Bᵀ: [r, out]`, as served
+/// adapters keep it (`ferrotron_model::lora::LoraWeights`): the up-projection then reads
+/// contiguous rows of `Bᵀ` and updates 16 outputs per instruction ([`gemv_transposed`]),
+/// which a token's `r`-long dot products cannot. Forward only.
+#[derive(Clone, Copy, Debug)]
+pub struct TransposedLoraAdapter<'a> {
+    /// `A: [r, in]`.
+    pub linear_in: TensorView<'a>,
+    /// `Bᵀ: [r, out]`.
+    pub linear_out_t: TensorView<'a>,
+    /// `alpha / r`.
+    pub scale: f32,
+}
+
+impl TransposedLoraAdapter<'_> {
+    /// The rank `r`.
+    pub fn rank(&self) -> usize {
+        self.linear_in.shape()[0]
+    }
+
+    /// `y[rows, out] += scale·(x[rows, in]·Aᵀ)·Bᵀ`.
+    pub fn apply(&self, x: &[f32], y: &mut [f32]) {
+        let (r, n) = (self.rank(), self.linear_out_t.shape()[1]);
+        let rows = x.len() / self.linear_in.shape()[1];
+        let mut z = vec![0f32; rows * r];
+        lora_down(self.linear_in, self.scale, x, &mut z);
+        gemv_transposed(self.linear_out_t.weight_ref(), &z, y, (rows, n, r));
+    }
+}
+
+/// `z[rows, r] = scale·x[rows, in]·Aᵀ` for `a = A: [r, in]`.
+fn lora_down(a: TensorView<'_>, scale: f32, x: &[f32], z: &mut [f32]) {
+    let (r, k) = (a.shape()[0], a.shape()[1]);
+    let rows = x.len() / k;
+    lora_product(a.weight_ref(), x, z, (rows, r, k), false);
+    z.iter_mut().for_each(|v| *v *= scale);
+}
+
+/// Products of at most this many multiply-adds run on the calling thread (a token's adapter
+/// product is a few thousand: handing it to rayon tasks costs more than it saves).
+const SERIAL_MACS: usize = 1 << 18;
+
+/// `y[m, n] (+)= x[m, k]·wᵀ` for an adapter's matrix `w`: small products row by row on this
+/// thread ([`gemv_serial`], the one-row kernel every decode GEMV uses), larger ones by the
+/// parallel [`matmul_weight_t`].
+fn lora_product(
+    w: WeightRef<'_>,
+    x: &[f32],
+    y: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    if m * n * k > SERIAL_MACS {
+        return matmul_weight_t(x, w, y, m, n, k, accumulate);
+    }
+    for (xr, yr) in x.chunks_exact(k).zip(y.chunks_exact_mut(n)).take(m) {
+        gemv_serial(w, xr, yr, accumulate);
     }
 }
 
@@ -105,9 +165,23 @@ impl<'a> Linear<'a> {
     /// [`Linear::lora`] alone.
     ///
     /// # Panics
-    /// When an adapter's shapes do not fit the weight (as [`Linear::with_lora`]).
-    pub fn with_row_lora(mut self, adapters: Vec<(Range<usize>, LoraAdapter<'a>)>) -> Linear<'a> {
-        adapters.iter().for_each(|(_, a)| self.check_fits(a));
+    /// When an adapter's shapes do not fit the weight (as [`Linear::with_lora`]), or the
+    /// ranges are not ascending and disjoint.
+    pub fn with_row_lora(
+        mut self,
+        adapters: Vec<(Range<usize>, TransposedLoraAdapter<'a>)>,
+    ) -> Linear<'a> {
+        for (_, a) in &adapters {
+            let (a_in, b_t) = (a.linear_in.shape(), a.linear_out_t.shape());
+            assert!(
+                a_in == [a.rank(), self.in_features()] && b_t == [a.rank(), self.out_features()],
+                "a served LoRA adapter of a [out, in] layer is A: [r, in], Bᵀ: [r, out]"
+            );
+        }
+        assert!(
+            adapters.windows(2).all(|w| w[0].0.end <= w[1].0.start),
+            "row ranges of LoRA adapters are ascending and disjoint"
+        );
         self.row_lora = adapters;
         self
     }
@@ -155,11 +229,20 @@ impl<'a> Linear<'a> {
         if let Some(a) = &self.lora {
             a.apply(x, y);
         }
+        self.row_lora_forward(x, y);
+    }
+
+    /// Adds each row range's adapter output to its rows of `y`, the ranges in parallel.
+    fn row_lora_forward(&self, x: &[f32], y: &mut [f32]) {
+        let (n, k) = (self.out_features(), self.in_features());
+        let mut parts = Vec::with_capacity(self.row_lora.len());
+        let (mut rest, mut at) = (y, 0);
         for (rows, a) in &self.row_lora {
-            a.apply(
-                &x[rows.start * k..rows.end * k],
-                &mut y[rows.start * n..rows.end * n],
-            );
+            let (_, tail) = rest.split_at_mut((rows.start - at) * n);
+            let (mine, tail) = tail.split_at_mut(rows.len() * n);
+            parts.push((a, &x[rows.start * k..rows.end * k], mine));
+            (rest, at) = (tail, rows.end);
         }
+        parts.into_par_iter().for_each(|(a, x, y)| a.apply(x, y));
     }
 }

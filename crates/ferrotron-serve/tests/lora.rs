@@ -1,12 +1,13 @@
 //! LoRA adapters over HTTP, with the committed PEFT fixture on the tiny LLaMA: `model` selects
-//! an adapter loaded at start (greedy output equal to `generate` on the model with the adapter
-//! built in, the response naming the adapter), `/v1/models` lists adapters with their parent,
+//! an adapter loaded at start (greedy output equal to `generate` with the adapter, the
+//! response naming the adapter), `/v1/models` lists adapters with their parent,
 //! adapters load and unload at run time (vLLM's endpoints and messages) only when the server
 //! allows it, and bad names and paths get OpenAI errors.
 
 use ferrotron_checkpoint::peft::PeftAdapter;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 mod common;
 use common::*;
@@ -25,11 +26,9 @@ fn a_request_selects_its_adapter_by_model_name() {
     let dir = adapter_dir();
     let server = Server::start_with(64, &[("x", &dir)], false);
     let prompt = "w5 w17 w33 w8 w90 w41";
-    let with_x = PeftAdapter::read(&dir)
-        .unwrap()
-        .apply_to((*server.model).clone())
-        .unwrap();
-    let want_x = greedy_of(&with_x, &ids(prompt), 10);
+    let x = PeftAdapter::read(&dir).unwrap();
+    let weights = x.served_weights(&server.model).unwrap();
+    let want_x = greedy_of(&server.model, Some(Arc::new(weights)), &ids(prompt), 10);
     let want_base = server.greedy(&ids(prompt), 10);
     assert_ne!(want_x, want_base, "the adapter changes nothing");
     for (model, want) in [("x", &want_x), ("tiny", &want_base), ("x", &want_x)] {

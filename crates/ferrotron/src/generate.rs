@@ -11,6 +11,7 @@ use std::io::{BufRead, Write};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -63,8 +64,8 @@ pub struct GenerateArgs {
     /// Weight storage in memory; bf16 halves memory traffic (compute stays f32).
     #[arg(long, value_enum, default_value_t = WeightDtype::F32)]
     dtype: WeightDtype,
-    /// Generate with this LoRA adapter (a PEFT adapter directory for --model) added to the
-    /// model, as `ferrotron serve --lora NAME=DIR` serves it.
+    /// Generate with this LoRA adapter (a PEFT adapter directory for --model), computed as
+    /// `ferrotron serve --lora NAME=DIR` serves it.
     #[arg(long, value_name = "DIR")]
     lora: Option<PathBuf>,
 }
@@ -156,14 +157,16 @@ fn decode_rate(n: usize, g: &Generation) -> f64 {
 
 pub fn run(args: GenerateArgs) -> Result<ExitCode> {
     let sampling = args.sampling()?;
-    let mut loaded = LoadedModel::load(&args.model, args.dtype)?;
-    if let Some(dir) = &args.lora {
-        let adapter =
-            PeftAdapter::read(dir).with_context(|| format!("--lora {}", dir.display()))?;
-        loaded.model = adapter
-            .apply_to(loaded.model)
-            .with_context(|| format!("--lora {}", dir.display()))?;
-    }
+    let loaded = LoadedModel::load(&args.model, args.dtype)?;
+    let lora = match &args.lora {
+        Some(dir) => {
+            let adapter = PeftAdapter::read(dir)
+                .and_then(|a| a.served_weights(&loaded.model))
+                .with_context(|| format!("--lora {}", dir.display()))?;
+            Some(Arc::new(adapter))
+        }
+        None => None,
+    };
     let stop_token_ids = loaded.stop_token_ids(&args.model)?;
     let runner = Runner {
         loaded,
@@ -171,6 +174,7 @@ pub fn run(args: GenerateArgs) -> Result<ExitCode> {
             max_new_tokens: args.max_new_tokens,
             sampling,
             stop_token_ids,
+            lora,
         },
         chat: args.chat,
     };

@@ -331,7 +331,7 @@ impl Engine {
             .speculative_disable_by_batch_size
             .is_some_and(|n| self.scheduler.running.len() >= n);
         let max_len = self.limits.max_model_len;
-        let plan = self.scheduler.schedule(
+        let mut plan = self.scheduler.schedule(
             &self.config.scheduler,
             &mut self.blocks,
             speculative.filter(|_| !crowded),
@@ -340,6 +340,10 @@ impl Engine {
         if plan.is_empty() {
             return Ok(0);
         }
+        // The sequences of one LoRA adapter side by side: their rows then form one range
+        // that reads the adapter's weights once per step (S-LoRA groups requests the same way).
+        let running = &self.scheduler.running;
+        plan.sort_by_key(|sch| running[sch.index].cache_namespace());
         match &mut self.draft {
             Some(draft) => draft.propose(&plan, &mut self.scheduler.running)?,
             None if matches!(speculative, Some(SpeculativeConfig::DraftModel { .. })) => {

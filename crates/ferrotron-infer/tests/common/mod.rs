@@ -10,6 +10,7 @@ use ferrotron_infer::sampler::SamplingParams;
 use ferrotron_infer::{GenerateOptions, generate};
 use ferrotron_model::GptModel;
 use ferrotron_model::families::load_hf_model;
+use ferrotron_model::lora::LoraWeights;
 use ferrotron_tensor::DType;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -113,10 +114,22 @@ pub fn solo_generate(
     max: usize,
     sampling: SamplingParams,
 ) -> Vec<u32> {
+    solo_generate_with(model, None, prompt, max, sampling)
+}
+
+/// `generate`'s tokens of `model` with the LoRA adapter `lora` after `prompt`.
+pub fn solo_generate_with(
+    model: &GptModel,
+    lora: Option<Arc<LoraWeights>>,
+    prompt: &[u32],
+    max: usize,
+    sampling: SamplingParams,
+) -> Vec<u32> {
     let options = GenerateOptions {
         max_new_tokens: max,
         sampling,
         stop_token_ids: vec![],
+        lora,
     };
     generate(model, prompt, &options, &mut |_| ControlFlow::Continue(()))
         .unwrap()

@@ -4,14 +4,15 @@
 //! names the adapter its rows take ([`crate::RaggedSeq::adapter`]). The base weights are
 //! multiplied once for all rows; each adapter adds `scale·(x·Aᵀ)·Bᵀ` to its own rows.
 //!
-//! For the rows of one sequence this is the arithmetic of a model with the same adapter
-//! built in ([`GptModel::with_lora`]): a sequence alone in a batch gets the same logits, bit
-//! for bit.
+//! The up-projection runs on `Bᵀ` ([`TransposedLoraAdapter`]), so a sequence's logits agree
+//! with those of a model with the adapter built in ([`GptModel::with_lora`]) to float
+//! rounding, and bit for bit with [`GptModel::forward_with_lora`] of the same adapter (what
+//! `generate` runs).
 
 use crate::lora::{LoraConfig, PeftTensor};
 use crate::module::ParamId;
 use crate::{GptModel, ModelError, Result};
-use ferrotron_nn::LoraAdapter;
+use ferrotron_nn::TransposedLoraAdapter;
 use ferrotron_tensor::Tensor;
 
 /// One LoRA adapter's matrices for the linear layers of a base model (see the module doc).
@@ -20,8 +21,9 @@ pub struct LoraWeights {
     /// `alpha / r`.
     scale: f32,
     rank: usize,
-    /// By the base's parameter index: `(A: [r, in], B: [out, r])` of each adapted linear
-    /// weight, in the base's dtype.
+    /// By the base's parameter index: `(A: [r, in], Bᵀ: [r, out])` of each adapted linear
+    /// weight, in the base's dtype (`B` transposed for the serving kernel,
+    /// [`TransposedLoraAdapter`]).
     adapters: Vec<Option<(Tensor, Tensor)>>,
 }
 
@@ -63,17 +65,17 @@ impl LoraWeights {
     }
 
     /// The adapter of the linear layer whose weight is `weight`, if it adapts that layer.
-    pub(crate) fn adapter(&self, weight: ParamId) -> Option<LoraAdapter<'_>> {
-        let (a, b) = self.adapters.get(weight.index())?.as_ref()?;
-        Some(LoraAdapter {
+    pub(crate) fn adapter(&self, weight: ParamId) -> Option<TransposedLoraAdapter<'_>> {
+        let (a, b_t) = self.adapters.get(weight.index())?.as_ref()?;
+        Some(TransposedLoraAdapter {
             linear_in: a.view(),
-            linear_out: b.view(),
+            linear_out_t: b_t.view(),
             scale: self.scale,
         })
     }
 
     /// Checks that the adapter was made for `model`'s parameter table: as many parameters,
-    /// and each adapted weight `[out, in]` with `A: [r, in]`, `B: [out, r]`.
+    /// and each adapted weight `[out, in]` with `A: [r, in]`, `Bᵀ: [r, out]`.
     ///
     /// # Errors
     /// [`ModelError::Input`] when it does not fit.
@@ -85,7 +87,7 @@ impl LoraWeights {
                 Some((a, b)) => {
                     d.shape.len() == 2
                         && a.shape() == [self.rank, d.shape[1]]
-                        && b.shape() == [d.shape[0], self.rank]
+                        && b.shape() == [self.rank, d.shape[0]]
                 }
             });
         match fits {
@@ -129,10 +131,12 @@ impl GptModel {
             }
             let [out, inp] = [decl.shape[0], decl.shape[1]];
             let (a, b) = self.fused_from_peft(p.weight, lora.rank, &mut get)?;
+            let r = lora.rank;
+            let b_t: Vec<f32> = (0..r * out).map(|i| b[(i % out) * r + i / out]).collect();
             let dtype = self.dtype();
-            let a = Tensor::from_f32(&[lora.rank, inp], a)?.to_dtype(dtype);
-            let b = Tensor::from_f32(&[out, lora.rank], b)?.to_dtype(dtype);
-            adapters[p.weight.index()] = Some((a, b));
+            let a = Tensor::from_f32(&[r, inp], a)?.to_dtype(dtype);
+            let b_t = Tensor::from_f32(&[r, out], b_t)?.to_dtype(dtype);
+            adapters[p.weight.index()] = Some((a, b_t));
         }
         Ok(LoraWeights {
             scale: lora.scale(),

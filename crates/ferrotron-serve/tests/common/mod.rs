@@ -11,6 +11,7 @@ use ferrotron_infer::sampler::SamplingParams;
 use ferrotron_infer::{GenerateOptions, generate};
 use ferrotron_model::GptModel;
 use ferrotron_model::families::load_hf_model;
+use ferrotron_model::lora::LoraWeights;
 use ferrotron_serve::{AppState, LoraRegistry, ServedModel};
 use ferrotron_tensor::DType;
 use serde_json::{Value, json};
@@ -186,16 +187,23 @@ impl Server {
     }
 
     pub fn greedy(&self, prompt: &[u32], max: usize) -> Vec<u32> {
-        greedy_of(&self.model, prompt, max)
+        greedy_of(&self.model, None, prompt, max)
     }
 }
 
-/// `generate`'s greedy tokens of `model` after `prompt`, stopping at EOS.
-pub fn greedy_of(model: &GptModel, prompt: &[u32], max: usize) -> Vec<u32> {
+/// `generate`'s greedy tokens of `model` with the LoRA adapter `lora` after `prompt`,
+/// stopping at EOS.
+pub fn greedy_of(
+    model: &GptModel,
+    lora: Option<Arc<LoraWeights>>,
+    prompt: &[u32],
+    max: usize,
+) -> Vec<u32> {
     let options = GenerateOptions {
         max_new_tokens: max,
         sampling: SamplingParams::greedy(),
         stop_token_ids: vec![EOS],
+        lora,
     };
     generate(model, prompt, &options, &mut |_| ControlFlow::Continue(()))
         .unwrap()

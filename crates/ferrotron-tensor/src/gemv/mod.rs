@@ -4,6 +4,11 @@
 //! bf16 GEMM does ([`gemv_bf16`]: `x` rounded to bf16, `vdpbf16ps` where the CPU has
 //! AVX512-BF16). AVX-512 kernels are chosen at run time; other CPUs use a portable loop.
 
+use crate::gemm::WeightRef;
+mod transposed;
+
+pub use transposed::gemv_transposed;
+
 use crate::gemm_bf16::Bf16Kernel;
 use crate::{Element, round_to_bf16_bits};
 use half::bf16;
@@ -17,7 +22,31 @@ const ROWS_PER_TASK: usize = 64;
 /// # Panics
 /// When `w.len() < y.len() * x.len()` (a caller bug).
 pub fn gemv<W: Element + Widen>(w: &[W], x: &[f32], y: &mut [f32], accumulate: bool) {
-    row_chunks(w, x.len(), y, |w, y| dot_rows(w, x, y, accumulate));
+    row_chunks(w, x.len(), y, Split::Tasks, |w, y| {
+        dot_rows(w, x, y, accumulate)
+    });
+}
+
+/// Whether a GEMV hands its output rows to rayon tasks or runs them on the calling thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Split {
+    Tasks,
+    Serial,
+}
+
+/// [`gemv`] or [`gemv_bf16`] (by `w`'s storage) on the calling thread: the same kernels and
+/// sums, bit for bit, without handing rows to other threads — for products too small to pay
+/// for that (a LoRA adapter's `A: [r, in]` or `B: [out, r]` on one token). Quantized blocks
+/// take [`crate::gemm::matmul_weight_t`].
+pub fn gemv_serial(w: WeightRef<'_>, x: &[f32], y: &mut [f32], accumulate: bool) {
+    match w {
+        WeightRef::F32(w) => dot_rows(&w[..y.len() * x.len()], x, y, accumulate),
+        WeightRef::F16(w) => dot_rows(&w[..y.len() * x.len()], x, y, accumulate),
+        WeightRef::BF16(w) => gemv_bf16_split(w, x, y, accumulate, Split::Serial),
+        WeightRef::Quant(_) => {
+            crate::gemm::matmul_weight_t(x, w, y, 1, y.len(), x.len(), accumulate)
+        }
+    }
 }
 
 /// `y[n] = w[n, k] · x[k]` (`+=` when `accumulate`) for bf16 weights, as bf16 x bf16 -> f32:
@@ -25,16 +54,22 @@ pub fn gemv<W: Element + Widen>(w: &[W], x: &[f32], y: &mut [f32], accumulate: b
 /// and as autocast casts them), every product is exact and the sums are f32 — so one token
 /// decodes to the values a prefill of more rows computes, up to the order of the f32 sums.
 /// AVX512-BF16 `vdpbf16ps` does 32 products per instruction (llama.cpp's BF16 `vec_dot`
-/// does the same); without it the rounded `x` goes through the widening kernel of [`gemv`].
+/// does the same); without it, or for rows shorter than 32 (a LoRA adapter's `B: [out, r]`),
+/// the rounded `x` goes through the widening kernel of [`gemv`].
 ///
 /// # Panics
 /// When `w.len() < y.len() * x.len()` (a caller bug).
 pub fn gemv_bf16(w: &[bf16], x: &[f32], y: &mut [f32], accumulate: bool) {
+    gemv_bf16_split(w, x, y, accumulate, Split::Tasks);
+}
+
+fn gemv_bf16_split(w: &[bf16], x: &[f32], y: &mut [f32], accumulate: bool, split: Split) {
+    let k = x.len();
     let rounded = x.iter().map(|&v| round_to_bf16_bits(v));
     #[cfg(target_arch = "x86_64")]
-    if Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16) {
+    if k >= 32 && Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16) {
         let xb: Vec<bf16> = rounded.map(bf16::from_bits).collect();
-        row_chunks(w, x.len(), y, |w, y| {
+        row_chunks(w, x.len(), y, split, |w, y| {
             // SAFETY: the CPU has AVX512F and AVX512-BF16 (checked above).
             unsafe { avx512::dot_rows_bf16(w, &xb, y, accumulate) }
         });
@@ -43,7 +78,7 @@ pub fn gemv_bf16(w: &[bf16], x: &[f32], y: &mut [f32], accumulate: bool) {
     let xr: Vec<f32> = rounded
         .map(|b| f32::from_bits(u32::from(b) << 16))
         .collect();
-    gemv(w, &xr, y, accumulate);
+    row_chunks(w, x.len(), y, split, |w, y| dot_rows(w, &xr, y, accumulate));
 }
 
 /// `y[m, n] = x[m, k] · wᵀ` (`+=` when `accumulate`) for a few activation rows (batched
@@ -104,7 +139,7 @@ pub fn gemv_rows_bf16(
     assert!(x.len() >= m * k && y.len() >= m * n);
     let rounded = x[..m * k].iter().map(|&v| round_to_bf16_bits(v));
     #[cfg(target_arch = "x86_64")]
-    if Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16) {
+    if k >= 32 && Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16) {
         let xb: Vec<bf16> = rounded.map(bf16::from_bits).collect();
         let dots = |wb: &[bf16], out: &mut [f32]| {
             let rows = out.len() / m;
@@ -178,8 +213,17 @@ fn multi_rows<W: Sync>(
 ///
 /// # Panics
 /// When `w.len() < y.len() * k` (a caller bug).
-fn row_chunks<W: Sync>(w: &[W], k: usize, y: &mut [f32], rows: impl Fn(&[W], &mut [f32]) + Sync) {
+fn row_chunks<W: Sync>(
+    w: &[W],
+    k: usize,
+    y: &mut [f32],
+    split: Split,
+    rows: impl Fn(&[W], &mut [f32]) + Sync,
+) {
     assert!(w.len() >= y.len() * k);
+    if split == Split::Serial {
+        return rows(&w[..y.len() * k], y);
+    }
     y.par_chunks_mut(ROWS_PER_TASK)
         .enumerate()
         .for_each(|(t, y_chunk)| {
