@@ -4,7 +4,8 @@
 //! for B = 1, 4, 8, 16, 32, f32 and bf16 weights, and with `FERROTRON_BENCH_DRAFT` (a draft
 //! model: HF directory or GGUF file) each batch again with draft-model speculation, and with
 //! `FERROTRON_BENCH_LORA=N` each batch again with LoRA adapters (rank 16 on every linear
-//! layer, random), request `i` taking adapter `i mod N` (S-LoRA's many-adapter decode). Not a
+//! layer, random), request `i` taking adapter `i mod N` (S-LoRA's many-adapter decode),
+//! alternated with runs without adapters and reported as medians and their ratio. Not a
 //! test: run with
 //! `FERROTRON_BENCH_MODEL=/path/to/smollm2 cargo bench -p ferrotron-infer --bench engine`.
 
@@ -66,15 +67,33 @@ fn main() {
                 );
             }
             if !adapters.is_empty() {
-                let (rate, ms) = decode_rate(&model, None, &adapters, b);
-                println!(
-                    "weights {label:>4} batch {b:>2} + {} LoRA adapters: {rate:.1} output \
-                     tokens/s ({ms:.1} ms per step)",
-                    adapters.len()
-                );
+                lora_overhead(&model, &adapters, b, &label);
             }
         }
     }
+}
+
+/// Base and LoRA runs of batch `b` alternated five times (the machine's speed drifts):
+/// median tokens/s of each and the median of the per-pair ratios.
+fn lora_overhead(model: &Arc<GptModel>, adapters: &[LoraRequest], b: usize, label: &str) {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let pairs: Vec<(f64, f64)> = (0..5)
+        .map(|_| {
+            let base = decode_rate(model, None, &[], b).0;
+            (base, decode_rate(model, None, adapters, b).0)
+        })
+        .collect();
+    let ratio = median(pairs.iter().map(|(base, lora)| lora / base).collect());
+    println!(
+        "weights {label:>4} batch {b:>2} + {} LoRA adapters: {:.1} output tokens/s vs {:.1} \
+         without (medians of 5 alternated runs), ratio {ratio:.3}",
+        adapters.len(),
+        median(pairs.iter().map(|p| p.1).collect()),
+        median(pairs.iter().map(|p| p.0).collect()),
+    );
 }
 
 /// `n` LoRA adapters of rank 16 on every linear layer of `model`: `A` Xavier-normal, `B`

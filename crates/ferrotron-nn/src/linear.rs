@@ -243,6 +243,9 @@ impl<'a> Linear<'a> {
             parts.push((a, &x[rows.start * k..rows.end * k], mine));
             (rest, at) = (tail, rows.end);
         }
-        parts.into_par_iter().for_each(|(a, x, y)| a.apply(x, y));
+        match parts.len() {
+            1 => parts.into_iter().for_each(|(a, x, y)| a.apply(x, y)),
+            _ => parts.into_par_iter().for_each(|(a, x, y)| a.apply(x, y)),
+        }
     }
 }
