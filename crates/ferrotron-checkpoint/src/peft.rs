@@ -146,13 +146,14 @@ impl PeftAdapter {
     }
 
     /// The adapter's matrices for serving beside others over `base` (a whole model without
-    /// adapters, left as it is): the adapters [`PeftAdapter::apply_to`] would build in.
+    /// adapters, left as it is): any projections, each with its own `lora_A` as PEFT trains
+    /// them ([`GptModel::lora_weights_from_peft`]).
     ///
     /// # Errors
-    /// As [`PeftAdapter::apply_to`].
+    /// A tensor missing or of the wrong shape, or one the model has no place for (each
+    /// named), or an adapter that adapts nothing.
     pub fn served_weights(&self, base: &GptModel) -> Result<LoraWeights, CheckpointError> {
-        let lora = self.lora_config(base)?;
-        self.map_tensors(|get| base.lora_weights_from_peft(&lora, get))
+        self.map_tensors(|get| base.lora_weights_from_peft(self.rank, self.alpha, get))
     }
 
     /// The [`ferrotron_model::LoraConfig`] that adapts exactly the modules this adapter has

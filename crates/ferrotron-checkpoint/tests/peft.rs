@@ -2,7 +2,10 @@
 //! adapters on every projection of tiny-llama and tiny-qwen2, q/k/v and gate/up sharing
 //! `lora_A`, random `lora_B`): the adapter read onto the base gives PEFT's logits, loss and
 //! every adapter gradient; written back, it is PEFT's adapter tensor for tensor; merged, it
-//! gives the same logits without adapters.
+//! gives the same logits without adapters. Served (`PeftAdapter::served_weights`), adapters
+//! as PEFT trains them — every projection with its own `lora_A`, or only q and v adapted
+//! (`tools/make_served_lora_fixture.py`) — give PEFT's logits too, and so does the fused
+//! fixture.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -10,6 +13,7 @@ use std::path::PathBuf;
 use ferrotron_checkpoint::peft::PeftAdapter;
 use ferrotron_checkpoint::write_peft_adapter;
 use ferrotron_model::families::load_hf_model;
+use ferrotron_model::lora::LoraWeights;
 use ferrotron_model::module::ParamRole;
 use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
 use ferrotron_tensor::DType;
@@ -68,10 +72,17 @@ fn input_ids(name: &str) -> (Vec<u32>, usize, usize) {
 
 /// Logits `[b, s, v]` of `model` on the fixture's inputs.
 fn logits(model: &GptModel, name: &str) -> Vec<f32> {
+    logits_with(model, None, name)
+}
+
+/// Logits `[b, s, v]` of `model` with the served adapter `lora` on the fixture's inputs.
+fn logits_with(model: &GptModel, lora: Option<&LoraWeights>, name: &str) -> Vec<f32> {
     let (ids, b, s) = input_ids(name);
     let sb: Vec<u32> = (0..s * b).map(|i| ids[(i % b) * s + i / b]).collect();
     let mut cache = KvCache::new(model.config(), b, s).unwrap();
-    let out = model.forward(&sb, &mut cache, LogitsMode::All).unwrap();
+    let out = model
+        .forward_with_lora(&sb, &mut cache, LogitsMode::All, lora)
+        .unwrap();
     let v = model.config().vocab_size;
     let mut bsv = vec![0f32; out.len()];
     for t in 0..s {
@@ -273,6 +284,31 @@ fn bad_adapters_are_named() {
         err.contains("lm_head.lora_A.weight") && err.contains("no LoRA adapter"),
         "{err}"
     );
+}
+
+#[test]
+fn served_adapters_give_pefts_logits() {
+    let (base, _) = load_hf_model(&fixtures().join("tiny-llama"), DType::F32).unwrap();
+    let plain = logits(&base, "tiny-llama");
+    let served = fixtures().join("lora/served");
+    // (adapter, linear layers adapted in the two layers)
+    let cases = [
+        (served.join("qv"), 2),  // q and v only: linear_qkv, k's rows zero
+        (served.join("all"), 8), // q, k, v (and gate, up) with distinct lora_A: stacked
+        (fixtures().join("lora/tiny-llama"), 8), // lora_A shared: rank r as it is
+    ];
+    for (dir, adapted) in cases {
+        let adapter = PeftAdapter::read(&dir).unwrap();
+        let weights = adapter.served_weights(&base).unwrap();
+        let want = f32s(&read(dir.join("reference.safetensors"))["logits"].1);
+        assert!(
+            max_diff(&plain, &want) > 1e-2,
+            "{dir:?}: the adapter changes nothing"
+        );
+        let d = max_diff(&logits_with(&base, Some(&weights), "tiny-llama"), &want);
+        assert!(d < 1e-4, "{dir:?}: logits differ from PEFT's by {d}");
+        assert_eq!(weights.num_adapted(), adapted, "{dir:?}");
+    }
 }
 
 /// DPO against TRL's loss (`tools/make_dpo_fixture.py`: two pairs on tiny-llama with the PEFT

@@ -118,7 +118,7 @@ fn random_adapters(model: &GptModel, n: usize) -> Vec<LoraRequest> {
             let tensors = adapted.peft_tensors().expect("PEFT tensors");
             let mut x = seed;
             let weights = model
-                .lora_weights_from_peft(&lora, |name| {
+                .lora_weights_from_peft(lora.rank, lora.alpha, |name| {
                     let mut t = tensors.iter().find(|t| t.name == name)?.clone();
                     if name.contains("lora_B") {
                         for v in &mut t.values {

@@ -161,6 +161,60 @@ impl GptModel {
         Ok((a, b))
     }
 
+    /// The adapter of the linear layer whose weight is `weight` (`[out, in]`) in a PEFT
+    /// adapter of rank `r` that adapts any of its projections, each with its own `lora_A`
+    /// (how PEFT trains them): the distinct `lora_A`s stacked, `A: [n·r, in]`, and
+    /// `B: [out, n·r]` with each projection's `lora_B` in its rows and its `A`'s columns,
+    /// zero elsewhere, so `B·A` is exactly the projections' `B_p·A_p` side by side (rows of
+    /// projections the adapter leaves alone stay zero). Projections that share their
+    /// `lora_A` share its block, so an adapter made for the fused layer keeps rank `r`.
+    /// `None` when the adapter has no tensor for the layer.
+    ///
+    /// # Errors
+    /// A `lora_A` without its `lora_B`, or a tensor of another shape (each named).
+    pub(crate) fn stacked_from_peft(
+        &self,
+        weight: ParamId,
+        r: usize,
+        get: &mut impl FnMut(&str) -> Option<PeftTensor>,
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        let decl = self.layout().decl(weight);
+        let (out, inp) = (decl.shape[0], decl.shape[1]);
+        let mut blocks: Vec<Vec<f32>> = Vec::new();
+        // (rows of the part, its lora_B values, its block)
+        let mut parts = Vec::new();
+        for part in &decl.hf {
+            let a_name = peft_name(part, "lora_A");
+            if get(&a_name).is_none() {
+                continue;
+            }
+            let a = fetch(get, &a_name, [r, inp])?.values;
+            let rows: usize = part.rows.iter().map(|range| range.len()).sum();
+            let b = fetch(get, &peft_name(part, "lora_B"), [rows, r])?.values;
+            let block = match blocks.iter().position(|x| *x == a) {
+                Some(i) => i,
+                None => {
+                    blocks.push(a);
+                    blocks.len() - 1
+                }
+            };
+            parts.push((part.rows.clone(), b, block));
+        }
+        if blocks.is_empty() {
+            return Ok(None);
+        }
+        let width = blocks.len() * r;
+        let mut b = vec![0f32; out * width];
+        for (ranges, values, block) in parts {
+            let mut src = values.chunks_exact(r);
+            for row in ranges.into_iter().flatten() {
+                let at = row * width + block * r;
+                b[at..at + r].copy_from_slice(src.next().expect("rows counted"));
+            }
+        }
+        Ok(Some((blocks.concat(), b)))
+    }
+
     fn require_adapters(&self) -> Result<()> {
         self.require_whole("PEFT adapters are mapped")?;
         if self.config().lora.is_none() {

@@ -9,7 +9,7 @@
 //! rounding, and bit for bit with [`GptModel::forward_with_lora`] of the same adapter (what
 //! `generate` runs).
 
-use crate::lora::{LoraConfig, PeftTensor};
+use crate::lora::PeftTensor;
 use crate::module::ParamId;
 use crate::{GptModel, ModelError, Result};
 use ferrotron_nn::TransposedLoraAdapter;
@@ -39,7 +39,8 @@ impl std::fmt::Debug for LoraWeights {
 }
 
 impl LoraWeights {
-    /// The rank `r`.
+    /// The rank `r` (a fused layer whose projections have distinct `lora_A`s takes a
+    /// multiple of it).
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -75,7 +76,8 @@ impl LoraWeights {
     }
 
     /// Checks that the adapter was made for `model`'s parameter table: as many parameters,
-    /// and each adapted weight `[out, in]` with `A: [r, in]`, `Bᵀ: [r, out]`.
+    /// and each adapted weight `[out, in]` with `A: [w, in]`, `Bᵀ: [w, out]`, `w` a multiple
+    /// of the rank.
     ///
     /// # Errors
     /// [`ModelError::Input`] when it does not fit.
@@ -85,9 +87,11 @@ impl LoraWeights {
             && self.adapters.iter().zip(decls).all(|(pair, d)| match pair {
                 None => true,
                 Some((a, b)) => {
+                    let w = a.shape()[0];
                     d.shape.len() == 2
-                        && a.shape() == [self.rank, d.shape[1]]
-                        && b.shape() == [self.rank, d.shape[0]]
+                        && w % self.rank == 0
+                        && a.shape() == [w, d.shape[1]]
+                        && b.shape() == [w, d.shape[0]]
                 }
             });
         match fits {
@@ -100,17 +104,20 @@ impl LoraWeights {
 }
 
 impl GptModel {
-    /// The adapter `lora` describes, for this base model, from a PEFT adapter's tensors
-    /// (`get(name)` gives the tensor of that name; see [`GptModel::load_peft_tensors`] for the
-    /// mapping of per-projection adapters onto the fused layers), stored in the base's dtype
-    /// as [`GptModel::with_lora`] stores adapters.
+    /// A PEFT adapter of rank `r` and `lora_alpha` `alpha` for this base model, from its
+    /// tensors (`get(name)` gives the tensor of that name): any subset of the HF projections,
+    /// each with its own `lora_A` as PEFT trains them, mapped onto the fused layers exactly
+    /// ([`GptModel::stacked_from_peft`]: a fused layer whose projections have distinct
+    /// `lora_A`s takes them stacked, rank a multiple of `r`). Stored in the base's dtype, as
+    /// [`GptModel::with_lora`] stores adapters, `B` transposed.
     ///
     /// # Errors
-    /// A shard or stage, a model that has adapters built in, an invalid `lora`, a target
-    /// that matches no linear layer, or a missing or misshapen tensor (each named).
+    /// A shard or stage, a model that has adapters built in, `r` of 0, a missing or
+    /// misshapen tensor (named), or an adapter that adapts no linear layer.
     pub fn lora_weights_from_peft(
         &self,
-        lora: &LoraConfig,
+        r: usize,
+        alpha: f32,
         mut get: impl FnMut(&str) -> Option<PeftTensor>,
     ) -> Result<LoraWeights> {
         self.require_whole("LoRA adapters are served")?;
@@ -119,28 +126,36 @@ impl GptModel {
                 "a model with LoRA adapters built in cannot serve others (use the base)".into(),
             ));
         }
-        lora.validate()?;
-        self.check_lora_targets(lora)?;
+        if r == 0 {
+            return Err(ModelError::Input(
+                "a LoRA adapter's rank must be > 0".into(),
+            ));
+        }
         let mut adapters: Vec<Option<(Tensor, Tensor)>> = vec![None; self.layout().decls().len()];
         let linears: Vec<_> = self.linear_params().collect();
         for p in linears {
-            let decl = self.layout().decl(p.weight);
-            let module = decl.name.strip_suffix(".weight").unwrap_or(&decl.name);
-            if !lora.matches(module) {
+            let Some((a, b)) = self.stacked_from_peft(p.weight, r, &mut get)? else {
                 continue;
-            }
+            };
+            let decl = self.layout().decl(p.weight);
             let [out, inp] = [decl.shape[0], decl.shape[1]];
-            let (a, b) = self.fused_from_peft(p.weight, lora.rank, &mut get)?;
-            let r = lora.rank;
-            let b_t: Vec<f32> = (0..r * out).map(|i| b[(i % out) * r + i / out]).collect();
+            let width = a.len() / inp;
+            let b_t: Vec<f32> = (0..width * out)
+                .map(|i| b[(i % out) * width + i / out])
+                .collect();
             let dtype = self.dtype();
-            let a = Tensor::from_f32(&[r, inp], a)?.to_dtype(dtype);
-            let b_t = Tensor::from_f32(&[r, out], b_t)?.to_dtype(dtype);
+            let a = Tensor::from_f32(&[width, inp], a)?.to_dtype(dtype);
+            let b_t = Tensor::from_f32(&[width, out], b_t)?.to_dtype(dtype);
             adapters[p.weight.index()] = Some((a, b_t));
         }
+        if adapters.iter().all(Option::is_none) {
+            return Err(ModelError::Input(
+                "the PEFT adapter adapts none of the model's linear layers".into(),
+            ));
+        }
         Ok(LoraWeights {
-            scale: lora.scale(),
-            rank: lora.rank,
+            scale: alpha / r as f32,
+            rank: r,
             adapters,
         })
     }
