@@ -8,25 +8,29 @@
 #   repeated 2k-token prompt's cold and warm TTFT. Results append to runs/bench-serve.jsonl.
 #   With --quant TYPE (Q8_0, Q4_0, Q4_K_M, ...) both serve the same GGUF, made from the model
 #   by llama.cpp's converter and llama-quantize (ours keeps its weights in their blocks).
+#   With --lora N ours also runs with N random PEFT adapters (rank 16, every projection;
+#   tools/make_random_adapters.py), request i naming adapter i mod N.
 #
 #   bash scripts/bench-serve.sh [MODEL_DIR] [--dtype bf16|f32] [--quant TYPE] [--llama-cpp]
-#       [--concurrency "8 32"] [--num-prompts 64] [--input-len 128] [--output-len 64]
+#       [--lora N] [--concurrency "8 32"] [--num-prompts 64] [--input-len 128]
+#       [--output-len 64]
 #
 # Needs the reference venv (bash tools/setup_venv.sh: transformers' tokenizers, openai) and
 # the converted model (bash scripts/quickstart.sh; default .cache/smollm2-hf).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-model="$root/.cache/smollm2-hf" dtype=bf16 quant="" llama=0 conc="8 32" prompts=64 in=128 out=64
+model="$root/.cache/smollm2-hf" dtype=bf16 quant="" llama=0 lora=0 conc="8 32" prompts=64 in=128 out=64
 while [ $# -gt 0 ]; do
   case "$1" in
     --dtype) dtype="$2"; shift ;;
     --quant) quant="$2"; shift ;;
     --llama-cpp) llama=1 ;;
+    --lora) lora="$2"; shift ;;
     --concurrency) conc="$2"; shift ;;
     --num-prompts) prompts="$2"; shift ;;
     --input-len) in="$2"; shift ;;
     --output-len) out="$2"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     -*) echo "bench-serve.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) model="$(cd "$1" && pwd)" ;;
   esac
@@ -42,14 +46,15 @@ cargo build --release -q -p ferrotron
 pids=()
 trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done' EXIT
 
-# load LABEL URL: every concurrency level (the first with the repeated long prompt); a
-# level with failed requests is recorded (failed_requests, first_error), not fatal.
+# load LABEL URL [MODELS]: every concurrency level (the first with the repeated long prompt)
+# against MODELS (default smollm2; comma-separated: request i to the (i mod n)-th); a level
+# with failed requests is recorded (failed_requests, first_error), not fatal.
 load() {
   local c first=1
   for c in $conc; do
     local repeat=()
     [ "$first" = 1 ] && repeat=(--repeat-prompt-len 2048) && first=0
-    "$py" tools/load_test.py --base-url "$2" --model smollm2 --tokenizer "$model" \
+    "$py" tools/load_test.py --base-url "$2" --model "${3:-smollm2}" --tokenizer "$model" \
       --concurrency "$c" --num-prompts "$prompts" --input-len "$in" --output-len "$out" \
       "${repeat[@]}" --label "$1" --json "$results" || echo "bench-serve.sh: $1: failures" >&2
   done
@@ -96,6 +101,25 @@ pids+=("$pid")
 wait_for http://127.0.0.1:8931/health "$pid"
 load "ferrotron serve $label" http://127.0.0.1:8931/v1
 kill -TERM "$pid"; wait "$pid"
+
+if [ "$lora" -gt 0 ]; then
+  adapters="$root/runs/bench-serve-adapters"
+  "$py" tools/make_random_adapters.py --model "$model" --count "$lora" --rank 16 \
+    --out "$adapters"
+  lora_args=() names=()
+  for i in $(seq 0 $((lora - 1))); do
+    lora_args+=(--lora "adapter$i=$adapters/adapter$i") names+=("adapter$i")
+  done
+  RAYON_NUM_THREADS=2 target/release/ferrotron serve --model "$served" --dtype "$dtype" \
+    --port 8931 --served-model-name smollm2 --max-num-seqs 32 --log-stats-interval 0 \
+    "${lora_args[@]}" 2>>"$log" &
+  pid=$!
+  pids+=("$pid")
+  wait_for http://127.0.0.1:8931/health "$pid"
+  load "ferrotron serve $label + $lora LoRA adapters" http://127.0.0.1:8931/v1 \
+    "$(IFS=,; echo "${names[*]}")"
+  kill -TERM "$pid"; wait "$pid"
+fi
 
 if [ "$llama" = 1 ]; then
   port_free 8932

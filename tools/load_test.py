@@ -75,15 +75,18 @@ async def run(args):
                                 max_retries=0)
     prompts = prompts_from_corpus(tokenizer, args.corpus, args.num_prompts, args.input_len)
     # Warm-up: one short request (model pages, kernels).
-    await one_request(client, args.model, prompts[0][:16], 4)
+    await one_request(client, args.model.split(",")[0], prompts[0][:16], 4)
     limit = asyncio.Semaphore(args.concurrency)
 
-    async def bounded(p):
+    models = args.model.split(",")
+
+    async def bounded(i, p):
         async with limit:
-            return await one_request(client, args.model, p, args.output_len)
+            return await one_request(client, models[i % len(models)], p, args.output_len)
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(bounded(p) for p in prompts), return_exceptions=True)
+    results = await asyncio.gather(*(bounded(i, p) for i, p in enumerate(prompts)),
+                                   return_exceptions=True)
     duration = time.perf_counter() - start
     ok = [r for r in results if not isinstance(r, BaseException)]
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -105,8 +108,9 @@ async def run(args):
         report["first_error"] = repr(failed[0])
     if args.repeat_prompt_len:
         (long,) = prompts_from_corpus(tokenizer, args.corpus, 1, args.repeat_prompt_len)
-        cold = (await one_request(client, args.model, long, 1))[0]
-        warm = (await one_request(client, args.model, long, 1))[0]
+        first = args.model.split(",")[0]
+        cold = (await one_request(client, first, long, 1))[0]
+        warm = (await one_request(client, first, long, 1))[0]
         report |= {"repeat_prompt_len": args.repeat_prompt_len,
                    "cold_ttft_ms": cold * 1e3, "warm_ttft_ms": warm * 1e3,
                    "warm_over_cold": warm / cold}
@@ -116,7 +120,9 @@ async def run(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", required=True, help="the served model name")
+    ap.add_argument("--model", required=True,
+                    help="the served model name, or several comma-separated (e.g. LoRA "
+                         "adapters): request i goes to the (i mod n)-th")
     ap.add_argument("--tokenizer", required=True, help="HF model directory with tokenizer.json")
     ap.add_argument("--corpus", default=".cache/kjv/kjv.jsonl",
                     help='JSONL with a "text" field per line (default: the KJV corpus)')

@@ -87,7 +87,15 @@ impl TransposedLoraAdapter<'_> {
         let rows = x.len() / self.linear_in.shape()[1];
         let mut z = vec![0f32; rows * r];
         lora_down(self.linear_in, self.scale, x, &mut z);
-        gemv_transposed(self.linear_out_t.weight_ref(), &z, y, (rows, n, r));
+        let b_t = self.linear_out_t.weight_ref();
+        if rows * n * r <= SERIAL_MACS {
+            return gemv_transposed(b_t, &z, y, (rows, n, r));
+        }
+        // A prompt's rows: blocks of rows in parallel, each row as it would be alone.
+        const ROWS: usize = 16;
+        z.par_chunks(ROWS * r)
+            .zip(y.par_chunks_mut(ROWS * n))
+            .for_each(|(z, y)| gemv_transposed(b_t, z, y, (z.len() / r, n, r)));
     }
 }
 
