@@ -36,6 +36,7 @@ fn a_reward_model_round_trips_as_sequence_classification() {
     let mut batch = TrainBatch::from_batch_major(&tokens, &labels, None, 2, 8);
     batch.objective = Objective::Reward(RewardTargets {
         center_rewards_coefficient: 0.0,
+        pad_token_id: None,
     });
     assert_eq!(
         back.rewards(&batch).unwrap(),

@@ -2,7 +2,9 @@
 //! `LlamaForSequenceClassification` and TRL's `RewardTrainer` loss
 //! (`tools/make_reward_fixture.py`: tiny-llama, two right-padded pairs, center coefficient
 //! 0.01): rewards at the last real tokens, the loss, and the gradients of the score head, the
-//! final norm, the embedding and a layer weight; under LoRA the head still trains.
+//! final norm, the embedding and a layer weight; under LoRA the head still trains; with the
+//! pad token also the end token (SmolLM2's `<|im_end|>`), the reward is read where HF reads
+//! it, after the last end token.
 
 use ferrotron_model::families::load_hf_model;
 use ferrotron_model::{
@@ -69,8 +71,10 @@ fn setup() -> (Fixture, GptModel, TrainBatch) {
     }
     let tokens: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
     let mut batch = TrainBatch::from_batch_major(&tokens, &labels, None, 4, s);
+    // The fixture's model pads with id 0 (its config.pad_token_id).
     batch.objective = Objective::Reward(RewardTargets {
         center_rewards_coefficient: 0.01,
+        pad_token_id: Some(0),
     });
     (f, model, batch)
 }
@@ -156,11 +160,61 @@ fn the_score_head_trains_under_lora() {
     let mut b = batch.clone();
     b.objective = Objective::Reward(RewardTargets {
         center_rewards_coefficient: 0.0,
+        pad_token_id: Some(0),
     });
     assert!(
         lm.rewards(&b)
             .unwrap_err()
             .to_string()
             .contains("score head")
+    );
+}
+
+/// HF's rule (`GenericForSequenceClassification`): the last token other than the pad id.
+/// When the pad id is also the end-of-turn token, a chat row `... <end> \n <pad> <pad>` is
+/// read at `\n`; a row of padding only at position 0; without a pad id at the last position.
+#[test]
+fn the_reward_token_is_hfs_last_non_pad_token() {
+    let (_, model, _) = setup();
+    let (end, newline, s) = (2u32, 13u32, 8);
+    let rows: [Vec<u32>; 2] = [vec![5, 6, 7, end, newline, end, end, end], vec![end; 8]];
+    let tokens: Vec<u32> = rows.concat();
+    let labels = vec![IGNORE_INDEX; 2 * s];
+    let batch = TrainBatch::from_batch_major(&tokens, &labels, None, 2, s);
+    let with_pad = |pad| {
+        let mut b = batch.clone();
+        b.objective = Objective::Reward(RewardTargets {
+            center_rewards_coefficient: 0.0,
+            pad_token_id: pad,
+        });
+        model.rewards(&b).unwrap()
+    };
+    // The score at a position: the reward of a row cut right after it, read at its end.
+    let at = |row: &[u32], t: usize| {
+        let mut cut = row[..=t].to_vec();
+        cut.resize(s, 0);
+        let mut b = TrainBatch::from_batch_major(&cut, &labels[..s], None, 1, s);
+        b.objective = Objective::Reward(RewardTargets {
+            center_rewards_coefficient: 0.0,
+            pad_token_id: Some(0),
+        });
+        model.rewards(&b).unwrap()[0]
+    };
+    let close = |a: f64, b: f64, what: &str| assert!((a - b).abs() < 1e-5, "{what}: {a} vs {b}");
+    let got = with_pad(Some(end));
+    close(
+        got[0],
+        at(&rows[0], 4),
+        "read at the newline after the end token",
+    );
+    close(got[1], at(&rows[1], 0), "a row of padding only: position 0");
+    assert!(
+        (got[0] - at(&rows[0], 3)).abs() > 1e-4,
+        "the end token scores the same"
+    );
+    close(
+        with_pad(None)[0],
+        at(&rows[0], 7),
+        "no pad id: the last position",
     );
 }

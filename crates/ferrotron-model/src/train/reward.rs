@@ -1,8 +1,11 @@
 //! A reward model's pairwise loss (TRL's `RewardTrainer`, Bradley-Terry): per pair of rows,
 //! `loss = −logσ(r_c − r_r) + c·(r_c + r_r)²` averaged over the pairs, the reward `r` of a row
-//! being its score head's output at its last token (the last one with a label, i.e. the
-//! token after the last loss-masked position), as HF's `...ForSequenceClassification` reads
-//! it at the last non-padding token; `c` is TRL's `center_rewards_coefficient`.
+//! being its score head's output at the row's last token that is not `pad_token_id`, exactly
+//! where HF's `...ForSequenceClassification` reads it (`GenericForSequenceClassification`:
+//! the largest index whose token differs from the pad id, 0 when every token is padding); `c`
+//! is TRL's `center_rewards_coefficient`. A model whose pad token is also its end-of-turn
+//! token (SmolLM2's `<|im_end|>`) is thus read at what follows the last end token, as HF
+//! reads it.
 
 use super::dpo::{log_sigmoid, sigmoid};
 use super::forward::Activations;
@@ -15,6 +18,10 @@ use crate::{GptModel, ModelError, OutputHead, Result};
 pub struct RewardTargets {
     /// TRL's `center_rewards_coefficient` (0 turns the centering term off); >= 0.
     pub center_rewards_coefficient: f64,
+    /// The model's `pad_token_id` (HF's `config.pad_token_id`): each row's reward is read at
+    /// its last other token. `None`: at the row's last position (HF's rule without a pad
+    /// id, for rows that are not padded).
+    pub pad_token_id: Option<u32>,
 }
 
 impl RewardTargets {
@@ -34,28 +41,28 @@ impl RewardTargets {
     }
 }
 
-/// The `[s, b]` index of each row's reward token: one past its last loss-masked position
-/// (clamped to the row's last position), or the row's last position without any.
-pub(crate) fn reward_positions(batch: &TrainBatch) -> Vec<usize> {
+/// The `[s, b]` index of each row's reward token: its last token other than `pad_token_id`
+/// (position 0 when it has none, as HF's argmax gives), or its last position without a pad
+/// id (see the module doc).
+pub(crate) fn reward_positions(batch: &TrainBatch, pad_token_id: Option<u32>) -> Vec<usize> {
     let (b, s) = (batch.micro_batch, batch.seq);
     (0..b)
         .map(|j| {
-            let masked = |t: usize| {
-                let i = t * b + j;
-                batch.labels[i] != ferrotron_tensor::ops::IGNORE_INDEX
-                    && batch.loss_mask.as_ref().is_none_or(|m| m[i] > 0.0)
+            let t = match pad_token_id {
+                None => s - 1,
+                Some(pad) => (0..s)
+                    .rev()
+                    .find(|&t| batch.tokens[t * b + j] != pad)
+                    .unwrap_or(0),
             };
-            let t = (0..s)
-                .rev()
-                .find(|&t| masked(t))
-                .map_or(s - 1, |t| (t + 1).min(s - 1));
             t * b + j
         })
         .collect()
 }
 
 impl GptModel {
-    /// The reward of each row `[b]` (the score at its reward token, see the module doc): the
+    /// The reward of each row `[b]` (the score at its reward token, see the module doc, with
+    /// the pad id of the batch's [`RewardTargets`], its last position without them): the
     /// training forward without a backward. A whole model with a score head.
     ///
     /// # Errors
@@ -65,7 +72,11 @@ impl GptModel {
         let part = self.chunk_part(0)?;
         let acts = self.train_forward(batch, part, None, &mut super::memory::Ledger::default())?;
         let scores = acts.dlogits.host();
-        Ok(reward_positions(batch)
+        let pad = match &batch.objective {
+            super::Objective::Reward(t) => t.pad_token_id,
+            _ => None,
+        };
+        Ok(reward_positions(batch, pad)
             .iter()
             .map(|&i| scores[i] as f64)
             .collect())
@@ -98,7 +109,7 @@ impl GptModel {
     ) -> Result<LossStats> {
         self.require_score_head()?;
         let b = batch.micro_batch;
-        let positions = reward_positions(batch);
+        let positions = reward_positions(batch, targets.pad_token_id);
         let scores = acts.dlogits.host_mut();
         let r: Vec<f64> = positions.iter().map(|&i| scores[i] as f64).collect();
         scores.iter_mut().for_each(|x| *x = 0.0);

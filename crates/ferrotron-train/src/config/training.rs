@@ -257,6 +257,8 @@ pub(super) fn reward(
     }
     Some(crate::trainer::RewardOptions {
         center_rewards_coefficient: c,
+        // The model's, set once the model and data are loaded (`run::Run::setup`).
+        pad_token_id: None,
     })
 }
 

@@ -17,6 +17,9 @@ pub struct RunData {
     pub train: Arc<dyn Dataset>,
     /// Validation samples, when the split has a validation part.
     pub valid: Option<Arc<dyn Dataset>>,
+    /// The token id preference rows are padded with (DPO and reward data: the tokenizer's
+    /// pad token, else its EOS).
+    pub pad_id: Option<u32>,
 }
 
 /// Builds the datasets for `rc`. `samples` is `[train, valid]` sample counts wanted;
@@ -38,6 +41,7 @@ pub(super) fn build_datasets(
         (samples[1] > 0).then_some(samples[1]),
         None,
     ];
+    let mut pad_id = None;
     let [train, valid, _] = match rc.dataset_type {
         DatasetType::Gpt => {
             let mut dcfg =
@@ -59,7 +63,11 @@ pub(super) fn build_datasets(
                 x.map(|d| d as Arc<dyn Dataset>),
             ]
         }
-        DatasetType::Dpo | DatasetType::Reward => dpo_datasets(rc, sizes, model_dir, notes)?,
+        DatasetType::Dpo | DatasetType::Reward => {
+            let (sets, pad) = dpo_datasets(rc, sizes, model_dir, notes)?;
+            pad_id = Some(pad);
+            sets
+        }
         DatasetType::SftRaw | DatasetType::SftMmap => {
             let all = sft_dataset(rc, model_dir, notes)?;
             let [t, v, x] = build_epoch_splits(all, &r.data.split, sizes, r.data.seed as u32)
@@ -77,7 +85,11 @@ pub(super) fn build_datasets(
             r.data.split
         ))
     })?;
-    Ok(RunData { train, valid })
+    Ok(RunData {
+        train,
+        valid,
+        pad_id,
+    })
 }
 
 /// The tokenizer directory of `sft_raw` / `dpo`: `data.tokenizer_model`, else `model_dir`.
@@ -97,13 +109,14 @@ fn tokenizer_dir(rc: &RunConfig, model_dir: Option<&Path>) -> Result<PathBuf, Ru
 
 /// `dpo`: the preference pairs of the JSONL `data.data_path`, split and repeated over
 /// shuffled epochs **as pairs** (`sizes` count rows, two per pair), each split handed out as
-/// rows (`DpoRows`: chosen then rejected); `notes` hears the encoding report.
+/// rows (`DpoRows`: chosen then rejected), with the id the rows are padded with; `notes`
+/// hears the encoding report.
 fn dpo_datasets(
     rc: &RunConfig,
     sizes: [Option<usize>; 3],
     model_dir: Option<&Path>,
     notes: &mut NoteSink<'_>,
-) -> Result<[Option<Arc<dyn Dataset>>; 3], RunError> {
+) -> Result<([Option<Arc<dyn Dataset>>; 3], u32), RunError> {
     let [(_, path)] = rc.blend.as_slice() else {
         return Err(RunError::Config(format!(
             "data.data_path: DPO takes one JSONL file, got a blend of {}",
@@ -126,17 +139,15 @@ fn dpo_datasets(
         truncated: report.truncated,
         seq_length: rc.seq_length,
     });
-    let all = Arc::new(DpoPairs::new(
-        pairs,
-        rc.seq_length,
-        encoder.default_pad_id(),
-    ));
+    let pad_id = encoder.default_pad_id();
+    let all = Arc::new(DpoPairs::new(pairs, rc.seq_length, pad_id));
     let pair_sizes = sizes.map(|n| n.map(|rows| rows.div_ceil(2)));
     let r = &rc.resolved.data;
     let splits = build_epoch_splits(all, &r.split, pair_sizes, r.seed as u32)
         .context("splitting the DPO pairs")?;
-    Ok(splits
-        .map(|s| s.map(|pairs| Arc::new(DpoRows::new(pairs, rc.seq_length)) as Arc<dyn Dataset>)))
+    let rows = splits
+        .map(|s| s.map(|pairs| Arc::new(DpoRows::new(pairs, rc.seq_length)) as Arc<dyn Dataset>));
+    Ok((rows, pad_id))
 }
 
 /// All SFT sequences of `data.data_path` (one file or prefix; blends are not supported for SFT).

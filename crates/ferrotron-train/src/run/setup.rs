@@ -75,15 +75,22 @@ impl<'a> Run<'a> {
                 split: d.split.clone(),
             });
         }
-        let opts = trainer_options(rc, data.valid.is_some())?;
+        let mut opts = trainer_options(rc, data.valid.is_some())?;
         let micro_per_eval = eval_iters * opts.num_microbatches();
         let has_valid = opts.eval_interval > 0;
         let RunModel {
             model,
             tokenizer_dir,
-            export_source,
+            mut export_source,
             ..
         } = run_model;
+        if let Some(reward) = &mut opts.reward {
+            // Rewards are read where HF reads them: before the model's pad token (the data's
+            // padding when the model has none, which the export then names).
+            let pad = export_source.config.pad_token_id.or(data.pad_id);
+            reward.pad_token_id = pad;
+            export_source.config.pad_token_id = pad;
+        }
         let dtype = precision(rc).1;
         let save = save_plan(rc, &model, &export_source, dtype, tokenizer_dir.as_deref())?;
         let export = ExportPlan::new(rc, lead, &model, export_source, tokenizer_dir);

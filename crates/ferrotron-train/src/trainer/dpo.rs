@@ -24,6 +24,9 @@ pub enum DpoReference {
 pub struct RewardOptions {
     /// TRL's `center_rewards_coefficient` (0: off).
     pub center_rewards_coefficient: f64,
+    /// The model's `pad_token_id`: each row's reward is read at its last other token, as
+    /// HF's `...ForSequenceClassification` reads it ([`RewardTargets::pad_token_id`]).
+    pub pad_token_id: Option<u32>,
 }
 
 /// `data.dataset_type = "dpo"`: the loss is DPO's over pairs of rows (chosen, rejected).
@@ -116,6 +119,7 @@ impl Trainer {
             for batch in batches.iter_mut() {
                 batch.objective = Objective::Reward(RewardTargets {
                     center_rewards_coefficient: reward.center_rewards_coefficient,
+                    pad_token_id: reward.pad_token_id,
                 });
             }
             return Ok(());
