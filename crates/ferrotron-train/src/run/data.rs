@@ -11,6 +11,9 @@ use ferrotron_data::{Blend, Dataset, GptDatasetConfig, build_epoch_splits, build
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// Train, validation and test datasets (each when the split has it).
+type Splits = [Option<Arc<dyn Dataset>>; 3];
+
 /// The datasets of one run.
 pub struct RunData {
     /// Training samples (at least `train_iters · global_batch_size`, fewer if the data ends).
@@ -116,7 +119,7 @@ fn dpo_datasets(
     sizes: [Option<usize>; 3],
     model_dir: Option<&Path>,
     notes: &mut NoteSink<'_>,
-) -> Result<([Option<Arc<dyn Dataset>>; 3], u32), RunError> {
+) -> Result<(Splits, u32), RunError> {
     let [(_, path)] = rc.blend.as_slice() else {
         return Err(RunError::Config(format!(
             "data.data_path: DPO takes one JSONL file, got a blend of {}",
