@@ -193,7 +193,8 @@ impl GptModel {
     /// replicated parameters (norms, row-parallel biases) cover only its rows, so they are
     /// all-reduced over the group. A replicated LoRA matrix's gradient is always a sum of the
     /// ranks' partial products (`train/lora.rs`), so it is all-reduced with or without
-    /// sequence parallelism. Nothing to do on one rank.
+    /// sequence parallelism, as is a score head's (the first rank's alone, the others
+    /// contributing zeros: `train/backward.rs`). Nothing to do on one rank.
     ///
     /// # Errors
     /// A failed all-reduce.
@@ -203,9 +204,13 @@ impl GptModel {
         };
         let sp = tp.group.sequence_parallel();
         let comm: &dyn Communicator = tp.group.comm().as_ref();
-        for (g, d) in grads.iter_mut().zip(self.layout().decls()) {
+        let score = match self.config().output_head {
+            crate::OutputHead::Score => self.layout().output_layer.map(|id| id.index()),
+            crate::OutputHead::LanguageModel => None,
+        };
+        for (i, (g, d)) in grads.iter_mut().zip(self.layout().decls()).enumerate() {
             // Frozen parameters have empty slices (and the same on every rank).
-            let partial = sp || d.role == ParamRole::Adapter;
+            let partial = sp || d.role == ParamRole::Adapter || score == Some(i);
             if d.split == TpSplit::Replicated && partial && !g.is_empty() {
                 comm.all_reduce(g, ferrotron_comm::ReduceOp::Sum)
                     .map_err(|e| ModelError::Comm(format!("tensor-parallel grads: {e}")))?;

@@ -13,7 +13,7 @@ use super::norm::{NormLayer, NormStats};
 use super::tp_ops::column_input_backward;
 use super::{GradReady, TrainBatch};
 use crate::module::{LinearParams, Norm, ParamId, TransformerLayer};
-use crate::{GptModel, Result};
+use crate::{GptModel, OutputHead, Result};
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
 use ferrotron_tensor::gemm_bf16::Operand;
@@ -171,9 +171,16 @@ impl GptModel {
         let (v, h) = (w_out.shape()[0], w_out.shape()[1]);
         let mut dnormed_all = Buffer::zeros(self.device(), rows * h);
         let (dl, w) = (dlogits.host(), w_out.weight_ref());
-        matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);
+        // A score head is replicated: every tensor-parallel rank computes the whole of its
+        // gradients, so the first alone contributes them and the sums over the group (the
+        // input's below, the weight's in `finalize_grads`) are exactly that rank's.
+        let contributes = self.config().output_head == OutputHead::LanguageModel
+            || self.tp.as_ref().is_none_or(|t| t.group.rank() == 0);
+        if contributes {
+            matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);
+        }
         let dnormed = column_input_backward(self.tp.as_ref(), dnormed_all)?;
-        if let Some(dw) = trainable(grads, out_id) {
+        if let Some(dw) = trainable(grads, out_id).filter(|_| contributes) {
             weight_grad(dl, Operand::F32(normed_final.host()), w, dw, rows, v, h);
         }
         ledger.release(dlogits.bytes() + normed_final.bytes());

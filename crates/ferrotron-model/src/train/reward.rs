@@ -88,9 +88,9 @@ impl GptModel {
                 "a reward needs a model with a score head (OutputHead::Score)".into(),
             ));
         }
-        if !self.is_pre_process() || !self.is_post_process() || self.tp.is_some() {
+        if !self.is_pre_process() || !self.is_post_process() {
             return Err(ModelError::Input(
-                "reward models run on one rank for now (no tensor or pipeline parallelism)".into(),
+                "reward models run without pipeline parallelism for now (one stage)".into(),
             ));
         }
         Ok(())

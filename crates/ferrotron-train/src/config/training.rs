@@ -232,7 +232,7 @@ pub(super) fn dpo(
 }
 
 /// `[reward]` as the trainer's options when `data.dataset_type = "reward"` (a reward model
-/// runs on one tensor and pipeline rank for now); each bad key named.
+/// runs on one pipeline stage for now); each bad key named.
 pub(super) fn reward(
     r: &RawConfig,
     dataset_type: super::types::DatasetType,
@@ -247,11 +247,10 @@ pub(super) fn reward(
             "reward.center_rewards_coefficient must be >= 0, got {c}"
         ));
     }
-    let par = &r.parallel;
-    if par.tensor_model_parallel_size > 1 || par.pipeline_model_parallel_size > 1 {
+    if r.parallel.pipeline_model_parallel_size > 1 {
         p.push(
-            "data.dataset_type = \"reward\" runs on one tensor and pipeline rank for now \
-             (data parallelism works)"
+            "data.dataset_type = \"reward\" runs on one pipeline stage for now (tensor, \
+             sequence and data parallelism work)"
                 .into(),
         );
     }

@@ -110,6 +110,13 @@ pub fn assert_same_run(label: &str, got: &Run, want: &Run) {
     }
 }
 
+/// The reward-model options of the layout tests (their rows are not padded).
+pub const REWARD: ferrotron_train::trainer::RewardOptions =
+    ferrotron_train::trainer::RewardOptions {
+        center_rewards_coefficient: 0.01,
+        pad_token_id: None,
+    };
+
 /// A parallel layout of the tests: the data-parallel size is what the world leaves.
 #[derive(Clone, Copy, Default)]
 pub struct Layout {
@@ -127,6 +134,8 @@ pub struct Layout {
     pub bf16: bool,
     /// Train DPO (β 0.1) on pairs of rows with this reference.
     pub dpo: Option<ferrotron_train::trainer::DpoReference>,
+    /// Train a reward model (TRL's loss, center coefficient 0.01) on pairs of rows.
+    pub reward: bool,
 }
 
 impl Layout {
@@ -173,6 +182,7 @@ impl Layout {
                 label_smoothing: 0.0,
                 reference,
             });
+        options.reward = self.reward.then_some(REWARD);
         let mut t = Trainer::new_data_parallel(shard, options, group)?;
         if pp > 1 {
             let pipeline = PipelineParallel::new(groups.pipeline.clone(), groups.embedding.clone());

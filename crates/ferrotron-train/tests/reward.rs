@@ -1,0 +1,104 @@
+//! Reward models (a score head, TRL's pairwise loss) under parallel layouts: tensor
+//! parallelism with and without sequence parallelism and data parallelism with the
+//! distributed optimizer give the single rank's losses and parameters, trained in full and
+//! with LoRA (the head training in full beside the adapters).
+
+mod common;
+
+use common::layouts::*;
+use common::*;
+use ferrotron_comm::run_local;
+use ferrotron_model::{GptModel, InitConfig, LoraConfig};
+use ferrotron_train::trainer::{TrainError, Trainer, TrainerOptions};
+
+/// tiny-llama with a score head (seeded), and LoRA adapters on it when `lora`.
+fn reward_model(lora: bool) -> GptModel {
+    let model = fixture("tiny-llama")
+        .with_score_head(&InitConfig::default())
+        .unwrap();
+    if !lora {
+        return model;
+    }
+    model
+        .with_lora(
+            LoraConfig {
+                rank: 4,
+                alpha: 8.0,
+                ..LoraConfig::default()
+            },
+            &InitConfig::default(),
+        )
+        .unwrap()
+}
+
+/// The first step's gradient norm and the run's losses and parameters (Adam's updates hardly
+/// change when a gradient is scaled, so the norm is what shows one counted twice).
+fn run_of(t: &mut Trainer) -> (f64, Run) {
+    let dp = t.data_parallel();
+    let stats = t
+        .train_step(&rank_batches(0, dp.rank(), dp.size()))
+        .unwrap();
+    let mut run = train(t, 1, ITERS - 1);
+    run.0.insert(0, stats.loss);
+    (stats.grad_norm.expect("clipping on: a norm"), run)
+}
+
+fn options() -> TrainerOptions {
+    TrainerOptions {
+        reward: Some(REWARD),
+        ..dp_options(1, ITERS)
+    }
+}
+
+#[test]
+fn reward_layouts_match_one_rank() {
+    for lora in [false, true] {
+        let mut one = Trainer::new(reward_model(lora), options()).unwrap();
+        let (norm, reference) = run_of(&mut one);
+        assert!(
+            reference.0.iter().all(|l| l.is_finite()),
+            "{:?}",
+            reference.0
+        );
+        let layouts = [
+            (
+                "tp2",
+                Layout {
+                    tp: 2,
+                    ..Layout::default()
+                },
+            ),
+            (
+                "tp2 sp",
+                Layout {
+                    tp: 2,
+                    sp: true,
+                    ..Layout::default()
+                },
+            ),
+            (
+                "dp2 distributed",
+                Layout {
+                    distributed: true,
+                    ..Layout::default()
+                },
+            ),
+        ];
+        for (label, layout) in layouts {
+            let layout = Layout {
+                reward: true,
+                ..layout
+            };
+            let label = format!("reward model (LoRA {lora}) {label}");
+            let runs = run_local(2, |comm| {
+                let mut t = layout.trainer(comm, ITERS, reward_model(lora))?;
+                Ok::<_, TrainError>(run_of(&mut t))
+            })
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
+            for (r, (n, run)) in runs.iter().enumerate() {
+                assert_close(&format!("{label} rank {r} grad norm"), *n, norm, 1e-6);
+                assert_same_run(&format!("{label} rank {r}"), run, &reference);
+            }
+        }
+    }
+}
