@@ -1,7 +1,8 @@
 //! Reward models (a score head, TRL's pairwise loss) under parallel layouts: tensor
-//! parallelism with and without sequence parallelism and data parallelism with the
-//! distributed optimizer give the single rank's losses and parameters, trained in full and
-//! with LoRA (the head training in full beside the adapters).
+//! parallelism with and without sequence parallelism, pipeline parallelism (also with tensor
+//! parallelism) and data parallelism with the distributed optimizer give the single rank's
+//! gradient norm, losses, pair statistics and parameters, trained in full and with LoRA (the
+//! head training in full beside the adapters).
 
 mod common;
 
@@ -31,16 +32,20 @@ fn reward_model(lora: bool) -> GptModel {
         .unwrap()
 }
 
-/// The first step's gradient norm and the run's losses and parameters (Adam's updates hardly
-/// change when a gradient is scaled, so the norm is what shows one counted twice).
-fn run_of(t: &mut Trainer) -> (f64, Run) {
+/// The first step's gradient norm and reward margin sum, and the run's losses and
+/// parameters (Adam's updates hardly change when a gradient is scaled, so the norm is what
+/// shows one counted twice).
+fn run_of(t: &mut Trainer) -> ([f64; 2], Run) {
     let dp = t.data_parallel();
     let stats = t
         .train_step(&rank_batches(0, dp.rank(), dp.size()))
         .unwrap();
+    let pairs = stats.dpo.expect("pair statistics on every rank");
+    assert_eq!(pairs.pairs, (GBS / 2) as f64);
     let mut run = train(t, 1, ITERS - 1);
     run.0.insert(0, stats.loss);
-    (stats.grad_norm.expect("clipping on: a norm"), run)
+    let norm = stats.grad_norm.expect("clipping on: a norm");
+    ([norm, pairs.rewards_chosen - pairs.rewards_rejected], run)
 }
 
 fn options() -> TrainerOptions {
@@ -60,43 +65,32 @@ fn reward_layouts_match_one_rank() {
             "{:?}",
             reference.0
         );
+        let layout = |tp, pp, sp, distributed| Layout {
+            tp,
+            pp,
+            sp,
+            distributed,
+            reward: true,
+            ..Layout::default()
+        };
+        // (label, world, layout)
         let layouts = [
-            (
-                "tp2",
-                Layout {
-                    tp: 2,
-                    ..Layout::default()
-                },
-            ),
-            (
-                "tp2 sp",
-                Layout {
-                    tp: 2,
-                    sp: true,
-                    ..Layout::default()
-                },
-            ),
-            (
-                "dp2 distributed",
-                Layout {
-                    distributed: true,
-                    ..Layout::default()
-                },
-            ),
+            ("tp2", 2, layout(2, 1, false, false)),
+            ("tp2 sp", 2, layout(2, 1, true, false)),
+            ("dp2 distributed", 2, layout(1, 1, false, true)),
+            ("pp2", 2, layout(1, 2, false, false)),
+            ("tp2 pp2", 4, layout(2, 2, false, false)),
         ];
-        for (label, layout) in layouts {
-            let layout = Layout {
-                reward: true,
-                ..layout
-            };
+        for (label, world, layout) in layouts {
             let label = format!("reward model (LoRA {lora}) {label}");
-            let runs = run_local(2, |comm| {
+            let runs = run_local(world, |comm| {
                 let mut t = layout.trainer(comm, ITERS, reward_model(lora))?;
                 Ok::<_, TrainError>(run_of(&mut t))
             })
             .unwrap_or_else(|e| panic!("{label}: {e}"));
-            for (r, (n, run)) in runs.iter().enumerate() {
-                assert_close(&format!("{label} rank {r} grad norm"), *n, norm, 1e-6);
+            for (r, ([n, margin], run)) in runs.iter().enumerate() {
+                assert_close(&format!("{label} rank {r} grad norm"), *n, norm[0], 1e-6);
+                assert_close(&format!("{label} rank {r} margins"), *margin, norm[1], 1e-5);
                 assert_same_run(&format!("{label} rank {r}"), run, &reference);
             }
         }

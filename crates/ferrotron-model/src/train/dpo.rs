@@ -72,6 +72,38 @@ pub struct DpoStats {
 }
 
 impl DpoStats {
+    /// The sums in field order (for collectives).
+    pub fn to_array(&self) -> [f64; 6] {
+        [
+            self.pairs,
+            self.rewards_chosen,
+            self.rewards_rejected,
+            self.accuracies,
+            self.logps_chosen,
+            self.logps_rejected,
+        ]
+    }
+
+    /// The inverse of [`DpoStats::to_array`].
+    pub fn from_array(v: [f64; 6]) -> DpoStats {
+        let [
+            pairs,
+            rewards_chosen,
+            rewards_rejected,
+            accuracies,
+            logps_chosen,
+            logps_rejected,
+        ] = v;
+        DpoStats {
+            pairs,
+            rewards_chosen,
+            rewards_rejected,
+            accuracies,
+            logps_chosen,
+            logps_rejected,
+        }
+    }
+
     /// Adds `other`'s sums to these.
     pub fn add(&mut self, other: &DpoStats) {
         self.pairs += other.pairs;

@@ -68,7 +68,7 @@ impl GptModel {
     /// # Errors
     /// No score head, a pipeline stage, or what the training forward reports.
     pub fn rewards(&self, batch: &TrainBatch) -> Result<Vec<f64>> {
-        self.require_score_head()?;
+        self.require_score_head(true)?;
         let part = self.chunk_part(0)?;
         let acts = self.train_forward(batch, part, None, &mut super::memory::Ledger::default())?;
         let scores = acts.dlogits.host();
@@ -82,15 +82,18 @@ impl GptModel {
             .collect())
     }
 
-    fn require_score_head(&self) -> Result<()> {
-        if self.config().output_head != OutputHead::Score {
+    /// A score head on this stage (the last), and the whole model when `whole`.
+    fn require_score_head(&self, whole: bool) -> Result<()> {
+        if self.config().output_head != OutputHead::Score || !self.is_post_process() {
             return Err(ModelError::Input(
-                "a reward needs a model with a score head (OutputHead::Score)".into(),
+                "a reward needs a model (or last pipeline stage) with a score head \
+                 (OutputHead::Score)"
+                    .into(),
             ));
         }
-        if !self.is_pre_process() || !self.is_post_process() {
+        if whole && !self.is_pre_process() {
             return Err(ModelError::Input(
-                "reward models run without pipeline parallelism for now (one stage)".into(),
+                "rewards are computed by the whole model (not a pipeline stage)".into(),
             ));
         }
         Ok(())
@@ -107,7 +110,7 @@ impl GptModel {
         acts: &mut Activations,
         loss_scale: f32,
     ) -> Result<LossStats> {
-        self.require_score_head()?;
+        self.require_score_head(false)?;
         let b = batch.micro_batch;
         let positions = reward_positions(batch, targets.pad_token_id);
         let scores = acts.dlogits.host_mut();

@@ -231,8 +231,8 @@ pub(super) fn dpo(
     })
 }
 
-/// `[reward]` as the trainer's options when `data.dataset_type = "reward"` (a reward model
-/// runs on one pipeline stage for now); each bad key named.
+/// `[reward]` as the trainer's options when `data.dataset_type = "reward"`; each bad key
+/// named.
 pub(super) fn reward(
     r: &RawConfig,
     dataset_type: super::types::DatasetType,
@@ -246,13 +246,6 @@ pub(super) fn reward(
         p.push(format!(
             "reward.center_rewards_coefficient must be >= 0, got {c}"
         ));
-    }
-    if r.parallel.pipeline_model_parallel_size > 1 {
-        p.push(
-            "data.dataset_type = \"reward\" runs on one pipeline stage for now (tensor, \
-             sequence and data parallelism work)"
-                .into(),
-        );
     }
     Some(crate::trainer::RewardOptions {
         center_rewards_coefficient: c,

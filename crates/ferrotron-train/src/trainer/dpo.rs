@@ -153,30 +153,8 @@ impl Trainer {
         let Some(s) = local else {
             return Ok(None);
         };
-        let mut v = [
-            s.pairs,
-            s.rewards_chosen,
-            s.rewards_rejected,
-            s.accuracies,
-            s.logps_chosen,
-            s.logps_rejected,
-        ];
+        let mut v = s.to_array();
         self.dp.sum(&mut v)?;
-        let [
-            pairs,
-            rewards_chosen,
-            rewards_rejected,
-            accuracies,
-            logps_chosen,
-            logps_rejected,
-        ] = v;
-        Ok(Some(DpoStats {
-            pairs,
-            rewards_chosen,
-            rewards_rejected,
-            accuracies,
-            logps_chosen,
-            logps_rejected,
-        }))
+        Ok(Some(DpoStats::from_array(v)))
     }
 }

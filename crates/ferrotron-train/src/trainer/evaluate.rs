@@ -40,7 +40,8 @@ impl Trainer {
         let mut sum = 0.0f64;
         let mut dpo: Option<ferrotron_model::DpoStats> = None;
         if let Some(pp) = &self.pp {
-            sum = self.evaluate_pipeline(pp, &batches)?;
+            let sums = self.evaluate_pipeline(pp, &batches)?;
+            (sum, dpo) = (sums.loss_sum, sums.dpo);
         }
         for batch in batches.iter().filter(|_| self.pp.is_none()) {
             let plain = batch.position_ids.is_none() && batch.document_starts.is_none();

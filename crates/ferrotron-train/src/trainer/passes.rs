@@ -67,17 +67,17 @@ impl Trainer {
         loss_scale: f32,
     ) -> Result<Pass> {
         let gather_wait = self.finish_param_gather()?;
-        let loss_sum = self.run_pipeline(pp, batches, total, loss_scale)?;
+        let sums = self.run_pipeline(pp, batches, total, loss_scale)?;
         let tokens = batches.iter().map(|b| b.tokens.len()).sum();
         self.reduce_shared_embedding_grads(pp)?;
         let wait = Instant::now();
         self.dp.reduce_grads(&mut self.buffer)?;
         Ok(Pass {
-            loss_sum,
+            loss_sum: sums.loss_sum,
             tokens,
             comm_wait: wait.elapsed(),
             gather_wait,
-            dpo: None,
+            dpo: sums.dpo,
         })
     }
 

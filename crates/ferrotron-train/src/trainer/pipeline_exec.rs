@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferrotron_comm::{Collectives, Communicator, ReduceOp};
-use ferrotron_model::{StageForward, TrainBatch};
+use ferrotron_model::{DpoStats, LossStats, Objective, StageForward, TrainBatch};
 
 use super::data_parallel::comm_err;
 use super::{Result, TrainError, Trainer};
@@ -80,18 +80,65 @@ fn take<T>(m: &mut Pending<T>, key: (usize, usize), what: &str) -> Result<T> {
     })
 }
 
+/// What the last stage's losses add up to, shared with every stage of the pipeline.
+#[derive(Default)]
+pub(super) struct PipelineSums {
+    /// `Σ mask·CE` (or the pair losses' sum).
+    pub loss_sum: f64,
+    /// Under DPO or a reward model: the pairs' statistics.
+    pub dpo: Option<DpoStats>,
+}
+
+impl PipelineSums {
+    fn add(&mut self, loss: &LossStats) {
+        self.loss_sum += loss.loss_sum;
+        if let Some(d) = &loss.dpo {
+            self.dpo.get_or_insert_default().add(d);
+        }
+    }
+
+    /// The sums over the pipeline group (the last stage's, on every stage); `pairs`: the
+    /// batches are pairs, whose statistics every stage then reports. Collective.
+    fn shared(self, comm: &dyn Communicator, pairs: bool) -> Result<PipelineSums> {
+        let dpo = self.dpo.unwrap_or_default().to_array();
+        let mut v = [
+            self.loss_sum,
+            dpo[0],
+            dpo[1],
+            dpo[2],
+            dpo[3],
+            dpo[4],
+            dpo[5],
+        ];
+        comm.all_reduce(&mut v, ReduceOp::Sum).map_err(comm_err)?;
+        let [loss_sum, rest @ ..] = v;
+        Ok(PipelineSums {
+            loss_sum,
+            dpo: pairs.then(|| DpoStats::from_array(rest)),
+        })
+    }
+}
+
+/// Whether `batches` are pairs (DPO or a reward model) rather than language modeling.
+fn pairs(batches: &[TrainBatch]) -> bool {
+    batches
+        .iter()
+        .any(|b| !matches!(b.objective, Objective::LanguageModel))
+}
+
 impl Trainer {
     /// Runs this stage's 1F1B program (interleaved when the stage holds several model
     /// chunks) over `batches` (every stage gets the same micro-batches; only the first reads
     /// tokens and the last labels), accumulating the stage's gradients. Returns the loss sum
-    /// (`Σ mask·CE`, summed over the pipeline group so every stage reports it).
+    /// (`Σ mask·CE`) and the pairs' statistics, shared over the pipeline group so every stage
+    /// reports them.
     pub(super) fn run_pipeline(
         &mut self,
         pp: &PipelineParallel,
         batches: &[TrainBatch],
         total: f64,
         loss_scale: f32,
-    ) -> Result<f64> {
+    ) -> Result<PipelineSums> {
         let place = pp.rank(self.model.num_chunks());
         let program = if place.vp > 1 {
             interleaved_one_f_one_b(place.pp, place.rank, batches.len(), place.vp)
@@ -105,7 +152,7 @@ impl Trainer {
         let mut douts: Pending<Vec<f32>> = HashMap::new();
         let mut dins: Pending<Vec<f32>> = HashMap::new();
         let mut states: Pending<StageForward> = HashMap::new();
-        let mut loss_sum = 0.0;
+        let mut sums = PipelineSums::default();
         for action in program {
             match action {
                 Action::RecvForward { mb, chunk } => {
@@ -123,7 +170,7 @@ impl Trainer {
                     let input = inputs.remove(&(mb, chunk));
                     let mut state = self.model.stage_forward(batch, chunk, input, scale)?;
                     match state.loss() {
-                        Some(loss) => loss_sum += loss.loss_sum,
+                        Some(loss) => sums.add(&loss),
                         None => {
                             outputs.insert((mb, chunk), state.take_output());
                         }
@@ -156,21 +203,20 @@ impl Trainer {
                 }
             }
         }
-        comm.all_reduce_scalar(loss_sum, ReduceOp::Sum)
-            .map_err(comm_err)
+        sums.shared(comm.as_ref(), pairs(batches))
     }
 
     /// Forward-only loss sum of `batches` through the pipeline (validation): each stage
     /// receives, runs and passes on every micro-batch in turn, chunk by chunk; the last
-    /// sums the losses, which the pipeline group then shares.
+    /// sums the losses (and the pairs' statistics), which the pipeline group then shares.
     pub(super) fn evaluate_pipeline(
         &self,
         pp: &PipelineParallel,
         batches: &[TrainBatch],
-    ) -> Result<f64> {
+    ) -> Result<PipelineSums> {
         let comm = &pp.comm;
         let place = pp.rank(self.model.num_chunks());
-        let mut sum = 0.0;
+        let mut sums = PipelineSums::default();
         for batch in batches {
             for chunk in 0..place.vp {
                 let input = if place.is_first(chunk) {
@@ -182,14 +228,14 @@ impl Trainer {
                 };
                 let mut state = self.model.stage_forward(batch, chunk, input, 0.0)?;
                 match state.loss() {
-                    Some(loss) => sum += loss.loss_sum,
+                    Some(loss) => sums.add(&loss),
                     None => comm
                         .send(&state.take_output(), place.next_rank())
                         .map_err(comm_err)?,
                 }
             }
         }
-        comm.all_reduce_scalar(sum, ReduceOp::Sum).map_err(comm_err)
+        sums.shared(comm.as_ref(), pairs(batches))
     }
 
     /// `finalize_model_grads` for pipelines: the tied embedding's gradient summed over its
