@@ -37,7 +37,7 @@ pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
     ActivationMemory, DpoStats, DpoTargets, ForwardTrace, GradReady, LossStats, NoGradHook,
-    Objective, ParamInfo, RewardTargets, StageForward, TrainBatch,
+    Objective, ParamInfo, RewardTargets, StageForward, StageLogps, TrainBatch,
 };
 pub use vocab::NewToken;
 

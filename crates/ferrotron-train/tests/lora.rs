@@ -1,8 +1,8 @@
 //! LoRA training: only the adapters train (the base is bit-for-bit unchanged, holds no
 //! gradient or optimizer state), every parallel layout gives the single rank's losses and
 //! adapters (tp 2 with and without sequence parallelism, pp 2, dp 2 with the distributed
-//! optimizer, tp 2 x dp 2), and a LoRA checkpoint holds the adapters alone and resumes
-//! exactly, on one rank and under tp 2.
+//! optimizer, tp 2 x dp 2), DPO too (with pp 2 and tp 2 x pp 2), and a LoRA checkpoint holds
+//! the adapters alone and resumes exactly, on one rank and under tp 2.
 
 mod common;
 
@@ -180,9 +180,9 @@ fn dpo_options(reference: DpoReference) -> ferrotron_train::trainer::TrainerOpti
     }
 }
 
-/// DPO with LoRA (the reference: adapters disabled): every layout gives the single rank's
-/// losses and adapters; fresh adapters start at ln 2 and a frozen copy as the reference
-/// gives the same run.
+/// DPO with LoRA (the reference: adapters disabled, its log-probs through the pipeline under
+/// pp): every layout gives the single rank's losses and adapters; fresh adapters start at ln 2
+/// and a frozen copy as the reference gives the same run.
 #[test]
 fn dpo_layouts_match_one_rank() {
     let reference_run = |model: GptModel, reference| {
@@ -219,6 +219,23 @@ fn dpo_layouts_match_one_rank() {
             2,
             Layout {
                 distributed: true,
+                ..Layout::default()
+            },
+        ),
+        (
+            "pp2",
+            2,
+            Layout {
+                pp: 2,
+                ..Layout::default()
+            },
+        ),
+        (
+            "tp2 pp2",
+            4,
+            Layout {
+                tp: 2,
+                pp: 2,
                 ..Layout::default()
             },
         ),

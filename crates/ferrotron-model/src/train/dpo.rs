@@ -71,6 +71,14 @@ pub struct DpoStats {
     pub logps_rejected: f64,
 }
 
+/// What [`GptModel::stage_sequence_logps`] gives: the stage's output for the next stage, or
+/// on the last the rows' summed log-probs `[b]`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StageLogps {
+    Output(Vec<f32>),
+    Logps(Vec<f64>),
+}
+
 impl DpoStats {
     /// The sums in field order (for collectives).
     pub fn to_array(&self) -> [f64; 6] {
@@ -153,11 +161,35 @@ impl GptModel {
                 "sequence_logps needs every layer (not a pipeline stage)".into(),
             ));
         }
-        let part = self.chunk_part(0)?;
-        let mut acts = self.train_forward(batch, part, None, &mut Ledger::default())?;
+        match self.stage_sequence_logps(batch, 0, None)? {
+            StageLogps::Logps(logps) => Ok(logps),
+            StageLogps::Output(_) => unreachable!("a whole model ends with its head"),
+        }
+    }
+
+    /// [`GptModel::sequence_logps`] through one pipeline stage's model chunk `chunk` (see
+    /// [`GptModel::stage_forward`] for `input`): the log-probs on the last virtual stage,
+    /// otherwise the output `[local rows, h]` for the next one. No activations are kept.
+    ///
+    /// # Errors
+    /// As [`GptModel::stage_forward`].
+    pub fn stage_sequence_logps(
+        &self,
+        batch: &TrainBatch,
+        chunk: usize,
+        input: Option<Vec<f32>>,
+    ) -> Result<StageLogps> {
+        let part = self.chunk_part(chunk)?;
+        let post_process = part.post_process;
+        let mut acts = self.train_forward(batch, part, input, &mut Ledger::default())?;
+        if !post_process {
+            return Ok(StageLogps::Output(
+                std::mem::take(&mut acts.x_final).into_host(),
+            ));
+        }
         let rows = batch.tokens.len();
         let losses = self.token_losses(batch, acts.dlogits.host_mut(), &vec![0.0; rows])?;
-        Ok(row_logps(&losses, batch.micro_batch))
+        Ok(StageLogps::Logps(row_logps(&losses, batch.micro_batch)))
     }
 
     /// DPO's loss over the pairs of `batch` (see the module doc), replacing the logits in

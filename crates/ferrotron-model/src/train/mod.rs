@@ -49,7 +49,7 @@ mod stored;
 mod tp_ops;
 mod trace;
 
-pub use dpo::{DpoStats, DpoTargets};
+pub use dpo::{DpoStats, DpoTargets, StageLogps};
 pub use reward::RewardTargets;
 pub use stage::StageForward;
 pub use trace::ForwardTrace;

@@ -221,9 +221,6 @@ pub(super) fn dpo(
             DpoReference::FrozenCopy
         }
     };
-    if r.parallel.pipeline_model_parallel_size > 1 {
-        p.push("data.dataset_type = \"dpo\" does not run under pipeline parallelism yet".into());
-    }
     Some(DpoOptions {
         beta: d.beta,
         label_smoothing: d.label_smoothing,

@@ -91,12 +91,6 @@ pub(super) fn reference_copy(
     let Some(dpo) = options else {
         return Ok(None);
     };
-    if !model.is_pre_process() || !model.is_post_process() {
-        return Err(TrainError::Config(
-            "DPO does not run under pipeline parallelism yet (pipeline_model_parallel_size 1)"
-                .into(),
-        ));
-    }
     match dpo.reference {
         DpoReference::FrozenCopy => Ok(Some(model.clone())),
         DpoReference::AdaptersDisabled if model.config().lora.is_none() => Err(TrainError::Config(
@@ -129,16 +123,17 @@ impl Trainer {
         };
         // The reference forward reads every parameter: the last step's gathers must be in.
         self.finish_param_gather()?;
-        for batch in batches {
-            let reference_logps = match &self.dpo_reference {
-                Some(reference) => reference.sequence_logps(batch)?,
-                None => {
-                    self.model.set_adapters_enabled(false);
-                    let logps = self.model.sequence_logps(batch);
-                    self.model.set_adapters_enabled(true);
-                    logps?
-                }
-            };
+        let pp = self.pp.clone();
+        let logps = self.with_reference(|model| match &pp {
+            Some(pp) => super::pipeline_exec::pipeline_logps(model, pp, batches),
+            None => batches
+                .iter()
+                .map(|b| Ok(Some(model.sequence_logps(b)?)))
+                .collect(),
+        })?;
+        for (batch, reference) in batches.iter_mut().zip(logps) {
+            // Stages before the last never read the reference: their loss is the last's.
+            let reference_logps = reference.unwrap_or_else(|| vec![0.0; batch.micro_batch]);
             batch.objective = Objective::Dpo(DpoTargets {
                 beta: dpo.beta,
                 label_smoothing: dpo.label_smoothing,
@@ -146,6 +141,17 @@ impl Trainer {
             });
         }
         Ok(())
+    }
+
+    /// `f` of DPO's reference model: the frozen copy, or this model with its adapters off.
+    fn with_reference<T>(&mut self, f: impl FnOnce(&GptModel) -> Result<T>) -> Result<T> {
+        if let Some(reference) = &self.dpo_reference {
+            return f(reference);
+        }
+        self.model.set_adapters_enabled(false);
+        let out = f(&self.model);
+        self.model.set_adapters_enabled(true);
+        out
     }
 
     /// `local` (this rank's sums) summed over the data-parallel ranks. Collective.

@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferrotron_comm::{Collectives, Communicator, ReduceOp};
-use ferrotron_model::{DpoStats, LossStats, Objective, StageForward, TrainBatch};
+use ferrotron_model::{
+    DpoStats, GptModel, LossStats, Objective, StageForward, StageLogps, TrainBatch,
+};
 
 use super::data_parallel::comm_err;
 use super::{Result, TrainError, Trainer};
@@ -117,6 +119,36 @@ impl PipelineSums {
             dpo: pairs.then(|| DpoStats::from_array(rest)),
         })
     }
+}
+
+/// Each batch's summed row log-probs through the pipeline, forward only (DPO's reference
+/// log-probs, `model` being this stage of the reference): stage by stage as
+/// [`Trainer::evaluate_pipeline`] runs them; `Some` on the last stage, `None` before it.
+/// Collective over the pipeline group.
+pub(super) fn pipeline_logps(
+    model: &GptModel,
+    pp: &PipelineParallel,
+    batches: &[TrainBatch],
+) -> Result<Vec<Option<Vec<f64>>>> {
+    let comm = &pp.comm;
+    let place = pp.rank(model.num_chunks());
+    let mut out = vec![None; batches.len()];
+    for (batch, logps) in batches.iter().zip(&mut out) {
+        for chunk in 0..place.vp {
+            let input = if place.is_first(chunk) {
+                None
+            } else {
+                let mut x = vec![0f32; model.activation_len(batch)?];
+                comm.recv(&mut x, place.prev_rank()).map_err(comm_err)?;
+                Some(x)
+            };
+            match model.stage_sequence_logps(batch, chunk, input)? {
+                StageLogps::Logps(l) => *logps = Some(l),
+                StageLogps::Output(y) => comm.send(&y, place.next_rank()).map_err(comm_err)?,
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Whether `batches` are pairs (DPO or a reward model) rather than language modeling.

@@ -249,7 +249,6 @@ impl Trainer {
     /// unchanged, the gradients are not).
     pub fn train_step(&mut self, micro_batches: &[MicroBatch]) -> Result<StepStats> {
         let start = Instant::now();
-        // (DPO under pipeline parallelism is refused when the trainer is built.)
         let (batches, total) = self.global_batch(micro_batches)?;
         // fp16: backpropagate the loss times the scaler's scale; the optimizer unscales.
         let loss_scale = self.optimizer.loss_scale();
