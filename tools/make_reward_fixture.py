@@ -8,7 +8,9 @@ token; ``loss = mean(−logσ(r_c − r_r)) + 0.01·mean((r_c + r_r)²)`` (``cen
 0.01). Writes ``fixtures/reward/tiny-llama.safetensors``: ``input_ids`` i64 [4, 16], ``lengths``
 i64 [4], ``score.weight`` [1, 48], ``rewards`` [4], ``loss`` [1] and ``grad.<HF name>`` for
 score.weight, model.norm.weight, model.embed_tokens.weight and
-model.layers.1.mlp.down_proj.weight.
+model.layers.1.mlp.down_proj.weight; with TRL's ``margin`` column ``[0.5, -0.25]``
+(``−logσ(r_c − r_r − m)``) also ``margins`` [2], ``loss_margin`` [1] and ``grad_margin.<HF
+name>`` of the same parameters.
 
     tools/.venv/bin/python tools/make_reward_fixture.py
 """
@@ -47,6 +49,17 @@ def main() -> None:
            "loss": loss.detach().reshape(1), "score.weight": model.score.weight.detach().contiguous()}
     for n in GRADS:
         out[f"grad.{n}"] = named[n].grad.contiguous()
+    model.zero_grad()
+    margins = torch.tensor([0.5, -0.25])
+    rewards = model(input_ids=ids, attention_mask=mask.long()).logits.squeeze(-1)
+    chosen, rejected = rewards[0::2], rewards[1::2]
+    loss_margin = (-F.logsigmoid(chosen - rejected - margins).mean()
+                   + 0.01 * torch.mean((chosen + rejected) ** 2))
+    loss_margin.backward()
+    out["margins"] = margins
+    out["loss_margin"] = loss_margin.detach().reshape(1)
+    for n in GRADS:
+        out[f"grad_margin.{n}"] = named[n].grad.contiguous()
     (ROOT / "reward").mkdir(exist_ok=True)
     save_file(out, str(ROOT / "reward" / "tiny-llama.safetensors"))
     print(f"loss {loss.item():.6f}, rewards {rewards.tolist()}")

@@ -37,6 +37,7 @@ fn a_reward_model_round_trips_as_sequence_classification() {
     batch.objective = Objective::Reward(RewardTargets {
         center_rewards_coefficient: 0.0,
         pad_token_id: None,
+        margins: vec![0.0],
     });
     assert_eq!(
         back.rewards(&batch).unwrap(),

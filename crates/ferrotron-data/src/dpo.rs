@@ -2,7 +2,8 @@
 //! JSONL records `{"prompt", "chosen", "rejected"}` with plain strings, or conversational
 //! (`prompt` a list of messages, `chosen` / `rejected` an assistant message's text or a list
 //! of messages), or TRL's implicit-prompt form (`chosen` / `rejected` whole conversations
-//! sharing all but their last message).
+//! sharing all but their last message); an optional `margin` (a number) is TRL's reward-model
+//! margin, carried by both rows of the pair ([`GptSample::margin`]).
 //!
 //! Each side is tokenized as prompt + completion with the completion's tokens marked
 //! ([`EncodedSample::trained`]): conversational ones through the chat template
@@ -22,12 +23,15 @@ use crate::sft::{Conversation, EncodedSample, SftEncoder, SftError, build_sequen
 use crate::{Dataset, DatasetError, GptSample};
 
 /// One tokenized preference pair: both sides share the prompt.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct DpoPair {
     /// Prompt + preferred completion.
     pub chosen: EncodedSample,
     /// Prompt + dispreferred completion.
     pub rejected: EncodedSample,
+    /// The record's `margin` (TRL's reward-model margin: how much more the chosen reward
+    /// must be), 0 without one.
+    pub margin: f32,
 }
 
 /// What loading a DPO file found.
@@ -82,9 +86,11 @@ pub fn load_dpo_jsonl(
             report.truncated += usize::from(cut);
             Ok::<_, SftError>(sample)
         };
+        let margin = record_margin(&v).map_err(&bad)?;
         let pair = DpoPair {
             chosen: side(&chosen, "chosen")?,
             rejected: side(&rejected, "rejected")?,
+            margin,
         };
         pairs.push(pair);
     }
@@ -127,6 +133,18 @@ fn parse_record(v: &Value) -> Result<(Prompt, Vec<ChatMessage>, Vec<ChatMessage>
             }
             Ok((Prompt::Chat(c), vec![c_last], vec![r_last]))
         }
+    }
+}
+
+/// A record's optional `margin` (TRL's reward-model column), 0 without one.
+fn record_margin(v: &Value) -> Result<f32, String> {
+    match v.get("margin") {
+        None | Some(Value::Null) => Ok(0.0),
+        Some(m) => m
+            .as_f64()
+            .filter(|m| m.is_finite())
+            .map(|m| m as f32)
+            .ok_or_else(|| format!("field `margin`: expected a finite number, got {m}")),
     }
 }
 
@@ -260,6 +278,7 @@ impl Dataset for DpoPairs {
         c.loss_mask.extend(r.loss_mask);
         c.position_ids.extend(r.position_ids);
         c.segment_ids.extend(r.segment_ids);
+        c.margin = pair.margin;
         Ok(c)
     }
 }
@@ -293,6 +312,7 @@ impl Dataset for DpoRows {
             labels: half(pair.labels),
             position_ids: half(pair.position_ids),
             segment_ids: half(pair.segment_ids),
+            margin: pair.margin,
         })
     }
 }
@@ -336,5 +356,14 @@ mod tests {
         let implicit = r#"{"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
                           "rejected": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]}"#;
         assert!(p(implicit).contains("share every message"));
+        let margin = |s: &str| record_margin(&serde_json::from_str(s).unwrap());
+        assert_eq!(margin(r#"{"margin": 0.5}"#), Ok(0.5));
+        assert_eq!(margin(r#"{"margin": null}"#), Ok(0.0));
+        assert_eq!(margin("{}"), Ok(0.0));
+        assert!(
+            margin(r#"{"margin": "big"}"#)
+                .unwrap_err()
+                .contains("`margin`")
+        );
     }
 }

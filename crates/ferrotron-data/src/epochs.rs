@@ -127,6 +127,7 @@ mod tests {
                 loss_mask: vec![1.0],
                 position_ids: vec![0],
                 segment_ids: vec![0],
+                margin: 0.0,
             })
         }
     }

@@ -138,6 +138,8 @@ pub struct MicroBatch {
     pub position_ids: Vec<u32>,
     /// `[b, s]` attention blocks: `i` attends to `j <= i` of its row iff the ids are equal.
     pub segment_ids: Vec<u32>,
+    /// `[b]` each row's [`GptSample::margin`] (a reward model's pair margins; 0 otherwise).
+    pub margins: Vec<f32>,
     /// `[b]` dataset sample index of each row.
     pub sample_indices: Vec<usize>,
     /// Global samples consumed (all DP ranks) once this micro-step is done.
@@ -172,6 +174,7 @@ impl MicroBatch {
             loss_mask: Vec::with_capacity(b * s),
             position_ids: Vec::with_capacity(b * s),
             segment_ids: Vec::with_capacity(b * s),
+            margins: Vec::with_capacity(b),
             sample_indices,
             consumed_samples,
         };
@@ -192,6 +195,7 @@ impl MicroBatch {
             mb.loss_mask.extend(x.loss_mask);
             mb.position_ids.extend(x.position_ids);
             mb.segment_ids.extend(x.segment_ids);
+            mb.margins.push(x.margin);
         }
         Ok(mb)
     }

@@ -34,6 +34,7 @@ impl Dataset for Tagged {
             loss_mask: vec![1.0, 1.0],
             position_ids: vec![0, 1],
             segment_ids: vec![0, 0],
+            margin: 0.0,
         })
     }
 }

@@ -51,6 +51,7 @@ impl Dataset for Numbered {
             loss_mask: vec![1.0; self.s],
             position_ids: (0..self.s as u32).collect(),
             segment_ids: v(0),
+            margin: 0.0,
         })
     }
 }

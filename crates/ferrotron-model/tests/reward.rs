@@ -2,9 +2,9 @@
 //! `LlamaForSequenceClassification` and TRL's `RewardTrainer` loss
 //! (`tools/make_reward_fixture.py`: tiny-llama, two right-padded pairs, center coefficient
 //! 0.01): rewards at the last real tokens, the loss, and the gradients of the score head, the
-//! final norm, the embedding and a layer weight; under LoRA the head still trains; with the
-//! pad token also the end token (SmolLM2's `<|im_end|>`), the reward is read where HF reads
-//! it, after the last end token.
+//! final norm, the embedding and a layer weight, also with TRL's per-pair `margin`; under LoRA
+//! the head still trains; with the pad token also the end token (SmolLM2's `<|im_end|>`), the
+//! reward is read where HF reads it, after the last end token.
 
 use ferrotron_model::families::load_hf_model;
 use ferrotron_model::{
@@ -75,8 +75,69 @@ fn setup() -> (Fixture, GptModel, TrainBatch) {
     batch.objective = Objective::Reward(RewardTargets {
         center_rewards_coefficient: 0.01,
         pad_token_id: Some(0),
+        margins: vec![0.0; 2],
     });
     (f, model, batch)
+}
+
+/// Our gradients of the fixture's four parameters against its `{prefix}.<HF name>` tensors.
+fn assert_grads_match(f: &Fixture, model: &GptModel, grads: &[Vec<f32>], prefix: &str) {
+    let ours = |name: &str| {
+        let i = model
+            .parameters()
+            .iter()
+            .position(|p| p.name == name)
+            .unwrap();
+        grads[i].clone()
+    };
+    for (mg, hf) in [
+        ("score.weight", "score.weight"),
+        ("decoder.final_layernorm.weight", "model.norm.weight"),
+        (
+            "embedding.word_embeddings.weight",
+            "model.embed_tokens.weight",
+        ),
+        (
+            "decoder.layers.1.mlp.linear_fc2.weight",
+            "model.layers.1.mlp.down_proj.weight",
+        ),
+    ] {
+        let (got, want) = (ours(mg), f.f32s(&format!("{prefix}.{hf}")));
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            scale > 0.0 && d <= 1e-4 * scale,
+            "{prefix} {mg}: {d} (max {scale})"
+        );
+    }
+}
+
+/// TRL's `margin` column: `−logσ(r_c − r_r − m)`.
+#[test]
+fn margins_shift_the_loss_as_trls() {
+    let (f, model, mut batch) = setup();
+    let margins: Vec<f64> = f.f32s("margins").iter().map(|&m| f64::from(m)).collect();
+    if let Objective::Reward(t) = &mut batch.objective {
+        t.margins = margins;
+    }
+    let mut grads = model.zero_grads();
+    let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
+    let stats = model.forward_backward(&batch, &mut views, 1.0).unwrap();
+    let want = f.f32s("loss_margin")[0];
+    assert!(
+        (stats.loss - want).abs() < 1e-5,
+        "loss {} vs TRL {want}",
+        stats.loss
+    );
+    assert!(
+        (want - f.f32s("loss")[0]).abs() > 1e-2,
+        "the margins change nothing"
+    );
+    assert_grads_match(&f, &model, &grads, "grad_margin");
 }
 
 #[test]
@@ -104,35 +165,7 @@ fn rewards_loss_and_gradients_match_hf_and_trl() {
         pairs.accuracies, 1.0,
         "pair 1 prefers its chosen row, pair 0 not"
     );
-    let ours = |name: &str| {
-        let i = model
-            .parameters()
-            .iter()
-            .position(|p| p.name == name)
-            .unwrap();
-        grads[i].clone()
-    };
-    for (mg, hf) in [
-        ("score.weight", "score.weight"),
-        ("decoder.final_layernorm.weight", "model.norm.weight"),
-        (
-            "embedding.word_embeddings.weight",
-            "model.embed_tokens.weight",
-        ),
-        (
-            "decoder.layers.1.mlp.linear_fc2.weight",
-            "model.layers.1.mlp.down_proj.weight",
-        ),
-    ] {
-        let (got, want) = (ours(mg), f.f32s(&format!("grad.{hf}")));
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(scale > 0.0 && d <= 1e-4 * scale, "{mg}: {d} (max {scale})");
-    }
+    assert_grads_match(&f, &model, &grads, "grad");
 }
 
 #[test]
@@ -161,6 +194,7 @@ fn the_score_head_trains_under_lora() {
     b.objective = Objective::Reward(RewardTargets {
         center_rewards_coefficient: 0.0,
         pad_token_id: Some(0),
+        margins: vec![0.0; 2],
     });
     assert!(
         lm.rewards(&b)
@@ -186,6 +220,7 @@ fn the_reward_token_is_hfs_last_non_pad_token() {
         b.objective = Objective::Reward(RewardTargets {
             center_rewards_coefficient: 0.0,
             pad_token_id: pad,
+            margins: vec![0.0],
         });
         model.rewards(&b).unwrap()
     };
@@ -197,6 +232,7 @@ fn the_reward_token_is_hfs_last_non_pad_token() {
         b.objective = Objective::Reward(RewardTargets {
             center_rewards_coefficient: 0.0,
             pad_token_id: Some(0),
+            margins: Vec::new(),
         });
         model.rewards(&b).unwrap()[0]
     };

@@ -305,6 +305,7 @@ fn micro_batch(stream: &[u32], first: usize, b: usize, s: usize) -> MicroBatch {
         loss_mask: vec![1.0; b * s],
         position_ids: (0..b).flat_map(|_| 0..s as u32).collect(),
         segment_ids: vec![0; b * s],
+        margins: vec![0.0; b],
         sample_indices: samples.collect(),
         consumed_samples: first + b,
     }

@@ -154,6 +154,7 @@ fn run(a: &Args) -> Result<()> {
             loss_mask: vec![1.0; s],
             position_ids: (0..s as u32).collect(),
             segment_ids: vec![0; s],
+            margins: vec![0.0],
             sample_indices: vec![0],
             consumed_samples: 1,
         };

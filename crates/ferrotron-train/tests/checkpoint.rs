@@ -39,6 +39,7 @@ impl Dataset for Stream {
             loss_mask: vec![1.0; SEQ],
             position_ids: (0..SEQ as u32).collect(),
             segment_ids: vec![0; SEQ],
+            margin: 0.0,
         })
     }
 }

@@ -32,6 +32,7 @@ fn batches(k: usize) -> Vec<MicroBatch> {
                 loss_mask: vec![1.0; SEQ],
                 position_ids: (0..SEQ as u32).collect(),
                 segment_ids: vec![0; SEQ],
+                margin: 0.0,
             };
             MicroBatch::collate(vec![sample], vec![i], i + 1).unwrap()
         })

@@ -521,8 +521,10 @@ fn preference_pairs(dir: &Path) -> (PathBuf, Vec<String>) {
              \"chosen\": \"{i} plus {i} is {}.\", \"rejected\": \"I like turtles.\"}}",
             2 * i
         ));
+        // TRL's reward-model `margin` on these (DPO leaves it alone).
         lines.push(format!(
-            "{{\"prompt\": \"Count to {i}:\", \"chosen\": \" {}\", \"rejected\": \" no\"}}",
+            "{{\"prompt\": \"Count to {i}:\", \"chosen\": \" {}\", \"rejected\": \" no\", \
+             \"margin\": 0.5}}",
             (1..=i.max(1))
                 .map(|k| k.to_string())
                 .collect::<Vec<_>>()

@@ -23,6 +23,9 @@ pub struct GptSample {
     /// `[s]`, the attention block of each position: the number of EOD tokens before it with
     /// `reset_attention_mask`, else all 0 (plain causal attention).
     pub segment_ids: Vec<u32>,
+    /// TRL's reward `margin` of the preference pair the sample belongs to (a reward model's
+    /// data); 0 for every other sample.
+    pub margin: f32,
 }
 
 impl GptSample {
@@ -84,6 +87,7 @@ impl GptSample {
             loss_mask,
             position_ids,
             segment_ids,
+            margin: 0.0,
         }
     }
 

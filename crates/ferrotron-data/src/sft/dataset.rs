@@ -20,6 +20,7 @@ impl From<SftSample> for GptSample {
             loss_mask: x.loss_mask,
             position_ids: x.position_ids,
             segment_ids: x.sample_ids,
+            margin: 0.0,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! A reward model's pairwise loss (TRL's `RewardTrainer`, Bradley-Terry): per pair of rows,
-//! `loss = −logσ(r_c − r_r) + c·(r_c + r_r)²` averaged over the pairs, the reward `r` of a row
+//! `loss = −logσ(r_c − r_r − m) + c·(r_c + r_r)²` averaged over the pairs (`m` the pair's
+//! optional `margin`, TRL's dataset column), the reward `r` of a row
 //! being its score head's output at the row's last token that is not `pad_token_id`, exactly
 //! where HF's `...ForSequenceClassification` reads it (`GenericForSequenceClassification`:
 //! the largest index whose token differs from the pad id, 0 when every token is padding); `c`
@@ -22,6 +23,9 @@ pub struct RewardTargets {
     /// its last other token. `None`: at the row's last position (HF's rule without a pad
     /// id, for rows that are not padded).
     pub pad_token_id: Option<u32>,
+    /// `[b / 2]` each pair's `margin` (TRL: the chosen reward must beat the rejected one by
+    /// it; 0 for none).
+    pub margins: Vec<f64>,
 }
 
 impl RewardTargets {
@@ -29,6 +33,13 @@ impl RewardTargets {
         if !micro_batch.is_multiple_of(2) {
             return Err(ModelError::Input(format!(
                 "reward batch: {micro_batch} rows do not form chosen/rejected pairs"
+            )));
+        }
+        if self.margins.len() != micro_batch / 2 || self.margins.iter().any(|m| !m.is_finite()) {
+            return Err(ModelError::Input(format!(
+                "reward batch: {} margins for {} pairs (finite, one per pair)",
+                self.margins.len(),
+                micro_batch / 2
             )));
         }
         let c = self.center_rewards_coefficient;
@@ -125,9 +136,9 @@ impl GptModel {
         let mut loss_sum = 0.0;
         for k in 0..b / 2 {
             let (rc, rr) = (r[2 * k], r[2 * k + 1]);
-            let (delta, sum) = (rc - rr, rc + rr);
+            let (delta, sum) = (rc - rr - targets.margins[k], rc + rr);
             loss_sum += -log_sigmoid(delta) + c * sum * sum;
-            // ∂/∂Δ −logσ(Δ) = −σ(−Δ); ∂/∂r of c·(r_c + r_r)² = 2c·(r_c + r_r).
+            // ∂/∂Δ −logσ(Δ) = −σ(−Δ), Δ = r_c − r_r − m; ∂/∂r of c·(r_c + r_r)² = 2c·(r_c + r_r).
             let sig = sigmoid(-delta);
             scores[positions[2 * k]] = (scale * (-sig + 2.0 * c * sum)) as f32;
             scores[positions[2 * k + 1]] = (scale * (sig + 2.0 * c * sum)) as f32;

@@ -4,6 +4,7 @@
 //! trainer was built — and the metrics TRL logs, summed over the data-parallel ranks.
 
 use super::{Result, TrainError, Trainer};
+use ferrotron_data::MicroBatch;
 use ferrotron_model::{DpoStats, DpoTargets, GptModel, Objective, RewardTargets, TrainBatch};
 use serde::{Deserialize, Serialize};
 
@@ -103,17 +104,25 @@ pub(super) fn reference_copy(
 }
 
 impl Trainer {
-    /// Gives every batch its objective: a reward model's targets, or DPO's (the reference
-    /// log-probs of its rows); language modeling otherwise.
+    /// Gives every batch its objective: a reward model's targets (with the pairs' margins of
+    /// its micro-batch in `micro_batches`), or DPO's (the reference log-probs of its rows);
+    /// language modeling otherwise.
     ///
     /// # Errors
     /// A failed reference forward.
-    pub(super) fn attach_objective(&mut self, batches: &mut [TrainBatch]) -> Result<()> {
+    pub(super) fn attach_objective(
+        &mut self,
+        batches: &mut [TrainBatch],
+        micro_batches: &[MicroBatch],
+    ) -> Result<()> {
         if let Some(reward) = self.options.reward {
-            for batch in batches.iter_mut() {
+            for (batch, mb) in batches.iter_mut().zip(micro_batches) {
+                // Both rows of a pair carry its margin: the chosen (even) rows give it.
+                let margins = mb.margins.iter().step_by(2).map(|&m| f64::from(m));
                 batch.objective = Objective::Reward(RewardTargets {
                     center_rewards_coefficient: reward.center_rewards_coefficient,
                     pad_token_id: reward.pad_token_id,
+                    margins: margins.collect(),
                 });
             }
             return Ok(());

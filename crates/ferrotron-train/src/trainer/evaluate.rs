@@ -28,14 +28,14 @@ impl Trainer {
     /// As [`Trainer::evaluate`].
     pub fn evaluate_with_dpo(
         &mut self,
-        batches: &[MicroBatch],
+        micro_batches: &[MicroBatch],
     ) -> Result<(f64, Option<ferrotron_model::DpoStats>)> {
         self.require_params_current("evaluate")?;
-        let mut batches = batches
+        let mut batches = micro_batches
             .iter()
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
-        self.attach_objective(&mut batches)?;
+        self.attach_objective(&mut batches, micro_batches)?;
         let count: f64 = batches.iter().map(TrainBatch::loss_units).sum();
         let mut sum = 0.0f64;
         let mut dpo: Option<ferrotron_model::DpoStats> = None;

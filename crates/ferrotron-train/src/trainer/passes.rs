@@ -50,7 +50,7 @@ impl Trainer {
             .iter()
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
-        self.attach_objective(&mut batches)?;
+        self.attach_objective(&mut batches, micro_batches)?;
         let mut total = [batches.iter().map(TrainBatch::loss_units).sum::<f64>()];
         self.dp.sum(&mut total)?;
         Ok((batches, total[0]))

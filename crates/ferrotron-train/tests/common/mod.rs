@@ -52,6 +52,7 @@ impl Dataset for PatternDataset {
                 .collect(),
             position_ids: (0..SEQ as u32).collect(),
             segment_ids: vec![0; SEQ],
+            margin: 0.0,
         })
     }
 }
