@@ -135,7 +135,23 @@ impl PeftAdapter {
     /// shape, projections of one fused layer with different `lora_A`, or a tensor the model
     /// has no place for (e.g. an adapter on `lm_head`), each named.
     pub fn apply_to(&self, base: GptModel) -> Result<GptModel, CheckpointError> {
-        let lora = self.lora_config(&base)?;
+        self.apply_to_with_dropout(base, 0.0)
+    }
+
+    /// [`PeftAdapter::apply_to`] for training on: the adapters' input dropout `dropout`
+    /// (the run's `lora.dropout`; the adapter's own `lora_dropout` is not read).
+    ///
+    /// # Errors
+    /// As [`PeftAdapter::apply_to`], or a dropout outside `[0, 1)`.
+    pub fn apply_to_with_dropout(
+        &self,
+        base: GptModel,
+        dropout: f32,
+    ) -> Result<GptModel, CheckpointError> {
+        let lora = ferrotron_model::LoraConfig {
+            dropout,
+            ..self.lora_config(&base)?
+        };
         let init = ferrotron_model::InitConfig {
             params_dtype: base.dtype(),
             ..Default::default()

@@ -302,6 +302,7 @@ impl GptModel {
             linear_in: self.param(a.linear_in),
             linear_out: self.param(a.linear_out),
             scale: lora.scale(),
+            dropout: None,
         })
     }
 

@@ -18,18 +18,29 @@ fn base() -> GptModel {
 }
 
 fn lora() -> LoraConfig {
+    lora_with(0.0)
+}
+
+fn lora_with(dropout: f32) -> LoraConfig {
     LoraConfig {
         target_modules: vec!["linear_qkv".into(), "*.layers.1.*.linear_fc2".into()],
         rank: 3,
         alpha: 6.0,
-        dropout: 0.0,
+        dropout,
     }
 }
 
 /// The base with adapters whose `linear_out` is random too (a fresh one is zero, which
 /// would leave `linear_in` without gradient).
 fn adapted() -> GptModel {
-    let mut model = base().with_lora(lora(), &InitConfig::default()).unwrap();
+    adapted_with(0.0)
+}
+
+/// [`adapted`] with the adapters' input dropout `dropout`.
+fn adapted_with(dropout: f32) -> GptModel {
+    let mut model = base()
+        .with_lora(lora_with(dropout), &InitConfig::default())
+        .unwrap();
     let outs: Vec<usize> = (0..model.parameters().len())
         .filter(|&i| {
             model.layout().decls()[i]
@@ -61,6 +72,14 @@ fn batch() -> TrainBatch {
     TrainBatch::from_batch_major(&tokens, &labels, None, b, s)
 }
 
+/// [`batch`] as a training step's: its rows keyed for dropout.
+fn dropout_batch() -> TrainBatch {
+    TrainBatch {
+        dropout_keys: Some(vec![11, 12]),
+        ..batch()
+    }
+}
+
 /// (loss, gradients) of one forward/backward.
 fn grads(model: &GptModel, batch: &TrainBatch) -> (f64, Vec<Vec<f32>>) {
     let mut g = model.zero_grads();
@@ -71,8 +90,16 @@ fn grads(model: &GptModel, batch: &TrainBatch) -> (f64, Vec<Vec<f32>>) {
 
 #[test]
 fn adapter_gradients_match_finite_differences() {
-    let mut model = adapted();
-    let batch = batch();
+    for dropout in [0.0, 0.3] {
+        adapter_gradients_match_finite_differences_with(dropout);
+    }
+}
+
+/// The finite-difference check with the adapters' input dropout `dropout` (its masks are
+/// the same in every pass of one batch).
+fn adapter_gradients_match_finite_differences_with(dropout: f32) {
+    let mut model = adapted_with(dropout);
+    let batch = dropout_batch();
     let (_, analytic) = grads(&model, &batch);
     let params = model.parameters();
     let adapters: Vec<usize> = (0..params.len())
@@ -100,7 +127,7 @@ fn adapter_gradients_match_finite_differences() {
             let g = analytic[pi][idx] as f64;
             assert!(
                 (fd - g).abs() <= 2e-2 * g.abs() + 1e-4,
-                "{}[{idx}]: finite difference {fd} vs analytic {g}",
+                "{}[{idx}] (dropout {dropout}): finite difference {fd} vs analytic {g}",
                 params[pi].name
             );
             assert!(
@@ -114,19 +141,38 @@ fn adapter_gradients_match_finite_differences() {
 
 #[test]
 fn recompute_keeps_adapter_gradients_bit_for_bit() {
-    let batch = batch();
-    let (loss, want) = grads(&adapted(), &batch);
-    let full = RecomputeGranularity::Full {
-        method: RecomputeMethod::Uniform,
-        num_layers: 1,
-    };
-    for r in [RecomputeGranularity::Selective, full] {
-        let mut model = adapted();
-        model.set_recompute_granularity(Some(r)).unwrap();
-        let (l, got) = grads(&model, &batch);
-        assert_eq!(l, loss, "{r:?}");
-        assert_eq!(got, want, "{r:?}");
+    for dropout in [0.0, 0.3] {
+        let batch = dropout_batch();
+        let (loss, want) = grads(&adapted_with(dropout), &batch);
+        let full = RecomputeGranularity::Full {
+            method: RecomputeMethod::Uniform,
+            num_layers: 1,
+        };
+        for r in [RecomputeGranularity::Selective, full] {
+            let mut model = adapted_with(dropout);
+            model.set_recompute_granularity(Some(r)).unwrap();
+            let (l, got) = grads(&model, &batch);
+            assert_eq!(l, loss, "{r:?} dropout {dropout}");
+            assert_eq!(got, want, "{r:?} dropout {dropout}");
+        }
     }
+}
+
+/// Dropout acts in a training step's pass (a batch with dropout keys) and nowhere else:
+/// without keys (evaluation) the model computes what it does without dropout; other keys
+/// drop other elements.
+#[test]
+fn dropout_acts_only_with_a_training_steps_keys() {
+    let (plain, _) = grads(&adapted(), &batch());
+    let model = adapted_with(0.3);
+    assert_eq!(grads(&model, &batch()).0, plain, "no keys: no dropout");
+    let (dropped, _) = grads(&model, &dropout_batch());
+    assert!((dropped - plain).abs() > 1e-6, "{dropped} vs {plain}");
+    let other = TrainBatch {
+        dropout_keys: Some(vec![13, 14]),
+        ..batch()
+    };
+    assert_ne!(grads(&model, &other).0, dropped, "other keys, other masks");
 }
 
 #[test]

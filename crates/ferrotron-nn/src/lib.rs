@@ -10,12 +10,14 @@ pub mod attention;
 mod embedding;
 mod error;
 mod linear;
+pub mod lora;
 pub mod tensor_parallel;
 
 pub use attention::{AttentionMask, core_attention};
 pub use embedding::Embedding;
 pub use error::NnError;
-pub use linear::{Linear, LoraAdapter, TransposedLoraAdapter};
+pub use linear::Linear;
+pub use lora::{LoraAdapter, LoraDropout, TransposedLoraAdapter};
 pub use tensor_parallel::TensorParallel;
 
 /// Result alias for layer construction and forward passes.

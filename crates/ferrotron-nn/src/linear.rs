@@ -1,5 +1,5 @@
-use ferrotron_tensor::gemm::{WeightRef, matmul_weight_t};
-use ferrotron_tensor::gemv::{gemv_serial, gemv_transposed};
+use crate::lora::{LoraAdapter, LoraDropout, TransposedLoraAdapter};
+use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::{TensorView, ops::add_bias};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -18,115 +18,6 @@ pub struct Linear<'a> {
     lora: Option<LoraAdapter<'a>>,
     /// Adapters of row ranges (serving several adapters in one batch).
     row_lora: Vec<(Range<usize>, TransposedLoraAdapter<'a>)>,
-}
-
-/// A LoRA adapter on a linear layer (Hu et al. 2021; NeMo's `ParallelLinearAdapter`): adds
-/// `scale·(x·Aᵀ)·Bᵀ` to the layer's output, `A = linear_in: [r, in]`,
-/// `B = linear_out: [out, r]` (any storage dtype), `scale = alpha / r`.
-#[derive(Clone, Copy, Debug)]
-pub struct LoraAdapter<'a> {
-    /// `A: [r, in]`.
-    pub linear_in: TensorView<'a>,
-    /// `B: [out, r]`.
-    pub linear_out: TensorView<'a>,
-    /// `alpha / r`.
-    pub scale: f32,
-}
-
-impl LoraAdapter<'_> {
-    /// The rank `r`.
-    pub fn rank(&self) -> usize {
-        self.linear_in.shape()[0]
-    }
-
-    /// `y[rows, out] += scale·(x[rows, in]·Aᵀ)·Bᵀ`.
-    pub fn apply(&self, x: &[f32], y: &mut [f32]) {
-        let rows = x.len() / self.linear_in.shape()[1];
-        let mut z = vec![0f32; rows * self.rank()];
-        self.down(x, &mut z);
-        self.up(&z, y);
-    }
-
-    /// `z[rows, r] = scale·x[rows, in]·Aᵀ` (**overwritten**): the adapter's scaled
-    /// bottleneck.
-    pub fn down(&self, x: &[f32], z: &mut [f32]) {
-        lora_down(self.linear_in, self.scale, x, z);
-    }
-
-    /// `y[rows, out] += z[rows, r]·Bᵀ` for `z` from [`LoraAdapter::down`].
-    pub fn up(&self, z: &[f32], y: &mut [f32]) {
-        let (n, r) = (self.linear_out.shape()[0], self.rank());
-        let rows = z.len() / r;
-        lora_product(self.linear_out.weight_ref(), z, y, (rows, n, r), true);
-    }
-}
-
-/// A LoRA adapter with `B` stored transposed, `linear_out_t = Bᵀ: [r, out]`, as served
-/// adapters keep it (`ferrotron_model::lora::LoraWeights`): the up-projection then reads
-/// contiguous rows of `Bᵀ` and updates 16 outputs per instruction ([`gemv_transposed`]),
-/// which a token's `r`-long dot products cannot. Forward only.
-#[derive(Clone, Copy, Debug)]
-pub struct TransposedLoraAdapter<'a> {
-    /// `A: [r, in]`.
-    pub linear_in: TensorView<'a>,
-    /// `Bᵀ: [r, out]`.
-    pub linear_out_t: TensorView<'a>,
-    /// `alpha / r`.
-    pub scale: f32,
-}
-
-impl TransposedLoraAdapter<'_> {
-    /// The rank `r`.
-    pub fn rank(&self) -> usize {
-        self.linear_in.shape()[0]
-    }
-
-    /// `y[rows, out] += scale·(x[rows, in]·Aᵀ)·Bᵀ`.
-    pub fn apply(&self, x: &[f32], y: &mut [f32]) {
-        let (r, n) = (self.rank(), self.linear_out_t.shape()[1]);
-        let rows = x.len() / self.linear_in.shape()[1];
-        let mut z = vec![0f32; rows * r];
-        lora_down(self.linear_in, self.scale, x, &mut z);
-        let b_t = self.linear_out_t.weight_ref();
-        if rows * n * r <= SERIAL_MACS {
-            return gemv_transposed(b_t, &z, y, (rows, n, r));
-        }
-        // A prompt's rows: blocks of rows in parallel, each row as it would be alone.
-        const ROWS: usize = 16;
-        z.par_chunks(ROWS * r)
-            .zip(y.par_chunks_mut(ROWS * n))
-            .for_each(|(z, y)| gemv_transposed(b_t, z, y, (z.len() / r, n, r)));
-    }
-}
-
-/// `z[rows, r] = scale·x[rows, in]·Aᵀ` for `a = A: [r, in]`.
-fn lora_down(a: TensorView<'_>, scale: f32, x: &[f32], z: &mut [f32]) {
-    let (r, k) = (a.shape()[0], a.shape()[1]);
-    let rows = x.len() / k;
-    lora_product(a.weight_ref(), x, z, (rows, r, k), false);
-    z.iter_mut().for_each(|v| *v *= scale);
-}
-
-/// Products of at most this many multiply-adds run on the calling thread (a token's adapter
-/// product is a few thousand: handing it to rayon tasks costs more than it saves).
-const SERIAL_MACS: usize = 1 << 18;
-
-/// `y[m, n] (+)= x[m, k]·wᵀ` for an adapter's matrix `w`: small products row by row on this
-/// thread ([`gemv_serial`], the one-row kernel every decode GEMV uses), larger ones by the
-/// parallel [`matmul_weight_t`].
-fn lora_product(
-    w: WeightRef<'_>,
-    x: &[f32],
-    y: &mut [f32],
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-) {
-    if m * n * k > SERIAL_MACS {
-        return matmul_weight_t(x, w, y, m, n, k, accumulate);
-    }
-    for (xr, yr) in x.chunks_exact(k).zip(y.chunks_exact_mut(n)).take(m) {
-        gemv_serial(w, xr, yr, accumulate);
-    }
 }
 
 impl<'a> Linear<'a> {
@@ -191,6 +82,16 @@ impl<'a> Linear<'a> {
             "row ranges of LoRA adapters are ascending and disjoint"
         );
         self.row_lora = adapters;
+        self
+    }
+
+    /// The layer with its adapter's input dropout `dropout` (a training pass).
+    ///
+    /// # Panics
+    /// When the layer has no adapter.
+    pub fn with_lora_dropout(mut self, dropout: LoraDropout<'a>) -> Linear<'a> {
+        let a = self.lora.as_mut().expect("dropout needs a LoRA adapter");
+        a.dropout = Some(dropout);
         self
     }
 

@@ -52,10 +52,36 @@ fn only_the_adapters_train() {
     assert!(lora_state <= 4 * base + 16 * (trainable + 64 * adapters + 128));
 }
 
-/// Runs `layout` on `world` ranks and checks every rank against `reference`.
-fn assert_layout(label: &str, world: usize, layout: Layout, reference: &Run) {
+/// [`adapted`] with the adapters' input dropout 0.2 (the fixture's values loaded into
+/// adapters declared with dropout).
+fn adapted_with_dropout() -> GptModel {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/lora/tiny-llama");
+    let adapter = PeftAdapter::read(&dir).unwrap();
+    let lora = LoraConfig {
+        rank: adapter.rank,
+        alpha: adapter.alpha,
+        dropout: 0.2,
+        ..LoraConfig::default()
+    };
+    let mut model = fixture("tiny-llama")
+        .with_lora(lora, &InitConfig::default())
+        .unwrap();
+    model
+        .load_peft_tensors(|n| adapter.tensors.get(n).cloned())
+        .unwrap();
+    model
+}
+
+/// Runs `layout` on `world` ranks over `model()` and checks every rank against `reference`.
+fn assert_layout(
+    label: &str,
+    world: usize,
+    layout: Layout,
+    model: fn() -> GptModel,
+    reference: &Run,
+) {
     let runs = run_local(world, |comm| {
-        let mut t = layout.trainer(comm, ITERS, adapted())?;
+        let mut t = layout.trainer(comm, ITERS, model())?;
         Ok::<_, TrainError>(train(&mut t, 0, ITERS))
     })
     .unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -64,9 +90,18 @@ fn assert_layout(label: &str, world: usize, layout: Layout, reference: &Run) {
     }
 }
 
+/// Every layout gives the single rank's losses and adapters, also with the adapters' input
+/// dropout (its masks keyed by sample, so the same in every layout).
 #[test]
 fn lora_layouts_match_one_rank() {
-    let mut one = Trainer::new(adapted(), dp_options(1, ITERS)).unwrap();
+    let plain = lora_layouts_match_one_rank_for(adapted);
+    let dropped = lora_layouts_match_one_rank_for(adapted_with_dropout);
+    assert_ne!(plain.0, dropped.0, "the dropout changes nothing");
+}
+
+/// Checks the layouts over `model()`; returns the single rank's run.
+fn lora_layouts_match_one_rank_for(model: fn() -> GptModel) -> Run {
+    let mut one = Trainer::new(model(), dp_options(1, ITERS)).unwrap();
     let reference = train(&mut one, 0, ITERS);
     let layouts = [
         (
@@ -113,8 +148,9 @@ fn lora_layouts_match_one_rank() {
         ),
     ];
     for (label, world, layout) in layouts {
-        assert_layout(label, world, layout, &reference);
+        assert_layout(label, world, layout, model, &reference);
     }
+    reference
 }
 
 #[test]
@@ -244,7 +280,7 @@ fn dpo_layouts_match_one_rank() {
             dpo: Some(DpoReference::AdaptersDisabled),
             ..layout
         };
-        assert_layout(&format!("DPO {label}"), world, layout, &one);
+        assert_layout(&format!("DPO {label}"), world, layout, adapted, &one);
     }
     // Fresh adapters: policy = reference at step 0.
     let fresh = || {

@@ -30,8 +30,8 @@ pub struct LoraConfig {
     /// The scale numerator (NeMo / PEFT `alpha`): the adapter's output is multiplied by
     /// `alpha / rank`. NeMo's default is 32.
     pub alpha: f32,
-    /// Dropout on the adapter's input (NeMo `dropout`, position `pre`). Only 0 (NeMo's
-    /// default) is supported: the training passes have no dropout masks.
+    /// Dropout on the adapter's input in training passes (NeMo `dropout`, position `pre`;
+    /// PEFT `lora_dropout`), in `[0, 1)`; 0 (NeMo's default) turns it off.
     pub dropout: f32,
 }
 
@@ -65,7 +65,7 @@ impl LoraConfig {
     ///
     /// # Errors
     /// No targets, a bare target that is no linear layer's name, rank 0, a non-finite
-    /// alpha, or a dropout other than 0.
+    /// alpha, or a dropout outside `[0, 1)`.
     pub fn validate(&self) -> Result<()> {
         if self.target_modules.is_empty() {
             return Err(field_error(
@@ -94,14 +94,10 @@ impl LoraConfig {
                 format!("must be finite, got {}", self.alpha),
             ));
         }
-        if self.dropout != 0.0 {
+        if !(0.0..1.0).contains(&self.dropout) {
             return Err(field_error(
                 "lora.dropout",
-                format!(
-                    "{} is not supported: the training passes have no dropout masks (use 0.0, \
-                     NeMo's default)",
-                    self.dropout
-                ),
+                format!("must be in [0, 1), got {}", self.dropout),
             ));
         }
         Ok(())
@@ -187,7 +183,7 @@ mod tests {
         assert!(bad(q).contains("`q_proj` is not a linear layer"));
         assert!(
             bad(LoraConfig {
-                dropout: 0.1,
+                dropout: 1.0,
                 ..d()
             })
             .contains("lora.dropout")

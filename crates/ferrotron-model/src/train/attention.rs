@@ -145,7 +145,7 @@ pub(super) fn attention_backward(
     drop((dq, dk, dv));
     let mut dinput = Buffer::zeros(dev, rows * c.hidden_size);
     let (input, dy, dx) = (la.attn_in.operand(), dqkv.host(), dinput.host_mut());
-    linear_backward(pass.model, sa.linear_qkv, input, dy, dx, grads);
+    linear_backward(pass, sa.linear_qkv, input, dy, dx, grads);
     Ok(dinput)
 }
 
@@ -183,14 +183,7 @@ fn core_attention_and_proj_backward(
     let ctx = core.ctx.f32();
     let mut dctx = Buffer::zeros(dev, rows * a * d);
     let proj = layer.self_attention.linear_proj.without_bias();
-    linear_backward(
-        pass.model,
-        proj,
-        core.ctx.operand(),
-        dres,
-        dctx.host_mut(),
-        grads,
-    );
+    linear_backward(pass, proj, core.ctx.operand(), dres, dctx.host_mut(), grads);
     let mut dq = Buffer::zeros(dev, rows * a * d);
     let mut dk = Buffer::zeros(dev, rows * g * d);
     let mut dv = Buffer::zeros(dev, rows * g * d);

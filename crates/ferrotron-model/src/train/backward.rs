@@ -339,19 +339,19 @@ fn input_norm_backward(
 }
 
 /// Backward of `y[rows, n] = x[rows, k]·Wᵀ + b` (+ its LoRA adapter's output) for the
-/// linear layer `p` of `model`: **overwrites** `dx = dy·W` (+ the adapter's part) and
+/// linear layer `p` of the pass's model: **overwrites** `dx = dy·W` (+ the adapter's part) and
 /// **accumulates** `dW += dyᵀ·x` and (when `p` has a bias) `db += Σ_rows dy` into `grads`
 /// (table order) — skipped for a frozen parameter, whose gradient slice is empty — and the
 /// adapter's gradients ([`lora_backward`]).
 pub(super) fn linear_backward(
-    model: &GptModel,
+    pass: &Pass<'_>,
     p: LinearParams,
     x: Operand<'_>,
     dy: &[f32],
     dx: &mut [f32],
     grads: &mut [&mut [f32]],
 ) {
-    let l = model.linear(p);
+    let l = pass.linear(p);
     let (n, k) = (l.out_features(), l.in_features());
     let rows = dy.len() / n;
     let w = l.weight().weight_ref();

@@ -1,9 +1,10 @@
-//! The backward of a LoRA adapter (`y += s·(x·Aᵀ)·Bᵀ`, [`ferrotron_nn::LoraAdapter`]),
-//! beside its base layer's backward in `backward.rs::linear_backward`.
+//! The backward of a LoRA adapter (`y += s·(d(x)·Aᵀ)·Bᵀ`, `d` its input dropout or the
+//! identity, [`ferrotron_nn::LoraAdapter`]), beside its base layer's backward in
+//! `backward.rs::linear_backward`.
 //!
-//! The adapter's bottleneck `z = s·x·Aᵀ` (`[rows, r]`) is recomputed from the layer's saved
-//! input rather than kept: it costs `2·rows·in·r` FLOPs, a small fraction of the base
-//! layer's, and no activation memory.
+//! The adapter's bottleneck `z = s·d(x)·Aᵀ` (`[rows, r]`) is recomputed from the layer's
+//! saved input rather than kept: it costs `2·rows·in·r` FLOPs, a small fraction of the base
+//! layer's, and no activation memory; the dropout mask is recomputed from its keys.
 
 use crate::module::LoraParams;
 use ferrotron_nn::LoraAdapter;
@@ -11,9 +12,9 @@ use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
 use ferrotron_tensor::gemm_bf16::Operand;
 
 /// Backward of adapter `p` (values `adapter`) for the layer input `x: [rows, in]` and output
-/// gradient `dy: [rows, out]`: **accumulates** `dB += dyᵀ·z` and `dA += dzᵀ·x` (with
-/// `dz = s·dy·B`) into `grads` (table order) and `dx += dz·A` into the layer's input
-/// gradient.
+/// gradient `dy: [rows, out]`: **accumulates** `dB += dyᵀ·z` and `dA += dzᵀ·d(x)` (with
+/// `dz = s·dy·B`) into `grads` (table order) and `dx += d'(dz·A)` into the layer's input
+/// gradient (`d'` the dropout's backward: the same mask and scale).
 ///
 /// Under tensor parallelism each rank's `dz` (column-parallel base: `B`'s rows are split) or
 /// `z` (row-parallel base: `A`'s columns are split) is a partial sum over the ranks, so the
@@ -30,6 +31,15 @@ pub(super) fn lora_backward(
     let (a, b) = (adapter.linear_in, adapter.linear_out);
     let (r, k, n) = (adapter.rank(), a.shape()[1], b.shape()[0]);
     let rows = dy.len() / n;
+    let dropped = adapter.dropout.map(|d| {
+        let mut v = x.to_f32().into_owned();
+        d.apply(&mut v, k);
+        v
+    });
+    let x = match &dropped {
+        Some(v) => Operand::F32(v),
+        None => x,
+    };
     let mut z = vec![0f32; rows * r];
     adapter.down(&x.to_f32(), &mut z);
     weight_grad(
@@ -53,5 +63,13 @@ pub(super) fn lora_backward(
         r,
         k,
     );
-    matmul_weight(&dz, a.weight_ref(), dx, rows, r, k, true);
+    match adapter.dropout {
+        None => matmul_weight(&dz, a.weight_ref(), dx, rows, r, k, true),
+        Some(d) => {
+            let mut dxa = vec![0f32; rows * k];
+            matmul_weight(&dz, a.weight_ref(), &mut dxa, rows, r, k, false);
+            d.apply(&mut dxa, k);
+            dx.iter_mut().zip(&dxa).for_each(|(g, v)| *g += v);
+        }
+    }
 }

@@ -52,12 +52,12 @@ pub(super) fn mlp_backward(
     let c = pass.c;
     let (h, f) = (c.hidden_size, c.ffn_hidden_size);
     let rows = pass.positions.len();
-    let (dev, model) = (pass.device, pass.model);
+    let dev = pass.device;
     let dy = row_parallel_output_grad(pass.tp, dout)?;
     let mut dact = Buffer::zeros(dev, rows * f);
     let fc2 = layer.mlp.linear_fc2;
     let act = la.act.operand();
-    linear_backward(model, fc2.without_bias(), act, &dy, dact.host_mut(), grads);
+    linear_backward(pass, fc2.without_bias(), act, &dy, dact.host_mut(), grads);
     if let Some(db) = fc2.bias.and_then(|b| trainable(grads, b)) {
         add_bias_backward(dout, db);
     }
@@ -73,7 +73,7 @@ pub(super) fn mlp_backward(
     let mut dinput = Buffer::zeros(dev, rows * h);
     let fc1_params = layer.mlp.linear_fc1;
     linear_backward(
-        model,
+        pass,
         fc1_params,
         mlp_in,
         dfc1.host(),

@@ -87,6 +87,10 @@ pub struct TrainBatch {
     /// What the batch trains: language modeling, or a loss over preference pairs (rows `2k`
     /// chosen, `2k + 1` rejected, their completions marked by the loss mask).
     pub objective: Objective,
+    /// `[b]` one key per row for the LoRA adapters' input dropout (`lora.dropout > 0`): a
+    /// training step's rows have them (the trainer derives them from the seed, the iteration
+    /// and each row's sample); `None` — evaluation, generation — drops nothing.
+    pub dropout_keys: Option<Vec<u64>>,
 }
 
 /// The loss a [`TrainBatch`] trains.
@@ -131,6 +135,7 @@ impl TrainBatch {
             micro_batch,
             seq,
             objective: Objective::LanguageModel,
+            dropout_keys: None,
         }
     }
 
@@ -200,6 +205,17 @@ impl TrainBatch {
         };
         if n == 0 {
             return Err(ModelError::Input("train batch: empty".into()));
+        }
+        if let Some(k) = self
+            .dropout_keys
+            .as_ref()
+            .filter(|k| k.len() != self.micro_batch)
+        {
+            return Err(ModelError::Input(format!(
+                "train batch: {} dropout keys for {} rows",
+                k.len(),
+                self.micro_batch
+            )));
         }
         if self.tokens.len() != n {
             return bad("tokens", self.tokens.len());

@@ -335,7 +335,9 @@ section! {
         /// Scale numerator: adapter outputs are multiplied by alpha / rank. Default: 32
         /// (NeMo's).
         alpha: f64 = 32.0,
-        /// Dropout on the adapter input; only 0 is supported. Default: 0.0 (NeMo's).
+        /// Dropout on the adapter input in training steps (PEFT's `lora_dropout`), in
+        /// [0, 1); masks keyed by `training.seed`, the iteration and each sample, the same
+        /// under every parallel layout. Default: 0.0 (NeMo's).
         dropout: f64 = 0.0,
         /// Start from this HuggingFace PEFT adapter directory (its targets, rank, alpha and
         /// values) instead of fresh adapters (`linear_in` Xavier-normal from

@@ -119,7 +119,7 @@ fn with_lora(rc: &RunConfig, model: GptModel, dtype: DType) -> Result<GptModel, 
         let adapter =
             PeftAdapter::read(dir).with_context(|| format!("lora.adapter {}", dir.display()))?;
         return adapter
-            .apply_to(model)
+            .apply_to_with_dropout(model, lora.dropout)
             .with_context(|| format!("lora.adapter {}", dir.display()));
     }
     let init = InitConfig {

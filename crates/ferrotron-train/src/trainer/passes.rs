@@ -10,6 +10,7 @@ use super::step::with_params_in_buffer;
 use super::{PipelineParallel, Result, TrainError, Trainer};
 use ferrotron_data::MicroBatch;
 use ferrotron_model::{DpoStats, GptModel, GradReady, LossStats, NoGradHook, TrainBatch};
+use ferrotron_nn::lora::mix;
 use ferrotron_optim::{ParamAndGradBuffer, StepOutcome};
 use std::time::{Duration, Instant};
 
@@ -51,6 +52,21 @@ impl Trainer {
             .map(|mb| self.to_train_batch(mb))
             .collect::<Result<Vec<_>>>()?;
         self.attach_objective(&mut batches, micro_batches)?;
+        if self
+            .model
+            .config()
+            .lora
+            .as_ref()
+            .is_some_and(|l| l.dropout > 0.0)
+        {
+            // LoRA dropout masks keyed by the seed, the iteration and each row's sample: the
+            // same for a sample whichever rank, micro-batch or row it lands in.
+            let step = mix(self.options.seed ^ mix(self.iteration));
+            for (batch, mb) in batches.iter_mut().zip(micro_batches) {
+                let keys = mb.sample_indices.iter().map(|&i| mix(step ^ i as u64));
+                batch.dropout_keys = Some(keys.collect());
+            }
+        }
         let mut total = [batches.iter().map(TrainBatch::loss_units).sum::<f64>()];
         self.dp.sum(&mut total)?;
         Ok((batches, total[0]))
