@@ -130,34 +130,25 @@ impl GptModel {
         r: usize,
         get: &mut impl FnMut(&str) -> Option<PeftTensor>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let decl = self.layout().decl(weight);
-        let (out, inp) = (decl.shape[0], decl.shape[1]);
-        let mut b = vec![0f32; out * r];
-        let mut shared_a: Option<(String, Vec<f32>)> = None;
-        for part in &decl.hf {
-            let a_name = peft_name(part, "lora_A");
-            let t = fetch(get, &a_name, [r, inp])?;
-            match &shared_a {
-                Some((first, values)) if *values != t.values => {
-                    return Err(ModelError::Input(format!(
-                        "{a_name} differs from {first}: the fused layer {} has one adapter, \
-                         so its projections must share lora_A",
-                        decl.name
-                    )));
-                }
-                Some(_) => {}
-                None => shared_a = Some((a_name, t.values)),
-            }
-            let rows: usize = part.rows.iter().map(|range| range.len()).sum();
-            let t = fetch(get, &peft_name(part, "lora_B"), [rows, r])?;
-            let mut src = t.values.iter();
-            for range in &part.rows {
-                for v in &mut b[range.start * r..range.end * r] {
-                    *v = *src.next().expect("rows counted");
-                }
-            }
+        let parts = self.peft_parts(weight, r, get)?;
+        if let Some(name) = parts.absent.first() {
+            return Err(ModelError::Input(format!(
+                "PEFT adapter tensor {name} is missing"
+            )));
         }
-        let (_, a) = shared_a.expect("a linear weight has an HF part");
+        if let [(first, _), (other, _), ..] = parts.blocks.as_slice() {
+            return Err(ModelError::Input(format!(
+                "{other} differs from {first}: the fused layer {} has one adapter, so its \
+                 projections must share lora_A",
+                self.layout().decl(weight).name
+            )));
+        }
+        let b = parts.fused_b(self.layout().decl(weight).shape[0], r);
+        let (_, a) = parts
+            .blocks
+            .into_iter()
+            .next()
+            .expect("a linear weight has an HF part");
         Ok((a, b))
     }
 
@@ -178,41 +169,49 @@ impl GptModel {
         r: usize,
         get: &mut impl FnMut(&str) -> Option<PeftTensor>,
     ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
-        let decl = self.layout().decl(weight);
-        let (out, inp) = (decl.shape[0], decl.shape[1]);
-        let mut blocks: Vec<Vec<f32>> = Vec::new();
-        // (rows of the part, its lora_B values, its block)
-        let mut parts = Vec::new();
-        for part in &decl.hf {
-            let a_name = peft_name(part, "lora_A");
-            if get(&a_name).is_none() {
-                continue;
-            }
-            let a = fetch(get, &a_name, [r, inp])?.values;
-            let rows: usize = part.rows.iter().map(|range| range.len()).sum();
-            let b = fetch(get, &peft_name(part, "lora_B"), [rows, r])?.values;
-            let block = match blocks.iter().position(|x| *x == a) {
-                Some(i) => i,
-                None => {
-                    blocks.push(a);
-                    blocks.len() - 1
-                }
-            };
-            parts.push((part.rows.clone(), b, block));
-        }
-        if blocks.is_empty() {
+        let parts = self.peft_parts(weight, r, get)?;
+        if parts.blocks.is_empty() {
             return Ok(None);
         }
-        let width = blocks.len() * r;
-        let mut b = vec![0f32; out * width];
-        for (ranges, values, block) in parts {
-            let mut src = values.chunks_exact(r);
-            for row in ranges.into_iter().flatten() {
-                let at = row * width + block * r;
-                b[at..at + r].copy_from_slice(src.next().expect("rows counted"));
-            }
+        let b = parts.fused_b(self.layout().decl(weight).shape[0], r);
+        let a = parts.blocks.into_iter().flat_map(|(_, a)| a).collect();
+        Ok(Some((a, b)))
+    }
+
+    /// The PEFT tensors of the projections fused in the linear layer whose weight is
+    /// `weight`, rank `r`: the distinct `lora_A`s, each `lora_B`, and the projections
+    /// without a `lora_A`.
+    ///
+    /// # Errors
+    /// A `lora_A` without its `lora_B`, or a tensor of another shape (each named).
+    fn peft_parts(
+        &self,
+        weight: ParamId,
+        r: usize,
+        get: &mut impl FnMut(&str) -> Option<PeftTensor>,
+    ) -> Result<PeftParts> {
+        let decl = self.layout().decl(weight);
+        let inp = decl.shape[1];
+        let mut parts = PeftParts::default();
+        for part in &decl.hf {
+            let a_name = peft_name(part, "lora_A");
+            let Some(a) = get(&a_name) else {
+                parts.absent.push(a_name);
+                continue;
+            };
+            let a = shaped(a, &a_name, [r, inp])?.values;
+            let rows: usize = part.rows.iter().map(|range| range.len()).sum();
+            let b = fetch(get, &peft_name(part, "lora_B"), [rows, r])?.values;
+            let block = match parts.blocks.iter().position(|(_, x)| *x == a) {
+                Some(i) => i,
+                None => {
+                    parts.blocks.push((a_name, a));
+                    parts.blocks.len() - 1
+                }
+            };
+            parts.lora_b.push((part.rows.clone(), b, block));
         }
-        Ok(Some((blocks.concat(), b)))
+        Ok(parts)
     }
 
     fn require_adapters(&self) -> Result<()> {
@@ -224,6 +223,36 @@ impl GptModel {
     }
 }
 
+/// The PEFT tensors of one fused linear layer ([`GptModel::peft_parts`]).
+#[derive(Default)]
+struct PeftParts {
+    /// The distinct `lora_A`s `[r, in]`, each with the name of the first projection that has
+    /// it.
+    blocks: Vec<(String, Vec<f32>)>,
+    /// Each adapted projection's rows in the fused weight, its `lora_B` `[rows, r]` and the
+    /// index of its `lora_A` in `blocks`.
+    lora_b: Vec<(Vec<std::ops::Range<usize>>, Vec<f32>, usize)>,
+    /// The `lora_A` names of the projections the adapter leaves alone.
+    absent: Vec<String>,
+}
+
+impl PeftParts {
+    /// `B: [out, blocks·r]`: each projection's `lora_B` in its rows and its block's columns,
+    /// zero elsewhere.
+    fn fused_b(&self, out: usize, r: usize) -> Vec<f32> {
+        let width = self.blocks.len() * r;
+        let mut b = vec![0f32; out * width];
+        for (ranges, values, block) in &self.lora_b {
+            let mut src = values.chunks_exact(r);
+            for row in ranges.iter().cloned().flatten() {
+                let at = row * width + block * r;
+                b[at..at + r].copy_from_slice(src.next().expect("rows counted"));
+            }
+        }
+        b
+    }
+}
+
 /// `get(name)`, checked to exist with `shape`.
 fn fetch(
     get: &mut impl FnMut(&str) -> Option<PeftTensor>,
@@ -232,6 +261,11 @@ fn fetch(
 ) -> Result<PeftTensor> {
     let t = get(name)
         .ok_or_else(|| ModelError::Input(format!("PEFT adapter tensor {name} is missing")))?;
+    shaped(t, name, shape)
+}
+
+/// `t` (the tensor `name`), checked to have `shape`.
+fn shaped(t: PeftTensor, name: &str, shape: [usize; 2]) -> Result<PeftTensor> {
     if t.shape != shape || t.values.len() != shape[0] * shape[1] {
         return Err(ModelError::Input(format!(
             "PEFT adapter tensor {name} is {:?} ({} values), the model needs {shape:?}",
