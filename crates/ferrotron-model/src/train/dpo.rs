@@ -114,12 +114,8 @@ impl DpoStats {
 
     /// Adds `other`'s sums to these.
     pub fn add(&mut self, other: &DpoStats) {
-        self.pairs += other.pairs;
-        self.rewards_chosen += other.rewards_chosen;
-        self.rewards_rejected += other.rewards_rejected;
-        self.accuracies += other.accuracies;
-        self.logps_chosen += other.logps_chosen;
-        self.logps_rejected += other.logps_rejected;
+        let (a, b) = (self.to_array(), other.to_array());
+        *self = DpoStats::from_array(std::array::from_fn(|i| a[i] + b[i]));
     }
 }
 

@@ -121,19 +121,20 @@ impl PipelineSums {
     }
 }
 
-/// Each batch's summed row log-probs through the pipeline, forward only (DPO's reference
-/// log-probs, `model` being this stage of the reference): stage by stage as
-/// [`Trainer::evaluate_pipeline`] runs them; `Some` on the last stage, `None` before it.
+/// Runs every micro-batch of `batches` forward only through the pipeline of `model`'s stages,
+/// chunk by chunk in turn: each virtual stage receives its input (none on the first), runs
+/// `stage(index, batch, chunk, input)` and passes what it returns on to the next virtual
+/// stage; `stage` returns `None` on the last, having kept what it computed there.
 /// Collective over the pipeline group.
-pub(super) fn pipeline_logps(
+fn forward_only(
     model: &GptModel,
     pp: &PipelineParallel,
     batches: &[TrainBatch],
-) -> Result<Vec<Option<Vec<f64>>>> {
+    mut stage: impl FnMut(usize, &TrainBatch, usize, Option<Vec<f32>>) -> Result<Option<Vec<f32>>>,
+) -> Result<()> {
     let comm = &pp.comm;
     let place = pp.rank(model.num_chunks());
-    let mut out = vec![None; batches.len()];
-    for (batch, logps) in batches.iter().zip(&mut out) {
+    for (index, batch) in batches.iter().enumerate() {
         for chunk in 0..place.vp {
             let input = if place.is_first(chunk) {
                 None
@@ -142,12 +143,32 @@ pub(super) fn pipeline_logps(
                 comm.recv(&mut x, place.prev_rank()).map_err(comm_err)?;
                 Some(x)
             };
-            match model.stage_sequence_logps(batch, chunk, input)? {
-                StageLogps::Logps(l) => *logps = Some(l),
-                StageLogps::Output(y) => comm.send(&y, place.next_rank()).map_err(comm_err)?,
+            if let Some(y) = stage(index, batch, chunk, input)? {
+                comm.send(&y, place.next_rank()).map_err(comm_err)?;
             }
         }
     }
+    Ok(())
+}
+
+/// Each batch's summed row log-probs through the pipeline, forward only (DPO's reference
+/// log-probs, `model` being this stage of the reference): `Some` on the last stage, `None`
+/// before it. Collective over the pipeline group.
+pub(super) fn pipeline_logps(
+    model: &GptModel,
+    pp: &PipelineParallel,
+    batches: &[TrainBatch],
+) -> Result<Vec<Option<Vec<f64>>>> {
+    let mut out = vec![None; batches.len()];
+    forward_only(model, pp, batches, |i, batch, chunk, input| {
+        Ok(match model.stage_sequence_logps(batch, chunk, input)? {
+            StageLogps::Logps(l) => {
+                out[i] = Some(l);
+                None
+            }
+            StageLogps::Output(y) => Some(y),
+        })
+    })?;
     Ok(out)
 }
 
@@ -238,36 +259,26 @@ impl Trainer {
         sums.shared(comm.as_ref(), pairs(batches))
     }
 
-    /// Forward-only loss sum of `batches` through the pipeline (validation): each stage
-    /// receives, runs and passes on every micro-batch in turn, chunk by chunk; the last
-    /// sums the losses (and the pairs' statistics), which the pipeline group then shares.
+    /// Forward-only loss sum of `batches` through the pipeline (validation, [`forward_only`]):
+    /// the last stage sums the losses (and the pairs' statistics), which the pipeline group
+    /// then shares.
     pub(super) fn evaluate_pipeline(
         &self,
         pp: &PipelineParallel,
         batches: &[TrainBatch],
     ) -> Result<PipelineSums> {
-        let comm = &pp.comm;
-        let place = pp.rank(self.model.num_chunks());
         let mut sums = PipelineSums::default();
-        for batch in batches {
-            for chunk in 0..place.vp {
-                let input = if place.is_first(chunk) {
+        forward_only(&self.model, pp, batches, |_, batch, chunk, input| {
+            let mut state = self.model.stage_forward(batch, chunk, input, 0.0)?;
+            Ok(match state.loss() {
+                Some(loss) => {
+                    sums.add(&loss);
                     None
-                } else {
-                    let mut x = vec![0f32; self.model.activation_len(batch)?];
-                    comm.recv(&mut x, place.prev_rank()).map_err(comm_err)?;
-                    Some(x)
-                };
-                let mut state = self.model.stage_forward(batch, chunk, input, 0.0)?;
-                match state.loss() {
-                    Some(loss) => sums.add(&loss),
-                    None => comm
-                        .send(&state.take_output(), place.next_rank())
-                        .map_err(comm_err)?,
                 }
-            }
-        }
-        sums.shared(comm.as_ref(), pairs(batches))
+                None => Some(state.take_output()),
+            })
+        })?;
+        sums.shared(pp.comm.as_ref(), pairs(batches))
     }
 
     /// `finalize_model_grads` for pipelines: the tied embedding's gradient summed over its
