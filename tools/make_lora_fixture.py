@@ -30,6 +30,19 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 SHARED_A = [("q_proj", ["k_proj", "v_proj"]), ("gate_proj", ["up_proj"])]
 
 
+def save_adapter(model, out_dir: Path, base: str) -> None:
+    """``save_pretrained`` of a PEFT model's adapter into ``out_dir`` with ``base`` as its
+    ``base_model_name_or_path``, without PEFT's model-card template and with a stable
+    ``adapter_config.json`` (sorted keys and ``target_modules``)."""
+    model.peft_config["default"].base_model_name_or_path = base
+    model.save_pretrained(out_dir)
+    (out_dir / "README.md").unlink()  # PEFT's model-card template
+    cfg_path = out_dir / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["target_modules"] = sorted(cfg["target_modules"])  # saved from a set
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def main() -> None:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
@@ -51,13 +64,7 @@ def main() -> None:
                 if "lora_B" in pname:
                     p.copy_(torch.randn_like(p) * 0.1)
         out_dir = ROOT / "lora" / name
-        model.peft_config["default"].base_model_name_or_path = f"fixtures/{name}"
-        model.save_pretrained(out_dir)
-        (out_dir / "README.md").unlink()  # PEFT's model-card template
-        cfg_path = out_dir / "adapter_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["target_modules"] = sorted(cfg["target_modules"])  # saved from a set
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        save_adapter(model, out_dir, f"fixtures/{name}")
         model.train()
         ids = load_file(str(ROOT / name / "reference.safetensors"))["input_ids"]
         out = model(ids, labels=ids)

@@ -17,13 +17,14 @@ Writes ``fixtures/lora/served/<adapter>/``: ``adapter_config.json`` +
     tools/.venv/bin/python tools/make_served_lora_fixture.py
 """
 
-import json
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
+
+from make_lora_fixture import save_adapter
 
 ROOT = Path(__file__).resolve().parent.parent / "fixtures"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -44,13 +45,7 @@ def main() -> None:
         )
         model = get_peft_model(base, config).eval()
         out_dir = ROOT / "lora" / "served" / name
-        model.peft_config["default"].base_model_name_or_path = "fixtures/tiny-llama"
-        model.save_pretrained(out_dir)
-        (out_dir / "README.md").unlink()  # PEFT's model-card template
-        cfg_path = out_dir / "adapter_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["target_modules"] = sorted(cfg["target_modules"])  # saved from a set
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        save_adapter(model, out_dir, "fixtures/tiny-llama")
         with torch.no_grad():
             logits = model(ids).logits.contiguous()
         save_file({"logits": logits}, str(out_dir / "reference.safetensors"))

@@ -6,26 +6,18 @@
 //! within float rounding; an adapter made for another base is refused. LLaMA (GQA) and
 //! Qwen2 (q/k/v biases).
 
-use ferrotron_model::families::load_hf_model;
 use ferrotron_model::lora::LoraWeights;
 use ferrotron_model::{
     GptModel, InitConfig, KvCache, LogitsMode, LoraConfig, PagedKvCache, RaggedBatch, RaggedSeq,
 };
-use ferrotron_tensor::DType;
-use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
+
+mod common;
+use common::{fixture, randomize_adapter_outputs, tokens};
 
 const FAMILIES: [&str; 2] = ["tiny-llama", "tiny-qwen2"];
 const BLOCK: usize = 4;
-
-fn base(name: &str) -> GptModel {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name);
-    load_hf_model(&dir, DType::F32).unwrap().0
-}
 
 fn lora() -> LoraConfig {
     LoraConfig {
@@ -47,28 +39,8 @@ fn adapted(name: &str, seed: u64) -> GptModel {
         seed,
         ..InitConfig::default()
     };
-    let mut model = base(name).with_lora(lora(), &init).unwrap();
-    let outs: Vec<usize> = (0..model.parameters().len())
-        .filter(|&i| {
-            model.layout().decls()[i]
-                .name
-                .ends_with("linear_out.weight")
-        })
-        .collect();
-    let sizes: Vec<usize> = model.parameters().iter().map(|p| p.numel()).collect();
-    let mut x = seed;
-    model
-        .load_parameters_with(&outs, |i| {
-            Cow::Owned(
-                (0..sizes[i])
-                    .map(|_| {
-                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-                        ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-                    })
-                    .collect(),
-            )
-        })
-        .unwrap();
+    let mut model = fixture(name).with_lora(lora(), &init).unwrap();
+    randomize_adapter_outputs(&mut model, seed);
     model
 }
 
@@ -84,18 +56,6 @@ fn served(base: &GptModel, adapted: &GptModel) -> Arc<LoraWeights> {
         .lora_weights_from_peft(4, 8.0, |n| tensors.get(n).cloned())
         .unwrap();
     Arc::new(weights)
-}
-
-fn tokens(vocab: usize, seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
 }
 
 fn seq(n: usize, ctx: usize, table: Vec<u32>, adapter: Option<&Arc<LoraWeights>>) -> RaggedSeq {
@@ -137,7 +97,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn a_lone_sequence_matches_the_model_with_its_adapter_built_in() {
     for name in FAMILIES {
-        let base = base(name);
+        let base = fixture(name);
         let with = adapted(name, 11);
         let weights = served(&base, &with);
         assert_eq!(weights.num_adapted(), 2 * 2 + 1);
@@ -172,7 +132,7 @@ fn a_lone_sequence_matches_the_model_with_its_adapter_built_in() {
 #[test]
 fn sequences_of_several_adapters_share_a_batch() {
     for name in FAMILIES {
-        let base = base(name);
+        let base = fixture(name);
         let (with_x, with_y) = (adapted(name, 21), adapted(name, 22));
         let (x, y) = (served(&base, &with_x), served(&base, &with_y));
         let v = base.config().vocab_size;
@@ -202,8 +162,8 @@ fn sequences_of_several_adapters_share_a_batch() {
 
 #[test]
 fn an_adapter_of_another_base_is_refused() {
-    let llama = base("tiny-llama");
-    let qwen = base("tiny-qwen2");
+    let llama = fixture("tiny-llama");
+    let qwen = fixture("tiny-qwen2");
     let weights = served(&qwen, &adapted("tiny-qwen2", 5));
     let mut cache = PagedKvCache::new(llama.config(), BLOCK, 4).unwrap();
     let batch = RaggedBatch {

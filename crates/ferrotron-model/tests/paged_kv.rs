@@ -5,35 +5,13 @@
 //! sequence its solo logits within float rounding. LLaMA (GQA), Mistral (sliding window),
 //! Bloom (ALiBi) and Qwen2 (biases).
 
-use ferrotron_model::families::load_hf_model;
-use ferrotron_model::{
-    GptModel, KvCache, LogitsMode, PagedKvCache, RaggedBatch, RaggedSeq, TransformerConfig,
-};
-use ferrotron_tensor::DType;
-use std::path::PathBuf;
+use ferrotron_model::{GptModel, KvCache, LogitsMode, PagedKvCache, RaggedBatch, RaggedSeq};
+
+mod common;
+use common::{fixture, tokens};
 
 const FAMILIES: [&str; 4] = ["tiny-llama", "tiny-mistral", "tiny-bloom", "tiny-qwen2"];
 const BLOCK: usize = 4;
-
-fn load(name: &str) -> GptModel {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name);
-    load_hf_model(&dir, DType::F32).unwrap().0
-}
-
-/// A pseudo-random token stream in the model's vocabulary.
-fn tokens(c: &TransformerConfig, seed: u64, n: usize) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % c.vocab_size as u64) as u32
-        })
-        .collect()
-}
 
 /// Logits of each step of feeding `chunks` to a contiguous cache (last row of each chunk).
 fn contiguous_steps(model: &GptModel, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
@@ -48,9 +26,9 @@ fn contiguous_steps(model: &GptModel, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
 #[test]
 fn one_sequence_is_bit_identical_to_the_contiguous_cache() {
     for name in FAMILIES {
-        let model = load(name);
+        let model = fixture(name);
         let c = model.config();
-        let ids = tokens(c, 7, 23);
+        let ids = tokens(c.vocab_size, 7, 23);
         // generate's pattern: one prefill, then one token per step.
         let chunks: Vec<&[u32]> = std::iter::once(&ids[..17])
             .chain(ids[17..].chunks(1))
@@ -85,10 +63,14 @@ fn one_sequence_is_bit_identical_to_the_contiguous_cache() {
 #[test]
 fn a_ragged_batch_gives_every_sequence_its_solo_logits() {
     for name in FAMILIES {
-        let model = load(name);
+        let model = fixture(name);
         let c = model.config();
         let mut cache = PagedKvCache::new(c, BLOCK, 24).unwrap();
-        let (a, b, d) = (tokens(c, 1, 13), tokens(c, 2, 9), tokens(c, 3, 11));
+        let (a, b, d) = (
+            tokens(c.vocab_size, 1, 13),
+            tokens(c.vocab_size, 2, 9),
+            tokens(c.vocab_size, 3, 11),
+        );
         let tables: [Vec<u32>; 3] = [vec![3, 17, 8, 21], vec![0, 12, 6], vec![19, 1, 15]];
         // Step 1: a's first 10 tokens, b's 9 (no logits for a: a chunk mid-prompt).
         // Step 2: a's last 3 (a chunk after 10 cached), b decodes 1, d's first 11.
@@ -101,7 +83,7 @@ fn a_ragged_batch_gives_every_sequence_its_solo_logits() {
             row_by_row: false,
             adapter: None,
         };
-        let extra = tokens(c, 4, 3);
+        let extra = tokens(c.vocab_size, 4, 3);
         let steps = [
             RaggedBatch {
                 tokens: [&a[..10], &b[..]].concat(),
@@ -153,11 +135,11 @@ fn a_ragged_batch_gives_every_sequence_its_solo_logits() {
 
 #[test]
 fn bad_batches_are_errors() {
-    let model = load("tiny-llama");
+    let model = fixture("tiny-llama");
     let c = model.config();
     let mut cache = PagedKvCache::new(c, BLOCK, 4).unwrap();
     let one = |n, ctx, table: Vec<u32>| RaggedBatch {
-        tokens: tokens(c, 5, n),
+        tokens: tokens(c.vocab_size, 5, n),
         seqs: vec![RaggedSeq {
             num_tokens: n,
             context_len: ctx,
@@ -204,9 +186,9 @@ fn bad_batches_are_errors() {
 #[test]
 fn row_by_row_tokens_equal_one_decode_step_each() {
     for name in FAMILIES {
-        let model = load(name);
+        let model = fixture(name);
         let c = model.config();
-        let ids = tokens(c, 9, 14);
+        let ids = tokens(c.vocab_size, 9, 14);
         let (prompt, rest) = ids.split_at(9);
         let table: Vec<u32> = vec![4, 1, 7, 3];
         let run = |chunks: &[&[u32]], row_by_row: bool| {

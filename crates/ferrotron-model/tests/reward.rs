@@ -44,6 +44,16 @@ impl Fixture {
     }
 }
 
+/// A reward objective without centering or margins over `pairs` pairs, reading rewards before
+/// `pad`.
+fn reward(pad: Option<u32>, pairs: usize) -> Objective {
+    Objective::Reward(RewardTargets {
+        center_rewards_coefficient: 0.0,
+        pad_token_id: pad,
+        margins: vec![0.0; pairs],
+    })
+}
+
 /// The fixture's model (score weights set) and its pairs as a reward batch.
 fn setup() -> (Fixture, GptModel, TrainBatch) {
     let f = Fixture {
@@ -191,11 +201,7 @@ fn the_score_head_trains_under_lora() {
         .unwrap()
         .0;
     let mut b = batch.clone();
-    b.objective = Objective::Reward(RewardTargets {
-        center_rewards_coefficient: 0.0,
-        pad_token_id: Some(0),
-        margins: vec![0.0; 2],
-    });
+    b.objective = reward(Some(0), 2);
     assert!(
         lm.rewards(&b)
             .unwrap_err()
@@ -217,11 +223,7 @@ fn the_reward_token_is_hfs_last_non_pad_token() {
     let batch = TrainBatch::from_batch_major(&tokens, &labels, None, 2, s);
     let with_pad = |pad| {
         let mut b = batch.clone();
-        b.objective = Objective::Reward(RewardTargets {
-            center_rewards_coefficient: 0.0,
-            pad_token_id: pad,
-            margins: vec![0.0],
-        });
+        b.objective = reward(pad, 1);
         model.rewards(&b).unwrap()
     };
     // The score at a position: the reward of a row cut right after it, read at its end.
@@ -229,11 +231,7 @@ fn the_reward_token_is_hfs_last_non_pad_token() {
         let mut cut = row[..=t].to_vec();
         cut.resize(s, 0);
         let mut b = TrainBatch::from_batch_major(&cut, &labels[..s], None, 1, s);
-        b.objective = Objective::Reward(RewardTargets {
-            center_rewards_coefficient: 0.0,
-            pad_token_id: Some(0),
-            margins: Vec::new(),
-        });
+        b.objective = reward(Some(0), 0);
         model.rewards(&b).unwrap()[0]
     };
     let close = |a: f64, b: f64, what: &str| assert!((a - b).abs() < 1e-5, "{what}: {a} vs {b}");

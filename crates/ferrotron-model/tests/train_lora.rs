@@ -3,18 +3,16 @@
 //! selective and full recompute, fresh adapters that leave the model's outputs unchanged,
 //! and the targets a model rejects. (PEFT parity is `ferrotron-checkpoint/tests/peft.rs`.)
 
-use ferrotron_model::families::load_hf_model;
+mod common;
+use common::{fixture, randomize_adapter_outputs};
 use ferrotron_model::module::ParamRole;
 use ferrotron_model::{
     GptModel, InitConfig, LoraConfig, RecomputeGranularity, RecomputeMethod, TrainBatch,
 };
-use ferrotron_tensor::DType;
 use std::borrow::Cow;
-use std::path::PathBuf;
 
 fn base() -> GptModel {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-qwen2");
-    load_hf_model(&dir, DType::F32).unwrap().0
+    fixture("tiny-qwen2")
 }
 
 fn lora() -> LoraConfig {
@@ -41,27 +39,7 @@ fn adapted_with(dropout: f32) -> GptModel {
     let mut model = base()
         .with_lora(lora_with(dropout), &InitConfig::default())
         .unwrap();
-    let outs: Vec<usize> = (0..model.parameters().len())
-        .filter(|&i| {
-            model.layout().decls()[i]
-                .name
-                .ends_with("linear_out.weight")
-        })
-        .collect();
-    let sizes: Vec<usize> = model.parameters().iter().map(|p| p.numel()).collect();
-    let mut x = 7u64;
-    model
-        .load_parameters_with(&outs, |i| {
-            Cow::Owned(
-                (0..sizes[i])
-                    .map(|_| {
-                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-                        ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-                    })
-                    .collect(),
-            )
-        })
-        .unwrap();
+    randomize_adapter_outputs(&mut model, 7);
     model
 }
 

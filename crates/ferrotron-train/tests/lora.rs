@@ -283,18 +283,7 @@ fn dpo_layouts_match_one_rank() {
         assert_layout(&format!("DPO {label}"), world, layout, adapted, &one);
     }
     // Fresh adapters: policy = reference at step 0.
-    let fresh = || {
-        fixture("tiny-llama")
-            .with_lora(
-                LoraConfig {
-                    rank: 4,
-                    alpha: 8.0,
-                    ..LoraConfig::default()
-                },
-                &InitConfig::default(),
-            )
-            .unwrap()
-    };
+    let fresh = || with_fresh_lora(fixture("tiny-llama"));
     let a = reference_run(fresh(), DpoReference::AdaptersDisabled);
     assert_eq!(a.0[0], std::f64::consts::LN_2);
     let b = reference_run(fresh(), DpoReference::FrozenCopy);

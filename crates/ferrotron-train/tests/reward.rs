@@ -9,7 +9,7 @@ mod common;
 use common::layouts::*;
 use common::*;
 use ferrotron_comm::run_local;
-use ferrotron_model::{GptModel, InitConfig, LoraConfig};
+use ferrotron_model::{GptModel, InitConfig};
 use ferrotron_train::trainer::{TrainError, Trainer, TrainerOptions};
 
 /// tiny-llama with a score head (seeded), and LoRA adapters on it when `lora`.
@@ -20,16 +20,7 @@ fn reward_model(lora: bool) -> GptModel {
     if !lora {
         return model;
     }
-    model
-        .with_lora(
-            LoraConfig {
-                rank: 4,
-                alpha: 8.0,
-                ..LoraConfig::default()
-            },
-            &InitConfig::default(),
-        )
-        .unwrap()
+    with_fresh_lora(model)
 }
 
 /// The first step's gradient norm and reward margin sum, and the run's losses and

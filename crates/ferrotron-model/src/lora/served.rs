@@ -132,8 +132,7 @@ impl GptModel {
             ));
         }
         let mut adapters: Vec<Option<(Tensor, Tensor)>> = vec![None; self.layout().decls().len()];
-        let linears: Vec<_> = self.linear_params().collect();
-        for p in linears {
+        for p in self.linear_params() {
             let Some((a, b)) = self.stacked_from_peft(p.weight, r, &mut get)? else {
                 continue;
             };

@@ -29,6 +29,18 @@ pub fn fixture(name: &str) -> GptModel {
         .0
 }
 
+/// `model` with fresh LoRA adapters (rank 4, alpha 8, NeMo's four targets, seeded).
+pub fn with_fresh_lora(model: GptModel) -> GptModel {
+    let lora = ferrotron_model::LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        ..ferrotron_model::LoraConfig::default()
+    };
+    model
+        .with_lora(lora, &ferrotron_model::InitConfig::default())
+        .unwrap()
+}
+
 /// Sample `k`: the pattern repeated, starting at offset `k`; the loss mask drops the first
 /// `2·(k mod 4)` positions so micro-batches carry different numbers of loss tokens.
 pub struct PatternDataset {
