@@ -9,6 +9,7 @@
 use super::TrainBatch;
 use super::attention::attention_forward;
 use super::core_attention::{CoreAttnOut, KeysValues};
+use super::lora::PassDropout;
 use super::memory::Ledger;
 use super::mlp::mlp_forward;
 use super::norm::{NormLayer, NormStats};
@@ -21,7 +22,6 @@ use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig};
 use ferrotron_nn::Linear;
 use ferrotron_nn::attention::DocumentStarts;
-use ferrotron_nn::lora::{LoraDropout, mix};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{RopeTable, add_inplace};
 use ferrotron_tensor::{Buffer, DType, Device};
@@ -53,9 +53,9 @@ pub(crate) struct Pass<'a> {
     /// Row ranges that take a LoRA adapter apart from the model's own (serving several
     /// adapters over one base, [`crate::lora::LoraWeights`]); empty in training.
     pub adapter_rows: Vec<(Range<usize>, &'a LoraWeights)>,
-    /// The LoRA adapters' input dropout of a training pass: its probability and one key per
-    /// row `[rows]` (from [`TrainBatch::dropout_keys`]); `None`: no dropout.
-    pub lora_dropout: Option<(f32, Vec<u64>)>,
+    /// The LoRA adapters' input dropout of a training pass (from
+    /// [`TrainBatch::dropout_keys`]); `None`: no dropout.
+    pub lora_dropout: Option<PassDropout>,
 }
 
 impl<'a> Pass<'a> {
@@ -83,7 +83,7 @@ impl<'a> Pass<'a> {
             narrow: model.activation_dtype() == DType::BF16,
             device: model.device(),
             adapter_rows: Vec::new(),
-            lora_dropout: lora_dropout(model, batch),
+            lora_dropout: PassDropout::new(model, batch),
         }
     }
 
@@ -116,21 +116,11 @@ impl<'a> Pass<'a> {
     /// training pass with dropout, and the adapters of [`Pass::adapter_rows`] on their rows.
     pub(crate) fn linear(&self, p: LinearParams) -> Linear<'_> {
         let mut linear = self.model.linear(p);
-        if let (Some((prob, row_keys)), Some(a)) = (&self.lora_dropout, p.lora)
+        if let (Some(d), Some(a)) = (&self.lora_dropout, p.lora)
             && linear.lora().is_some()
         {
-            let decl = self.model.layout().decl(a.linear_in);
-            // A row-parallel layer's rank holds a slice of the input columns.
-            let col_offset = match (decl.split, self.tp) {
-                (crate::TpSplit::Columns, Some(t)) => t.group.rank() * linear.in_features(),
-                _ => 0,
-            };
-            linear = linear.with_lora_dropout(LoraDropout {
-                p: *prob,
-                key: name_key(&decl.name),
-                row_keys,
-                col_offset,
-            });
+            let dropout = d.of_adapter(self.model, a, self.tp, linear.in_features());
+            linear = linear.with_lora_dropout(dropout);
         }
         if self.adapter_rows.is_empty() {
             return linear;
@@ -142,27 +132,6 @@ impl<'a> Pass<'a> {
             .collect();
         linear.with_row_lora(adapters)
     }
-}
-
-/// The LoRA input dropout of a training pass of `model` over `batch`: with `lora.dropout > 0`
-/// and the batch's dropout keys, the probability and a key per row `[s·b]` (row `t·b + j`
-/// from row `j`'s key and position `t`).
-fn lora_dropout(model: &GptModel, batch: &TrainBatch) -> Option<(f32, Vec<u64>)> {
-    let p = model.config().lora.as_ref()?.dropout;
-    let keys = batch.dropout_keys.as_ref().filter(|_| p > 0.0)?;
-    let rows = (0..batch.seq)
-        .flat_map(|t| keys.iter().map(move |&k| mix(k ^ mix(t as u64))))
-        .collect();
-    Some((p, rows))
-}
-
-/// A stable 64-bit key of a parameter's name (FNV-1a, then mixed): the same for the
-/// parameter in every layout.
-fn name_key(name: &str) -> u64 {
-    let fnv = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    mix(fnv)
 }
 
 /// What one decoder layer's backward needs, all over `rows = s·b` tokens in `[s, b]` order

@@ -6,8 +6,11 @@
 //! saved input rather than kept: it costs `2·rows·in·r` FLOPs, a small fraction of the base
 //! layer's, and no activation memory; the dropout mask is recomputed from its keys.
 
+use super::TrainBatch;
 use crate::module::LoraParams;
+use crate::{GptModel, TpInfo, TpSplit};
 use ferrotron_nn::LoraAdapter;
+use ferrotron_nn::lora::{LoraDropout, mix};
 use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
 use ferrotron_tensor::gemm_bf16::Operand;
 
@@ -72,4 +75,56 @@ pub(super) fn lora_backward(
             dx.iter_mut().zip(&dxa).for_each(|(g, v)| *g += v);
         }
     }
+}
+
+/// The LoRA adapters' input dropout of one training pass: its probability and one key per
+/// row `[s·b]` (row `t·b + j` from row `j`'s key and position `t`).
+pub(crate) struct PassDropout {
+    p: f32,
+    row_keys: Vec<u64>,
+}
+
+impl PassDropout {
+    /// The dropout of a pass of `model` over `batch`: with `lora.dropout > 0` and the batch's
+    /// dropout keys (a training step's), `None` otherwise.
+    pub(crate) fn new(model: &GptModel, batch: &TrainBatch) -> Option<PassDropout> {
+        let p = model.config().lora.as_ref()?.dropout;
+        let keys = batch.dropout_keys.as_ref().filter(|_| p > 0.0)?;
+        let row_keys = (0..batch.seq)
+            .flat_map(|t| keys.iter().map(move |&k| mix(k ^ mix(t as u64))))
+            .collect();
+        Some(PassDropout { p, row_keys })
+    }
+
+    /// The dropout of adapter `a` of `model`, whose layer takes `in_features` input columns on
+    /// this rank: keyed by the adapter's name, offset by the rank's first column when a
+    /// row-parallel layer splits them.
+    pub(crate) fn of_adapter(
+        &self,
+        model: &GptModel,
+        a: LoraParams,
+        tp: Option<&TpInfo>,
+        in_features: usize,
+    ) -> LoraDropout<'_> {
+        let decl = model.layout().decl(a.linear_in);
+        let col_offset = match (decl.split, tp) {
+            (TpSplit::Columns, Some(t)) => t.group.rank() * in_features,
+            _ => 0,
+        };
+        LoraDropout {
+            p: self.p,
+            key: name_key(&decl.name),
+            row_keys: &self.row_keys,
+            col_offset,
+        }
+    }
+}
+
+/// A stable 64-bit key of a parameter's name (FNV-1a, then mixed): the same for the
+/// parameter in every layout.
+fn name_key(name: &str) -> u64 {
+    let fnv = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    mix(fnv)
 }
