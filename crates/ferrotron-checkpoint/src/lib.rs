@@ -26,4 +26,4 @@ pub use hf_export::{
     export_hf, tokenizer_files,
 };
 pub use peft::{PeftAdapter, write_peft_adapter};
-pub use vocab::{ExpandVocabOptions, ExpandVocabReport, expand_vocab};
+pub use vocab::{ExpandVocabOptions, ExpandVocabReport, VocabMode, expand_vocab};

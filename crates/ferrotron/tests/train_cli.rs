@@ -1,17 +1,15 @@
 //! `ferrotron train`: config problems, `--print-config`, `--list-keys`, and a two-iteration
-//! continue-pretraining run of SmolLM2-135M on a small generated corpus (also after
-//! `convert expand-vocab`).
+//! continue-pretraining run of SmolLM2-135M on a small generated corpus.
 //!
 //! The runs need `FERROTRON_SMOLLM2_GGUF` (like tests/smollm2.rs); without it those tests are
 //! reported as ignored (`common::weights`).
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
 mod common;
 use common::weights::{self, GGUF, trials};
-use common::{ferrotron, model_dir};
+use common::{ferrotron, model_dir, text, train, train_losses};
 
 fn main() {
     let plain = trials![config_problems_are_all_reported, print_config_and_list_keys];
@@ -19,18 +17,10 @@ fn main() {
         two_iterations_on_smollm2,
         bf16_with_selective_recompute_tracks_f32,
         pretrain_from_scratch_loss_falls,
-        expanded_vocabulary_continues_pretraining,
         dpo_with_lora_on_smollm2,
         reward_model_on_smollm2,
     ];
     weights::run(plain.into_iter().chain(smollm2));
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
 }
 
 /// An (empty) `.bin/.idx` pair: enough for config validation, which only checks existence.
@@ -150,27 +140,6 @@ fn corpus(dir: &Path, model: &Path) -> PathBuf {
     let data_prefix = dir.join("kjv_text_document");
     assert!(data_prefix.with_extension("idx").exists());
     data_prefix
-}
-
-/// Runs `ferrotron train` on `toml`; returns stdout after asserting success.
-fn train(dir: &Path, toml: &str) -> String {
-    let cfg = dir.join("run.toml");
-    std::fs::write(&cfg, toml).unwrap();
-    let o = ferrotron(&["train", "--config", cfg.to_str().unwrap()]);
-    let (out, err) = text(&o);
-    assert_eq!(o.status.code(), Some(0), "stdout:\n{out}\nstderr:\n{err}");
-    out
-}
-
-/// The `lm loss` of every training log line of `out`.
-fn train_losses(out: &str) -> Vec<f64> {
-    out.lines()
-        .filter(|l| l.contains("consumed samples"))
-        .map(|l| {
-            let rest = l.split("lm loss: ").nth(1).expect("an lm loss field");
-            rest.split(' ').next().unwrap().parse().unwrap()
-        })
-        .collect()
 }
 
 fn two_iterations_on_smollm2() {
@@ -340,122 +309,6 @@ fn pretrain_from_scratch_loss_falls() {
     // ln(49152) = 10.8 at init; the repeated verses are learned quickly.
     assert!(losses[0] > 9.0, "{losses:?}");
     assert!(losses[3] < losses[0] - 3.0, "{losses:?}");
-}
-
-/// `convert expand-vocab` (issue 19): the new tokens encode to single new ids, each new
-/// embedding row is the mean of its old pieces' rows, logits over the old vocabulary are
-/// unchanged on old-token text, and continued pretraining runs on data preprocessed with the
-/// new tokenizer. (`tools/check_vocab_expansion.py` checks the output against transformers.)
-fn expanded_vocabulary_continues_pretraining() {
-    use ferrotron_model::families::load_hf_model;
-    use ferrotron_model::{KvCache, LogitsMode};
-    let model = model_dir();
-    let tmp = tempfile::tempdir().unwrap();
-    let tokens = tmp.path().join("tokens.txt");
-    std::fs::write(&tokens, "天气\nFerrotron\n").unwrap();
-    let expanded = tmp.path().join("expanded");
-    let o = ferrotron(&[
-        "convert",
-        "expand-vocab",
-        "--hf",
-        model.to_str().unwrap(),
-        "--add-tokens",
-        tokens.to_str().unwrap(),
-        "--output",
-        expanded.to_str().unwrap(),
-        "--pad-to-multiple-of",
-        "64",
-    ]);
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "{err}");
-    assert!(
-        out.contains("2 tokens added (ids 49152..=49153), vocab_size 49152 -> 49216"),
-        "{out}"
-    );
-    let old_tok = ferrotron_data::Tokenizer::from_dir(model).unwrap();
-    let new_tok = ferrotron_data::Tokenizer::from_dir(&expanded).unwrap();
-    assert_eq!(new_tok.encode("天气", false).unwrap(), [49152]);
-    assert_eq!(new_tok.encode("Ferrotron", false).unwrap(), [49153]);
-    let (old, _) = load_hf_model(model, ferrotron_tensor::DType::F32).unwrap();
-    let (new, _) = load_hf_model(&expanded, ferrotron_tensor::DType::F32).unwrap();
-    let (emb_old, emb_new) = (old.parameter_f32(0).unwrap(), new.parameter_f32(0).unwrap());
-    let h = old.config().hidden_size;
-    let pieces = old_tok.encode("天气", false).unwrap();
-    for j in 0..h {
-        let mean = pieces
-            .iter()
-            .map(|&p| emb_old[p as usize * h + j] as f64)
-            .sum::<f64>()
-            / pieces.len() as f64;
-        assert_eq!(emb_new[49152 * h + j], mean as f32, "column {j}");
-    }
-    assert_eq!(emb_new[..emb_old.len()], emb_old[..]);
-    let ids = old_tok
-        .encode(
-            "In the beginning God created the heaven and the earth.",
-            true,
-        )
-        .unwrap();
-    let last = |m: &ferrotron_model::GptModel| {
-        let mut cache = KvCache::new(m.config(), 1, ids.len()).unwrap();
-        m.forward(&ids, &mut cache, LogitsMode::Last).unwrap()
-    };
-    let (a, b) = (last(&old), last(&new));
-    let diff = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    assert!(diff <= 1e-5, "old-vocabulary logits moved by {diff}");
-    assert_eq!(b.len(), 49216);
-    // Continued pretraining on text with the new tokens, preprocessed with the new tokenizer.
-    let corpus = tmp.path().join("corpus.txt");
-    let lines: Vec<String> = (0..200)
-        .map(|i| {
-            format!("{i}: Ferrotron says the 天气 today is fair, and the 天气 tomorrow is rain.")
-        })
-        .collect();
-    std::fs::write(&corpus, lines.join("\n")).unwrap();
-    let prefix = tmp.path().join("weather");
-    let o = ferrotron(&[
-        "preprocess-data",
-        "--input",
-        corpus.to_str().unwrap(),
-        "--tokenizer",
-        expanded.to_str().unwrap(),
-        "--output-prefix",
-        prefix.to_str().unwrap(),
-        "--append-eod",
-    ]);
-    assert!(o.status.success(), "preprocess: {}", text(&o).1);
-    let data = tmp.path().join("weather_text_document");
-    let bin = std::fs::read(data.with_extension("bin")).unwrap();
-    // uint16 ids: Megatron's choice for vocabularies under 65500.
-    let ids: Vec<u16> = bin
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        .collect();
-    assert!(
-        ids.contains(&49152) && ids.contains(&49153),
-        "the new ids are in the data"
-    );
-    let out = train(
-        tmp.path(),
-        &format!(
-            "[model]\nload = {:?}\nseq_length = 32\n\
-             [data]\ndata_path = {:?}\nsplit = \"100,0,0\"\n\
-             [training]\nmicro_batch_size = 1\nglobal_batch_size = 2\ntrain_iters = 3\n\
-             log_interval = 1\n\
-             [optimizer]\nlr = 1e-4\n\
-             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
-            expanded.to_str().unwrap(),
-            data.to_str().unwrap(),
-            tmp.path().join("out").to_str().unwrap()
-        ),
-    );
-    let losses = train_losses(&out);
-    assert_eq!(losses.len(), 3, "{out}");
-    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
 }
 
 /// DPO with LoRA from `run.toml` (issue 19) on a small preference file in both forms (chat

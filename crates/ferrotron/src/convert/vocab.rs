@@ -1,10 +1,11 @@
-//! `ferrotron convert expand-vocab`: tokens added to an HF model's vocabulary, their
-//! embedding (and output) rows the mean of their old pieces' rows.
+//! `ferrotron convert expand-vocab`: tokens added to an HF model's vocabulary (as added
+//! tokens or merged into its BPE model), their embedding (and output) rows the mean of their
+//! old pieces' rows.
 
 use super::DtypeArg;
 use anyhow::{Context, Result, bail};
-use clap::Args;
-use ferrotron_checkpoint::{ExpandVocabOptions, expand_vocab};
+use clap::{Args, ValueEnum};
+use ferrotron_checkpoint::{ExpandVocabOptions, VocabMode, expand_vocab};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -18,6 +19,14 @@ pub struct ExpandVocabArgs {
     /// and row but is matched as an added token from now on (reported).
     #[arg(long)]
     add_tokens: PathBuf,
+    /// How the tokens join tokenizer.json: `added` as HF's tokenizer.add_tokens (matched in
+    /// the text before pre-tokenization, any string), or `merged` into the BPE model's vocab
+    /// with merges appended after the old ones (produced wherever BPE meets the text inside a
+    /// word, as a tokenizer trained on the new text; intermediate strings the merges need
+    /// join the vocabulary too; needs a BPE tokenizer and tokens the pre-tokenizer keeps
+    /// whole, e.g. no inner spaces).
+    #[arg(long, value_enum, default_value_t = ModeArg::Added)]
+    mode: ModeArg,
     /// The directory to create (written to a temporary name, renamed when complete).
     #[arg(long)]
     output: PathBuf,
@@ -31,6 +40,12 @@ pub struct ExpandVocabArgs {
     /// Replace an existing non-empty output directory.
     #[arg(long)]
     force: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Added,
+    Merged,
 }
 
 pub fn expand(a: ExpandVocabArgs) -> Result<ExitCode> {
@@ -51,6 +66,10 @@ pub fn expand(a: ExpandVocabArgs) -> Result<ExitCode> {
         bail!("--pad-to-multiple-of must be >= 1");
     }
     let opts = ExpandVocabOptions {
+        mode: match a.mode {
+            ModeArg::Added => VocabMode::Added,
+            ModeArg::Merged => VocabMode::Merged,
+        },
         pad_to_multiple_of: a.pad_to_multiple_of,
         dtype: a.dtype.map(DtypeArg::output),
         force: a.force,
@@ -60,9 +79,12 @@ pub fn expand(a: ExpandVocabArgs) -> Result<ExitCode> {
     bar.finish_and_clear();
     let report = result.with_context(|| format!("convert expand-vocab {}", a.hf.display()))?;
     for t in &report.skipped {
-        eprintln!(
-            "already in the vocabulary: {t:?} keeps its id (matched as an added token from now on, as HF's add_tokens does)"
-        );
+        match a.mode {
+            ModeArg::Added => eprintln!(
+                "already in the vocabulary: {t:?} keeps its id (matched as an added token from now on, as HF's add_tokens does)"
+            ),
+            ModeArg::Merged => eprintln!("already one token: {t:?} keeps its id"),
+        }
     }
     let (old, new) = report.vocab_size;
     println!(

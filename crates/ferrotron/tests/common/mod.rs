@@ -93,3 +93,33 @@ pub fn tiny_corpus(dir: &Path) -> PathBuf {
     b.finalize().unwrap();
     prefix
 }
+
+/// `(stdout, stderr)` of a finished command, lossily decoded.
+pub fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// Runs `ferrotron train` on `toml` (written as `dir/run.toml`); returns stdout after
+/// asserting success.
+pub fn train(dir: &Path, toml: &str) -> String {
+    let cfg = dir.join("run.toml");
+    std::fs::write(&cfg, toml).unwrap();
+    let o = ferrotron(&["train", "--config", cfg.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    out
+}
+
+/// The `lm loss` of every training log line of `out`.
+pub fn train_losses(out: &str) -> Vec<f64> {
+    out.lines()
+        .filter(|l| l.contains("consumed samples"))
+        .map(|l| {
+            let rest = l.split("lm loss: ").nth(1).expect("an lm loss field");
+            rest.split(' ').next().unwrap().parse().unwrap()
+        })
+        .collect()
+}
