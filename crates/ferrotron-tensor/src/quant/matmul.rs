@@ -3,27 +3,33 @@
 use super::activation::{Q8Row, Q8Rows};
 use super::dot::dot_scalar;
 use super::{QuantMatrix, QuantType};
-use crate::gemm::{GEMV_MAX_ROWS, Op, dequantized_blocks_n};
+use crate::gemm::{Op, dequantized_blocks_n};
 use crate::gemm_bf16::{Operand::F32, bf16_gemm};
 use rayon::prelude::*;
 
 /// Weight rows dequantized at a time on the prefill path (a `TILE_ROWS × k` f32 tile).
 const TILE_ROWS: usize = 1024;
 
+/// Most activation rows that take the integer path of [`quant_matmul_t`] (batched decode);
+/// more (prefill) take the bf16 tiles.
+pub const INT8_MAX_ROWS: usize = 32;
+
 /// Fewest weight rows per rayon task of the integer path.
 const MIN_ROWS_PER_TASK: usize = 16;
 
 /// Weight rows per rayon task for `rows` rows: four equal tasks per thread (even shares for
-/// the last ones), at least [`MIN_ROWS_PER_TASK`].
+/// the last ones), at least [`MIN_ROWS_PER_TASK`], a multiple of 8 (the Q4_0 kernel's group).
 fn rows_per_task(rows: usize) -> usize {
     rows.div_ceil(4 * rayon::current_num_threads())
         .max(MIN_ROWS_PER_TASK)
+        .next_multiple_of(8)
 }
 
 /// `y[m, n] = x[m, k] · wᵀ` (`+=` when `accumulate`) for a quantized `w[n, k]`.
 ///
-/// Up to [`GEMV_MAX_ROWS`] rows (decode, batched decode) take integer dot products with `x`
-/// quantized to int8 per 32 values (llama.cpp's `ggml_vec_dot_*`); each row of `y` is
+/// Up to [`INT8_MAX_ROWS`] rows (decode, batched decode) take integer dot products with `x`
+/// quantized to int8 per 32 values (llama.cpp's `ggml_vec_dot_*`; Q4_0 weight rows eight at
+/// a time where the CPU has AVX512-VNNI, as its `ggml_gemm_q4_0_8x8_q8_0`); each row of `y` is
 /// computed by the same sequence of operations whatever `m` is, so a served request's decode
 /// does not depend on its batch. More rows (prefill) dequantize 1024 weight rows at
 /// a time (exactly, to f32) and multiply them with `x` by the bf16 GEMM (both operands
@@ -43,7 +49,7 @@ pub fn quant_matmul_t(
     if m == 0 || n == 0 {
         return;
     }
-    if m > GEMV_MAX_ROWS {
+    if m > INT8_MAX_ROWS {
         bf16_tiles(&x[..m * k], w, y, (m, n, k), accumulate);
         return;
     }
@@ -52,27 +58,76 @@ pub fn quant_matmul_t(
     #[cfg(not(target_arch = "x86_64"))]
     let simd = false;
     let xq = Q8Rows::quantize(&x[..m * k], m, k);
-    let rows: Vec<Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
-    // yt[n, m]: each task writes its weight rows' dots with every activation row.
-    let mut yt = vec![0f32; n * m];
-    let mut start = 0;
+    let xs: Vec<Q8Row<'_>> = (0..m).map(|i| xq.row(i)).collect();
+    // Each task takes a run of weight rows of one segment, and those columns of every row
+    // of y (split off in column order, so the tasks' outputs are disjoint): `outs[t·m + r]`.
+    let mut tasks: Vec<Task<'_>> = Vec::new();
     for seg in w.segments() {
         let row_bytes = seg.data().len() / seg.rows();
         let per_task = rows_per_task(seg.rows());
-        yt[start * m..(start + seg.rows()) * m]
-            .par_chunks_mut(per_task * m)
-            .zip(seg.data().par_chunks(per_task * row_bytes))
-            .for_each(|(out, data)| {
-                for (o, row) in out.chunks_exact_mut(m).zip(data.chunks_exact(row_bytes)) {
-                    dots(seg.ty(), row, &rows, o, simd);
-                }
+        for data in seg.data().chunks(per_task * row_bytes) {
+            tasks.push(Task {
+                ty: seg.ty(),
+                data,
+                row_bytes,
             });
-        start += seg.rows();
+        }
     }
-    for (i, y) in y[..m * n].chunks_exact_mut(n).enumerate() {
-        for (j, y) in y.iter_mut().enumerate() {
-            let v = yt[j * m + i];
-            *y = if accumulate { *y + v } else { v };
+    let mut outs: Vec<&mut [f32]> = Vec::new();
+    outs.resize_with(tasks.len() * m, Default::default);
+    for (r, mut rest) in y[..m * n].chunks_exact_mut(n).enumerate() {
+        for (t, task) in tasks.iter().enumerate() {
+            let (head, tail) = rest.split_at_mut(task.data.len() / task.row_bytes);
+            outs[t * m + r] = head;
+            rest = tail;
+        }
+    }
+    tasks
+        .par_iter()
+        .zip(outs.par_chunks_mut(m))
+        .for_each(|(t, out)| t.run(&xs, out, accumulate, simd));
+}
+
+/// Weight rows of one format: `data`, `row_bytes` each.
+struct Task<'a> {
+    ty: QuantType,
+    data: &'a [u8],
+    row_bytes: usize,
+}
+
+impl Task<'_> {
+    /// `out[r][j] = w_j · xs[r]` (`+=` when `accumulate`) for the task's rows `w_j`: rows of
+    /// formats [`rows8`] takes in groups of eight through it where the CPU has it (the
+    /// groups are fixed by the rows' positions, not by the number of activation rows), the
+    /// other rows one by one through [`dots`].
+    ///
+    /// [`rows8`]: super::rows8
+    fn run(&self, xs: &[Q8Row<'_>], out: &mut [&mut [f32]], accumulate: bool, simd: bool) {
+        let (ty, row_bytes) = (self.ty, self.row_bytes);
+        let put = |y: &mut f32, v: f32| *y = if accumulate { *y + v } else { v };
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if simd && super::rows8::supports(ty) {
+            for rows in self.data.chunks_exact(8 * row_bytes) {
+                rows8_dots(ty, rows, row_bytes, xs, |r, v| {
+                    out[r][done..done + 8]
+                        .iter_mut()
+                        .zip(v)
+                        .for_each(|(y, &v)| put(y, v));
+                });
+                done += 8;
+            }
+        }
+        if done * row_bytes == self.data.len() {
+            return;
+        }
+        let mut col = vec![0f32; xs.len()];
+        for row in self.data[done * row_bytes..].chunks_exact(row_bytes) {
+            dots(ty, row, xs, &mut col, simd);
+            out.iter_mut()
+                .zip(&col)
+                .for_each(|(y, &v)| put(&mut y[done], v));
+            done += 1;
         }
     }
 }
@@ -119,6 +174,34 @@ fn bf16_tiles(
                 y.copy_from_slice(b);
             }
         }
+    }
+}
+
+/// `put(r, [w_j · xs[r] for j in 0..8])` for eight rows of `ty` (`rows`, `8 · row_bytes`
+/// bytes) and every activation row `r`, four activation rows per kernel call.
+#[cfg(target_arch = "x86_64")]
+fn rows8_dots(
+    ty: QuantType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: &[Q8Row<'_>],
+    mut put: impl FnMut(usize, &[f32; 8]),
+) {
+    let mut quads = xs.chunks_exact(4);
+    let mut r0 = 0;
+    for x in &mut quads {
+        let x: &[Q8Row<'_>; 4] = x.try_into().expect("4 rows");
+        // SAFETY: the caller checked the CPU and the format; `rows` holds eight whole rows
+        // of the activations' length.
+        let res = unsafe { super::rows8::dot_rows8(ty, rows.as_ptr(), row_bytes, x) };
+        res.iter().enumerate().for_each(|(i, v)| put(r0 + i, v));
+        r0 += 4;
+    }
+    for x in quads.remainder() {
+        // SAFETY: as above.
+        let [v] = unsafe { super::rows8::dot_rows8(ty, rows.as_ptr(), row_bytes, &[*x]) };
+        put(r0, &v);
+        r0 += 1;
     }
 }
 

@@ -5,9 +5,10 @@
 //!   bit-identical to gguf-py's `quants.py`.
 //! - [`QuantMatrix`]: a `[rows, cols]` weight as row segments, each in one format (llama.cpp's
 //!   mixes, e.g. Q4_K_M's Q6_K value projections beside Q4_K queries, fuse into one matrix).
-//! - [`quant_matmul_t`] (`matmul.rs`): `y = x·Wᵀ`. Few rows (decode) quantize `x` to int8
-//!   per 32 values ([`Q8Rows`]) and take integer dot products (`dot.rs`; AVX512-VNNI in
-//!   `avx512.rs`, chosen at run time); many rows (prefill) dequantize blocks of weight rows and
+//! - [`quant_matmul_t`] (`matmul.rs`): `y = x·Wᵀ`. Few rows (decode, batched decode)
+//!   quantize `x` to int8 per 32 values ([`Q8Rows`]) and take integer dot products (`dot.rs`;
+//!   AVX512-VNNI in `avx512.rs`, and for Q4_0 / Q8_0 eight weight rows at a time in
+//!   `rows8.rs`, chosen at run time); many rows (prefill) dequantize blocks of weight rows and
 //!   multiply them in bf16 ([`crate::gemm_bf16`]), as llama.cpp's prompt processing multiplies
 //!   int8 activations.
 
@@ -17,12 +18,14 @@ mod avx512;
 mod blocks;
 mod dot;
 mod matmul;
+#[cfg(target_arch = "x86_64")]
+mod rows8;
 #[cfg(test)]
 mod tests;
 
 pub use activation::{Q8Row, Q8Rows, QK8};
 pub use blocks::{QK_K, QuantType, dequantize};
-pub use matmul::{quant_matmul, quant_matmul_t};
+pub use matmul::{INT8_MAX_ROWS, quant_matmul, quant_matmul_t};
 
 use std::ops::Range;
 

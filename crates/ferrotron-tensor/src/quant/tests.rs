@@ -114,13 +114,60 @@ fn int8_dots_match_the_dequantized_product() {
     }
 }
 
+/// The eight-row kernel (Q4_0, Q8_0): each of its dots within 1e-5 (relative to the sum of the
+/// products' magnitudes) of the exact product with the int8 activations, and a row's bits
+/// the same with one activation row or four.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn rows_eight_at_a_time_match_the_exact_product() {
+    if !avx512::available() {
+        return;
+    }
+    for ty in [QuantType::Q4_0, QuantType::Q8_0] {
+        rows_eight_at_a_time(ty);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn rows_eight_at_a_time(ty: QuantType) {
+    let (n, k) = (8, 512);
+    let w = random_matrix(ty, n, k, 8);
+    let x = activations(4 * k, 9);
+    let xq = Q8Rows::quantize(&x, 4, k);
+    let wf = dequantized(&w);
+    let xs = [xq.row(0), xq.row(1), xq.row(2), xq.row(3)];
+    let row_bytes = w.segments()[0].data().len() / n;
+    let data = w.segments()[0].data().as_ptr();
+    // SAFETY: checked just above; the data is eight whole rows.
+    let four = unsafe { rows8::dot_rows8(ty, data, row_bytes, &xs) };
+    for (i, x) in xs.iter().enumerate() {
+        // SAFETY: as above.
+        let one = unsafe { rows8::dot_rows8(ty, data, row_bytes, &[*x]) };
+        assert_eq!(one[0], four[i], "{ty} activation row {i}");
+        let xd = xq.dequantized_row(i);
+        for j in 0..n {
+            let products = wf[j * k..][..k]
+                .iter()
+                .zip(&xd)
+                .map(|(a, b)| *a as f64 * *b as f64);
+            let exact: f64 = products.clone().sum();
+            let scale: f64 = products.map(f64::abs).sum();
+            let got = four[i][j] as f64;
+            assert!(
+                (got - exact).abs() <= 1e-5 * scale,
+                "{ty} {i}/{j}: {got} vs {exact}"
+            );
+        }
+    }
+}
+
 #[test]
 fn matmul_matches_the_dequantized_weight_on_both_paths() {
     let (n, k) = (70, 256);
     for ty in QuantType::ALL {
         let w = random_matrix(ty, n, k, 4);
         let wf = dequantized(&w);
-        for m in [1, 3, 16, 40] {
+        for m in [1, 3, 16, 32, 40] {
             let x = activations(m * k, 5 + m as u64);
             // Few rows multiply the activations quantized to int8; many rows multiply the
             // activations and the dequantized weights rounded to bf16.
@@ -129,7 +176,7 @@ fn matmul_matches_the_dequantized_weight_on_both_paths() {
                     .map(|&x| half::bf16::from_f32(x).to_f32())
                     .collect()
             };
-            let (x_used, wf) = if m <= crate::gemm::GEMV_MAX_ROWS {
+            let (x_used, wf) = if m <= INT8_MAX_ROWS {
                 let xq = Q8Rows::quantize(&x, m, k);
                 (
                     (0..m).flat_map(|i| xq.dequantized_row(i)).collect(),
