@@ -7,7 +7,7 @@
 //!   mixes, e.g. Q4_K_M's Q6_K value projections beside Q4_K queries, fuse into one matrix).
 //! - [`quant_matmul_t`] (`matmul.rs`): `y = x·Wᵀ`. Few rows (decode, batched decode)
 //!   quantize `x` to int8 per 32 values ([`Q8Rows`]) and take integer dot products (`dot.rs`;
-//!   AVX512-VNNI in `avx512.rs`, and for Q4_0 / Q8_0 eight weight rows at a time in
+//!   AVX512-VNNI in `avx512.rs`, and for Q4_0 eight weight rows at a time in
 //!   `rows8.rs`, chosen at run time); many rows (prefill) dequantize blocks of weight rows and
 //!   multiply them in bf16 ([`crate::gemm_bf16`]), as llama.cpp's prompt processing multiplies
 //!   int8 activations.
