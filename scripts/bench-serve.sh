@@ -9,17 +9,20 @@
 #   With --quant TYPE (Q8_0, Q4_0, Q4_K_M, ...) both serve the same GGUF, made from the model
 #   by llama.cpp's converter and llama-quantize (ours keeps its weights in their blocks).
 #   With --lora N ours also runs with N random PEFT adapters (rank 16, every projection;
-#   tools/make_random_adapters.py), request i naming adapter i mod N.
+#   tools/make_random_adapters.py), request i naming adapter i mod N. --max-num-batched-tokens
+#   N sets ours' tokens per step (prompt chunks beside the decodes; the server's default
+#   otherwise): fewer bound the steps that prefill, so the inter-token latency's tail.
 #
 #   bash scripts/bench-serve.sh [MODEL_DIR] [--dtype bf16|f32] [--quant TYPE] [--llama-cpp]
 #       [--lora N] [--concurrency "8 32"] [--num-prompts 64] [--input-len 128]
-#       [--output-len 64]
+#       [--output-len 64] [--max-num-batched-tokens N]
 #
 # Needs the reference venv (bash tools/setup_venv.sh: transformers' tokenizers, openai) and
 # the converted model (bash scripts/quickstart.sh; default .cache/smollm2-hf).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 model="$root/.cache/smollm2-hf" dtype=bf16 quant="" llama=0 lora=0 conc="8 32" prompts=64 in=128 out=64
+step_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dtype) dtype="$2"; shift ;;
@@ -30,7 +33,8 @@ while [ $# -gt 0 ]; do
     --num-prompts) prompts="$2"; shift ;;
     --input-len) in="$2"; shift ;;
     --output-len) out="$2"; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --max-num-batched-tokens) step_args=(--max-num-batched-tokens "$2"); label_step=" $2 tokens per step"; shift ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     -*) echo "bench-serve.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) model="$(cd "$1" && pwd)" ;;
   esac
@@ -95,11 +99,11 @@ log="$root/runs/bench-serve-ferrotron.log"
 port_free 8931
 RAYON_NUM_THREADS=2 target/release/ferrotron serve --model "$served" --dtype "$dtype" \
   --port 8931 --served-model-name smollm2 --max-num-seqs 32 --log-stats-interval 0 \
-  2>"$log" &
+  "${step_args[@]}" 2>"$log" &
 pid=$!
 pids+=("$pid")
 wait_for http://127.0.0.1:8931/health "$pid"
-load "ferrotron serve $label" http://127.0.0.1:8931/v1
+load "ferrotron serve $label${label_step:-}" http://127.0.0.1:8931/v1
 kill -TERM "$pid"; wait "$pid"
 
 if [ "$lora" -gt 0 ]; then
@@ -112,7 +116,7 @@ if [ "$lora" -gt 0 ]; then
   done
   RAYON_NUM_THREADS=2 target/release/ferrotron serve --model "$served" --dtype "$dtype" \
     --port 8931 --served-model-name smollm2 --max-num-seqs 32 --log-stats-interval 0 \
-    "${lora_args[@]}" 2>>"$log" &
+    "${step_args[@]}" "${lora_args[@]}" 2>>"$log" &
   pid=$!
   pids+=("$pid")
   wait_for http://127.0.0.1:8931/health "$pid"
