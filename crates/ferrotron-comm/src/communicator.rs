@@ -225,6 +225,78 @@ pub trait Collectives: Communicator {
             bytemuck::cast_slice_mut(output),
         )
     }
+    /// All-to-all with per-rank sizes (`torch.distributed.all_to_all_single` with
+    /// `input_split_sizes` / `output_split_sizes`, MPI's `Alltoallv`; what MoE token
+    /// dispatchers and Ulysses attention exchange): `input` is `send_counts[r]` elements for
+    /// each rank `r` in rank order, `output` receives `recv_counts[r]` elements from each rank
+    /// `r` in rank order. Every rank first learns what each peer will send it (an all-to-all
+    /// of the counts) and all fail together if any count disagrees; the data then goes by
+    /// [`send`](Self::send) / [`recv`](Self::recv) (sends before receives; every backend's
+    /// sends complete without waiting for their receive).
+    ///
+    /// # Errors
+    /// [`CommError::Mismatch`](crate::CommError::Mismatch) when a counts list is not `size()`
+    /// long, does not add up to its buffer's length, or `recv_counts[r]` differs from what
+    /// rank `r` sends (on every rank when on any); transport errors as the methods used.
+    fn all_to_all_v<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let (n, me) = (self.size(), self.rank());
+        // Every rank fails when any does: first on counts that do not fit their buffers,
+        // then on counts that disagree with what the peers send.
+        let fail_together = |problem: Option<String>| -> Result<()> {
+            let flag = problem.as_ref().map_or(0.0, |_| (me + 1) as f64);
+            let worst = self.all_reduce_scalar(flag, ReduceOp::Max)?;
+            match problem {
+                Some(reason) => Err(mismatch("all_to_all_v", reason)),
+                None if worst > 0.0 => Err(mismatch(
+                    "all_to_all_v",
+                    format!("rank {}'s counts are wrong", worst as usize - 1),
+                )),
+                None => Ok(()),
+            }
+        };
+        fail_together(split_problem(
+            n,
+            (input.len(), send_counts),
+            (output.len(), recv_counts),
+        ))?;
+        let sends: Vec<f64> = send_counts.iter().map(|&c| c as f64).collect();
+        let mut incoming = vec![0f64; n];
+        self.all_to_all(&sends, &mut incoming)?;
+        fail_together(
+            (0..n)
+                .find(|&r| incoming[r] != recv_counts[r] as f64)
+                .map(|r| {
+                    format!(
+                        "rank {me} expects {} elements from rank {r}, which sends {}",
+                        recv_counts[r], incoming[r]
+                    )
+                }),
+        )?;
+        let offsets = |counts: &[usize]| {
+            counts
+                .iter()
+                .scan(0, |at, &c| {
+                    *at += c;
+                    Some(*at - c..*at)
+                })
+                .collect::<Vec<_>>()
+        };
+        let (from, to) = (offsets(send_counts), offsets(recv_counts));
+        for r in (0..n).filter(|&r| r != me) {
+            self.send(&input[from[r].clone()], r)?;
+        }
+        output[to[me].clone()].copy_from_slice(&input[from[me].clone()]);
+        for r in (0..n).filter(|&r| r != me) {
+            self.recv(&mut output[to[r].clone()], r)?;
+        }
+        Ok(())
+    }
     /// [`Communicator::send_bytes`].
     ///
     /// # Errors
@@ -251,6 +323,22 @@ pub trait Collectives: Communicator {
 }
 
 impl<C: Communicator + ?Sized> Collectives for C {}
+
+/// What is wrong with [`Collectives::all_to_all_v`]'s arguments on this rank alone: each
+/// `(buffer length, counts)` pair must have `n` counts adding up to the length.
+fn split_problem(n: usize, send: (usize, &[usize]), recv: (usize, &[usize])) -> Option<String> {
+    [("send", send), ("recv", recv)]
+        .into_iter()
+        .find_map(|(name, (len, counts))| {
+            let sum: usize = counts.iter().sum();
+            (counts.len() != n || sum != len).then(|| {
+                format!(
+                    "{name}_counts {counts:?} ({} for {n} ranks, sum {sum}) for a buffer of {len}",
+                    counts.len()
+                )
+            })
+        })
+}
 
 /// Checks that `len` bytes split into `parts` equal chunks of whole `ty` elements; returns
 /// the chunk length in bytes.

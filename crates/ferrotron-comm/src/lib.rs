@@ -5,7 +5,7 @@
 //! |---|---|
 //! | [`ParallelState`], [`ParallelConfig`], [`GroupKind`] | `megatron/core/parallel_state.py` (rank order `tp-cp-ep-dp-pp`) |
 //! | [`ProcessGroups`] | the `get_*_group()` accessors of the same file |
-//! | [`Communicator`], [`Collectives`], [`ReduceOp`] | `torch.distributed` (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, broadcast, send/recv, all_to_all_single, barrier) |
+//! | [`Communicator`], [`Collectives`], [`ReduceOp`] | `torch.distributed` (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, broadcast, send/recv, all_to_all_single with and without split sizes, barrier) |
 //! | [`AsyncComm`], [`CommHandle`] | `async_op=True` collectives and their `Work` handles |
 //! | [`run_local`], [`LocalComm`] | ranks as threads over shared memory (a gloo-like in-process backend) |
 //! | `MpiComm` (feature `mpi`) | the MPI backend, one process per rank |

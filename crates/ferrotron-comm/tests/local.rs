@@ -252,3 +252,58 @@ fn abort_during_a_partial_rendezvous_releases_everyone() {
         assert_eq!(err.rank, 2, "{err}");
     }
 }
+
+/// `all_to_all_v`: rank `s` sends `s + d + 1` elements to rank `d` (unequal parts, one empty
+/// when asked), each element naming its source, destination and index; a count that does not
+/// match what the peer sends, or counts that do not add up to a buffer, fail on every rank.
+#[test]
+fn all_to_all_with_per_rank_sizes() {
+    let count = |s: usize, d: usize| if (s, d) == (1, 0) { 0 } else { s + d + 1 };
+    let value = |s: usize, d: usize, i: usize| (100 * s + 10 * d + i) as f32;
+    for n in 1..=4 {
+        let out = ranks(n, |c| {
+            let me = c.rank();
+            let send_counts: Vec<usize> = (0..n).map(|d| count(me, d)).collect();
+            let recv_counts: Vec<usize> = (0..n).map(|s| count(s, me)).collect();
+            let input: Vec<f32> = (0..n)
+                .flat_map(|d| (0..count(me, d)).map(move |i| value(me, d, i)))
+                .collect();
+            let mut output = vec![-1f32; recv_counts.iter().sum()];
+            c.all_to_all_v(&input, &send_counts, &mut output, &recv_counts)?;
+            Ok(output)
+        });
+        for (me, got) in out.into_iter().enumerate() {
+            let want: Vec<f32> = (0..n)
+                .flat_map(|s| (0..count(s, me)).map(move |i| value(s, me, i)))
+                .collect();
+            assert_eq!(got, want, "rank {me} of {n}");
+        }
+    }
+    // Rank 0 expects one element too many from rank 1: every rank fails, rank 0 names it.
+    let err = run_local(2, |c| {
+        let recv = if c.rank() == 0 { [1, 3] } else { [1, 1] };
+        let mut out = vec![0f32; recv.iter().sum()];
+        c.all_to_all_v(&[0f32; 2], &[1, 1], &mut out, &recv)
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("rank 0 expects 3 elements from rank 1, which sends 1"),
+        "{err}"
+    );
+    let err = run_local(3, |c| {
+        let send = if c.rank() == 2 {
+            vec![1, 1]
+        } else {
+            vec![1, 1, 1]
+        };
+        let mut out = vec![0f32; 3];
+        c.all_to_all_v(&[0f32; 3], &send, &mut out, &[1, 1, 1])
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("send_counts [1, 1]")
+            || err.to_string().contains("rank 2's counts are wrong"),
+        "{err}"
+    );
+}

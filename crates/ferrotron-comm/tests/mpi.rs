@@ -66,6 +66,20 @@ fn mpi_worker() {
         recv,
         (0..4).map(|from| (from * 10 + r) as u8).collect::<Vec<_>>()
     );
+    // Per-rank sizes: rank s sends s + d + 1 values to rank d.
+    let input: Vec<f32> = (0..n)
+        .flat_map(|d| (0..r + d + 1).map(move |i| (100 * r + 10 * d + i) as f32))
+        .collect();
+    let (send_counts, recv_counts): (Vec<usize>, Vec<usize>) =
+        (0..n).map(|k| (r + k + 1, k + r + 1)).unzip();
+    let mut output = vec![0f32; recv_counts.iter().sum()];
+    world
+        .all_to_all_v(&input, &send_counts, &mut output, &recv_counts)
+        .unwrap();
+    let want: Vec<f32> = (0..n)
+        .flat_map(|s| (0..s + r + 1).map(move |i| (100 * s + 10 * r + i) as f32))
+        .collect();
+    assert_eq!(output, want);
     world.send(&[r as f32; 3], (r + 1) % n).unwrap();
     let mut got = [0.0f32; 3];
     world.recv(&mut got, (r + n - 1) % n).unwrap();
