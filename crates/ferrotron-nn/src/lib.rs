@@ -11,6 +11,7 @@ mod embedding;
 mod error;
 mod linear;
 pub mod lora;
+pub mod moe;
 pub mod tensor_parallel;
 
 pub use attention::{AttentionMask, core_attention};
