@@ -1,0 +1,280 @@
+//! The experts of an MoE layer, as Megatron-Core's `GroupedMLP` (`moe/experts.py`) with its
+//! token `permute` / `unpermute` (`moe/moe_utils.py`): each routed copy of a token becomes one
+//! row, rows sorted so every expert's rows are contiguous (expert order, then token order),
+//! every expert's SwiGLU MLP runs as one GEMM over its rows (the experts in parallel: a grouped
+//! GEMM, not a loop over tokens), and each token's output is the routing-weighted sum of its
+//! rows. Backward gives the input, weight and routing-weight gradients.
+
+use ferrotron_tensor::gemm::{Op, sgemm};
+use ferrotron_tensor::ops::{swiglu_packed, swiglu_packed_backward};
+use rayon::prelude::*;
+
+use super::Routing;
+
+/// The experts' weights, HF / Megatron orientation, every expert's matrix contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'a> {
+    /// `[E, 2f, h]`: each expert's `linear_fc1` (rows `[gate; up]`, Megatron's packing).
+    pub fc1: &'a [f32],
+    /// `[E, h, f]`: each expert's `linear_fc2`.
+    pub fc2: &'a [f32],
+    /// Hidden size `h`.
+    pub hidden: usize,
+    /// Expert FFN size `f` (`moe_ffn_hidden_size`).
+    pub ffn: usize,
+}
+
+impl ExpertWeights<'_> {
+    fn num_experts(&self) -> usize {
+        self.fc2.len() / (self.hidden * self.ffn)
+    }
+}
+
+/// Rows sorted by expert: `slots[r]` is permuted row `r`'s routing slot (`t·k + j`: token
+/// `t`'s `j`-th expert), expert `e`'s rows are `offsets[e]..offsets[e + 1]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Permutation {
+    /// `[T·k]`.
+    pub slots: Vec<usize>,
+    /// `[E + 1]`.
+    pub offsets: Vec<usize>,
+}
+
+impl Permutation {
+    /// The stable sort by expert of `experts` (`[T·k]`, [`Routing::experts`]).
+    ///
+    /// # Panics
+    /// When an expert id is not below `num_experts` (the router's output is).
+    pub fn new(experts: &[u32], num_experts: usize) -> Permutation {
+        let mut offsets = vec![0usize; num_experts + 1];
+        experts.iter().for_each(|&e| offsets[e as usize + 1] += 1);
+        for e in 0..num_experts {
+            offsets[e + 1] += offsets[e];
+        }
+        let mut next = offsets.clone();
+        let mut slots = vec![0usize; experts.len()];
+        for (slot, &e) in experts.iter().enumerate() {
+            slots[next[e as usize]] = slot;
+            next[e as usize] += 1;
+        }
+        Permutation { slots, offsets }
+    }
+}
+
+/// What the experts' backward needs, over the `R = T·k` permuted rows.
+#[derive(Clone, Debug)]
+pub struct ExpertActs {
+    /// The row order.
+    pub perm: Permutation,
+    /// `[R, h]` the permuted inputs.
+    xp: Vec<f32>,
+    /// `[R, 2f]` `linear_fc1`'s outputs (SwiGLU's input).
+    fc1: Vec<f32>,
+    /// `[R, f]` SwiGLU's outputs.
+    act: Vec<f32>,
+    /// `[R, h]` each row's expert output before its routing weight.
+    out: Vec<f32>,
+}
+
+/// Gradients of [`experts_backward`].
+#[derive(Clone, Debug)]
+pub struct ExpertGrads {
+    /// `[T, h]`.
+    pub dx: Vec<f32>,
+    /// `[E, 2f, h]`.
+    pub dfc1: Vec<f32>,
+    /// `[E, h, f]`.
+    pub dfc2: Vec<f32>,
+    /// `[T, k]`: the routing weights' gradient (for [`super::RouterConfig::backward`]).
+    pub dprobs: Vec<f32>,
+}
+
+/// `y [T, h] = Σ_j probs[t, j] · expert_{e(t,j)}(x_t)` for `x [T, h]`, with each expert's
+/// `fc2(silu(gate)·up)`.
+///
+/// # Panics
+/// When the shapes disagree (a caller bug).
+pub fn experts_forward(
+    x: &[f32],
+    routing: &Routing,
+    w: &ExpertWeights<'_>,
+) -> (Vec<f32>, ExpertActs) {
+    let (h, f, e) = (w.hidden, w.ffn, w.num_experts());
+    let k = routing.probs.len() / (x.len() / h);
+    let perm = Permutation::new(&routing.experts, e);
+    let rows = perm.slots.len();
+    let mut xp = vec![0f32; rows * h];
+    for (row, &slot) in xp.chunks_exact_mut(h).zip(&perm.slots) {
+        row.copy_from_slice(&x[(slot / k) * h..][..h]);
+    }
+    let mut fc1 = vec![0f32; rows * 2 * f];
+    grouped_matmul_t(&perm.offsets, &xp, w.fc1, &mut fc1, (2 * f, h));
+    let mut act = vec![0f32; rows * f];
+    swiglu_packed(&fc1, &mut act, f);
+    let mut out = vec![0f32; rows * h];
+    grouped_matmul_t(&perm.offsets, &act, w.fc2, &mut out, (h, f));
+    let mut y = vec![0f32; x.len()];
+    for (row, &slot) in out.chunks_exact(h).zip(&perm.slots) {
+        let p = routing.probs[slot];
+        let yt = &mut y[(slot / k) * h..][..h];
+        yt.iter_mut().zip(row).for_each(|(y, o)| *y += p * o);
+    }
+    (
+        y,
+        ExpertActs {
+            perm,
+            xp,
+            fc1,
+            act,
+            out,
+        },
+    )
+}
+
+/// The backward of [`experts_forward`] for `dy [T, h]`.
+///
+/// # Panics
+/// When the shapes disagree (a caller bug).
+pub fn experts_backward(
+    routing: &Routing,
+    w: &ExpertWeights<'_>,
+    acts: &ExpertActs,
+    dy: &[f32],
+) -> ExpertGrads {
+    let (h, f, e) = (w.hidden, w.ffn, w.num_experts());
+    let t = dy.len() / h;
+    let k = routing.probs.len() / t;
+    let (perm, rows) = (&acts.perm, acts.perm.slots.len());
+    // Each row's output gradient (its weight × the token's) and the weights' gradients.
+    let mut dout = vec![0f32; rows * h];
+    let mut dprobs = vec![0f32; t * k];
+    for ((d, o), &slot) in dout
+        .chunks_exact_mut(h)
+        .zip(acts.out.chunks_exact(h))
+        .zip(&perm.slots)
+    {
+        let dyt = &dy[(slot / k) * h..][..h];
+        let p = routing.probs[slot];
+        d.iter_mut().zip(dyt).for_each(|(d, g)| *d = p * g);
+        dprobs[slot] = o.iter().zip(dyt).map(|(o, g)| o * g).sum();
+    }
+    let mut dact = vec![0f32; rows * f];
+    grouped_matmul(&perm.offsets, &dout, w.fc2, &mut dact, (h, f));
+    let mut dfc2 = vec![0f32; e * h * f];
+    grouped_weight_grad(&perm.offsets, &dout, &acts.act, &mut dfc2, (h, f));
+    let mut dfc1_out = vec![0f32; rows * 2 * f];
+    swiglu_packed_backward(&acts.fc1, &dact, &mut dfc1_out, f);
+    let mut dxp = vec![0f32; rows * h];
+    grouped_matmul(&perm.offsets, &dfc1_out, w.fc1, &mut dxp, (2 * f, h));
+    let mut dfc1 = vec![0f32; e * 2 * f * h];
+    grouped_weight_grad(&perm.offsets, &dfc1_out, &acts.xp, &mut dfc1, (2 * f, h));
+    let mut dx = vec![0f32; t * h];
+    for (d, &slot) in dxp.chunks_exact(h).zip(&perm.slots) {
+        let dxt = &mut dx[(slot / k) * h..][..h];
+        dxt.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+    }
+    ExpertGrads {
+        dx,
+        dfc1,
+        dfc2,
+        dprobs,
+    }
+}
+
+/// Expert `e`'s slice of `rows_data` (`width` values per row) for every expert, mutable.
+fn split_rows<'a>(offsets: &[usize], mut data: &'a mut [f32], width: usize) -> Vec<&'a mut [f32]> {
+    offsets
+        .windows(2)
+        .map(|r| {
+            let (head, tail) = std::mem::take(&mut data).split_at_mut((r[1] - r[0]) * width);
+            data = tail;
+            head
+        })
+        .collect()
+}
+
+/// Grouped `out_e [R_e, n] = a_e [R_e, kd] · w_eᵀ` for every expert `e` (`w: [E, n, kd]`).
+fn grouped_matmul_t(
+    offsets: &[usize],
+    a: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    (n, kd): (usize, usize),
+) {
+    split_rows(offsets, out, n)
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(e, o)| {
+            let m = offsets[e + 1] - offsets[e];
+            if m > 0 {
+                let a = &a[offsets[e] * kd..][..m * kd];
+                sgemm(
+                    m,
+                    n,
+                    kd,
+                    a,
+                    Op::N,
+                    &w[e * n * kd..][..n * kd],
+                    Op::T,
+                    o,
+                    false,
+                );
+            }
+        });
+}
+
+/// Grouped `out_e [R_e, kd] = g_e [R_e, n] · w_e` for every expert (`w: [E, n, kd]`).
+fn grouped_matmul(
+    offsets: &[usize],
+    g: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    (n, kd): (usize, usize),
+) {
+    split_rows(offsets, out, kd)
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(e, o)| {
+            let m = offsets[e + 1] - offsets[e];
+            if m > 0 {
+                let g = &g[offsets[e] * n..][..m * n];
+                sgemm(
+                    m,
+                    kd,
+                    n,
+                    g,
+                    Op::N,
+                    &w[e * n * kd..][..n * kd],
+                    Op::N,
+                    o,
+                    false,
+                );
+            }
+        });
+}
+
+/// Grouped `dw_e [n, kd] = g_eᵀ [n, R_e] · a_e [R_e, kd]` (zero for an expert without rows).
+fn grouped_weight_grad(
+    offsets: &[usize],
+    g: &[f32],
+    a: &[f32],
+    dw: &mut [f32],
+    (n, kd): (usize, usize),
+) {
+    dw.par_chunks_exact_mut(n * kd)
+        .enumerate()
+        .for_each(|(e, d)| {
+            let m = offsets[e + 1] - offsets[e];
+            if m > 0 {
+                let (g, a) = (
+                    &g[offsets[e] * n..][..m * n],
+                    &a[offsets[e] * kd..][..m * kd],
+                );
+                sgemm(n, kd, m, g, Op::T, a, Op::N, d, false);
+            }
+        });
+}
+
+#[cfg(test)]
+#[path = "experts_tests.rs"]
+mod tests;

@@ -1,0 +1,169 @@
+use super::*;
+use crate::moe::{RouterConfig, ScoreFunction};
+
+const T: usize = 5;
+const H: usize = 6;
+const F: usize = 4;
+const E: usize = 4;
+
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+fn routing() -> Routing {
+    let cfg = RouterConfig {
+        num_experts: E,
+        topk: 2,
+        score_function: ScoreFunction::Softmax,
+        pre_softmax: false,
+        groups: None,
+        scaling_factor: None,
+    };
+    cfg.route(&values(T * E, 1, 4.0), None).unwrap()
+}
+
+/// One token through one expert, written out: `fc2 · (silu(gate) · up)`.
+fn expert(x: &[f32], e: usize, fc1: &[f32], fc2: &[f32]) -> Vec<f32> {
+    let dot = |w: &[f32], v: &[f32]| w.iter().zip(v).map(|(a, b)| (a * b) as f64).sum::<f64>();
+    let w1 = &fc1[e * 2 * F * H..][..2 * F * H];
+    let act: Vec<f32> = (0..F)
+        .map(|i| {
+            let (g, u) = (dot(&w1[i * H..][..H], x), dot(&w1[(F + i) * H..][..H], x));
+            (g / (1.0 + (-g).exp()) * u) as f32
+        })
+        .collect();
+    let w2 = &fc2[e * H * F..][..H * F];
+    (0..H)
+        .map(|o| dot(&w2[o * F..][..F], &act) as f32)
+        .collect()
+}
+
+#[test]
+fn grouped_experts_equal_each_token_through_its_experts() {
+    let (x, fc1, fc2) = (
+        values(T * H, 2, 2.0),
+        values(E * 2 * F * H, 3, 1.0),
+        values(E * H * F, 4, 1.0),
+    );
+    let w = ExpertWeights {
+        fc1: &fc1,
+        fc2: &fc2,
+        hidden: H,
+        ffn: F,
+    };
+    let r = routing();
+    let (y, acts) = experts_forward(&x, &r, &w);
+    for t in 0..T {
+        let mut want = vec![0f32; H];
+        for j in 0..2 {
+            let out = expert(&x[t * H..][..H], r.experts[t * 2 + j] as usize, &fc1, &fc2);
+            want.iter_mut()
+                .zip(out)
+                .for_each(|(a, o)| *a += r.probs[t * 2 + j] * o);
+        }
+        for (g, w) in y[t * H..][..H].iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-5, "token {t}: {g} vs {w}");
+        }
+    }
+    // Every expert's rows are contiguous and in token order.
+    let p = &acts.perm;
+    assert_eq!(p.offsets[E], T * 2);
+    for e in 0..E {
+        let rows = &p.slots[p.offsets[e]..p.offsets[e + 1]];
+        assert!(rows.windows(2).all(|s| s[0] < s[1]));
+        assert!(rows.iter().all(|&s| r.experts[s] as usize == e));
+    }
+}
+
+#[test]
+fn experts_backward_matches_finite_differences() {
+    let (x, fc1, fc2) = (
+        values(T * H, 5, 2.0),
+        values(E * 2 * F * H, 6, 1.0),
+        values(E * H * F, 7, 1.0),
+    );
+    let c = values(T * H, 8, 2.0);
+    let r = routing();
+    let loss = |x: &[f32], fc1: &[f32], fc2: &[f32], r: &Routing| {
+        let w = ExpertWeights {
+            fc1,
+            fc2,
+            hidden: H,
+            ffn: F,
+        };
+        let (y, _) = experts_forward(x, r, &w);
+        y.iter().zip(&c).map(|(y, c)| (y * c) as f64).sum::<f64>()
+    };
+    let w = ExpertWeights {
+        fc1: &fc1,
+        fc2: &fc2,
+        hidden: H,
+        ffn: F,
+    };
+    let (_, acts) = experts_forward(&x, &r, &w);
+    let g = experts_backward(&r, &w, &acts, &c);
+    let h = 1e-2f32;
+    let check = |name: &str, i: usize, plus: f64, minus: f64, got: f32| {
+        let fd = (plus - minus) / (2.0 * h as f64);
+        assert!(
+            (fd - got as f64).abs() <= 2e-3 * fd.abs() + 2e-3,
+            "{name}[{i}]: fd {fd} vs {got}"
+        );
+    };
+    for i in 0..x.len() {
+        let (mut a, mut b) = (x.clone(), x.clone());
+        a[i] += h;
+        b[i] -= h;
+        check(
+            "dx",
+            i,
+            loss(&a, &fc1, &fc2, &r),
+            loss(&b, &fc1, &fc2, &r),
+            g.dx[i],
+        );
+    }
+    for i in 0..fc1.len() {
+        let (mut a, mut b) = (fc1.clone(), fc1.clone());
+        a[i] += h;
+        b[i] -= h;
+        check(
+            "dfc1",
+            i,
+            loss(&x, &a, &fc2, &r),
+            loss(&x, &b, &fc2, &r),
+            g.dfc1[i],
+        );
+    }
+    for i in 0..fc2.len() {
+        let (mut a, mut b) = (fc2.clone(), fc2.clone());
+        a[i] += h;
+        b[i] -= h;
+        check(
+            "dfc2",
+            i,
+            loss(&x, &fc1, &a, &r),
+            loss(&x, &fc1, &b, &r),
+            g.dfc2[i],
+        );
+    }
+    for i in 0..r.probs.len() {
+        let (mut a, mut b) = (r.clone(), r.clone());
+        a.probs[i] += h;
+        b.probs[i] -= h;
+        check(
+            "dprobs",
+            i,
+            loss(&x, &fc1, &fc2, &a),
+            loss(&x, &fc1, &fc2, &b),
+            g.dprobs[i],
+        );
+    }
+}
