@@ -25,7 +25,8 @@ pub struct ExpertWeights<'a> {
 }
 
 impl ExpertWeights<'_> {
-    fn num_experts(&self) -> usize {
+    /// Experts `E` the weights hold.
+    pub fn num_experts(&self) -> usize {
         self.fc2.len() / (self.hidden * self.ffn)
     }
 }
@@ -99,7 +100,7 @@ pub fn experts_forward(
     routing: &Routing,
     w: &ExpertWeights<'_>,
 ) -> (Vec<f32>, ExpertActs) {
-    let (h, f, e) = (w.hidden, w.ffn, w.num_experts());
+    let (h, e) = (w.hidden, w.num_experts());
     let k = routing.probs.len() / (x.len() / h);
     let perm = Permutation::new(&routing.experts, e);
     let rows = perm.slots.len();
@@ -107,12 +108,7 @@ pub fn experts_forward(
     for (row, &slot) in xp.chunks_exact_mut(h).zip(&perm.slots) {
         row.copy_from_slice(&x[(slot / k) * h..][..h]);
     }
-    let mut fc1 = vec![0f32; rows * 2 * f];
-    grouped_matmul_t(&perm.offsets, &xp, w.fc1, &mut fc1, (2 * f, h));
-    let mut act = vec![0f32; rows * f];
-    swiglu_packed(&fc1, &mut act, f);
-    let mut out = vec![0f32; rows * h];
-    grouped_matmul_t(&perm.offsets, &act, w.fc2, &mut out, (h, f));
+    let (fc1, act, out) = grouped_mlp_forward(&xp, &perm.offsets, w);
     let mut y = vec![0f32; x.len()];
     for (row, &slot) in out.chunks_exact(h).zip(&perm.slots) {
         let p = routing.probs[slot];
@@ -141,7 +137,7 @@ pub fn experts_backward(
     acts: &ExpertActs,
     dy: &[f32],
 ) -> ExpertGrads {
-    let (h, f, e) = (w.hidden, w.ffn, w.num_experts());
+    let h = w.hidden;
     let t = dy.len() / h;
     let k = routing.probs.len() / t;
     let (perm, rows) = (&acts.perm, acts.perm.slots.len());
@@ -158,16 +154,8 @@ pub fn experts_backward(
         d.iter_mut().zip(dyt).for_each(|(d, g)| *d = p * g);
         dprobs[slot] = o.iter().zip(dyt).map(|(o, g)| o * g).sum();
     }
-    let mut dact = vec![0f32; rows * f];
-    grouped_matmul(&perm.offsets, &dout, w.fc2, &mut dact, (h, f));
-    let mut dfc2 = vec![0f32; e * h * f];
-    grouped_weight_grad(&perm.offsets, &dout, &acts.act, &mut dfc2, (h, f));
-    let mut dfc1_out = vec![0f32; rows * 2 * f];
-    swiglu_packed_backward(&acts.fc1, &dact, &mut dfc1_out, f);
-    let mut dxp = vec![0f32; rows * h];
-    grouped_matmul(&perm.offsets, &dfc1_out, w.fc1, &mut dxp, (2 * f, h));
-    let mut dfc1 = vec![0f32; e * 2 * f * h];
-    grouped_weight_grad(&perm.offsets, &dfc1_out, &acts.xp, &mut dfc1, (2 * f, h));
+    let (dxp, dfc1, dfc2) =
+        grouped_mlp_backward(&acts.xp, &acts.fc1, &acts.act, &perm.offsets, w, &dout);
     let mut dx = vec![0f32; t * h];
     for (d, &slot) in dxp.chunks_exact(h).zip(&perm.slots) {
         let dxt = &mut dx[(slot / k) * h..][..h];
@@ -179,6 +167,56 @@ pub fn experts_backward(
         dfc2,
         dprobs,
     }
+}
+
+/// Every expert's SwiGLU MLP over its rows of `xp [R, h]` (expert `e`'s are
+/// `offsets[e]..offsets[e + 1]`): `(fc1 [R, 2f], act [R, f], out [R, h])`, one GEMM per
+/// expert and matrix, experts in parallel.
+///
+/// # Panics
+/// When the shapes disagree (a caller bug).
+pub fn grouped_mlp_forward(
+    xp: &[f32],
+    offsets: &[usize],
+    w: &ExpertWeights<'_>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (h, f) = (w.hidden, w.ffn);
+    let rows = xp.len() / h;
+    let mut fc1 = vec![0f32; rows * 2 * f];
+    grouped_matmul_t(offsets, xp, w.fc1, &mut fc1, (2 * f, h));
+    let mut act = vec![0f32; rows * f];
+    swiglu_packed(&fc1, &mut act, f);
+    let mut out = vec![0f32; rows * h];
+    grouped_matmul_t(offsets, &act, w.fc2, &mut out, (h, f));
+    (fc1, act, out)
+}
+
+/// The backward of [`grouped_mlp_forward`] for `dout [R, h]`: `(dxp [R, h], dfc1 [E, 2f, h],
+/// dfc2 [E, h, f])` (an expert without rows gets zero gradients).
+///
+/// # Panics
+/// When the shapes disagree (a caller bug).
+pub fn grouped_mlp_backward(
+    xp: &[f32],
+    fc1: &[f32],
+    act: &[f32],
+    offsets: &[usize],
+    w: &ExpertWeights<'_>,
+    dout: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (h, f, e) = (w.hidden, w.ffn, w.num_experts());
+    let rows = xp.len() / h;
+    let mut dact = vec![0f32; rows * f];
+    grouped_matmul(offsets, dout, w.fc2, &mut dact, (h, f));
+    let mut dfc2 = vec![0f32; e * h * f];
+    grouped_weight_grad(offsets, dout, act, &mut dfc2, (h, f));
+    let mut dfc1_out = vec![0f32; rows * 2 * f];
+    swiglu_packed_backward(fc1, &dact, &mut dfc1_out, f);
+    let mut dxp = vec![0f32; rows * h];
+    grouped_matmul(offsets, &dfc1_out, w.fc1, &mut dxp, (2 * f, h));
+    let mut dfc1 = vec![0f32; e * 2 * f * h];
+    grouped_weight_grad(offsets, &dfc1_out, xp, &mut dfc1, (2 * f, h));
+    (dxp, dfc1, dfc2)
 }
 
 /// Expert `e`'s slice of `rows_data` (`width` values per row) for every expert, mutable.

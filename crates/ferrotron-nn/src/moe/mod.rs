@@ -1,11 +1,14 @@
-//! Mixture-of-experts layers (Megatron-Core `megatron/core/transformer/moe/`), so far on one
-//! rank: the router ([`router`]: top-k routing with every score function and group limit
-//! Megatron and HF's MoE families use, the load-balancing and z losses) and the experts
-//! ([`experts`]: permuted rows, grouped GEMMs, the weighted unpermute), each with its backward.
+//! Mixture-of-experts layers (Megatron-Core `megatron/core/transformer/moe/`): the router
+//! ([`router`]: top-k routing with every score function and group limit Megatron and HF's MoE
+//! families use, the load-balancing and z losses), the experts ([`experts`]: permuted rows,
+//! grouped GEMMs, the weighted unpermute) and expert parallelism ([`dispatch`]: the `alltoall`
+//! token dispatcher), each with its backward.
 
+pub mod dispatch;
 pub mod experts;
 pub mod router;
 
+pub use dispatch::{EpActs, EpGrads, ep_experts_backward, ep_experts_forward};
 pub use experts::{
     ExpertActs, ExpertGrads, ExpertWeights, Permutation, experts_backward, experts_forward,
 };

@@ -1,0 +1,218 @@
+//! Expert parallelism with Megatron-Core's `alltoall` token dispatcher
+//! (`moe/token_dispatcher.py`, `MoEAlltoAllTokenDispatcher`): the `E` experts split evenly over
+//! the `ep` ranks of the expert-parallel group (rank `r` holds experts `r·L..(r+1)·L`,
+//! `L = E / ep`, as Megatron places them), each rank routes its own tokens, sends every routed
+//! row to the rank holding its expert (an all-to-all with per-rank sizes), runs its local
+//! experts over the rows it received (sorted by local expert, Megatron's
+//! `sort_chunks_by_idxs`), and sends the outputs back to be weighted and summed per token.
+//! The backward mirrors it; expert weight gradients stay with their owner.
+
+use ferrotron_comm::{Collectives, Communicator};
+
+use super::experts::{Permutation, grouped_mlp_backward, grouped_mlp_forward};
+use super::{ExpertWeights, Routing};
+use crate::{NnError, Result};
+
+/// What [`ep_experts_backward`] needs.
+#[derive(Clone, Debug)]
+pub struct EpActs {
+    /// This rank's routed rows in global expert order.
+    perm: Permutation,
+    /// `[R, h]` this rank's rows' expert outputs (back from their owners), before weighting.
+    out: Vec<f32>,
+    /// The exchange: rows sent to / received from each rank, and the received rows' order.
+    plan: Exchange,
+    /// `[R_local, h]`, `[R_local, 2f]`, `[R_local, f]`: the local experts' inputs and
+    /// activations over the received rows (local-expert order).
+    xl: Vec<f32>,
+    fc1: Vec<f32>,
+    act: Vec<f32>,
+}
+
+/// The row counts of one dispatch and the local-expert order of the received rows.
+#[derive(Clone, Debug)]
+struct Exchange {
+    /// Rows sent to each rank (`[ep]`).
+    send_rows: Vec<usize>,
+    /// Rows received from each rank (`[ep]`).
+    recv_rows: Vec<usize>,
+    /// `order[i]`: the received row (source-rank order) that is local-expert-order row `i`.
+    order: Vec<usize>,
+    /// `[L + 1]`: local expert `l`'s rows in local-expert order.
+    offsets: Vec<usize>,
+}
+
+/// Gradients of [`ep_experts_backward`]: `dx [T, h]` and `dprobs [T, k]` of this rank's tokens,
+/// `dfc1 [L, 2f, h]` and `dfc2 [L, h, f]` of its local experts (every rank's tokens' share).
+#[derive(Clone, Debug)]
+pub struct EpGrads {
+    pub dx: Vec<f32>,
+    pub dfc1: Vec<f32>,
+    pub dfc2: Vec<f32>,
+    pub dprobs: Vec<f32>,
+}
+
+fn comm_err(e: impl std::fmt::Display) -> NnError {
+    NnError::Comm(e.to_string())
+}
+
+impl Exchange {
+    /// Agrees with the group on who sends what: `counts[e]` of this rank's rows go to global
+    /// expert `e`.
+    fn plan(ep: &dyn Communicator, counts: &[usize]) -> Result<Exchange> {
+        let n = ep.size();
+        let local = counts.len() / n;
+        let sends: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+        let mut incoming = vec![0f64; counts.len()];
+        ep.all_to_all(&sends, &mut incoming).map_err(comm_err)?;
+        // incoming[s·L + l]: rows rank s sends for local expert l.
+        let got: Vec<usize> = incoming.iter().map(|&c| c as usize).collect();
+        let send_rows = counts.chunks(local).map(|c| c.iter().sum()).collect();
+        let recv_rows: Vec<usize> = got.chunks(local).map(|c| c.iter().sum()).collect();
+        let mut starts = vec![0usize; n];
+        for s in 1..n {
+            starts[s] = starts[s - 1] + recv_rows[s - 1];
+        }
+        let (mut order, mut offsets) = (Vec::new(), vec![0usize]);
+        for l in 0..local {
+            for s in 0..n {
+                let before: usize = got[s * local..s * local + l].iter().sum();
+                order.extend(starts[s] + before..starts[s] + before + got[s * local + l]);
+            }
+            offsets.push(order.len());
+        }
+        Ok(Exchange {
+            send_rows,
+            recv_rows,
+            order,
+            offsets,
+        })
+    }
+
+    /// Sends `rows [Σ send_rows, h]` out and returns the received rows in local-expert order.
+    fn dispatch(&self, ep: &dyn Communicator, rows: &[f32], h: usize) -> Result<Vec<f32>> {
+        let mut got = vec![0f32; self.recv_rows.iter().sum::<usize>() * h];
+        let (send, recv) = (scaled(&self.send_rows, h), scaled(&self.recv_rows, h));
+        ep.all_to_all_v(rows, &send, &mut got, &recv)
+            .map_err(comm_err)?;
+        let mut sorted = vec![0f32; got.len()];
+        for (dst, &src) in sorted.chunks_exact_mut(h).zip(&self.order) {
+            dst.copy_from_slice(&got[src * h..][..h]);
+        }
+        Ok(sorted)
+    }
+
+    /// The inverse of [`Exchange::dispatch`]: local-expert-order rows back to their senders.
+    fn combine(&self, ep: &dyn Communicator, sorted: &[f32], h: usize) -> Result<Vec<f32>> {
+        let mut by_source = vec![0f32; sorted.len()];
+        for (src, &dst) in sorted.chunks_exact(h).zip(&self.order) {
+            by_source[dst * h..][..h].copy_from_slice(src);
+        }
+        let mut back = vec![0f32; self.send_rows.iter().sum::<usize>() * h];
+        let (send, recv) = (scaled(&self.recv_rows, h), scaled(&self.send_rows, h));
+        ep.all_to_all_v(&by_source, &send, &mut back, &recv)
+            .map_err(comm_err)?;
+        Ok(back)
+    }
+}
+
+fn scaled(rows: &[usize], h: usize) -> Vec<usize> {
+    rows.iter().map(|r| r * h).collect()
+}
+
+/// `y [T, h]` of this rank's tokens `x [T, h]` routed by `routing` (global expert ids of `E`
+/// experts), its local experts' weights `w` (`L = E / ep` experts, this rank's), over the
+/// expert-parallel group `ep`. Equals [`super::experts_forward`] with all `E` experts on one
+/// rank.
+///
+/// # Errors
+/// [`NnError::BadInput`] when `E` does not split evenly over the group; [`NnError::Comm`] when
+/// an exchange fails (often: another rank failed first).
+pub fn ep_experts_forward(
+    ep: &dyn Communicator,
+    x: &[f32],
+    routing: &Routing,
+    num_experts: usize,
+    w: &ExpertWeights<'_>,
+) -> Result<(Vec<f32>, EpActs)> {
+    let (h, n) = (w.hidden, ep.size());
+    if !num_experts.is_multiple_of(n) || w.num_experts() * n != num_experts {
+        return Err(NnError::BadInput {
+            field: "expert_model_parallel_size".into(),
+            reason: format!(
+                "{num_experts} experts do not split into {n} ranks of {} local experts",
+                w.num_experts()
+            ),
+        });
+    }
+    let k = routing.probs.len() / (x.len() / h);
+    let perm = Permutation::new(&routing.experts, num_experts);
+    let mut xp = vec![0f32; perm.slots.len() * h];
+    for (row, &slot) in xp.chunks_exact_mut(h).zip(&perm.slots) {
+        row.copy_from_slice(&x[(slot / k) * h..][..h]);
+    }
+    let counts: Vec<usize> = perm.offsets.windows(2).map(|o| o[1] - o[0]).collect();
+    let plan = Exchange::plan(ep, &counts)?;
+    let xl = plan.dispatch(ep, &xp, h)?;
+    let (fc1, act, out_local) = grouped_mlp_forward(&xl, &plan.offsets, w);
+    let out = plan.combine(ep, &out_local, h)?;
+    let mut y = vec![0f32; x.len()];
+    for (row, &slot) in out.chunks_exact(h).zip(&perm.slots) {
+        let p = routing.probs[slot];
+        let yt = &mut y[(slot / k) * h..][..h];
+        yt.iter_mut().zip(row).for_each(|(y, o)| *y += p * o);
+    }
+    let acts = EpActs {
+        perm,
+        out,
+        plan,
+        xl,
+        fc1,
+        act,
+    };
+    Ok((y, acts))
+}
+
+/// The backward of [`ep_experts_forward`] for `dy [T, h]`.
+///
+/// # Errors
+/// [`NnError::Comm`] when an exchange fails.
+pub fn ep_experts_backward(
+    ep: &dyn Communicator,
+    routing: &Routing,
+    w: &ExpertWeights<'_>,
+    acts: &EpActs,
+    dy: &[f32],
+) -> Result<EpGrads> {
+    let h = w.hidden;
+    let t = dy.len() / h;
+    let k = routing.probs.len() / t;
+    let slots = &acts.perm.slots;
+    let mut dout = vec![0f32; slots.len() * h];
+    let mut dprobs = vec![0f32; t * k];
+    for ((d, o), &slot) in dout
+        .chunks_exact_mut(h)
+        .zip(acts.out.chunks_exact(h))
+        .zip(slots)
+    {
+        let dyt = &dy[(slot / k) * h..][..h];
+        let p = routing.probs[slot];
+        d.iter_mut().zip(dyt).for_each(|(d, g)| *d = p * g);
+        dprobs[slot] = o.iter().zip(dyt).map(|(o, g)| o * g).sum();
+    }
+    let dl = acts.plan.dispatch(ep, &dout, h)?;
+    let (dxl, dfc1, dfc2) =
+        grouped_mlp_backward(&acts.xl, &acts.fc1, &acts.act, &acts.plan.offsets, w, &dl);
+    let dxp = acts.plan.combine(ep, &dxl, h)?;
+    let mut dx = vec![0f32; t * h];
+    for (d, &slot) in dxp.chunks_exact(h).zip(slots) {
+        let dxt = &mut dx[(slot / k) * h..][..h];
+        dxt.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+    }
+    Ok(EpGrads {
+        dx,
+        dfc1,
+        dfc2,
+        dprobs,
+    })
+}

@@ -1,0 +1,110 @@
+//! Expert parallelism (the `alltoall` dispatcher) against all experts on one rank: at ep 2 and
+//! ep 4 (in-process ranks, each with its own tokens and routing), every rank's output, input
+//! and routing-weight gradients equal the one-rank experts' on its tokens, and each rank's
+//! expert weight gradients equal the one-rank gradients summed over every rank's tokens.
+
+use ferrotron_comm::{Communicator, run_local};
+use ferrotron_nn::moe::{
+    ExpertWeights, RouterConfig, ScoreFunction, ep_experts_backward, ep_experts_forward,
+    experts_backward, experts_forward,
+};
+
+const T: usize = 7;
+const H: usize = 6;
+const F: usize = 4;
+const E: usize = 8;
+
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+fn assert_close(name: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+            "{name}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn expert_parallel_equals_one_rank() {
+    let cfg = RouterConfig {
+        num_experts: E,
+        topk: 2,
+        score_function: ScoreFunction::Softmax,
+        pre_softmax: false,
+        groups: None,
+        scaling_factor: None,
+    };
+    let (fc1, fc2) = (values(E * 2 * F * H, 1, 1.0), values(E * H * F, 2, 1.0));
+    let full = ExpertWeights {
+        fc1: &fc1,
+        fc2: &fc2,
+        hidden: H,
+        ffn: F,
+    };
+    for ep in [2usize, 4] {
+        let tokens = |r: usize| {
+            (
+                values(T * H, 10 + r as u64, 2.0),
+                values(T * H, 20 + r as u64, 1.0),
+            )
+        };
+        let route = |r: usize| cfg.route(&values(T * E, 30 + r as u64, 4.0), None).unwrap();
+        // One rank, every expert: each rank's tokens on their own; weight gradients summed.
+        let mut want_dfc1 = vec![0f32; fc1.len()];
+        let mut want_dfc2 = vec![0f32; fc2.len()];
+        let mut want = Vec::new();
+        for r in 0..ep {
+            let ((x, dy), routing) = (tokens(r), route(r));
+            let (y, acts) = experts_forward(&x, &routing, &full);
+            let g = experts_backward(&routing, &full, &acts, &dy);
+            want_dfc1.iter_mut().zip(&g.dfc1).for_each(|(a, b)| *a += b);
+            want_dfc2.iter_mut().zip(&g.dfc2).for_each(|(a, b)| *a += b);
+            want.push((y, g.dx, g.dprobs));
+        }
+        let local = E / ep;
+        let got = run_local(ep, |c| {
+            let r = c.rank();
+            let ((x, dy), routing) = (tokens(r), route(r));
+            let w = ExpertWeights {
+                fc1: &fc1[r * local * 2 * F * H..][..local * 2 * F * H],
+                fc2: &fc2[r * local * H * F..][..local * H * F],
+                hidden: H,
+                ffn: F,
+            };
+            let (y, acts) = ep_experts_forward(&c, &x, &routing, E, &w)?;
+            let g = ep_experts_backward(&c, &routing, &w, &acts, &dy)?;
+            Ok::<_, ferrotron_nn::NnError>((y, g))
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        for (r, (y, g)) in got.into_iter().enumerate() {
+            let (wy, wdx, wdp) = &want[r];
+            assert_close(&format!("ep{ep} rank {r} y"), &y, wy);
+            assert_close(&format!("ep{ep} rank {r} dx"), &g.dx, wdx);
+            assert_close(&format!("ep{ep} rank {r} dprobs"), &g.dprobs, wdp);
+            let n1 = local * 2 * F * H;
+            assert_close(
+                &format!("ep{ep} rank {r} dfc1"),
+                &g.dfc1,
+                &want_dfc1[r * n1..][..n1],
+            );
+            let n2 = local * H * F;
+            assert_close(
+                &format!("ep{ep} rank {r} dfc2"),
+                &g.dfc2,
+                &want_dfc2[r * n2..][..n2],
+            );
+        }
+    }
+}
