@@ -285,61 +285,58 @@ impl RouterConfig {
 /// Megatron's load-balancing `aux_loss` of one layer and its gradient `[T, E]`:
 /// `coeff · E / (k · T²) · Σ_e (Σ_t p_te) · c_e`, with `p` the softmax over all experts of the
 /// logits (the sigmoid scores normalised per token for sigmoid routers) and `c_e` the tokens
-/// routed to expert `e` (constant). `T` is every token the loss covers; under tensor or
-/// context parallelism Megatron sums `T` and `c` over those groups first.
-///
-/// # Panics
-/// When `logits` and `routing` disagree in shape (a caller bug).
-pub fn aux_loss(
-    cfg: &RouterConfig,
-    logits: &[f32],
-    routing: &Routing,
-    coeff: f32,
-) -> (f32, Vec<f32>) {
+/// whose top-k of `p` holds expert `e` (constant; no group limit, expert bias or capacity:
+/// Megatron's `compute_routing_scores_for_aux_loss`). `T` is every token the loss covers;
+/// under tensor or context parallelism Megatron sums `T` and `c` over those groups first.
+pub fn aux_loss(cfg: &RouterConfig, logits: &[f32], coeff: f32) -> (f32, Vec<f32>) {
     let (e, k) = (cfg.num_experts, cfg.topk);
     let t = logits.len() / e;
-    assert_eq!(routing.experts.len(), t * k);
+    let probs: Vec<Vec<f32>> = logits
+        .chunks_exact(e)
+        .map(|z| match cfg.score_function {
+            ScoreFunction::Softmax => softmax(z),
+            ScoreFunction::Sigmoid => {
+                let s: Vec<f32> = z.iter().map(|&v| sigmoid(v)).collect();
+                let sum: f32 = s.iter().sum::<f32>() + 1e-20;
+                s.iter().map(|s| s / sum).collect()
+            }
+        })
+        .collect();
     let mut counts = vec![0f64; e];
-    routing
-        .experts
-        .iter()
-        .for_each(|&x| counts[x as usize] += 1.0);
+    for p in &probs {
+        best(p, k).into_iter().for_each(|x| counts[x] += 1.0);
+    }
     let scale = f64::from(coeff) * e as f64 / (k as f64 * (t * t) as f64);
+    // d loss / d p_te = scale · c_e
+    let g: Vec<f32> = counts.iter().map(|c| (scale * c) as f32).collect();
     let mut loss = 0f64;
     let mut dz = vec![0f32; logits.len()];
-    for (z, dz) in logits.chunks_exact(e).zip(dz.chunks_exact_mut(e)) {
-        // d loss / d p_te = scale · c_e
-        let g: Vec<f32> = counts.iter().map(|c| (scale * c) as f32).collect();
+    for ((z, dz), p) in logits
+        .chunks_exact(e)
+        .zip(dz.chunks_exact_mut(e))
+        .zip(&probs)
+    {
+        loss += p
+            .iter()
+            .zip(&counts)
+            .map(|(p, c)| *p as f64 * c)
+            .sum::<f64>()
+            * scale;
         match cfg.score_function {
             ScoreFunction::Softmax => {
-                let p = softmax(z);
-                loss += p
-                    .iter()
-                    .zip(&counts)
-                    .map(|(p, c)| *p as f64 * c)
-                    .sum::<f64>()
-                    * scale;
                 let dot: f32 = p.iter().zip(&g).map(|(p, g)| p * g).sum();
                 dz.iter_mut()
                     .zip(p.iter().zip(&g))
                     .for_each(|(dz, (p, g))| *dz = p * (g - dot));
             }
             ScoreFunction::Sigmoid => {
+                // p = s / Σs: dp_i/ds_j = (δ_ij − p_i) / Σs, then ds/dz = s(1 − s).
                 let s: Vec<f32> = z.iter().map(|&v| sigmoid(v)).collect();
                 let sum: f32 = s.iter().sum::<f32>() + 1e-20;
-                let p: Vec<f32> = s.iter().map(|s| s / sum).collect();
-                loss += p
-                    .iter()
-                    .zip(&counts)
-                    .map(|(p, c)| *p as f64 * c)
-                    .sum::<f64>()
-                    * scale;
-                let dot: f32 = g.iter().zip(&s).map(|(g, s)| g * s).sum();
+                let dot: f32 = g.iter().zip(p).map(|(g, p)| g * p).sum();
                 dz.iter_mut()
                     .zip(g.iter().zip(&s))
-                    .for_each(|(dz, (g, s))| {
-                        *dz = (g / sum - dot / (sum * sum)) * s * (1.0 - s);
-                    });
+                    .for_each(|(dz, (g, s))| *dz = (g - dot) / sum * s * (1.0 - s));
             }
         }
     }

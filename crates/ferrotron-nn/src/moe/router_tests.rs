@@ -127,6 +127,11 @@ fn known_routings() {
     assert_eq!(cfg.route(&differ, None).unwrap().experts, [2, 3]);
     cfg.groups.as_mut().unwrap().score = GroupScore::Max;
     assert_eq!(cfg.route(&differ, None).unwrap().experts, [0, 1]);
+    // The aux loss counts the plain top-k of the softmax (experts 0 and 2), whatever the
+    // groups chose: coeff·E/(k·T²)·(p_0 + p_2) for one token.
+    let p = softmax(&differ);
+    let (loss, _) = aux_loss(&cfg, &differ, 0.5);
+    assert!((loss - 0.5 * 4.0 / 2.0 * (p[0] + p[2])).abs() < 1e-6, "{loss}");
     // Sigmoid with a bias: the bias picks, the unbiased scores weigh (normalised).
     let mut sig = config(ScoreFunction::Sigmoid, false);
     sig.num_experts = 4;
@@ -143,9 +148,10 @@ fn aux_and_z_losses_match_finite_differences_and_megatrons_formula() {
     let z = logits(6, 8, 2);
     for (name, cfg, bias) in variants() {
         let r = cfg.route(&z, bias.as_deref()).unwrap();
-        let (loss, dz) = aux_loss(&cfg, &z, &r, 0.01);
-        check_fd(name, &z, &dz, |z| aux_loss(&cfg, z, &r, 0.01).0 as f64);
-        if cfg.score_function == ScoreFunction::Softmax {
+        let (loss, dz) = aux_loss(&cfg, &z, 0.01);
+        check_fd(name, &z, &dz, |z| aux_loss(&cfg, z, 0.01).0 as f64);
+        if cfg.score_function == ScoreFunction::Softmax && cfg.groups.is_none() {
+            // Without groups (or bias) the aux loss counts the routed experts themselves.
             // coeff·E/(k·T²)·Σ_e (Σ_t p_te)·c_e, written out.
             let (e, k, t) = (8usize, cfg.topk, 6usize);
             let mut p_sum = vec![0f64; e];
