@@ -1,12 +1,12 @@
 //! Expert parallelism (the `alltoall` dispatcher) against all experts on one rank: at ep 2 and
 //! ep 4 (in-process ranks, each with its own tokens and routing), every rank's output, input
-//! and routing-weight gradients equal the one-rank experts' on its tokens, and each rank's
+//! and routing-weight gradients (also with tokens dropped over capacity) equal the one-rank experts' on its tokens, and each rank's
 //! expert weight gradients equal the one-rank gradients summed over every rank's tokens.
 
 use ferrotron_comm::{Communicator, run_local};
 use ferrotron_nn::moe::{
-    ExpertWeights, RouterConfig, ScoreFunction, ep_experts_backward, ep_experts_forward,
-    experts_backward, experts_forward,
+    DropPolicy, ExpertWeights, RouterConfig, ScoreFunction, ep_experts_backward,
+    ep_experts_forward, experts_backward, experts_forward,
 };
 
 const T: usize = 7;
@@ -53,14 +53,20 @@ fn expert_parallel_equals_one_rank() {
         hidden: H,
         ffn: F,
     };
-    for ep in [2usize, 4] {
+    for (ep, capacity) in [(2usize, None), (4, None), (2, Some(0.75f32))] {
         let tokens = |r: usize| {
             (
                 values(T * H, 10 + r as u64, 2.0),
                 values(T * H, 20 + r as u64, 1.0),
             )
         };
-        let route = |r: usize| cfg.route(&values(T * E, 30 + r as u64, 4.0), None).unwrap();
+        let route = |r: usize| {
+            let mut routing = cfg.route(&values(T * E, 30 + r as u64, 4.0), None).unwrap();
+            if let Some(c) = capacity {
+                routing.drop_over_capacity(E, c, DropPolicy::Probs).unwrap();
+            }
+            routing
+        };
         // One rank, every expert: each rank's tokens on their own; weight gradients summed.
         let mut want_dfc1 = vec![0f32; fc1.len()];
         let mut want_dfc2 = vec![0f32; fc2.len()];

@@ -146,7 +146,7 @@ pub fn ep_experts_forward(
         });
     }
     let k = routing.probs.len() / (x.len() / h);
-    let perm = Permutation::new(&routing.experts, num_experts);
+    let perm = Permutation::new(routing, num_experts);
     let mut xp = vec![0f32; perm.slots.len() * h];
     for (row, &slot) in xp.chunks_exact_mut(h).zip(&perm.slots) {
         row.copy_from_slice(&x[(slot / k) * h..][..h]);

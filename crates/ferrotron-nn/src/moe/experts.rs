@@ -32,7 +32,8 @@ impl ExpertWeights<'_> {
 }
 
 /// Rows sorted by expert: `slots[r]` is permuted row `r`'s routing slot (`t·k + j`: token
-/// `t`'s `j`-th expert), expert `e`'s rows are `offsets[e]..offsets[e + 1]`.
+/// `t`'s `j`-th expert; dropped slots have no row), expert `e`'s rows are
+/// `offsets[e]..offsets[e + 1]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Permutation {
     /// `[T·k]`.
@@ -42,21 +43,31 @@ pub struct Permutation {
 }
 
 impl Permutation {
-    /// The stable sort by expert of `experts` (`[T·k]`, [`Routing::experts`]).
+    /// The stable sort by expert of `routing`'s slots ([`Routing::experts`]), leaving out
+    /// the dropped ones.
     ///
     /// # Panics
     /// When an expert id is not below `num_experts` (the router's output is).
-    pub fn new(experts: &[u32], num_experts: usize) -> Permutation {
+    pub fn new(routing: &Routing, num_experts: usize) -> Permutation {
+        let kept = || {
+            routing
+                .experts
+                .iter()
+                .zip(&routing.dropped)
+                .enumerate()
+                .filter(|(_, (_, d))| !**d)
+                .map(|(slot, (&e, _))| (slot, e as usize))
+        };
         let mut offsets = vec![0usize; num_experts + 1];
-        experts.iter().for_each(|&e| offsets[e as usize + 1] += 1);
+        kept().for_each(|(_, e)| offsets[e + 1] += 1);
         for e in 0..num_experts {
             offsets[e + 1] += offsets[e];
         }
         let mut next = offsets.clone();
-        let mut slots = vec![0usize; experts.len()];
-        for (slot, &e) in experts.iter().enumerate() {
-            slots[next[e as usize]] = slot;
-            next[e as usize] += 1;
+        let mut slots = vec![0usize; offsets[num_experts]];
+        for (slot, e) in kept() {
+            slots[next[e]] = slot;
+            next[e] += 1;
         }
         Permutation { slots, offsets }
     }
@@ -102,7 +113,7 @@ pub fn experts_forward(
 ) -> (Vec<f32>, ExpertActs) {
     let (h, e) = (w.hidden, w.num_experts());
     let k = routing.probs.len() / (x.len() / h);
-    let perm = Permutation::new(&routing.experts, e);
+    let perm = Permutation::new(routing, e);
     let rows = perm.slots.len();
     let mut xp = vec![0f32; rows * h];
     for (row, &slot) in xp.chunks_exact_mut(h).zip(&perm.slots) {

@@ -48,6 +48,12 @@ fn expert(x: &[f32], e: usize, fc1: &[f32], fc2: &[f32]) -> Vec<f32> {
 
 #[test]
 fn grouped_experts_equal_each_token_through_its_experts() {
+    for capacity in [None, Some(0.5f32)] {
+        grouped_experts_case(capacity);
+    }
+}
+
+fn grouped_experts_case(capacity: Option<f32>) {
     let (x, fc1, fc2) = (
         values(T * H, 2, 2.0),
         values(E * 2 * F * H, 3, 1.0),
@@ -59,11 +65,18 @@ fn grouped_experts_equal_each_token_through_its_experts() {
         hidden: H,
         ffn: F,
     };
-    let r = routing();
+    let mut r = routing();
+    if let Some(c) = capacity {
+        assert!(
+            r.drop_over_capacity(E, c, crate::moe::DropPolicy::Probs)
+                .unwrap()
+                > 0
+        );
+    }
     let (y, acts) = experts_forward(&x, &r, &w);
     for t in 0..T {
         let mut want = vec![0f32; H];
-        for j in 0..2 {
+        for j in (0..2).filter(|&j| !r.dropped[t * 2 + j]) {
             let out = expert(&x[t * H..][..H], r.experts[t * 2 + j] as usize, &fc1, &fc2);
             want.iter_mut()
                 .zip(out)
@@ -75,7 +88,7 @@ fn grouped_experts_equal_each_token_through_its_experts() {
     }
     // Every expert's rows are contiguous and in token order.
     let p = &acts.perm;
-    assert_eq!(p.offsets[E], T * 2);
+    assert_eq!(p.offsets[E], r.dropped.iter().filter(|d| !**d).count());
     for e in 0..E {
         let rows = &p.slots[p.offsets[e]..p.offsets[e + 1]];
         assert!(rows.windows(2).all(|s| s[0] < s[1]));
@@ -91,7 +104,13 @@ fn experts_backward_matches_finite_differences() {
         values(E * H * F, 7, 1.0),
     );
     let c = values(T * H, 8, 2.0);
-    let r = routing();
+    // Capacity 0.75 drops some slots: no rows, no weight gradient.
+    let mut r = routing();
+    assert!(
+        r.drop_over_capacity(E, 0.75, crate::moe::DropPolicy::Position)
+            .unwrap()
+            > 0
+    );
     let loss = |x: &[f32], fc1: &[f32], fc2: &[f32], r: &Routing| {
         let w = ExpertWeights {
             fc1,

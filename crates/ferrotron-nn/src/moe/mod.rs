@@ -12,4 +12,4 @@ pub use dispatch::{EpActs, EpGrads, ep_experts_backward, ep_experts_forward};
 pub use experts::{
     ExpertActs, ExpertGrads, ExpertWeights, Permutation, experts_backward, experts_forward,
 };
-pub use router::{ExpertGroups, GroupScore, RouterConfig, Routing, ScoreFunction};
+pub use router::{DropPolicy, ExpertGroups, GroupScore, RouterConfig, Routing, ScoreFunction};

@@ -74,6 +74,9 @@ pub struct Routing {
     pub experts: Vec<u32>,
     /// `[T, k]` routing weights.
     pub probs: Vec<f32>,
+    /// `[T, k]` slots dropped over an expert's capacity ([`Routing::drop_over_capacity`]):
+    /// weight 0, not computed, no gradient.
+    pub dropped: Vec<bool>,
     /// `[T, E]` the scores the probabilities were read from (softmax over all experts with
     /// `pre_softmax`, over the chosen k otherwise, stored at their experts; sigmoid), for the
     /// backward.
@@ -157,6 +160,7 @@ impl RouterConfig {
         let mut out = Routing {
             experts: vec![0; t * k],
             probs: vec![0.0; t * k],
+            dropped: vec![false; t * k],
             scores: vec![0.0; t * e],
         };
         for (i, z) in logits.chunks_exact(e).enumerate() {
@@ -247,7 +251,11 @@ impl RouterConfig {
         for (i, dz) in dz.chunks_exact_mut(e).enumerate() {
             let s = &routing.scores[i * e..][..e];
             let chosen = &routing.experts[i * k..][..k];
-            let dp: Vec<f32> = dprobs[i * k..][..k].iter().map(|d| d * f).collect();
+            let dp: Vec<f32> = dprobs[i * k..][..k]
+                .iter()
+                .zip(&routing.dropped[i * k..][..k])
+                .map(|(d, &dropped)| if dropped { 0.0 } else { d * f })
+                .collect();
             match self.score_function {
                 ScoreFunction::Softmax => {
                     // Softmax backward over the experts the scores cover (the chosen k, or all
@@ -388,6 +396,59 @@ fn best(values: &[f32], k: usize) -> Vec<usize> {
     idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
     idx.truncate(k);
     idx
+}
+
+/// Which routed tokens an expert over capacity keeps (`--moe-token-drop-policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropPolicy {
+    /// Those with the highest routing weights (ties to the earlier token).
+    Probs,
+    /// The earliest tokens.
+    Position,
+}
+
+impl Routing {
+    /// Megatron's `apply_router_token_dropping`: each expert keeps at most
+    /// `capacity = ceil(T·k / E · capacity_factor)` of the tokens routed to it, chosen by
+    /// `policy`; the others are dropped (weight 0, not computed: a token keeps its other
+    /// experts, its weights are not renormalised). Returns how many slots were dropped.
+    /// Dropless (HF's models, Megatron's default) is not calling this.
+    ///
+    /// # Errors
+    /// [`NnError::BadInput`] naming `moe_expert_capacity_factor` when it is not positive.
+    pub fn drop_over_capacity(
+        &mut self,
+        num_experts: usize,
+        capacity_factor: f32,
+        policy: DropPolicy,
+    ) -> Result<usize> {
+        if !(capacity_factor > 0.0 && capacity_factor.is_finite()) {
+            return bad(
+                "moe_expert_capacity_factor",
+                format!("{capacity_factor} must be > 0"),
+            );
+        }
+        let slots = self.experts.len();
+        let capacity = (slots as f64 / num_experts as f64 * f64::from(capacity_factor)).ceil();
+        let capacity = capacity as usize;
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); num_experts];
+        for (slot, &x) in self.experts.iter().enumerate() {
+            by_expert[x as usize].push(slot);
+        }
+        let mut dropped = 0;
+        for mut slots in by_expert {
+            if policy == DropPolicy::Probs {
+                // Slots are in token order already: a stable sort keeps ties early-first.
+                slots.sort_by(|&a, &b| self.probs[b].total_cmp(&self.probs[a]));
+            }
+            for &slot in slots.iter().skip(capacity) {
+                self.dropped[slot] = true;
+                self.probs[slot] = 0.0;
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
+    }
 }
 
 #[cfg(test)]

@@ -131,7 +131,10 @@ fn known_routings() {
     // groups chose: coeff·E/(k·T²)·(p_0 + p_2) for one token.
     let p = softmax(&differ);
     let (loss, _) = aux_loss(&cfg, &differ, 0.5);
-    assert!((loss - 0.5 * 4.0 / 2.0 * (p[0] + p[2])).abs() < 1e-6, "{loss}");
+    assert!(
+        (loss - 0.5 * 4.0 / 2.0 * (p[0] + p[2])).abs() < 1e-6,
+        "{loss}"
+    );
     // Sigmoid with a bias: the bias picks, the unbiased scores weigh (normalised).
     let mut sig = config(ScoreFunction::Sigmoid, false);
     sig.num_experts = 4;
@@ -200,4 +203,50 @@ fn bad_options_name_themselves() {
     );
     let e = c.route(&[0.0; 7], None).unwrap_err().to_string();
     assert!(e.contains("router logits: 7 values"), "{e}");
+}
+
+#[test]
+fn capacity_drops_by_weight_or_position() {
+    let mut cfg = config(ScoreFunction::Softmax, true);
+    cfg.num_experts = 2;
+    cfg.topk = 1;
+    // Four tokens, all to expert 0, weights ordered 1 < 3 < 4 < 2 (by their logit gaps).
+    let logits = [0.4f32, 0.0, 2.2, 0.0, 0.8, 0.0, 1.5, 0.0];
+    let routed = cfg.route(&logits, None).unwrap();
+    assert_eq!(routed.experts, [0, 0, 0, 0]);
+    // capacity ceil(4 / 2 · 1.0) = 2: by weight tokens 2 and 3 stay, by position 0 and 1.
+    let mut by_probs = routed.clone();
+    assert_eq!(
+        by_probs
+            .drop_over_capacity(2, 1.0, DropPolicy::Probs)
+            .unwrap(),
+        2
+    );
+    assert_eq!(by_probs.dropped, [true, false, true, false]);
+    assert_eq!(by_probs.probs[0], 0.0);
+    let mut by_position = routed.clone();
+    assert_eq!(
+        by_position
+            .drop_over_capacity(2, 1.0, DropPolicy::Position)
+            .unwrap(),
+        2
+    );
+    assert_eq!(by_position.dropped, [false, false, true, true]);
+    // A generous factor drops nothing; a dropped slot gets no gradient.
+    let mut all = routed.clone();
+    assert_eq!(
+        all.drop_over_capacity(2, 2.0, DropPolicy::Probs).unwrap(),
+        0
+    );
+    let dz = cfg.backward(&by_position, &[1.0; 4]);
+    assert!(dz[4..].iter().all(|&d| d == 0.0), "{dz:?}");
+    assert!(dz[..4].iter().any(|&d| d != 0.0));
+    let e = all
+        .drop_over_capacity(2, 0.0, DropPolicy::Probs)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("moe_expert_capacity_factor: 0 must be > 0"),
+        "{e}"
+    );
 }
