@@ -5,47 +5,21 @@
 
 use ferrotron_comm::{Communicator, run_local};
 use ferrotron_nn::moe::{
-    DropPolicy, ExpertWeights, RouterConfig, ScoreFunction, ep_experts_backward,
-    ep_experts_forward, experts_backward, experts_forward,
+    DropPolicy, ExpertWeights, ep_experts_backward, ep_experts_forward, experts_backward,
+    experts_forward,
 };
+
+mod common;
+use common::{assert_close, mixtral_router, values};
 
 const T: usize = 7;
 const H: usize = 6;
 const F: usize = 4;
 const E: usize = 8;
 
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
-}
-
-fn assert_close(name: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{name}");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
-            "{name}[{i}]: {g} vs {w}"
-        );
-    }
-}
-
 #[test]
 fn expert_parallel_equals_one_rank() {
-    let cfg = RouterConfig {
-        num_experts: E,
-        topk: 2,
-        score_function: ScoreFunction::Softmax,
-        pre_softmax: false,
-        groups: None,
-        scaling_factor: None,
-    };
+    let cfg = mixtral_router(E);
     let (fc1, fc2) = (values(E * 2 * F * H, 1, 1.0), values(E * H * F, 2, 1.0));
     let full = ExpertWeights {
         fc1: &fc1,

@@ -10,6 +10,9 @@ use ferrotron_nn::moe::{
 use ferrotron_tensor::gemm::{Op, sgemm};
 use safetensors::SafeTensors;
 
+mod common;
+use common::assert_close;
+
 const T: usize = 6;
 const H: usize = 16;
 const F: usize = 8;
@@ -28,16 +31,6 @@ fn f32s(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
         .collect()
-}
-
-fn assert_close(name: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{name}");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
-            "{name}[{i}]: {g} vs {w}"
-        );
-    }
 }
 
 fn router(family: &str) -> RouterConfig {

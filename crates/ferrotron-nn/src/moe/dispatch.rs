@@ -145,23 +145,14 @@ pub fn ep_experts_forward(
             ),
         });
     }
-    let k = routing.probs.len() / (x.len() / h);
     let perm = Permutation::new(routing, num_experts);
-    let mut xp = vec![0f32; perm.slots.len() * h];
-    for (row, &slot) in xp.chunks_exact_mut(h).zip(&perm.slots) {
-        row.copy_from_slice(&x[(slot / k) * h..][..h]);
-    }
+    let xp = perm.permute(x, h);
     let counts: Vec<usize> = perm.offsets.windows(2).map(|o| o[1] - o[0]).collect();
     let plan = Exchange::plan(ep, &counts)?;
     let xl = plan.dispatch(ep, &xp, h)?;
     let (fc1, act, out_local) = grouped_mlp_forward(&xl, &plan.offsets, w);
     let out = plan.combine(ep, &out_local, h)?;
-    let mut y = vec![0f32; x.len()];
-    for (row, &slot) in out.chunks_exact(h).zip(&perm.slots) {
-        let p = routing.probs[slot];
-        let yt = &mut y[(slot / k) * h..][..h];
-        yt.iter_mut().zip(row).for_each(|(y, o)| *y += p * o);
-    }
+    let y = perm.unpermute(&out, &routing.probs, h);
     let acts = EpActs {
         perm,
         out,
@@ -185,30 +176,14 @@ pub fn ep_experts_backward(
     dy: &[f32],
 ) -> Result<EpGrads> {
     let h = w.hidden;
-    let t = dy.len() / h;
-    let k = routing.probs.len() / t;
-    let slots = &acts.perm.slots;
-    let mut dout = vec![0f32; slots.len() * h];
-    let mut dprobs = vec![0f32; t * k];
-    for ((d, o), &slot) in dout
-        .chunks_exact_mut(h)
-        .zip(acts.out.chunks_exact(h))
-        .zip(slots)
-    {
-        let dyt = &dy[(slot / k) * h..][..h];
-        let p = routing.probs[slot];
-        d.iter_mut().zip(dyt).for_each(|(d, g)| *d = p * g);
-        dprobs[slot] = o.iter().zip(dyt).map(|(o, g)| o * g).sum();
-    }
+    let (dout, dprobs) = acts
+        .perm
+        .unpermute_backward(&acts.out, &routing.probs, dy, h);
     let dl = acts.plan.dispatch(ep, &dout, h)?;
     let (dxl, dfc1, dfc2) =
         grouped_mlp_backward(&acts.xl, &acts.fc1, &acts.act, &acts.plan.offsets, w, &dl);
     let dxp = acts.plan.combine(ep, &dxl, h)?;
-    let mut dx = vec![0f32; t * h];
-    for (d, &slot) in dxp.chunks_exact(h).zip(slots) {
-        let dxt = &mut dx[(slot / k) * h..][..h];
-        dxt.iter_mut().zip(d).for_each(|(a, b)| *a += b);
-    }
+    let dx = acts.perm.permute_backward(&dxp, h, dy.len());
     Ok(EpGrads {
         dx,
         dfc1,

@@ -36,10 +36,12 @@ impl ExpertWeights<'_> {
 /// `offsets[e]..offsets[e + 1]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Permutation {
-    /// `[T·k]`.
+    /// `[R]` (`R = T·k` less the dropped slots).
     pub slots: Vec<usize>,
     /// `[E + 1]`.
     pub offsets: Vec<usize>,
+    /// Experts per token `k`.
+    topk: usize,
 }
 
 impl Permutation {
@@ -69,7 +71,74 @@ impl Permutation {
             slots[next[e]] = slot;
             next[e] += 1;
         }
-        Permutation { slots, offsets }
+        Permutation {
+            slots,
+            offsets,
+            topk: routing.topk(),
+        }
+    }
+
+    /// The token of permuted row `r`.
+    fn token(&self, r: usize) -> usize {
+        self.slots[r] / self.topk
+    }
+
+    /// `xp [R, h]`: each row its token's `x [T, h]` row (Megatron's `permute`).
+    pub fn permute(&self, x: &[f32], h: usize) -> Vec<f32> {
+        let mut xp = vec![0f32; self.slots.len() * h];
+        for (r, row) in xp.chunks_exact_mut(h).enumerate() {
+            row.copy_from_slice(&x[self.token(r) * h..][..h]);
+        }
+        xp
+    }
+
+    /// `y [T, h]`: each token the sum of its rows of `out [R, h]` weighted by `probs [T·k]`
+    /// (Megatron's `unpermute`).
+    pub fn unpermute(&self, out: &[f32], probs: &[f32], h: usize) -> Vec<f32> {
+        let mut y = vec![0f32; probs.len() / self.topk * h];
+        for (r, row) in out.chunks_exact(h).enumerate() {
+            let p = probs[self.slots[r]];
+            let yt = &mut y[self.token(r) * h..][..h];
+            yt.iter_mut().zip(row).for_each(|(y, o)| *y += p * o);
+        }
+        y
+    }
+
+    /// The backward of [`Permutation::unpermute`] for `dy [T, h]`: each row's output
+    /// gradient `dout [R, h]` (its weight × its token's) and `dprobs [T·k]` (the row's output
+    /// · its token's gradient; 0 for dropped slots).
+    pub fn unpermute_backward(
+        &self,
+        out: &[f32],
+        probs: &[f32],
+        dy: &[f32],
+        h: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut dout = vec![0f32; out.len()];
+        let mut dprobs = vec![0f32; probs.len()];
+        for (r, (d, o)) in dout
+            .chunks_exact_mut(h)
+            .zip(out.chunks_exact(h))
+            .enumerate()
+        {
+            let (slot, dyt) = (self.slots[r], &dy[self.token(r) * h..][..h]);
+            d.iter_mut()
+                .zip(dyt)
+                .for_each(|(d, g)| *d = probs[slot] * g);
+            dprobs[slot] = o.iter().zip(dyt).map(|(o, g)| o * g).sum();
+        }
+        (dout, dprobs)
+    }
+
+    /// The backward of [`Permutation::permute`]: `dx [T, h]` (`len = T·h`) the sum of each
+    /// token's rows of `dxp [R, h]`.
+    pub fn permute_backward(&self, dxp: &[f32], h: usize, len: usize) -> Vec<f32> {
+        let mut dx = vec![0f32; len];
+        for (r, d) in dxp.chunks_exact(h).enumerate() {
+            let dxt = &mut dx[self.token(r) * h..][..h];
+            dxt.iter_mut().zip(d).for_each(|(a, b)| *a += b);
+        }
+        dx
     }
 }
 
@@ -112,20 +181,10 @@ pub fn experts_forward(
     w: &ExpertWeights<'_>,
 ) -> (Vec<f32>, ExpertActs) {
     let (h, e) = (w.hidden, w.num_experts());
-    let k = routing.probs.len() / (x.len() / h);
     let perm = Permutation::new(routing, e);
-    let rows = perm.slots.len();
-    let mut xp = vec![0f32; rows * h];
-    for (row, &slot) in xp.chunks_exact_mut(h).zip(&perm.slots) {
-        row.copy_from_slice(&x[(slot / k) * h..][..h]);
-    }
+    let xp = perm.permute(x, h);
     let (fc1, act, out) = grouped_mlp_forward(&xp, &perm.offsets, w);
-    let mut y = vec![0f32; x.len()];
-    for (row, &slot) in out.chunks_exact(h).zip(&perm.slots) {
-        let p = routing.probs[slot];
-        let yt = &mut y[(slot / k) * h..][..h];
-        yt.iter_mut().zip(row).for_each(|(y, o)| *y += p * o);
-    }
+    let y = perm.unpermute(&out, &routing.probs, h);
     (
         y,
         ExpertActs {
@@ -148,30 +207,11 @@ pub fn experts_backward(
     acts: &ExpertActs,
     dy: &[f32],
 ) -> ExpertGrads {
-    let h = w.hidden;
-    let t = dy.len() / h;
-    let k = routing.probs.len() / t;
-    let (perm, rows) = (&acts.perm, acts.perm.slots.len());
-    // Each row's output gradient (its weight × the token's) and the weights' gradients.
-    let mut dout = vec![0f32; rows * h];
-    let mut dprobs = vec![0f32; t * k];
-    for ((d, o), &slot) in dout
-        .chunks_exact_mut(h)
-        .zip(acts.out.chunks_exact(h))
-        .zip(&perm.slots)
-    {
-        let dyt = &dy[(slot / k) * h..][..h];
-        let p = routing.probs[slot];
-        d.iter_mut().zip(dyt).for_each(|(d, g)| *d = p * g);
-        dprobs[slot] = o.iter().zip(dyt).map(|(o, g)| o * g).sum();
-    }
+    let (perm, h) = (&acts.perm, w.hidden);
+    let (dout, dprobs) = perm.unpermute_backward(&acts.out, &routing.probs, dy, h);
     let (dxp, dfc1, dfc2) =
         grouped_mlp_backward(&acts.xp, &acts.fc1, &acts.act, &perm.offsets, w, &dout);
-    let mut dx = vec![0f32; t * h];
-    for (d, &slot) in dxp.chunks_exact(h).zip(&perm.slots) {
-        let dxt = &mut dx[(slot / k) * h..][..h];
-        dxt.iter_mut().zip(d).for_each(|(a, b)| *a += b);
-    }
+    let dx = perm.permute_backward(&dxp, h, dy.len());
     ExpertGrads {
         dx,
         dfc1,
@@ -323,7 +363,3 @@ fn grouped_weight_grad(
             }
         });
 }
-
-#[cfg(test)]
-#[path = "experts_tests.rs"]
-mod tests;

@@ -77,6 +77,8 @@ pub struct Routing {
     /// `[T, k]` slots dropped over an expert's capacity ([`Routing::drop_over_capacity`]):
     /// weight 0, not computed, no gradient.
     pub dropped: Vec<bool>,
+    /// Experts per token `k`.
+    topk: usize,
     /// `[T, E]` the scores the probabilities were read from (softmax over all experts with
     /// `pre_softmax`, over the chosen k otherwise, stored at their experts; sigmoid), for the
     /// backward.
@@ -161,6 +163,7 @@ impl RouterConfig {
             experts: vec![0; t * k],
             probs: vec![0.0; t * k],
             dropped: vec![false; t * k],
+            topk: k,
             scores: vec![0.0; t * e],
         };
         for (i, z) in logits.chunks_exact(e).enumerate() {
@@ -408,6 +411,11 @@ pub enum DropPolicy {
 }
 
 impl Routing {
+    /// Experts per token `k` (slot `t·k + j` is token `t`'s `j`-th).
+    pub fn topk(&self) -> usize {
+        self.topk
+    }
+
     /// Megatron's `apply_router_token_dropping`: each expert keeps at most
     /// `capacity = ceil(T·k / E · capacity_factor)` of the tokens routed to it, chosen by
     /// `policy`; the others are dropped (weight 0, not computed: a token keeps its other

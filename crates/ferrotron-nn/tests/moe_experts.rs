@@ -1,32 +1,18 @@
-use super::*;
-use crate::moe::{RouterConfig, ScoreFunction};
+//! The experts on one rank: each token through its experts written out (with and without
+//! tokens dropped over capacity), and finite differences for every gradient.
+
+use ferrotron_nn::moe::{DropPolicy, ExpertWeights, Routing, experts_backward, experts_forward};
+
+mod common;
+use common::{mixtral_router, values};
 
 const T: usize = 5;
 const H: usize = 6;
 const F: usize = 4;
 const E: usize = 4;
 
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
-}
-
 fn routing() -> Routing {
-    let cfg = RouterConfig {
-        num_experts: E,
-        topk: 2,
-        score_function: ScoreFunction::Softmax,
-        pre_softmax: false,
-        groups: None,
-        scaling_factor: None,
-    };
+    let cfg = mixtral_router(E);
     cfg.route(&values(T * E, 1, 4.0), None).unwrap()
 }
 
@@ -67,11 +53,7 @@ fn grouped_experts_case(capacity: Option<f32>) {
     };
     let mut r = routing();
     if let Some(c) = capacity {
-        assert!(
-            r.drop_over_capacity(E, c, crate::moe::DropPolicy::Probs)
-                .unwrap()
-                > 0
-        );
+        assert!(r.drop_over_capacity(E, c, DropPolicy::Probs).unwrap() > 0);
     }
     let (y, acts) = experts_forward(&x, &r, &w);
     for t in 0..T {
@@ -106,11 +88,7 @@ fn experts_backward_matches_finite_differences() {
     let c = values(T * H, 8, 2.0);
     // Capacity 0.75 drops some slots: no rows, no weight gradient.
     let mut r = routing();
-    assert!(
-        r.drop_over_capacity(E, 0.75, crate::moe::DropPolicy::Position)
-            .unwrap()
-            > 0
-    );
+    assert!(r.drop_over_capacity(E, 0.75, DropPolicy::Position).unwrap() > 0);
     let loss = |x: &[f32], fc1: &[f32], fc2: &[f32], r: &Routing| {
         let w = ExpertWeights {
             fc1,
