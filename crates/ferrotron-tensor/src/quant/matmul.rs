@@ -12,7 +12,7 @@ const TILE_ROWS: usize = 1024;
 
 /// Most activation rows that take the integer path of [`quant_matmul_t`] (batched decode);
 /// more (prefill) take the bf16 tiles.
-pub const INT8_MAX_ROWS: usize = 32;
+pub const INT8_MAX_ROWS: usize = 16;
 
 /// Fewest weight rows per rayon task of the integer path.
 const MIN_ROWS_PER_TASK: usize = 16;
