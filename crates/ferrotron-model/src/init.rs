@@ -136,6 +136,7 @@ impl TransformerConfig {
             recompute_granularity: None,
             lora: None,
             output_head: OutputHead::LanguageModel,
+            moe: None,
         };
         config.validate()?;
         Ok(config)

@@ -22,8 +22,9 @@ pub mod train;
 mod vocab;
 
 pub use config::{
-    ActivationFunc, ModelFamily, Normalization, OutputHead, PositionEmbedding,
-    RecomputeGranularity, RecomputeMethod, TransformerConfig,
+    ActivationFunc, DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing,
+    ModelFamily, MoeConfig, Normalization, OutputHead, PositionEmbedding, RecomputeGranularity,
+    RecomputeMethod, RouterConfig, ScoreFunction, TransformerConfig,
 };
 pub use error::ModelError;
 pub use gpt_model::{GptModel, LogitsMode};
@@ -36,8 +37,8 @@ pub use param_table::{ParamTable, ParamValue};
 pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
-    ActivationMemory, DpoStats, DpoTargets, ForwardTrace, GradReady, LossStats, NoGradHook,
-    Objective, ParamInfo, RewardTargets, StageForward, StageLogps, TrainBatch,
+    ActivationMemory, DpoStats, DpoTargets, ForwardTrace, GradReady, LossStats, MoeLosses,
+    NoGradHook, Objective, ParamInfo, RewardTargets, StageForward, StageLogps, TrainBatch,
 };
 pub use vocab::NewToken;
 

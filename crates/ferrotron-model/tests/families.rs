@@ -1,20 +1,22 @@
-//! The seven families expressed as switches on the one skeleton (OLMo, OLMo2, Gemma, Phi-3,
-//! StarCoder2, Falcon, Bloom) against transformers 5.23 on the committed tiny fixtures
-//! (`tools/make_family_fixtures.py`): logits within 1e-4 with the same argmax everywhere,
+//! The families expressed as switches on the one skeleton (OLMo, OLMo2, Gemma, Phi-3,
+//! StarCoder2, Falcon, Bloom) and the MoE families (Mixtral, Qwen2-MoE, OLMoE) against
+//! transformers 5.23 on the committed tiny fixtures (`tools/make_family_fixtures.py`,
+//! `tools/make_moe_model_fixtures.py`): logits within 1e-4 with the same argmax everywhere,
 //! greedy generation token for token through the KV cache, the loss and **every** gradient
 //! vs PyTorch, and HF -> model -> HF bit-exact (config and tensors).
 
 use ferrotron_model::families::{
     HfConfigInputs, hf_config_json, hf_tensors, load_hf_model, parse_hf_config,
 };
-use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
+use ferrotron_model::module::LayerMlp;
+use ferrotron_model::{GptModel, KvCache, LoadBalancing, LogitsMode, ParamId, TrainBatch};
 use ferrotron_tensor::ops::{IGNORE_INDEX, argmax};
 use ferrotron_tensor::{DType, Tensor};
 use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-const FAMILIES: [&str; 7] = [
+const FAMILIES: [&str; 10] = [
     "tiny-olmo",
     "tiny-olmo2",
     "tiny-gemma",
@@ -22,6 +24,9 @@ const FAMILIES: [&str; 7] = [
     "tiny-starcoder2",
     "tiny-falcon",
     "tiny-bloom",
+    "tiny-mixtral",
+    "tiny-qwen2-moe",
+    "tiny-olmoe",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -144,21 +149,42 @@ fn batch(name: &str) -> TrainBatch {
     TrainBatch::from_batch_major(&tokens, &labels, None, b, s)
 }
 
-/// Our gradients under HF names: a model whose parameters are the gradients, exported.
+/// Our gradients under the names of HF's `named_parameters()`: a model whose parameters are
+/// the gradients, exported; an MoE layer's experts under transformers 5's fused in-memory
+/// names (`mlp.experts.gate_up_proj` `[E, 2f, h]`, expert `e`'s gate rows then up rows: our
+/// `linear_fc1` stack; `mlp.experts.down_proj` `[E, h, f]`: our `linear_fc2` stack) and its
+/// router as `mlp.gate.weight` (Mixtral's too, which is `block_sparse_moe.gate` on disk).
 fn hf_grads(model: &GptModel, grads: Vec<Vec<f32>>) -> HashMap<String, Vec<f32>> {
     let params = model
         .layout()
         .decls()
         .iter()
-        .zip(grads)
-        .map(|(d, g)| Tensor::from_f32(&d.shape, g).unwrap())
+        .zip(&grads)
+        .map(|(d, g)| Tensor::from_f32(&d.shape, g.clone()).unwrap())
         .collect();
     let as_model = GptModel::new(model.config().clone(), params).unwrap();
-    hf_tensors(&as_model)
+    let mut out: HashMap<String, Vec<f32>> = hf_tensors(&as_model)
         .unwrap()
         .into_iter()
         .map(|t| (t.name.clone(), t.values()))
-        .collect()
+        .collect();
+    for layer in model.layers() {
+        let LayerMlp::Moe(m) = layer.mlp else {
+            continue;
+        };
+        let prefix = format!("model.layers.{}.", layer.number);
+        out.retain(|name, _| {
+            !(name.starts_with(&prefix) && (name.contains(".experts.") || name.contains(".gate.")))
+        });
+        let g = |id: ParamId| grads[id.index()].clone();
+        out.insert(
+            format!("{prefix}mlp.experts.gate_up_proj"),
+            g(m.experts_fc1),
+        );
+        out.insert(format!("{prefix}mlp.experts.down_proj"), g(m.experts_fc2));
+        out.insert(format!("{prefix}mlp.gate.weight"), g(m.router));
+    }
+    out
 }
 
 fn check_grads(name: &str) {
@@ -243,6 +269,89 @@ family_tests! {
     starcoder2: "tiny-starcoder2",
     falcon: "tiny-falcon",
     bloom: "tiny-bloom",
+    mixtral: "tiny-mixtral",
+    qwen2_moe: "tiny-qwen2-moe",
+    olmoe: "tiny-olmoe",
+}
+
+/// `model` with its MoE layers' balancing losses as the MoE fixtures' `aux_grads` computes
+/// them: Megatron's `aux_loss` (the config's `router_aux_loss_coef`) and a z-loss of 1e-3.
+fn with_balancing_losses(model: &GptModel) -> GptModel {
+    let mut c = model.config().clone();
+    let moe = c.moe.as_mut().expect("an MoE model");
+    moe.load_balancing_type = LoadBalancing::AuxLoss;
+    moe.z_loss_coeff = Some(1e-3);
+    let params = (0..model.param_table().len())
+        .map(|i| model.param_table().view(i).to_tensor())
+        .collect();
+    GptModel::new(c, params).unwrap()
+}
+
+/// The MoE fixtures with Megatron's balancing losses on: the LM loss as before, each layer's
+/// aux and z losses, and the gradients of the total (the embedding's, which every layer's
+/// losses reach, and each router's) vs PyTorch.
+fn check_balancing_losses(name: &str) {
+    let model = with_balancing_losses(&load(name));
+    let batch = batch(name);
+    let mut grads = model.zero_grads();
+    let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
+    let stats = model.forward_backward(&batch, &mut views, 1.0).unwrap();
+    let bytes = read(name, "aux_grads.safetensors");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let close = |what: &str, got: f64, want: f32| {
+        let err = (got - want as f64).abs() / (want as f64).abs();
+        assert!(err <= 1e-5, "{name}: {what} {got} vs torch {want}");
+    };
+    close("lm loss", stats.loss as f64, f32s(&st, "lm_loss")[0]);
+    let sum = |prefix: &str| -> f32 {
+        st.names()
+            .iter()
+            .filter(|k| k.starts_with(prefix))
+            .map(|k| f32s(&st, k)[0])
+            .sum()
+    };
+    close("aux loss", stats.moe.load_balancing_loss, sum("aux."));
+    close("z loss", stats.moe.z_loss, sum("z."));
+    let moe_layers = model
+        .layers()
+        .iter()
+        .filter(|l| matches!(l.mlp, LayerMlp::Moe(_)))
+        .count();
+    assert_eq!(stats.moe.layers, moe_layers, "{name}: MoE layers counted");
+    let ours = hf_grads(&model, grads);
+    let mut checked = 0;
+    for key in st.names() {
+        let Some(p) = key.strip_prefix("grad.") else {
+            continue;
+        };
+        let (want, got) = (f32s(&st, key), &ours[p]);
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= 1e-4 * scale,
+            "{name}: grad {p} max diff {diff} (max |g| {scale})"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, moe_layers + 1, "{name}: gradients checked");
+}
+
+mod balancing_losses {
+    #[test]
+    fn mixtral() {
+        super::check_balancing_losses("tiny-mixtral");
+    }
+    #[test]
+    fn qwen2_moe() {
+        super::check_balancing_losses("tiny-qwen2-moe");
+    }
+    #[test]
+    fn olmoe() {
+        super::check_balancing_losses("tiny-olmoe");
+    }
 }
 
 #[test]

@@ -135,7 +135,8 @@ fn bf16_storage_rounds_the_f32_draws() {
     let layout = bf16_model.layout();
     let dtype = |id| bf16_model.param(id).dtype();
     assert_eq!(dtype(layout.embedding.unwrap()), DType::BF16);
-    assert_eq!(dtype(layout.layers[1].mlp.linear_fc2.weight), DType::BF16);
+    let fc2 = layout.layers[1].mlp.linears()[1].weight;
+    assert_eq!(dtype(fc2), DType::BF16);
     assert_eq!(dtype(layout.output_layer.unwrap()), DType::BF16);
     let norm = layout.layers[1]
         .pre_mlp_layernorm

@@ -106,7 +106,9 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
         recompute_granularity: None,
         lora: None,
         output_head,
+        moe: None,
     };
+    config.moe = super::hf_moe::parse_moe(obj, family, config.num_layers)?;
     schema.switches.apply(&mut config);
     config.validate()?;
     Ok(HfModelInfo {
@@ -146,6 +148,7 @@ fn biases(obj: &Map<String, Value>, biases: Biases) -> Result<(bool, bool, bool)
             (attention, attention, false)
         }
         Biases::Qkv => (true, false, false),
+        Biases::QkvFlag(key) => (opt_bool(obj, key)?.unwrap_or(true), false, false),
         Biases::AllLinears(key) => {
             let all = flag(key)?;
             (all, all, all)
@@ -290,7 +293,8 @@ fn sliding_window(
     family: ModelFamily,
     reads_window: bool,
 ) -> Result<Option<usize>> {
-    if family == ModelFamily::Qwen2 && opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
+    let qwen2 = matches!(family, ModelFamily::Qwen2 | ModelFamily::Qwen2Moe);
+    if qwen2 && opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
         return Err(field_error(
             "use_sliding_window",
             "Qwen2 sliding-window layers are not supported",
@@ -321,12 +325,12 @@ fn token_ids(obj: &Map<String, Value>, key: &str) -> Result<Vec<u32>> {
     }
 }
 
-fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+pub(super) fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
     opt_usize(obj, key)?
         .ok_or_else(|| field_error(key, "missing (expected a non-negative integer)"))
 }
 
-fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
+pub(super) fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -336,7 +340,7 @@ fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
     }
 }
 
-fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
+pub(super) fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -346,7 +350,7 @@ fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     }
 }
 
-fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
+pub(super) fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -356,7 +360,7 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
     }
 }
 
-fn opt_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>> {
+pub(super) fn opt_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v

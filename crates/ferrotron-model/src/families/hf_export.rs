@@ -129,6 +129,7 @@ pub fn hf_config_json(
         obj.insert("label2id".into(), json!({"LABEL_0": 0}));
     }
     insert_schema_fields(&mut obj, c, &schema)?;
+    super::hf_moe::insert_moe_fields(&mut obj, c)?;
     Ok(Value::Object(obj))
 }
 
@@ -177,7 +178,7 @@ fn insert_schema_fields(
         Biases::Attention => {
             obj.insert("attention_bias".into(), json!(c.add_qkv_bias));
         }
-        Biases::AllLinears(key) => {
+        Biases::AllLinears(key) | Biases::QkvFlag(key) => {
             obj.insert(key.into(), json!(c.add_qkv_bias));
         }
         Biases::Qkv | Biases::Always | Biases::Never => {}
@@ -193,7 +194,7 @@ fn insert_schema_fields(
         obj.insert("sliding_window".into(), json!(c.sliding_window));
     }
     match c.family {
-        ModelFamily::Qwen2 => {
+        ModelFamily::Qwen2 | ModelFamily::Qwen2Moe => {
             obj.insert("use_sliding_window".into(), json!(false));
             obj.insert("sliding_window".into(), Value::Null);
         }
@@ -218,6 +219,7 @@ fn check_expressible(c: &TransformerConfig, schema: &ConfigSchema) -> Result<()>
         Biases::AttentionAndMlp => [qkv, qkv, mlp],
         Biases::Attention => [qkv, qkv, false],
         Biases::Qkv => [true, false, false],
+        Biases::QkvFlag(_) => [qkv, false, false],
         Biases::AllLinears(_) => [qkv, qkv, qkv],
         Biases::Always => [true; 3],
         Biases::Never => [false; 3],

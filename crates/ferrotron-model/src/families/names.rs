@@ -43,7 +43,45 @@ pub struct HfNames {
     pub final_layernorm: &'static str,
     /// The untied output layer.
     pub output_layer: &'static str,
+    /// The MoE layers' tensors (families with experts).
+    pub moe: Option<HfMoe>,
 }
+
+/// How a family names an MoE layer's tensors (relative to `{layers}.{i}`, without
+/// `.weight`). transformers 5 fuses the experts into 3-D parameters in memory
+/// (`experts.gate_up_proj` `[E, 2f, h]`) but reads and writes them per expert on disk, as
+/// here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HfMoe {
+    /// The router `[E, h]` (Megatron `mlp.router`): `block_sparse_moe.gate`, `mlp.gate`.
+    pub router: &'static str,
+    /// Expert `e`'s prefix is `{experts}.{e}`.
+    pub experts: &'static str,
+    /// Each expert's gate and up projections `[f, h]` under its prefix (Mixtral's `w1`,
+    /// `w3`; `gate_proj`, `up_proj`).
+    pub expert_fc1: [&'static str; 2],
+    /// Each expert's down projection `[h, f]` (Mixtral's `w2`; `down_proj`).
+    pub expert_fc2: &'static str,
+    /// The shared expert's gate, up and down projections (Qwen2-MoE's
+    /// `mlp.shared_expert.gate_proj`, ...).
+    pub shared_expert: Option<[&'static str; 3]>,
+    /// The shared expert's gate `[1, h]` (Qwen2-MoE's `mlp.shared_expert_gate`).
+    pub shared_expert_gate: Option<&'static str>,
+}
+
+/// transformers' `Qwen2MoeSparseMoeBlock` / `OlmoeSparseMoeBlock` names.
+const QWEN2_MOE: HfMoe = HfMoe {
+    router: "mlp.gate",
+    experts: "mlp.experts",
+    expert_fc1: ["gate_proj", "up_proj"],
+    expert_fc2: "down_proj",
+    shared_expert: Some([
+        "mlp.shared_expert.gate_proj",
+        "mlp.shared_expert.up_proj",
+        "mlp.shared_expert.down_proj",
+    ]),
+    shared_expert_gate: Some("mlp.shared_expert_gate"),
+};
 
 /// How a family stores the query, key and value projections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +141,7 @@ const LLAMA: HfNames = HfNames {
     post_mlp_layernorm: None,
     final_layernorm: "model.norm",
     output_layer: "lm_head",
+    moe: None,
 };
 
 /// transformers' `FalconForCausalLM` (`new_decoder_architecture=False`) and
@@ -124,6 +163,7 @@ const FALCON: HfNames = HfNames {
     post_mlp_layernorm: None,
     final_layernorm: "transformer.ln_f",
     output_layer: "lm_head",
+    moe: None,
 };
 
 impl ModelFamily {
@@ -183,6 +223,36 @@ impl ModelFamily {
                 pre_mlp_layernorm: Some("post_attention_layernorm"),
                 ..FALCON
             },
+            ModelFamily::Mixtral => HfNames {
+                architecture: "MixtralForCausalLM",
+                model_type: "mixtral",
+                moe: Some(HfMoe {
+                    router: "block_sparse_moe.gate",
+                    experts: "block_sparse_moe.experts",
+                    expert_fc1: ["w1", "w3"],
+                    expert_fc2: "w2",
+                    shared_expert: None,
+                    shared_expert_gate: None,
+                }),
+                ..LLAMA
+            },
+            ModelFamily::Qwen2Moe => HfNames {
+                architecture: "Qwen2MoeForCausalLM",
+                model_type: "qwen2_moe",
+                moe: Some(QWEN2_MOE),
+                ..LLAMA
+            },
+            ModelFamily::Olmoe => HfNames {
+                architecture: "OlmoeForCausalLM",
+                model_type: "olmoe",
+                qk_layernorm: Some(["self_attn.q_norm", "self_attn.k_norm"]),
+                moe: Some(HfMoe {
+                    shared_expert: None,
+                    shared_expert_gate: None,
+                    ..QWEN2_MOE
+                }),
+                ..LLAMA
+            },
         }
     }
 }
@@ -212,6 +282,20 @@ impl HfNames {
         }
         if c.qk_layernorm && self.qk_layernorm.is_none() {
             return missing("qk_layernorm", "q/k norm");
+        }
+        if self.moe.is_some() && c.moe.is_none() {
+            return Err(field_error("moe", format!("{arch} has MoE layers")));
+        }
+        if let Some(moe) = &c.moe {
+            let Some(names) = self.moe else {
+                return missing("moe", "expert");
+            };
+            if moe.shared_expert_intermediate_size.is_some() && names.shared_expert.is_none() {
+                return missing("moe_shared_expert_intermediate_size", "shared expert");
+            }
+            if moe.shared_expert_gate && names.shared_expert_gate.is_none() {
+                return missing("moe_shared_expert_gate", "shared expert gate");
+            }
         }
         if c.embedding_layernorm && self.embedding_layernorm.is_none() {
             return missing("embedding_layernorm", "embedding norm");

@@ -130,6 +130,8 @@ pub(crate) enum Biases {
     Attention,
     /// q/k/v only, always (Qwen2).
     Qkv,
+    /// q/k/v only, as a flag (Qwen2-MoE's `qkv_bias`, default true).
+    QkvFlag(&'static str),
     /// One flag for every linear layer (StarCoder2 `use_bias`, Falcon `bias`).
     AllLinears(&'static str),
     /// Every linear layer, always (Bloom).
@@ -260,6 +262,26 @@ impl ModelFamily {
                 },
                 ..LLAMA_SCHEMA
             },
+            ModelFamily::Mixtral => ConfigSchema {
+                biases: Biases::Never,
+                sliding_window: true,
+                ..LLAMA_SCHEMA
+            },
+            ModelFamily::Qwen2Moe => ConfigSchema {
+                biases: Biases::QkvFlag("qkv_bias"),
+                head_dim: false,
+                ..LLAMA_SCHEMA
+            },
+            ModelFamily::Olmoe => ConfigSchema {
+                eps: (Some("rms_norm_eps"), 1e-5),
+                biases: Biases::Attention,
+                head_dim: false,
+                switches: Switches {
+                    qk_layernorm: true,
+                    ..LLAMA_SWITCHES
+                },
+                ..LLAMA_SCHEMA
+            },
             ModelFamily::Falcon => FALCON_SCHEMA,
             ModelFamily::Bloom => ConfigSchema {
                 num_layers: "n_layer",
@@ -321,7 +343,7 @@ impl TransformerConfig {
             activation_from_hf(schema.activation.1).expect("every schema default is known");
         (self.add_qkv_bias, self.add_proj_bias, self.add_mlp_bias) = match schema.biases {
             Biases::Always => (true, true, true),
-            Biases::Qkv => (true, false, false),
+            Biases::Qkv | Biases::QkvFlag(_) => (true, false, false),
             _ => (false, false, false),
         };
         if let (None, eps) = schema.eps {

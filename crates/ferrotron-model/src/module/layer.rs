@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use super::attention::SelfAttention;
 use super::decl::Declarer;
-use super::mlp::Mlp;
+use super::moe::LayerMlp;
 use super::norm::Norm;
 
 /// Where one decoder layer's parameters sit in the model's table. The layer computes
@@ -24,7 +24,8 @@ pub struct TransformerLayer {
     /// `[h]` (HF `post_attention_layernorm`); absent under parallel attention or
     /// `post_sublayer_norm`.
     pub pre_mlp_layernorm: Option<Norm>,
-    pub mlp: Mlp,
+    /// Dense, or mixture of experts.
+    pub mlp: LayerMlp,
     /// `[h]` on the MLP's output (OLMo2's `post_feedforward_layernorm`).
     pub post_mlp_layernorm: Option<Norm>,
     /// The layer's parameters: a contiguous run of the table.
@@ -59,7 +60,7 @@ impl TransformerLayer {
             names.pre_mlp_layernorm,
             separate_mlp_norm,
         );
-        let mlp = Mlp::declare(d, number);
+        let mlp = LayerMlp::declare(d, number);
         let post_mlp_layernorm = norm(d, "post_mlp_layernorm", names.post_mlp_layernorm, post);
         TransformerLayer {
             number,
@@ -73,15 +74,13 @@ impl TransformerLayer {
         }
     }
 
-    /// The layer's linear layers: `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`.
-    pub fn linears(&self) -> [super::LinearParams; 4] {
-        let (sa, mlp) = (&self.self_attention, &self.mlp);
-        [
-            sa.linear_qkv,
-            sa.linear_proj,
-            mlp.linear_fc1,
-            mlp.linear_fc2,
-        ]
+    /// The layer's linear layers: `linear_qkv`, `linear_proj`, then the MLP's `linear_fc1`,
+    /// `linear_fc2` (an MoE layer's shared expert's; routed experts are not linears).
+    pub fn linears(&self) -> Vec<super::LinearParams> {
+        let sa = &self.self_attention;
+        let mut linears = vec![sa.linear_qkv, sa.linear_proj];
+        linears.extend(self.mlp.linears());
+        linears
     }
 
     /// Indices of the layer's parameters.

@@ -24,6 +24,7 @@ mod layout;
 mod linear;
 mod lora;
 mod mlp;
+mod moe;
 mod norm;
 
 pub use attention::SelfAttention;
@@ -34,4 +35,5 @@ pub use layout::{ModelLayout, ModelPart};
 pub use linear::LinearParams;
 pub use lora::LoraParams;
 pub use mlp::Mlp;
+pub use moe::{LayerMlp, MoeMlp};
 pub use norm::Norm;

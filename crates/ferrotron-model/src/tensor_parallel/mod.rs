@@ -66,6 +66,11 @@ impl GptModel {
                 "the model is already a tensor-parallel shard".into(),
             ));
         }
+        if c.moe.is_some() && t > 1 {
+            return Err(ModelError::Input(
+                "MoE layers under tensor parallelism are not supported yet".into(),
+            ));
+        }
         let problems: Vec<String> = [
             ("num_attention_heads", c.num_attention_heads),
             ("num_query_groups", c.num_query_groups),

@@ -59,6 +59,8 @@ impl GptModel {
             final_stats,
             normed_final,
             dlogits,
+            loss_scale,
+            moe_losses: _,
         } = acts;
         let dres = match final_stats {
             Some(final_stats) => {
@@ -75,7 +77,7 @@ impl GptModel {
                 self.output_grad(batch, dout)?
             }
         };
-        let pass = Pass::new(self, &positions, batch);
+        let pass = Pass::new(self, &positions, batch).with_moe_losses(loss_scale);
         let mut st = Backprop {
             scratch: Buffer::zeros(self.device(), dres.len()),
             dres,
@@ -239,7 +241,7 @@ pub(crate) fn layer_backward(
     let dmlp_out = post_norm_backward(pass, layer.post_mlp_layernorm, &la.post_mlp, dres, grads)?;
     let mlp_in = la.mlp_in.as_ref().unwrap_or(&la.attn_in);
     let dout = dmlp_out.as_ref().map_or(&*dres, Buffer::host);
-    let dmlp_in = mlp_backward(layer, la, mlp_in.operand(), pass, dout, grads)?;
+    let dmlp_in = mlp_backward(&layer.mlp, &la.mlp, mlp_in, pass, dout, grads)?;
     drop(dmlp_out);
     let dattn_in_extra = if pass.c.parallel_attention_mlp {
         Some(dmlp_in)

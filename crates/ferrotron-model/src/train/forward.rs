@@ -11,7 +11,8 @@ use super::attention::attention_forward;
 use super::core_attention::{CoreAttnOut, KeysValues};
 use super::lora::PassDropout;
 use super::memory::Ledger;
-use super::mlp::mlp_forward;
+use super::mlp::{MlpActs, mlp_forward};
+use super::moe::{MoeLossSink, MoeLosses};
 use super::norm::{NormLayer, NormStats};
 use super::recompute::Keep;
 use super::stored::{Kept, Stored, element_bytes};
@@ -56,6 +57,9 @@ pub(crate) struct Pass<'a> {
     /// The LoRA adapters' input dropout of a training pass (from
     /// [`TrainBatch::dropout_keys`]); `None`: no dropout.
     pub lora_dropout: Option<PassDropout>,
+    /// Where a training pass's MoE layers add their balancing losses, and their gradient's
+    /// scale; `None` in generation (no losses).
+    pub moe_losses: Option<MoeLossSink>,
 }
 
 impl<'a> Pass<'a> {
@@ -84,6 +88,7 @@ impl<'a> Pass<'a> {
             device: model.device(),
             adapter_rows: Vec::new(),
             lora_dropout: PassDropout::new(model, batch),
+            moe_losses: None,
         }
     }
 
@@ -109,7 +114,29 @@ impl<'a> Pass<'a> {
             device: model.device(),
             adapter_rows: Vec::new(),
             lora_dropout: None,
+            moe_losses: None,
         }
+    }
+
+    /// This pass with its MoE layers' balancing losses on, their gradient times `scale`
+    /// (the micro-batch's loss scale).
+    pub(crate) fn with_moe_losses(mut self, scale: f32) -> Pass<'a> {
+        if self.c.moe.is_some() {
+            self.moe_losses = Some(MoeLossSink {
+                scale,
+                losses: Default::default(),
+            });
+        }
+        self
+    }
+
+    /// The MoE layers' losses summed so far (zero without MoE layers or losses).
+    pub(crate) fn moe_losses(&self) -> MoeLosses {
+        self.moe_losses.as_ref().map_or(MoeLosses::default(), |s| {
+            *s.losses
+                .lock()
+                .expect("no MoE layer panics holding the sink")
+        })
     }
 
     /// The linear layer `p` of the pass's model, its adapter's input dropout on in a
@@ -167,10 +194,9 @@ pub(crate) struct LayerActs {
     /// Input of `linear_fc1` `[rows, h]`, all rows; `None` under parallel attention (the
     /// MLP reads `attn_in`).
     pub mlp_in: Option<Stored>,
-    /// `linear_fc1` output `[rows, 2f]` (rows `[gate | up]`) gated, `[rows, f]` otherwise.
-    pub fc1: Stored,
-    /// The activation's output `[rows, f]` (input of `linear_fc2`).
-    pub act: Stored,
+    /// The MLP's activations: a dense MLP's `linear_fc1` and activation outputs, or an MoE
+    /// layer's routing and experts' ([`MlpActs`]).
+    pub mlp: MlpActs,
     /// The MLP's output `[local rows, h]` before `post_mlp_layernorm`, and that norm's
     /// statistics.
     pub post_mlp: Option<(Buffer<f32>, NormStats)>,
@@ -188,18 +214,12 @@ pub(crate) struct QkNormActs {
 impl LayerActs {
     /// Bytes held (core attention's output included when kept).
     pub(crate) fn bytes(&self) -> u128 {
-        let stored = [
-            &self.attn_in,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.fc1,
-            &self.act,
-        ];
+        let stored = [&self.attn_in, &self.q, &self.k, &self.v];
         let stats = [&self.norm1, &self.norm2];
         let post = [&self.post_attn, &self.post_mlp];
         self.x.bytes()
             + self.x_mid.bytes()
+            + self.mlp.bytes()
             + stored.iter().map(|t| t.bytes()).sum::<u128>()
             + self.mlp_in.as_ref().map_or(0, Stored::bytes)
             + stats
@@ -291,6 +311,11 @@ pub(crate) struct Activations {
     pub normed_final: Buffer<f32>,
     /// Logits `[rows, v]`, turned into `∂(loss_scale·loss)/∂logits` by the loss.
     pub dlogits: Buffer<f32>,
+    /// The loss scale of the micro-batch (the MoE balancing losses' gradient scale, for
+    /// layers the backward re-runs).
+    pub loss_scale: f32,
+    /// The balancing losses of the MoE layers the forward ran.
+    pub moe_losses: MoeLosses,
 }
 
 impl GptModel {
@@ -308,6 +333,7 @@ impl GptModel {
         batch: &TrainBatch,
         part: ChunkPart,
         input: Option<Vec<f32>>,
+        loss_scale: f32,
         ledger: &mut Ledger,
     ) -> Result<Activations> {
         let (x, embedding) = self.stage_input(batch, &part, input)?;
@@ -316,9 +342,10 @@ impl GptModel {
         }
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
-        let (saved, x) = {
-            let pass = Pass::new(self, &positions, batch);
-            self.layers_forward(&pass, &part, x, ledger)?
+        let (saved, x, moe_losses) = {
+            let pass = Pass::new(self, &positions, batch).with_moe_losses(loss_scale);
+            let (saved, x) = self.layers_forward(&pass, &part, x, ledger)?;
+            (saved, x, pass.moe_losses())
         };
         let mut acts = Activations {
             part,
@@ -329,6 +356,8 @@ impl GptModel {
             final_stats: None,
             normed_final: Buffer::default(),
             dlogits: Buffer::default(),
+            loss_scale,
+            moe_losses,
         };
         if !acts.part.post_process {
             ledger.hold(acts.x_final.bytes());
@@ -472,7 +501,7 @@ pub(crate) fn layer_forward(
         (x_mid, norm2, Some(mlp_in))
     };
     let mlp_input = mlp_in.as_ref().unwrap_or(&attn_in).values();
-    let (fc1, act, out) = mlp_forward(layer, pass, mlp_input)?;
+    let (mlp, out) = mlp_forward(&layer.mlp, pass, mlp_input)?;
     let (post_mlp, mlp_out) = sublayer_output(pass, layer.post_mlp_layernorm, out)?;
     let y = if c.parallel_attention_mlp {
         // HF Falcon: `mlp_output += attention_output; output = mlp_output + residual`.
@@ -498,8 +527,7 @@ pub(crate) fn layer_forward(
         x_mid,
         norm2,
         mlp_in: mlp_in.map(|m| m.stored),
-        fc1,
-        act,
+        mlp,
         post_mlp,
     };
     Ok((acts, y))

@@ -64,6 +64,7 @@ impl GptModel {
             loss_sum,
             loss_count: count,
             dpo: None,
+            moe: Default::default(),
         })
     }
 

@@ -1,31 +1,101 @@
 //! The MLP's training pass (Megatron-Core `MLP`): `linear_fc1`, the (gated) activation and the
-//! row-parallel `linear_fc2`, and its backward beside it.
+//! row-parallel `linear_fc2`, and its backward beside it; an MoE layer's MLP dispatches to
+//! [`super::moe`], whose shared expert is this MLP at its own width.
 
 use super::backward::{linear_backward, trainable};
-use super::forward::{LayerActs, Pass};
+use super::forward::Pass;
+use super::moe::{MoeActs, moe_backward, moe_forward};
 use super::stored::{Kept, Stored};
 use super::tp_ops::{row_parallel_forward, row_parallel_output_grad};
 use crate::Result;
-use crate::module::TransformerLayer;
+use crate::module::{LayerMlp, Mlp};
 use ferrotron_tensor::Buffer;
-use ferrotron_tensor::gemm_bf16::Operand;
 use ferrotron_tensor::ops::{
     activation, activation_backward, add_bias_backward, glu_packed, glu_packed_backward,
 };
 
-/// The MLP over `input: [rows, h]` (all rows): returns the kept `linear_fc1` output and
-/// activation output, and the row-parallel `linear_fc2`'s output `[local rows, h]`.
+/// What an MLP's backward needs.
+pub(crate) enum MlpActs {
+    Dense(DenseActs),
+    Moe(Box<MoeActs>),
+}
+
+/// A dense MLP's kept activations over `rows` tokens (width `f`).
+pub(crate) struct DenseActs {
+    /// `linear_fc1` output `[rows, 2f]` (rows `[gate | up]`) gated, `[rows, f]` otherwise.
+    pub fc1: Stored,
+    /// The activation's output `[rows, f]` (input of `linear_fc2`).
+    pub act: Stored,
+}
+
+impl MlpActs {
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> u128 {
+        match self {
+            MlpActs::Dense(d) => d.bytes(),
+            MlpActs::Moe(m) => m.bytes(),
+        }
+    }
+}
+
+impl DenseActs {
+    pub(crate) fn bytes(&self) -> u128 {
+        self.fc1.bytes() + self.act.bytes()
+    }
+}
+
+/// The layer's MLP over `input: [rows, h]` (all rows): its kept activations and output
+/// `[local rows, h]` (row-parallel: reduced over tensor-parallel ranks).
 pub(super) fn mlp_forward(
-    layer: &TransformerLayer,
+    mlp: &LayerMlp,
     pass: &Pass<'_>,
     input: &[f32],
-) -> Result<(Stored, Stored, Buffer<f32>)> {
+) -> Result<(MlpActs, Buffer<f32>)> {
+    match mlp {
+        LayerMlp::Dense(m) => {
+            let (acts, out) = dense_forward(m, pass.c.ffn_hidden_size, pass, input)?;
+            Ok((MlpActs::Dense(acts), out))
+        }
+        LayerMlp::Moe(m) => {
+            let (acts, out) = moe_forward(m, pass, input)?;
+            Ok((MlpActs::Moe(Box::new(acts)), out))
+        }
+    }
+}
+
+/// The MLP's backward from `dout` (gradient of its output, local rows) to the gradient of its
+/// input `mlp_in: [rows, h]` (all rows, a partial sum on each tensor-parallel rank).
+pub(super) fn mlp_backward(
+    mlp: &LayerMlp,
+    acts: &MlpActs,
+    mlp_in: &Stored,
+    pass: &Pass<'_>,
+    dout: &[f32],
+    grads: &mut [&mut [f32]],
+) -> Result<Buffer<f32>> {
+    match (mlp, acts) {
+        (LayerMlp::Dense(m), MlpActs::Dense(a)) => {
+            dense_backward(m, pass.c.ffn_hidden_size, a, mlp_in, pass, dout, grads)
+        }
+        (LayerMlp::Moe(m), MlpActs::Moe(a)) => moe_backward(m, a, mlp_in, pass, dout, grads),
+        _ => unreachable!("a layer's activations come from its own MLP's forward"),
+    }
+}
+
+/// The dense MLP `mlp` of inner width `f` over `input: [rows, h]` (all rows): the kept
+/// `linear_fc1` output and activation output, and the row-parallel `linear_fc2`'s output
+/// `[local rows, h]`.
+pub(super) fn dense_forward(
+    mlp: &Mlp,
+    f: usize,
+    pass: &Pass<'_>,
+    input: &[f32],
+) -> Result<(DenseActs, Buffer<f32>)> {
     let c = pass.c;
     let rows = pass.positions.len();
-    let f = c.ffn_hidden_size;
-    let mut fc1 = Buffer::zeros(pass.device, rows * c.fc1_size());
-    pass.linear(layer.mlp.linear_fc1)
-        .forward(input, fc1.host_mut());
+    let fc1_size = if c.gated_linear_unit { 2 * f } else { f };
+    let mut fc1 = Buffer::zeros(pass.device, rows * fc1_size);
+    pass.linear(mlp.linear_fc1).forward(input, fc1.host_mut());
     let fc1 = Kept::new(fc1, pass.narrow);
     let mut act = Buffer::zeros(pass.device, rows * f);
     if c.gated_linear_unit {
@@ -34,36 +104,43 @@ pub(super) fn mlp_forward(
         activation(c.activation_func, fc1.values(), act.host_mut());
     }
     let act = Kept::new(act, pass.narrow);
-    let fc2 = pass.linear(layer.mlp.linear_fc2);
+    let fc2 = pass.linear(mlp.linear_fc2);
     let out = row_parallel_forward(pass, &fc2, act.values())?;
-    Ok((fc1.stored, act.stored, out))
+    let acts = DenseActs {
+        fc1: fc1.stored,
+        act: act.stored,
+    };
+    Ok((acts, out))
 }
 
-/// The MLP's backward from `dout` (gradient of `linear_fc2`'s output, local rows) to the
-/// gradient of its input `[rows, h]` (all rows, a partial sum on each tensor-parallel rank).
-pub(super) fn mlp_backward(
-    layer: &TransformerLayer,
-    la: &LayerActs,
-    mlp_in: Operand<'_>,
+/// [`dense_forward`]'s backward from `dout` (gradient of `linear_fc2`'s output, local rows)
+/// to the gradient of its input `mlp_in: [rows, h]` (all rows, a partial sum on each
+/// tensor-parallel rank).
+pub(super) fn dense_backward(
+    mlp: &Mlp,
+    f: usize,
+    acts: &DenseActs,
+    mlp_in: &Stored,
     pass: &Pass<'_>,
     dout: &[f32],
     grads: &mut [&mut [f32]],
 ) -> Result<Buffer<f32>> {
     let c = pass.c;
-    let (h, f) = (c.hidden_size, c.ffn_hidden_size);
+    let h = c.hidden_size;
     let rows = pass.positions.len();
     let dev = pass.device;
     let dy = row_parallel_output_grad(pass.tp, dout)?;
     let mut dact = Buffer::zeros(dev, rows * f);
-    let fc2 = layer.mlp.linear_fc2;
-    let act = la.act.operand();
+    let fc2 = mlp.linear_fc2;
+    let act = acts.act.operand();
     linear_backward(pass, fc2.without_bias(), act, &dy, dact.host_mut(), grads);
     if let Some(db) = fc2.bias.and_then(|b| trainable(grads, b)) {
         add_bias_backward(dout, db);
     }
     drop((dy, act));
-    let mut dfc1 = Buffer::zeros(dev, rows * c.fc1_size());
-    let (fc1, func) = (la.fc1.f32(), c.activation_func);
+    let fc1_size = if c.gated_linear_unit { 2 * f } else { f };
+    let mut dfc1 = Buffer::zeros(dev, rows * fc1_size);
+    let (fc1, func) = (acts.fc1.f32(), c.activation_func);
     if c.gated_linear_unit {
         glu_packed_backward(func, &fc1, dact.host(), dfc1.host_mut(), f);
     } else {
@@ -71,11 +148,10 @@ pub(super) fn mlp_backward(
     }
     drop((dact, fc1));
     let mut dinput = Buffer::zeros(dev, rows * h);
-    let fc1_params = layer.mlp.linear_fc1;
     linear_backward(
         pass,
-        fc1_params,
-        mlp_in,
+        mlp.linear_fc1,
+        mlp_in.operand(),
         dfc1.host(),
         dinput.host_mut(),
         grads,

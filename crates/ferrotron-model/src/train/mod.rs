@@ -40,6 +40,8 @@ mod lora;
 mod loss;
 pub mod memory;
 mod mlp;
+mod moe;
+pub use moe::MoeLosses;
 mod norm;
 pub(crate) mod params;
 pub mod recompute;
@@ -304,6 +306,9 @@ pub struct LossStats {
     /// DPO's or the reward model's pair metrics, summed over the pairs (`None` for language
     /// modeling).
     pub dpo: Option<DpoStats>,
+    /// The MoE layers' balancing losses (already part of the gradient; not in `loss`), of the
+    /// layers this call ran (zero without MoE layers).
+    pub moe: MoeLosses,
 }
 
 impl GptModel {
@@ -378,8 +383,9 @@ impl GptModel {
         // buffers then always come from one thread's allocator heap, so memory freed by the
         // last step is what the next one reuses.
         let mut ledger = memory::Ledger::default();
-        let mut acts = self.train_forward(batch, part, None, &mut ledger)?;
-        let stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
+        let mut acts = self.train_forward(batch, part, None, loss_scale, &mut ledger)?;
+        let mut stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
+        stats.moe = acts.moe_losses;
         self.train_backward(batch, acts, grads, &mut ledger, ready, None)?;
         Ok(stats)
     }

@@ -81,7 +81,13 @@ impl GptModel {
     pub fn rewards(&self, batch: &TrainBatch) -> Result<Vec<f64>> {
         self.require_score_head(true)?;
         let part = self.chunk_part(0)?;
-        let acts = self.train_forward(batch, part, None, &mut super::memory::Ledger::default())?;
+        let acts = self.train_forward(
+            batch,
+            part,
+            None,
+            0.0,
+            &mut super::memory::Ledger::default(),
+        )?;
         let scores = acts.dlogits.host();
         let pad = match &batch.objective {
             super::Objective::Reward(t) => t.pad_token_id,
@@ -155,6 +161,7 @@ impl GptModel {
             loss_sum,
             loss_count: pairs,
             dpo: Some(stats),
+            moe: Default::default(),
         })
     }
 }

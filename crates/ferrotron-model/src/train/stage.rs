@@ -40,9 +40,11 @@ impl GptModel {
         self.local_config().validate_recompute()?;
         let mut ledger = memory::Ledger::default();
         let post_process = part.post_process;
-        let mut acts = self.train_forward(batch, part, input, &mut ledger)?;
+        let mut acts = self.train_forward(batch, part, input, loss_scale, &mut ledger)?;
         let loss = if post_process {
-            Some(self.loss_and_logit_grad(batch, &mut acts, loss_scale)?)
+            let mut loss = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
+            loss.moe = acts.moe_losses;
+            Some(loss)
         } else {
             None
         };
@@ -152,6 +154,12 @@ impl StageForward {
     /// The loss (last stage only).
     pub fn loss(&self) -> Option<LossStats> {
         self.loss
+    }
+
+    /// The balancing losses of the MoE layers this stage ran (every stage; zero without
+    /// MoE layers). The last stage's [`StageForward::loss`] carries its own too.
+    pub fn moe_losses(&self) -> super::MoeLosses {
+        self.acts.moe_losses
     }
 
     /// The stage's output `[local rows, h]` for the next stage (empty on the last stage, and

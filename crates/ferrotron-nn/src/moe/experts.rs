@@ -157,6 +157,15 @@ pub struct ExpertActs {
     out: Vec<f32>,
 }
 
+impl ExpertActs {
+    /// Bytes held: the permutation and the four `[R, ·]` activations.
+    pub fn bytes(&self) -> u128 {
+        let f32s = self.xp.len() + self.fc1.len() + self.act.len() + self.out.len();
+        let usizes = self.perm.slots.len() + self.perm.offsets.len();
+        (4 * f32s + std::mem::size_of::<usize>() * usizes) as u128
+    }
+}
+
 /// Gradients of [`experts_backward`].
 #[derive(Clone, Debug)]
 pub struct ExpertGrads {

@@ -416,6 +416,11 @@ impl Routing {
         self.topk
     }
 
+    /// Bytes of the kept `[T, E]` scores (what the backward reads besides `probs`).
+    pub fn scores_bytes(&self) -> u128 {
+        std::mem::size_of_val(self.scores.as_slice()) as u128
+    }
+
     /// Megatron's `apply_router_token_dropping`: each expert keeps at most
     /// `capacity = ceil(T·k / E · capacity_factor)` of the tokens routed to it, chosen by
     /// `policy`; the others are dropped (weight 0, not computed: a token keeps its other

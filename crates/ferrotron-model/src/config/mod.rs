@@ -1,7 +1,13 @@
+mod moe;
+
 use crate::lora::LoraConfig;
 use crate::{ModelError, Result};
 pub use ferrotron_tensor::ops::ActivationFunc;
 use ferrotron_tensor::ops::RopeScaling;
+pub use moe::{
+    DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing, MoeConfig, RouterConfig,
+    ScoreFunction,
+};
 
 /// Which HuggingFace architecture a model came from (selects weight naming and biases).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,11 +32,20 @@ pub enum ModelFamily {
     Falcon,
     /// `BloomForCausalLM` (ALiBi, embedding LayerNorm, GeLU-tanh, biases).
     Bloom,
+    /// `MixtralForCausalLM` (Mistral with every MLP a top-k softmax-routed MoE).
+    Mixtral,
+    /// `Qwen2MoeForCausalLM` (Qwen1.5-MoE / Qwen2-MoE: q/k/v biases, routed experts without
+    /// renormalisation plus a sigmoid-gated shared expert, dense layers by
+    /// `decoder_sparse_step` / `mlp_only_layers`).
+    Qwen2Moe,
+    /// `OlmoeForCausalLM` (OLMoE: full-width q/k RMSNorm, routed experts without
+    /// renormalisation).
+    Olmoe,
 }
 
 impl ModelFamily {
     /// Every family, in the order errors list them.
-    pub const ALL: [ModelFamily; 10] = [
+    pub const ALL: [ModelFamily; 13] = [
         ModelFamily::Llama,
         ModelFamily::Mistral,
         ModelFamily::Qwen2,
@@ -41,6 +56,9 @@ impl ModelFamily {
         ModelFamily::Starcoder2,
         ModelFamily::Falcon,
         ModelFamily::Bloom,
+        ModelFamily::Mixtral,
+        ModelFamily::Qwen2Moe,
+        ModelFamily::Olmoe,
     ];
 
     /// The HF `architectures[0]` name.
@@ -159,6 +177,9 @@ pub struct TransformerConfig {
     pub lora: Option<LoraConfig>,
     /// What the last stage computes from the final norm's output.
     pub output_head: OutputHead,
+    /// Mixture-of-experts layers (Megatron's `num_moe_experts` and `moe_*`); `None`: every
+    /// layer has the dense MLP.
+    pub moe: Option<MoeConfig>,
 }
 
 /// The head on the final hidden states.
@@ -263,10 +284,41 @@ impl TransformerConfig {
             ));
         }
         self.family.hf_names().check_expresses(self)?;
+        self.validate_moe()?;
         if let Some(lora) = &self.lora {
             lora.validate()?;
         }
         self.validate_recompute()
+    }
+
+    /// The MoE settings, and what the experts need of the rest: they are SwiGLU MLPs
+    /// without biases.
+    fn validate_moe(&self) -> Result<()> {
+        let Some(moe) = &self.moe else {
+            return Ok(());
+        };
+        moe.validate(self.num_layers)?;
+        if !self.gated_linear_unit || self.activation_func != ActivationFunc::Silu {
+            return Err(field_error(
+                "activation_func",
+                "MoE experts are SwiGLU MLPs (gated_linear_unit with silu)",
+            ));
+        }
+        if self.add_mlp_bias {
+            return Err(field_error("add_mlp_bias", "MoE experts have no biases"));
+        }
+        if self.lora.is_some() {
+            return Err(field_error(
+                "lora",
+                "LoRA on a model with MoE layers is not supported",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether global layer `layer` has an MoE MLP.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_moe_layer(layer))
     }
 
     /// Megatron's `TransformerConfig.__post_init__` rules for recomputation that the type does
@@ -342,6 +394,9 @@ mod tests {
                 ModelFamily::Starcoder2 => 7,
                 ModelFamily::Falcon => 8,
                 ModelFamily::Bloom => 9,
+                ModelFamily::Mixtral => 10,
+                ModelFamily::Qwen2Moe => 11,
+                ModelFamily::Olmoe => 12,
             };
             assert_eq!(position, i, "{family:?}");
             assert_eq!(

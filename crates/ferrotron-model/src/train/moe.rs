@@ -1,0 +1,371 @@
+//! The MoE layer's training pass (Megatron-Core `MoELayer.forward`, `moe/moe_layer.py`):
+//! router logits in f32 → top-k routing (then capacity, if any) → tokens permuted by expert →
+//! the experts' grouped GEMMs → unpermuted with the routing weights, plus the shared expert
+//! (scaled by its sigmoid gate); the balancing losses' gradient joins the router logits'
+//! (Megatron's `MoEAuxLossAutoScaler`: scaled by the micro-batch's loss scale). The backward
+//! sits beside it.
+
+use std::sync::Mutex;
+
+use super::backward::trainable;
+use super::forward::Pass;
+use super::mlp::{DenseActs, dense_backward, dense_forward};
+use super::stored::Stored;
+use crate::config::LoadBalancing;
+use crate::module::MoeMlp;
+use crate::{ModelError, MoeConfig, Result};
+use ferrotron_nn::moe::router::{aux_loss, z_loss};
+use ferrotron_nn::moe::{ExpertActs, ExpertWeights, Routing, experts_backward, experts_forward};
+use ferrotron_tensor::Buffer;
+use ferrotron_tensor::gemm::{matmul_weight, matmul_weight_t, weight_grad};
+
+/// The balancing losses of a pass's MoE layers, summed over the layers, each as added to the
+/// objective (already times its coefficient).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MoeLosses {
+    /// Σ over MoE layers of `moe_router_load_balancing_type`'s loss.
+    pub load_balancing_loss: f64,
+    /// Σ over MoE layers of the router z-loss.
+    pub z_loss: f64,
+    /// MoE layers summed.
+    pub layers: usize,
+}
+
+impl MoeLosses {
+    /// `self + other`.
+    pub fn add(&mut self, other: &MoeLosses) {
+        self.load_balancing_loss += other.load_balancing_loss;
+        self.z_loss += other.z_loss;
+        self.layers += other.layers;
+    }
+}
+
+/// Where a training pass's MoE layers add their losses, and the scale of their gradient.
+pub(crate) struct MoeLossSink {
+    /// The micro-batch's loss scale (the LM loss's gradient scale).
+    pub scale: f32,
+    /// Summed over the MoE layers run in the forward.
+    pub losses: Mutex<MoeLosses>,
+}
+
+/// What an MoE layer's backward needs, over `rows` tokens (all rows).
+pub(crate) struct MoeActs {
+    /// `[rows, E]` router logits (f32).
+    logits: Vec<f32>,
+    /// Each token's experts and weights.
+    routing: Routing,
+    /// The experts' permuted inputs and intermediate outputs.
+    experts: ExpertActs,
+    /// `[rows, E]` the balancing losses' gradient wrt the logits, times the loss scale
+    /// (training passes of a model with such losses).
+    daux: Option<Vec<f32>>,
+    /// The shared expert's activations.
+    shared: Option<SharedActs>,
+}
+
+/// The shared expert's activations.
+struct SharedActs {
+    mlp: DenseActs,
+    /// `[rows, h]` its output before the gate.
+    out: Buffer<f32>,
+    /// `[rows]` `sigmoid(x·w_gate)` (absent without a gate).
+    gate: Option<Vec<f32>>,
+}
+
+impl MoeActs {
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> u128 {
+        let f32s = |n: usize| 4 * n as u128;
+        let shared = self.shared.as_ref().map_or(0, |s| {
+            s.mlp.bytes() + s.out.bytes() + f32s(s.gate.as_ref().map_or(0, Vec::len))
+        });
+        f32s(self.logits.len())
+            + routing_bytes(&self.routing)
+            + self.experts.bytes()
+            + f32s(self.daux.as_ref().map_or(0, Vec::len))
+            + shared
+    }
+}
+
+/// Bytes of a routing: `[T, k]` ids, weights and drop flags, `[T, E]` scores.
+fn routing_bytes(r: &Routing) -> u128 {
+    (r.experts.len() * (4 + 4 + 1)) as u128 + r.scores_bytes()
+}
+
+fn moe_config<'c>(pass: &Pass<'c>) -> &'c MoeConfig {
+    pass.c
+        .moe
+        .as_ref()
+        .expect("a model with MoE layers has an MoE config")
+}
+
+fn nn_error(e: ferrotron_nn::NnError) -> ModelError {
+    ModelError::Input(e.to_string())
+}
+
+/// The MoE layer `m` over `input: [rows, h]` (all rows): its activations and output
+/// `[rows, h]`.
+///
+/// # Errors
+/// A routing failure (bad router options are caught by config validation).
+pub(super) fn moe_forward(
+    m: &MoeMlp,
+    pass: &Pass<'_>,
+    input: &[f32],
+) -> Result<(MoeActs, Buffer<f32>)> {
+    let moe = moe_config(pass);
+    let (h, e, f) = (
+        pass.c.hidden_size,
+        moe.num_experts(),
+        moe.moe_ffn_hidden_size,
+    );
+    let rows = pass.positions.len();
+    let router = pass.model.param(m.router);
+    let mut logits = vec![0f32; rows * e];
+    matmul_weight_t(input, router.weight_ref(), &mut logits, rows, e, h, false);
+    let mut routing = moe.router.route(&logits, None).map_err(nn_error)?;
+    if let Some(c) = moe.capacity {
+        routing
+            .drop_over_capacity(e, c.factor, c.drop_policy)
+            .map_err(nn_error)?;
+    }
+    let (fc1, fc2) = (
+        pass.model.param(m.experts_fc1).to_f32(),
+        pass.model.param(m.experts_fc2).to_f32(),
+    );
+    let w = ExpertWeights {
+        fc1: &fc1,
+        fc2: &fc2,
+        hidden: h,
+        ffn: f,
+    };
+    let (y, experts) = experts_forward(input, &routing, &w);
+    let mut out = Buffer::from_host(y);
+    let shared = match (m.shared_experts, moe.shared_expert_intermediate_size) {
+        (Some(mlp), Some(width)) => {
+            let (acts, s_out) = dense_forward(&mlp, width, pass, input)?;
+            let gate = m.shared_expert_gate.map(|g| {
+                let mut z = vec![0f32; rows];
+                matmul_weight_t(
+                    input,
+                    pass.model.param(g).weight_ref(),
+                    &mut z,
+                    rows,
+                    1,
+                    h,
+                    false,
+                );
+                z.into_iter().map(sigmoid).collect::<Vec<f32>>()
+            });
+            add_gated(out.host_mut(), s_out.host(), gate.as_deref(), h);
+            Some(SharedActs {
+                mlp: acts,
+                out: s_out,
+                gate,
+            })
+        }
+        _ => None,
+    };
+    let daux = pass
+        .moe_losses
+        .as_ref()
+        .map(|sink| balancing_losses(moe, &logits, pass, sink));
+    let acts = MoeActs {
+        logits,
+        routing,
+        experts,
+        daux,
+        shared,
+    };
+    Ok((acts, out))
+}
+
+/// `out[t] += gate[t] · s[t]` per row of width `h` (`gate` 1 when absent).
+fn add_gated(out: &mut [f32], s: &[f32], gate: Option<&[f32]>, h: usize) {
+    for (t, (o, s)) in out.chunks_exact_mut(h).zip(s.chunks_exact(h)).enumerate() {
+        let g = gate.map_or(1.0, |g| g[t]);
+        o.iter_mut().zip(s).for_each(|(o, s)| *o += g * s);
+    }
+}
+
+fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+/// The layer's balancing losses over `logits: [rows, E]` (added to `sink`) and their
+/// gradient wrt the logits times `sink.scale`.
+fn balancing_losses(
+    moe: &MoeConfig,
+    logits: &[f32],
+    pass: &Pass<'_>,
+    sink: &MoeLossSink,
+) -> Vec<f32> {
+    let e = moe.num_experts();
+    let coeff = moe.aux_loss_coeff;
+    let mut layer = MoeLosses {
+        layers: 1,
+        ..MoeLosses::default()
+    };
+    let mut d = match moe.load_balancing_type {
+        LoadBalancing::AuxLoss => {
+            let (loss, d) = aux_loss(&moe.router, logits, coeff);
+            layer.load_balancing_loss = f64::from(loss);
+            d
+        }
+        LoadBalancing::SeqAuxLoss => {
+            let (loss, d) = seq_aux_loss(moe, logits, pass.seq, pass.micro_batch);
+            layer.load_balancing_loss = loss;
+            d
+        }
+        LoadBalancing::None => vec![0f32; logits.len()],
+    };
+    if let Some(zc) = moe.z_loss_coeff {
+        let (loss, dz) = z_loss(logits, e, zc);
+        layer.z_loss = f64::from(loss);
+        d.iter_mut().zip(dz).for_each(|(d, z)| *d += z);
+    }
+    d.iter_mut().for_each(|d| *d *= sink.scale);
+    sink.losses
+        .lock()
+        .expect("no MoE layer panics holding the sink")
+        .add(&layer);
+    d
+}
+
+/// Megatron's `seq_aux_loss` over `logits: [s·b, E]` in `[s, b]` row order: the aux loss of
+/// each sequence's `s` rows, averaged over the `b` sequences; the loss and its gradient.
+fn seq_aux_loss(moe: &MoeConfig, logits: &[f32], s: usize, b: usize) -> (f64, Vec<f32>) {
+    let e = moe.num_experts();
+    let mut d = vec![0f32; logits.len()];
+    let mut total = 0f64;
+    for j in 0..b {
+        let rows: Vec<usize> = (0..s).map(|i| i * b + j).collect();
+        let seq: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| &logits[r * e..(r + 1) * e])
+            .copied()
+            .collect();
+        let (loss, ds) = aux_loss(&moe.router, &seq, moe.aux_loss_coeff);
+        total += f64::from(loss) / b as f64;
+        for (&r, g) in rows.iter().zip(ds.chunks_exact(e)) {
+            d[r * e..(r + 1) * e]
+                .iter_mut()
+                .zip(g)
+                .for_each(|(d, g)| *d = g / b as f32);
+        }
+    }
+    (total, d)
+}
+
+/// [`moe_forward`]'s backward from `dout: [rows, h]` to the gradient of its input
+/// `mlp_in: [rows, h]`, accumulating the router's, experts' and shared expert's gradients.
+///
+/// # Errors
+/// A failed collective of the shared expert's linears.
+pub(super) fn moe_backward(
+    m: &MoeMlp,
+    acts: &MoeActs,
+    mlp_in: &Stored,
+    pass: &Pass<'_>,
+    dout: &[f32],
+    grads: &mut [&mut [f32]],
+) -> Result<Buffer<f32>> {
+    let moe = moe_config(pass);
+    let (h, e, f) = (
+        pass.c.hidden_size,
+        moe.num_experts(),
+        moe.moe_ffn_hidden_size,
+    );
+    let rows = pass.positions.len();
+    let (fc1, fc2) = (
+        pass.model.param(m.experts_fc1).to_f32(),
+        pass.model.param(m.experts_fc2).to_f32(),
+    );
+    let w = ExpertWeights {
+        fc1: &fc1,
+        fc2: &fc2,
+        hidden: h,
+        ffn: f,
+    };
+    let g = experts_backward(&acts.routing, &w, &acts.experts, dout);
+    for (id, dw) in [(m.experts_fc1, &g.dfc1), (m.experts_fc2, &g.dfc2)] {
+        if let Some(slot) = trainable(grads, id) {
+            slot.iter_mut().zip(dw).for_each(|(s, d)| *s += d);
+        }
+    }
+    let mut dx = Buffer::from_host(g.dx);
+    let mut dlogits = moe.router.backward(&acts.routing, &g.dprobs);
+    if let Some(daux) = &acts.daux {
+        dlogits.iter_mut().zip(daux).for_each(|(d, a)| *d += a);
+    }
+    let router = pass.model.param(m.router);
+    if let Some(dw) = trainable(grads, m.router) {
+        weight_grad(
+            &dlogits,
+            mlp_in.operand(),
+            router.weight_ref(),
+            dw,
+            rows,
+            e,
+            h,
+        );
+    }
+    matmul_weight(
+        &dlogits,
+        router.weight_ref(),
+        dx.host_mut(),
+        rows,
+        e,
+        h,
+        true,
+    );
+    if let (Some(s), Some(mlp), Some(width)) = (
+        &acts.shared,
+        m.shared_experts,
+        moe.shared_expert_intermediate_size,
+    ) {
+        let dshared = shared_gate_backward(m, s, mlp_in, pass, dout, dx.host_mut(), grads);
+        let d = dense_backward(&mlp, width, &s.mlp, mlp_in, pass, &dshared, grads)?;
+        dx.host_mut()
+            .iter_mut()
+            .zip(d.host())
+            .for_each(|(x, d)| *x += d);
+    }
+    Ok(dx)
+}
+
+/// The shared expert gate's backward for `y = sigmoid(x·w)·s(x)`: accumulates `w`'s gradient,
+/// adds the gate's input gradient to `dx`, and returns the gradient of `s`'s output
+/// (`dout` itself without a gate).
+fn shared_gate_backward(
+    m: &MoeMlp,
+    s: &SharedActs,
+    mlp_in: &Stored,
+    pass: &Pass<'_>,
+    dout: &[f32],
+    dx: &mut [f32],
+    grads: &mut [&mut [f32]],
+) -> Vec<f32> {
+    let (Some(gate), Some(id)) = (&s.gate, m.shared_expert_gate) else {
+        return dout.to_vec();
+    };
+    let h = pass.c.hidden_size;
+    let rows = gate.len();
+    let mut dshared = dout.to_vec();
+    let mut dz = vec![0f32; rows];
+    for (t, (ds, o)) in dshared
+        .chunks_exact_mut(h)
+        .zip(s.out.host().chunks_exact(h))
+        .enumerate()
+    {
+        let dgate: f32 = ds.iter().zip(o).map(|(d, o)| d * o).sum();
+        dz[t] = dgate * gate[t] * (1.0 - gate[t]);
+        ds.iter_mut().for_each(|d| *d *= gate[t]);
+    }
+    let w = pass.model.param(id);
+    if let Some(dw) = trainable(grads, id) {
+        weight_grad(&dz, mlp_in.operand(), w.weight_ref(), dw, rows, 1, h);
+    }
+    matmul_weight(&dz, w.weight_ref(), dx, rows, 1, h, true);
+    dshared
+}
