@@ -310,8 +310,10 @@ fn check_balancing_losses(name: &str) {
             .map(|k| f32s(&st, k)[0])
             .sum()
     };
-    close("aux loss", stats.moe.load_balancing_loss, sum("aux."));
-    close("z loss", stats.moe.z_loss, sum("z."));
+    let moe = model.config().moe.as_ref().unwrap();
+    let aux = stats.moe.load_balancing_loss * f64::from(moe.aux_loss_coeff);
+    close("aux loss", aux, sum("aux."));
+    close("z loss", stats.moe.z_loss * 1e-3, sum("z."));
     let moe_layers = model
         .layers()
         .iter()

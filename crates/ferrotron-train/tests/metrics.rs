@@ -30,6 +30,7 @@ fn simulated_run() -> Vec<TrainLog> {
             nan_iterations: 0,
             comm_wait_ms: 0.0,
             dpo: None,
+            moe: None,
         }));
         if it % 10 == 0 {
             logs.push(TrainLog::Valid(EvalLine::new(it, loss(it) + 0.1)));

@@ -19,13 +19,15 @@ use ferrotron_nn::moe::{ExpertActs, ExpertWeights, Routing, experts_backward, ex
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, matmul_weight_t, weight_grad};
 
-/// The balancing losses of a pass's MoE layers, summed over the layers, each as added to the
-/// objective (already times its coefficient).
+/// The balancing losses of a pass's MoE layers, summed over the layers, each **divided by
+/// its coefficient** (what Megatron's `save_to_aux_losses_tracker` records and logs: about 1
+/// for an even load whatever the coefficient); the objective got `coeff ·` each.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct MoeLosses {
-    /// Σ over MoE layers of `moe_router_load_balancing_type`'s loss.
+    /// Σ over MoE layers of `moe_router_load_balancing_type`'s loss over
+    /// `moe_aux_loss_coeff`.
     pub load_balancing_loss: f64,
-    /// Σ over MoE layers of the router z-loss.
+    /// Σ over MoE layers of the router z-loss over `moe_z_loss_coeff`.
     pub z_loss: f64,
     /// MoE layers summed.
     pub layers: usize,
@@ -201,30 +203,28 @@ fn balancing_losses(
     sink: &MoeLossSink,
 ) -> Vec<f32> {
     let e = moe.num_experts();
-    let coeff = moe.aux_loss_coeff;
     let mut layer = MoeLosses {
         layers: 1,
         ..MoeLosses::default()
     };
-    let mut d = match moe.load_balancing_type {
+    // Each loss at coefficient 1 (the logged value), its gradient then times the coefficient.
+    let (raw, mut d) = match moe.load_balancing_type {
         LoadBalancing::AuxLoss => {
-            let (loss, d) = aux_loss(&moe.router, logits, coeff);
-            layer.load_balancing_loss = f64::from(loss);
-            d
+            let (loss, d) = aux_loss(&moe.router, logits, 1.0);
+            (f64::from(loss), d)
         }
-        LoadBalancing::SeqAuxLoss => {
-            let (loss, d) = seq_aux_loss(moe, logits, pass.seq, pass.micro_batch);
-            layer.load_balancing_loss = loss;
-            d
-        }
-        LoadBalancing::None => vec![0f32; logits.len()],
+        LoadBalancing::SeqAuxLoss => seq_aux_loss(moe, logits, pass.seq, pass.micro_batch),
+        LoadBalancing::None => (0.0, vec![0f32; logits.len()]),
     };
+    layer.load_balancing_loss = raw;
+    let aux_scale = moe.aux_loss_coeff * sink.scale;
+    d.iter_mut().for_each(|d| *d *= aux_scale);
     if let Some(zc) = moe.z_loss_coeff {
-        let (loss, dz) = z_loss(logits, e, zc);
+        let (loss, dz) = z_loss(logits, e, 1.0);
         layer.z_loss = f64::from(loss);
-        d.iter_mut().zip(dz).for_each(|(d, z)| *d += z);
+        let z_scale = zc * sink.scale;
+        d.iter_mut().zip(dz).for_each(|(d, z)| *d += z_scale * z);
     }
-    d.iter_mut().for_each(|d| *d *= sink.scale);
     sink.losses
         .lock()
         .expect("no MoE layer panics holding the sink")
@@ -232,8 +232,9 @@ fn balancing_losses(
     d
 }
 
-/// Megatron's `seq_aux_loss` over `logits: [s·b, E]` in `[s, b]` row order: the aux loss of
-/// each sequence's `s` rows, averaged over the `b` sequences; the loss and its gradient.
+/// Megatron's `seq_aux_loss` at coefficient 1 over `logits: [s·b, E]` in `[s, b]` row order:
+/// the aux loss of each sequence's `s` rows, averaged over the `b` sequences; the loss and its
+/// gradient.
 fn seq_aux_loss(moe: &MoeConfig, logits: &[f32], s: usize, b: usize) -> (f64, Vec<f32>) {
     let e = moe.num_experts();
     let mut d = vec![0f32; logits.len()];
@@ -245,7 +246,7 @@ fn seq_aux_loss(moe: &MoeConfig, logits: &[f32], s: usize, b: usize) -> (f64, Ve
             .flat_map(|&r| &logits[r * e..(r + 1) * e])
             .copied()
             .collect();
-        let (loss, ds) = aux_loss(&moe.router, &seq, moe.aux_loss_coeff);
+        let (loss, ds) = aux_loss(&moe.router, &seq, 1.0);
         total += f64::from(loss) / b as f64;
         for (&r, g) in rows.iter().zip(ds.chunks_exact(e)) {
             d[r * e..(r + 1) * e]

@@ -1,11 +1,12 @@
 //! Run configuration of `ferrotron train --config run.toml [--set section.key=value ...]`.
 //!
 //! The TOML uses Megatron's argument names, grouped in sections (`[model]`, `[data]`,
-//! `[training]`, `[optimizer]`, `[precision]`, `[checkpoint]`, `[logging]`, `[lora]`). Loading is two
+//! `[training]`, `[optimizer]`, `[precision]`, `[checkpoint]`, `[logging]`, `[lora]`, `[moe]`, ...). Loading is two
 //! steps: the text (plus `--set` overrides) is parsed into a [`RawConfig`], then
 //! [`RunConfig::from_raw`] checks everything and derives the values the trainer uses. Both steps
 //! collect *every* problem and report them together in one [`ConfigError`], each naming its key.
 
+mod moe;
 pub(crate) mod requirements;
 mod sections;
 mod training;
@@ -13,6 +14,7 @@ mod types;
 mod validate;
 mod values;
 
+pub use moe::{MoeLayerFreq, MoeOptions, MoeSection, MoeSettings};
 pub use sections::{
     BlendItem, CheckpointSection, DataPath, DataSection, DpoSection, LoggingSection, LoraSection,
     ModelSection, OptimizerSection, ParallelSection, PrecisionSection, RawConfig, RewardSection,
@@ -204,6 +206,7 @@ pub fn parse_raw(text: &str, overrides: &[String]) -> Result<RawConfig, ConfigEr
         lora: section_from_table("lora", take("lora"), &mut problems),
         dpo: section_from_table("dpo", take("dpo"), &mut problems),
         reward: section_from_table("reward", take("reward"), &mut problems),
+        moe: section_from_table("moe", take("moe"), &mut problems),
     };
     if problems.is_empty() {
         Ok(raw)

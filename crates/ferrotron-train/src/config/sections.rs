@@ -54,6 +54,8 @@ macro_rules! section {
     };
 }
 
+pub(super) use section;
+
 section! {
     /// `[model]`: where the weights/architecture come from.
     ModelSection, "model" {
@@ -64,7 +66,8 @@ section! {
         /// (except `seq_length`). Default: unset. Megatron: `--load` / `--pretrained-checkpoint`.
         load: Option<PathBuf> = None,
         /// Architecture family of a model built from the keys below, by its HF `model_type`:
-        /// llama, mistral, qwen2, olmo, olmo2, gemma, phi3, starcoder2, falcon or bloom. It
+        /// llama, mistral, qwen2, olmo, olmo2, gemma, phi3, starcoder2, falcon, bloom, or the
+        /// MoE families mixtral, qwen2_moe and olmoe (with `[moe]`). It
         /// fixes the skeleton's switches (norm kind, gated MLP and activation, position
         /// embedding, parallel attention, extra norms, biases) as that family's HF modeling
         /// code does. Unset with `load`. Default: llama.
@@ -411,6 +414,8 @@ pub struct RawConfig {
     pub dpo: DpoSection,
     /// `[reward]`.
     pub reward: RewardSection,
+    /// `[moe]`.
+    pub moe: super::moe::MoeSection,
 }
 
 /// `(section, keys)` for every section, in file order.
@@ -426,4 +431,8 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
     (LoraSection::SECTION, LoraSection::KEYS),
     (DpoSection::SECTION, DpoSection::KEYS),
     (RewardSection::SECTION, RewardSection::KEYS),
+    (
+        super::moe::MoeSection::SECTION,
+        super::moe::MoeSection::KEYS,
+    ),
 ];

@@ -145,6 +145,8 @@ pub struct RunConfig {
     pub dpo: Option<crate::trainer::DpoOptions>,
     /// `[reward]` when `data.dataset_type = "reward"`.
     pub reward: Option<crate::trainer::RewardOptions>,
+    /// `[moe]`: the MoE layers of a model built from `[model]`, or options for a loaded one.
+    pub moe: super::MoeSettings,
 }
 
 impl RunConfig {

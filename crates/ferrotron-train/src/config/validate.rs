@@ -44,6 +44,11 @@ impl RunConfig {
         let lora = lora(&r, &mut p);
         let dpo = dpo(&r, data.dataset_type, lora.is_some(), &mut p);
         let reward = reward(&r, data.dataset_type, &mut p);
+        let dims = match &model {
+            ModelSource::Explicit(d) => Some((d.num_layers, d.ffn_hidden_size)),
+            ModelSource::Load(_) => None,
+        };
+        let moe = super::moe::moe_settings(&r.moe, dims.is_none(), dims, &mut p);
         checkpoint(&r.checkpoint, &mut p);
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
@@ -71,6 +76,7 @@ impl RunConfig {
             lora,
             dpo,
             reward,
+            moe,
         })
     }
 }

@@ -147,6 +147,7 @@ impl TensorBoardWriter {
 /// | train | `learning-rate` | learning rate |
 /// | train | `grad-norm` | gradient norm (when computed) |
 /// | train | `loss-scale` | fp16 loss scale (fp16 only) |
+/// | train | `load_balancing_loss`, `z_loss` | MoE balancing losses over their coefficients (MoE models) |
 /// | train | `iteration-time` | seconds per iteration (Megatron's `elapsed_time_per_iteration`) |
 /// | train | `throughput` | input tokens per second (Megatron's own `throughput` is TFLOP/s/GPU) |
 /// | valid | `lm loss validation` | validation loss, nats |
@@ -161,6 +162,7 @@ pub fn megatron_scalars(log: &TrainLog) -> Option<(u64, Vec<(&'static str, f64)>
             if let Some(scale) = l.loss_scale {
                 s.push(("loss-scale", f64::from(scale)));
             }
+            s.extend(l.moe.iter().flat_map(|m| m.scalars()));
             s.push(("iteration-time", l.elapsed_ms_per_iteration / 1000.0));
             s.push(("throughput", l.tokens_per_second));
             Some((l.iteration, s))
@@ -228,6 +230,7 @@ mod tests {
             nan_iterations: 0,
             comm_wait_ms: 0.0,
             dpo: None,
+            moe: None,
         }
     }
 

@@ -102,6 +102,12 @@ pub fn build_model(rc: &RunConfig) -> Result<RunModel, RunError> {
             .with_score_head(&init)
             .context("the reward model's score head")?;
     }
+    if rc.moe.options.any() {
+        let options = &rc.moe.options;
+        run.model
+            .update_moe(|m| options.apply(m))
+            .context("[moe]")?;
+    }
     run.model = with_lora(rc, run.model, dtype)?;
     run.model
         .set_recompute_granularity(recompute(rc.recompute))
@@ -218,6 +224,7 @@ fn from_scratch(
     config.set_family(dims.family);
     config.rotary_base = m.rotary_base as f32;
     config.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
+    config.moe = rc.moe.build.clone();
     config.validate().context("[model]")?;
     let init = InitConfig {
         seed: rc.resolved.training.seed,

@@ -1,7 +1,7 @@
 //! The Megatron-style log lines (`training_log` and `evaluate_and_print_results` in
 //! `megatron/training/training.py`) and their JSON form for `metrics.jsonl`.
 
-use super::DpoMetrics;
+use super::{DpoMetrics, MoeMetrics};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -46,6 +46,10 @@ pub struct LogLine {
     /// `lm_loss` is then the DPO loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dpo: Option<DpoMetrics>,
+    /// The MoE layers' balancing losses over the interval (`None`, and not written, for a
+    /// model without MoE layers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeMetrics>,
 }
 
 /// One validation result (`evaluate_and_print_results`).
@@ -142,6 +146,9 @@ impl fmt::Display for LogLine {
         write!(f, " learning rate: {} |", format_sci(self.learning_rate, 6))?;
         write!(f, " global batch size: {:5} |", self.global_batch_size)?;
         write!(f, " lm loss: {} |", format_sci(self.lm_loss, 6))?;
+        if let Some(m) = &self.moe {
+            m.fmt(f)?;
+        }
         if let Some(s) = self.loss_scale {
             write!(f, " loss scale: {s:.1} |")?;
         }
@@ -224,6 +231,7 @@ mod tests {
             nan_iterations: 0,
             comm_wait_ms: 0.0,
             dpo: None,
+            moe: None,
         }
     }
 
@@ -247,6 +255,20 @@ mod tests {
             s.contains("| loss scale: 65536.0 | number of skipped"),
             "{s}"
         );
+        let moe = LogLine {
+            moe: Some(MoeMetrics {
+                load_balancing_loss: Some(1.0123),
+                z_loss: None,
+            }),
+            ..line()
+        };
+        let s = moe.to_string();
+        assert!(
+            s.contains("| lm loss: 3.210000E+00 | load_balancing_loss: 1.012300E+00 | grad norm"),
+            "{s}"
+        );
+        let json = serde_json::to_value(TrainLog::Train(moe)).unwrap();
+        assert_eq!(json["moe"]["load_balancing_loss"], 1.0123);
         let eval = EvalLine::new(10, 3.21).to_string();
         assert_eq!(
             eval,

@@ -9,7 +9,9 @@ use super::param_gather::ParamGather;
 use super::step::with_params_in_buffer;
 use super::{PipelineParallel, Result, TrainError, Trainer};
 use ferrotron_data::MicroBatch;
-use ferrotron_model::{DpoStats, GptModel, GradReady, LossStats, NoGradHook, TrainBatch};
+use ferrotron_model::{
+    DpoStats, GptModel, GradReady, LossStats, MoeLosses, NoGradHook, TrainBatch,
+};
 use ferrotron_nn::lora::mix;
 use ferrotron_optim::{ParamAndGradBuffer, StepOutcome};
 use std::time::{Duration, Instant};
@@ -27,6 +29,9 @@ pub(super) struct Pass {
     pub gather_wait: Duration,
     /// DPO's metrics summed over this rank's pairs.
     pub dpo: Option<DpoStats>,
+    /// The MoE layers' balancing losses over this rank's micro-batches (and, in a
+    /// pipeline, over its stages).
+    pub moe: MoeLosses,
 }
 
 impl Trainer {
@@ -94,6 +99,7 @@ impl Trainer {
             comm_wait: wait.elapsed(),
             gather_wait,
             dpo: sums.dpo,
+            moe: sums.moe,
         })
     }
 
@@ -115,6 +121,7 @@ impl Trainer {
         let last = batches.len() - 1;
         let (mut loss_sum, mut tokens, mut gather_wait) = (0.0, 0, Duration::ZERO);
         let mut dpo: Option<DpoStats> = None;
+        let mut moe = MoeLosses::default();
         for (k, batch) in batches.iter().enumerate() {
             let scale = if total > 0.0 {
                 (batch.loss_units() / total) as f32 * loss_scale
@@ -137,6 +144,7 @@ impl Trainer {
             )?;
             gather_wait += waited;
             loss_sum += stats.loss_sum;
+            moe.add(&stats.moe);
             if let Some(d) = &stats.dpo {
                 dpo.get_or_insert_default().add(d);
             }
@@ -156,6 +164,7 @@ impl Trainer {
             comm_wait,
             gather_wait,
             dpo,
+            moe,
         })
     }
 
@@ -229,9 +238,11 @@ fn gated_forward_backward(
 ) -> Result<(LossStats, Duration)> {
     let mut states = Vec::new();
     let (mut x, mut loss) = (None, None);
+    let mut moe = MoeLosses::default();
     for layers in model.layer_groups() {
         gather.install_through(model.part_params(layers.clone()).end, buffer, model)?;
         let mut state = model.part_forward(batch, layers, x.take(), scale)?;
+        moe.add(&state.moe_losses());
         match state.loss() {
             Some(l) => loss = Some(l),
             None => x = Some(state.take_output()),
@@ -244,8 +255,10 @@ fn gated_forward_backward(
     for state in states.into_iter().rev() {
         dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
     }
-    let loss = loss.ok_or_else(|| {
+    let mut loss: LossStats = loss.ok_or_else(|| {
         TrainError::Config("overlap_param_gather: the model computed no loss".into())
     })?;
+    // Every group's MoE layers, not only the last group's.
+    loss.moe = moe;
     Ok((loss, waited))
 }

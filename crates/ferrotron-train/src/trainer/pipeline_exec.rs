@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use ferrotron_comm::{Collectives, Communicator, ReduceOp};
 use ferrotron_model::{
-    DpoStats, GptModel, LossStats, Objective, StageForward, StageLogps, TrainBatch,
+    DpoStats, GptModel, LossStats, MoeLosses, Objective, StageForward, StageLogps, TrainBatch,
 };
 
 use super::data_parallel::comm_err;
@@ -89,6 +89,8 @@ pub(super) struct PipelineSums {
     pub loss_sum: f64,
     /// Under DPO or a reward model: the pairs' statistics.
     pub dpo: Option<DpoStats>,
+    /// The MoE layers' balancing losses of every stage (each stage adds its own).
+    pub moe: MoeLosses,
 }
 
 impl PipelineSums {
@@ -103,8 +105,12 @@ impl PipelineSums {
     /// batches are pairs, whose statistics every stage then reports. Collective.
     fn shared(self, comm: &dyn Communicator, pairs: bool) -> Result<PipelineSums> {
         let dpo = self.dpo.unwrap_or_default().to_array();
+        let moe = self.moe;
         let mut v = [
             self.loss_sum,
+            moe.load_balancing_loss,
+            moe.z_loss,
+            moe.layers as f64,
             dpo[0],
             dpo[1],
             dpo[2],
@@ -113,10 +119,15 @@ impl PipelineSums {
             dpo[5],
         ];
         comm.all_reduce(&mut v, ReduceOp::Sum).map_err(comm_err)?;
-        let [loss_sum, rest @ ..] = v;
+        let [loss_sum, lb, z, layers, rest @ ..] = v;
         Ok(PipelineSums {
             loss_sum,
             dpo: pairs.then(|| DpoStats::from_array(rest)),
+            moe: MoeLosses {
+                load_balancing_loss: lb,
+                z_loss: z,
+                layers: layers as usize,
+            },
         })
     }
 }
@@ -222,6 +233,7 @@ impl Trainer {
                     };
                     let input = inputs.remove(&(mb, chunk));
                     let mut state = self.model.stage_forward(batch, chunk, input, scale)?;
+                    sums.moe.add(&state.moe_losses());
                     match state.loss() {
                         Some(loss) => sums.add(&loss),
                         None => {

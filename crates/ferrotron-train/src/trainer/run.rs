@@ -56,6 +56,8 @@ struct Interval {
     comm_wait: Duration,
     /// DPO's metric sums over the interval's advanced iterations.
     dpo: Option<DpoStats>,
+    /// The MoE losses summed over the interval's advanced iterations.
+    moe: Option<super::MoeMetrics>,
 }
 
 impl Interval {
@@ -72,6 +74,9 @@ impl Interval {
             self.loss_sum += stats.loss;
             if let Some(d) = &stats.dpo {
                 self.dpo.get_or_insert_default().add(d);
+            }
+            if let Some(m) = &stats.moe {
+                self.moe.get_or_insert_default().add(m);
             }
         }
         if !stats.loss.is_finite() {
@@ -247,6 +252,7 @@ impl Trainer {
             nan_iterations: acc.nan,
             comm_wait_ms: acc.comm_wait.as_secs_f64() * 1e3 / acc.iterations as f64,
             dpo: acc.dpo.as_ref().and_then(DpoMetrics::from_sums),
+            moe: acc.moe.map(|m| m.mean(acc.advanced)),
         }
     }
 

@@ -31,6 +31,8 @@ pub struct StepStats {
     pub skipped: bool,
     /// DPO's metrics summed over the global batch's pairs (`None` for language modeling).
     pub dpo: Option<ferrotron_model::DpoStats>,
+    /// The MoE layers' balancing losses (`None` for a model without MoE layers).
+    pub moe: Option<super::MoeMetrics>,
     /// Input tokens processed by all ranks (`global_batch_size · seq_length`).
     pub tokens: usize,
     /// Wall time of the step (forward, backward, optimizer, weight copy).
@@ -263,6 +265,7 @@ impl Trainer {
         let mut sums = [pass.loss_sum, pass.tokens as f64];
         self.dp.sum(&mut sums)?;
         let dpo = self.sum_dpo_stats(pass.dpo)?;
+        let moe = self.moe_metrics(pass.moe)?;
         let [loss_sum, tokens] = sums;
         let lr = self.scheduler.lr();
         let (out, gather_wait) = self.update(lr)?;
@@ -276,6 +279,7 @@ impl Trainer {
             lr,
             skipped: !out.update_successful,
             dpo,
+            moe,
             tokens: tokens as usize,
             elapsed: start.elapsed(),
             comm_wait: pass.comm_wait + pass.gather_wait + gather_wait,

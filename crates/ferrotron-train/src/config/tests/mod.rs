@@ -1,6 +1,7 @@
 use super::*;
 use std::path::PathBuf;
 
+mod moe;
 mod requirements;
 
 /// A temp dir with `corpus_a.{bin,idx}`, `corpus_b.{bin,idx}` and a `tokenizer.json`.

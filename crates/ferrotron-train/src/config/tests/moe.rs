@@ -1,0 +1,73 @@
+use super::*;
+use ferrotron_model::{DropPolicy, LoadBalancing, ScoreFunction};
+
+#[test]
+fn moe_section_builds_an_moe_model_with_megatron_defaults() {
+    let dir = data_dir();
+    let text = format!(
+        "{}\n[moe]\nnum_experts = 8\nmoe_layer_freq = [0, 1, 1, 1]\n\
+         moe_aux_loss_coeff = 0.01\nmoe_expert_capacity_factor = 1.5\n",
+        minimal(dir.path())
+    );
+    let rc = RunConfig::from_toml_str(&text, &[]).unwrap();
+    let moe = rc.moe.build.unwrap();
+    assert_eq!(moe.num_experts(), 8);
+    assert_eq!(moe.router.topk, 2);
+    assert_eq!(moe.router.score_function, ScoreFunction::Softmax);
+    assert_eq!(moe.moe_ffn_hidden_size, 1024, "model.ffn_hidden_size (4h)");
+    assert_eq!(moe.layer_pattern, vec![false, true, true, true]);
+    assert_eq!(moe.load_balancing_type, LoadBalancing::AuxLoss);
+    assert_eq!(moe.aux_loss_coeff, 0.01);
+    let capacity = moe.capacity.unwrap();
+    assert_eq!(
+        (capacity.factor, capacity.drop_policy),
+        (1.5, DropPolicy::Probs)
+    );
+    let every_other = format!(
+        "{}\n[moe]\nnum_experts = 4\nmoe_layer_freq = 2\n",
+        minimal(dir.path())
+    );
+    let rc = RunConfig::from_toml_str(&every_other, &[]).unwrap();
+    assert_eq!(
+        rc.moe.build.unwrap().layer_pattern,
+        vec![true, false, true, false]
+    );
+}
+
+#[test]
+fn bad_moe_settings_name_their_key() {
+    let dir = data_dir();
+    let with = |moe: &str| format!("{}\n[moe]\n{moe}\n", minimal(dir.path()));
+    let p = problems(&with("moe_router_topk = 4"), &[]);
+    assert!(has(&p, "moe.num_experts"), "{p:?}");
+    let p = problems(&with("num_experts = 4\nmoe_router_topk = 5"), &[]);
+    assert!(has(&p, "moe_router_topk"), "{p:?}");
+    let p = problems(
+        &with("num_experts = 4\nmoe_router_load_balancing_type = \"sinkhorn\""),
+        &[],
+    );
+    assert!(has(&p, "moe.moe_router_load_balancing_type"), "{p:?}");
+    let p = problems(&with("num_experts = 4\nmoe_layer_freq = [1, 1]"), &[]);
+    assert!(has(&p, "moe_layer_freq"), "{p:?}");
+    let p = problems(&with("num_experts = 4\nmoe_router_num_groups = 2"), &[]);
+    assert!(has(&p, "moe_router_group_topk"), "{p:?}");
+    let p = problems(
+        &with("num_experts = 4\nmoe_token_drop_policy = \"position\""),
+        &[],
+    );
+    assert!(has(&p, "moe_expert_capacity_factor"), "{p:?}");
+    // With model.load the checkpoint decides the experts.
+    let loaded = format!(
+        "[model]\nload = \"{}\"\nseq_length = 16\n[data]\ndata_path = \"{}\"\n\
+         [training]\ntrain_iters = 1\n[optimizer]\nlr = 1e-4\n[moe]\nnum_experts = 4\n\
+         moe_aux_loss_coeff = 0.02\n",
+        dir.path().display(),
+        dir.path().join("corpus_a").display()
+    );
+    let p = problems(&loaded, &[]);
+    assert!(
+        has(&p, "moe.num_experts must be unset with model.load"),
+        "{p:?}"
+    );
+    assert!(!has(&p, "moe_aux_loss_coeff"), "{p:?}");
+}

@@ -1,0 +1,100 @@
+//! The MoE families (Mixtral, Qwen2-MoE, OLMoE, the committed tiny fixtures) train exactly
+//! under the parallel layouts with their balancing losses on (Megatron's `aux_loss` at the
+//! fixture's `router_aux_loss_coef` and a z-loss): pp 2, dp 2 with the distributed optimizer
+//! and pp 2 x dp 2 give the single rank's per-iteration LM losses, load-balancing and z
+//! losses, and final parameters (in-process ranks).
+
+mod common;
+
+use common::layouts::*;
+use common::*;
+use ferrotron_comm::run_local;
+use ferrotron_model::{GptModel, LoadBalancing};
+use ferrotron_train::trainer::{MoeMetrics, TrainError, Trainer};
+
+/// The fixture with Megatron's balancing losses on.
+fn moe_fixture(name: &str) -> GptModel {
+    let mut model = fixture(name);
+    model
+        .update_moe(|m| {
+            m.load_balancing_type = LoadBalancing::AuxLoss;
+            m.z_loss_coeff = Some(1e-3);
+        })
+        .unwrap();
+    model
+}
+
+/// A run's losses, final parameters and per-iteration MoE metrics.
+fn train_moe(t: &mut Trainer) -> (Run, Vec<MoeMetrics>) {
+    let dp = t.data_parallel();
+    let (rank, size) = (dp.rank(), dp.size());
+    let (mut losses, mut moe) = (Vec::new(), Vec::new());
+    for it in 0..ITERS {
+        let stats = t.train_step(&rank_batches(it, rank, size)).unwrap();
+        losses.push(stats.loss);
+        moe.push(stats.moe.expect("an MoE model reports its losses"));
+    }
+    t.finish_param_gather().unwrap();
+    ((losses, params(t)), moe)
+}
+
+fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
+    let mut one = Trainer::new(moe_fixture(name), dp_options(1, ITERS)).unwrap();
+    let (reference, moe) = train_moe(&mut one);
+    assert!(
+        reference.0[ITERS - 1] < reference.0[0],
+        "{name}: the loss falls: {:?}",
+        reference.0
+    );
+    for m in &moe {
+        let lb = m.load_balancing_loss.unwrap();
+        // About 1 for an even load, at most E/k... for a collapsed router.
+        assert!((0.5..4.0).contains(&lb), "{name}: load_balancing_loss {lb}");
+        assert!(m.z_loss.unwrap() > 0.0);
+    }
+    let mut layouts = vec![(1, 2, true)];
+    if pipeline {
+        layouts.extend([(2, 1, false), (2, 2, true)]);
+    }
+    for (pp, dp, distributed) in layouts {
+        let layout = Layout {
+            pp,
+            distributed,
+            ..Layout::default()
+        };
+        let label = format!("{name} pp{pp} dp{dp} distributed={distributed}");
+        let runs = run_local(pp * dp, |comm| {
+            let mut t = layout.trainer(comm, ITERS, moe_fixture(name))?;
+            Ok::<_, TrainError>(train_moe(&mut t))
+        })
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+        for (r, (run, got)) in runs.iter().enumerate() {
+            assert_same_run(&format!("{label} rank {r}"), run, &reference);
+            for (it, (a, b)) in got.iter().zip(&moe).enumerate() {
+                let (a_lb, b_lb) = (
+                    a.load_balancing_loss.unwrap(),
+                    b.load_balancing_loss.unwrap(),
+                );
+                assert_close(&format!("{label} rank {r} it {it} lb"), a_lb, b_lb, 1e-6);
+                let (a_z, b_z) = (a.z_loss.unwrap(), b.z_loss.unwrap());
+                assert_close(&format!("{label} rank {r} it {it} z"), a_z, b_z, 1e-6);
+            }
+        }
+    }
+}
+
+#[test]
+fn mixtral() {
+    moe_layouts_match_one_rank("tiny-mixtral", true);
+}
+
+#[test]
+fn qwen2_moe_dense_layer_and_shared_expert() {
+    // 3 layers: no even pipeline split.
+    moe_layouts_match_one_rank("tiny-qwen2-moe", false);
+}
+
+#[test]
+fn olmoe() {
+    moe_layouts_match_one_rank("tiny-olmoe", true);
+}
