@@ -154,6 +154,13 @@ impl GptModel {
             local.num_query_groups /= t;
             local.ffn_hidden_size /= t;
             local.vocab_size = tp.padded_vocab / t;
+            if let Some(moe) = local.moe.as_mut() {
+                // Megatron's expert tensor parallelism (`expert_tensor_parallel_size` = tp):
+                // each expert's and the shared expert's inner width split.
+                moe.moe_ffn_hidden_size /= t;
+                moe.shared_expert_intermediate_size =
+                    moe.shared_expert_intermediate_size.map(|f| f / t);
+            }
         }
         local.num_layers = layout.layers.len();
         let (rope, alibi_slopes) = match local.position_embedding_type {

@@ -1,8 +1,10 @@
 //! The MoE families (Mixtral, Qwen2-MoE, OLMoE, the committed tiny fixtures) train exactly
 //! under the parallel layouts with their balancing losses on (Megatron's `aux_loss` at the
-//! fixture's `router_aux_loss_coef` and a z-loss): pp 2, dp 2 with the distributed optimizer
-//! and pp 2 x dp 2 give the single rank's per-iteration LM losses, load-balancing and z
-//! losses, and final parameters (in-process ranks).
+//! fixture's `router_aux_loss_coef` and a z-loss): tp 2 (the experts' widths split, Megatron's
+//! expert tensor parallelism at `expert_tensor_parallel_size` = tp) with and without sequence
+//! parallelism, pp 2, dp 2 with the distributed optimizer, tp 2 x pp 2 and pp 2 x dp 2 give
+//! the single rank's per-iteration LM losses, load-balancing and z losses, and final
+//! parameters (in-process ranks).
 
 mod common;
 
@@ -52,18 +54,29 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
         assert!((0.5..4.0).contains(&lb), "{name}: load_balancing_loss {lb}");
         assert!(m.z_loss.unwrap() > 0.0);
     }
-    let mut layouts = vec![(1, 2, true)];
+    // (tp, pp, dp, sequence parallel, distributed optimizer)
+    let mut layouts = vec![
+        (1, 1, 2, false, true),
+        (2, 1, 1, false, false),
+        (2, 1, 1, true, false),
+    ];
     if pipeline {
-        layouts.extend([(2, 1, false), (2, 2, true)]);
+        layouts.extend([
+            (1, 2, 1, false, false),
+            (1, 2, 2, false, true),
+            (2, 2, 1, true, false),
+        ]);
     }
-    for (pp, dp, distributed) in layouts {
+    for (tp, pp, dp, sp, distributed) in layouts {
         let layout = Layout {
+            tp,
             pp,
+            sp,
             distributed,
             ..Layout::default()
         };
-        let label = format!("{name} pp{pp} dp{dp} distributed={distributed}");
-        let runs = run_local(pp * dp, |comm| {
+        let label = format!("{name} tp{tp} pp{pp} dp{dp} sp={sp} distributed={distributed}");
+        let runs = run_local(tp * pp * dp, |comm| {
             let mut t = layout.trainer(comm, ITERS, moe_fixture(name))?;
             Ok::<_, TrainError>(train_moe(&mut t))
         })

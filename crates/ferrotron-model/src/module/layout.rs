@@ -133,6 +133,25 @@ impl ModelLayout {
             .or(self.embedding.filter(|_| self.final_layernorm.is_some()))
     }
 
+    /// Replicated parameters whose whole gradient one tensor-parallel rank computes while
+    /// the others add nothing (the sum over the group in
+    /// [`crate::GptModel::finalize_grads`] is that rank's): a reward model's score head and
+    /// the MoE routers and shared-expert gates, which read all rows on every rank.
+    pub fn single_contributor_params(&self) -> Vec<usize> {
+        let score = self
+            .output_layer
+            .filter(|id| self.decls[id.0].name == SCORE_WEIGHT);
+        let moe = self.layers.iter().flat_map(|l| match l.mlp {
+            super::LayerMlp::Moe(m) => vec![Some(m.router), m.shared_expert_gate],
+            super::LayerMlp::Dense(_) => Vec::new(),
+        });
+        score
+            .into_iter()
+            .chain(moe.flatten())
+            .map(|id| id.0)
+            .collect()
+    }
+
     /// Parameter count, the embedding counted once when tied.
     pub fn num_parameters(&self) -> usize {
         self.decls.iter().map(ParamDecl::numel).sum()

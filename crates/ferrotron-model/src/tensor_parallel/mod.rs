@@ -66,17 +66,22 @@ impl GptModel {
                 "the model is already a tensor-parallel shard".into(),
             ));
         }
-        if c.moe.is_some() && t > 1 {
-            return Err(ModelError::Input(
-                "MoE layers under tensor parallelism are not supported yet".into(),
-            ));
-        }
+        let moe_widths = c.moe.iter().flat_map(|m| {
+            [
+                Some(("moe_ffn_hidden_size", m.moe_ffn_hidden_size)),
+                m.shared_expert_intermediate_size
+                    .map(|f| ("moe_shared_expert_intermediate_size", f)),
+            ]
+            .into_iter()
+            .flatten()
+        });
         let problems: Vec<String> = [
             ("num_attention_heads", c.num_attention_heads),
             ("num_query_groups", c.num_query_groups),
             ("ffn_hidden_size", c.ffn_hidden_size),
         ]
         .into_iter()
+        .chain(moe_widths)
         .filter(|(_, n)| !n.is_multiple_of(t))
         .map(|(name, n)| {
             format!("{name} ({n}) is not divisible by tensor_model_parallel_size ({t})")
@@ -209,13 +214,10 @@ impl GptModel {
         };
         let sp = tp.group.sequence_parallel();
         let comm: &dyn Communicator = tp.group.comm().as_ref();
-        let score = match self.config().output_head {
-            crate::OutputHead::Score => self.layout().output_layer.map(|id| id.index()),
-            crate::OutputHead::LanguageModel => None,
-        };
+        let single = self.layout().single_contributor_params();
         for (i, (g, d)) in grads.iter_mut().zip(self.layout().decls()).enumerate() {
             // Frozen parameters have empty slices (and the same on every rank).
-            let partial = sp || d.role == ParamRole::Adapter || score == Some(i);
+            let partial = sp || d.role == ParamRole::Adapter || single.contains(&i);
             if d.split == TpSplit::Replicated && partial && !g.is_empty() {
                 comm.all_reduce(g, ferrotron_comm::ReduceOp::Sum)
                     .map_err(|e| ModelError::Comm(format!("tensor-parallel grads: {e}")))?;

@@ -11,11 +11,13 @@ use super::backward::trainable;
 use super::forward::Pass;
 use super::mlp::{DenseActs, dense_backward, dense_forward};
 use super::stored::Stored;
+use super::tp_ops::{reduce_partial_rows, row_parallel_output_grad};
 use crate::config::LoadBalancing;
 use crate::module::MoeMlp;
 use crate::{ModelError, MoeConfig, Result};
 use ferrotron_nn::moe::router::{aux_loss, z_loss};
 use ferrotron_nn::moe::{ExpertActs, ExpertWeights, Routing, experts_backward, experts_forward};
+use ferrotron_nn::tensor_parallel::reduce_from_tensor_model_parallel_region;
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, matmul_weight_t, weight_grad};
 
@@ -142,7 +144,8 @@ pub(super) fn moe_forward(
         ffn: f,
     };
     let (y, experts) = experts_forward(input, &routing, &w);
-    let mut out = Buffer::from_host(y);
+    // Under tensor parallelism each rank's experts hold a slice of every expert's width.
+    let mut out = reduce_partial_rows(pass.tp, Buffer::from_host(y))?;
     let shared = match (m.shared_experts, moe.shared_expert_intermediate_size) {
         (Some(mlp), Some(width)) => {
             let (acts, s_out) = dense_forward(&mlp, width, pass, input)?;
@@ -157,7 +160,8 @@ pub(super) fn moe_forward(
                     h,
                     false,
                 );
-                z.into_iter().map(sigmoid).collect::<Vec<f32>>()
+                let local = local_row_range(pass, rows);
+                z[local].iter().map(|&z| sigmoid(z)).collect::<Vec<f32>>()
             });
             add_gated(out.host_mut(), s_out.host(), gate.as_deref(), h);
             Some(SharedActs {
@@ -180,6 +184,25 @@ pub(super) fn moe_forward(
         shared,
     };
     Ok((acts, out))
+}
+
+/// This rank's residual-stream rows among all `rows` (a block of `1/t` of them under
+/// sequence parallelism, in the order the all-gather concatenates them).
+fn local_row_range(pass: &Pass<'_>, rows: usize) -> std::ops::Range<usize> {
+    match pass.tp.filter(|t| t.group.sequence_parallel()) {
+        Some(t) => {
+            let n = rows / t.group.size();
+            t.group.rank() * n..(t.group.rank() + 1) * n
+        }
+        None => 0..rows,
+    }
+}
+
+/// Whether this rank adds the gradient of a replicated parameter that every
+/// tensor-parallel rank computes in full (the first does; see
+/// [`crate::ModelLayout::single_contributor_params`]).
+fn contributes(pass: &Pass<'_>) -> bool {
+    pass.tp.is_none_or(|t| t.group.rank() == 0)
 }
 
 /// `out[t] += gate[t] · s[t]` per row of width `h` (`gate` 1 when absent).
@@ -258,11 +281,12 @@ fn seq_aux_loss(moe: &MoeConfig, logits: &[f32], s: usize, b: usize) -> (f64, Ve
     (total, d)
 }
 
-/// [`moe_forward`]'s backward from `dout: [rows, h]` to the gradient of its input
-/// `mlp_in: [rows, h]`, accumulating the router's, experts' and shared expert's gradients.
+/// [`moe_forward`]'s backward from `dout: [local rows, h]` to the gradient of its input
+/// `mlp_in: [rows, h]` (all rows, a partial sum on each tensor-parallel rank), accumulating
+/// the router's, experts' and shared expert's gradients.
 ///
 /// # Errors
-/// A failed collective of the shared expert's linears.
+/// A failed tensor-parallel collective.
 pub(super) fn moe_backward(
     m: &MoeMlp,
     acts: &MoeActs,
@@ -288,7 +312,14 @@ pub(super) fn moe_backward(
         hidden: h,
         ffn: f,
     };
-    let g = experts_backward(&acts.routing, &w, &acts.experts, dout);
+    let dy = row_parallel_output_grad(pass.tp, dout)?;
+    let mut g = experts_backward(&acts.routing, &w, &acts.experts, &dy);
+    drop(dy);
+    if let Some(t) = pass.tp {
+        // Each rank's routing-weight gradient covers its slice of the experts' width.
+        reduce_from_tensor_model_parallel_region(&t.group, &mut g.dprobs)
+            .map_err(|e| ModelError::Comm(format!("MoE routing weights: {e}")))?;
+    }
     for (id, dw) in [(m.experts_fc1, &g.dfc1), (m.experts_fc2, &g.dfc2)] {
         if let Some(slot) = trainable(grads, id) {
             slot.iter_mut().zip(dw).for_each(|(s, d)| *s += d);
@@ -300,26 +331,28 @@ pub(super) fn moe_backward(
         dlogits.iter_mut().zip(daux).for_each(|(d, a)| *d += a);
     }
     let router = pass.model.param(m.router);
-    if let Some(dw) = trainable(grads, m.router) {
-        weight_grad(
+    if contributes(pass) {
+        if let Some(dw) = trainable(grads, m.router) {
+            weight_grad(
+                &dlogits,
+                mlp_in.operand(),
+                router.weight_ref(),
+                dw,
+                rows,
+                e,
+                h,
+            );
+        }
+        matmul_weight(
             &dlogits,
-            mlp_in.operand(),
             router.weight_ref(),
-            dw,
+            dx.host_mut(),
             rows,
             e,
             h,
+            true,
         );
     }
-    matmul_weight(
-        &dlogits,
-        router.weight_ref(),
-        dx.host_mut(),
-        rows,
-        e,
-        h,
-        true,
-    );
     if let (Some(s), Some(mlp), Some(width)) = (
         &acts.shared,
         m.shared_experts,
@@ -351,7 +384,9 @@ fn shared_gate_backward(
         return dout.to_vec();
     };
     let h = pass.c.hidden_size;
-    let rows = gate.len();
+    // `gate`, `dout` and the shared output are the local rows; the gate's input is all rows.
+    let rows = dx.len() / h;
+    let local = local_row_range(pass, rows);
     let mut dshared = dout.to_vec();
     let mut dz = vec![0f32; rows];
     for (t, (ds, o)) in dshared
@@ -360,13 +395,18 @@ fn shared_gate_backward(
         .enumerate()
     {
         let dgate: f32 = ds.iter().zip(o).map(|(d, o)| d * o).sum();
-        dz[t] = dgate * gate[t] * (1.0 - gate[t]);
+        dz[local.start + t] = dgate * gate[t] * (1.0 - gate[t]);
         ds.iter_mut().for_each(|d| *d *= gate[t]);
     }
-    let w = pass.model.param(id);
-    if let Some(dw) = trainable(grads, id) {
-        weight_grad(&dz, mlp_in.operand(), w.weight_ref(), dw, rows, 1, h);
+    // Under sequence parallelism each rank has its own rows' part; otherwise every rank
+    // has all of it and the first adds it.
+    let sequence_parallel = pass.tp.is_some_and(|t| t.group.sequence_parallel());
+    if sequence_parallel || contributes(pass) {
+        let w = pass.model.param(id);
+        if let Some(dw) = trainable(grads, id) {
+            weight_grad(&dz, mlp_in.operand(), w.weight_ref(), dw, rows, 1, h);
+        }
+        matmul_weight(&dz, w.weight_ref(), dx, rows, 1, h, true);
     }
-    matmul_weight(&dz, w.weight_ref(), dx, rows, 1, h, true);
     dshared
 }

@@ -70,8 +70,12 @@ pub(crate) fn row_parallel_forward(
     Ok(out)
 }
 
-/// Partial sums over all rows → the summed local rows.
-fn reduce_partial_rows(tp: Option<&TpInfo>, mut out: Buffer<f32>) -> Result<Buffer<f32>> {
+/// Partial sums over all rows → the summed local rows (all-reduce, or reduce-scatter along
+/// `s` under sequence parallelism).
+pub(crate) fn reduce_partial_rows(
+    tp: Option<&TpInfo>,
+    mut out: Buffer<f32>,
+) -> Result<Buffer<f32>> {
     match tp {
         Some(t) if t.group.sequence_parallel() => Ok(Buffer::from_host(
             reduce_scatter_to_sequence_parallel_region(&t.group, out.into_host())?,
