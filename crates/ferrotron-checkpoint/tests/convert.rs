@@ -81,6 +81,23 @@ fn families_hf_to_ckpt_to_hf_is_bit_exact() {
     }
 }
 
+/// The MoE families (experts stacked per layer, split over tensor-parallel ranks by every
+/// expert's gate and up blocks), at tp 2 and pp 2 where the layers divide.
+#[test]
+fn moe_families_hf_to_ckpt_to_hf_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, pipeline) in [
+        ("tiny-mixtral", true),
+        ("tiny-qwen2-moe", false),
+        ("tiny-olmoe", true),
+    ] {
+        round_trip(tmp.path(), name, 2, 1);
+        if pipeline {
+            round_trip(tmp.path(), name, 2, 2);
+        }
+    }
+}
+
 /// HF `name` -> a tp `t` x pp `p` checkpoint -> HF: every tensor and the config as before.
 fn round_trip(tmp: &Path, name: &str, t: usize, p: usize) {
     let original = hf_tensors(&fixture(name));
@@ -105,9 +122,18 @@ fn round_trip(tmp: &Path, name: &str, t: usize, p: usize) {
     } else {
         1
     };
-    let fc1 = &meta.tensors["model.decoder.layers.0.mlp.linear_fc1.weight"];
+    let c = config(&fixture(name));
+    // The first dense layer's linear_fc1, or layer 0's stacked experts (each expert's gate
+    // and up blocks split).
+    let (fc1, blocks) = match c.moe.as_ref().filter(|m| m.is_moe_layer(0)) {
+        None => ("model.decoder.layers.0.mlp.linear_fc1.weight", blocks),
+        Some(m) => (
+            "model.decoder.layers.0.mlp.experts.linear_fc1.weight",
+            2 * m.num_experts(),
+        ),
+    };
     assert_eq!(
-        fc1.shards.len(),
+        meta.tensors[fc1].shards.len(),
         if t == 1 { 1 } else { blocks * t },
         "{label}"
     );
