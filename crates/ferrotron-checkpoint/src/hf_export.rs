@@ -351,6 +351,16 @@ pub(crate) fn torch_dtype(d: OutputDtype) -> DType {
 /// Maps a model-side error onto this crate's error kinds: config fields to
 /// [`CheckpointError::Metadata`] of `config.json`; anything else (a config file that does not
 /// parse, a parameter of the wrong shape, named in the message) to [`CheckpointError::Format`].
+/// The weights' dtype of an HF `config.json` (`dtype` or `torch_dtype`; f32 when absent).
+pub(crate) fn input_dtype(config: Option<&Value>) -> OutputDtype {
+    let name = config.and_then(|c| c.get("dtype").or_else(|| c.get("torch_dtype")));
+    match name.and_then(Value::as_str) {
+        Some("bfloat16") => OutputDtype::BF16,
+        Some("float16") => OutputDtype::F16,
+        _ => OutputDtype::F32,
+    }
+}
+
 pub(crate) fn model_err(e: &ModelError) -> CheckpointError {
     match e {
         ModelError::ConfigField { field, message } => CheckpointError::Metadata {

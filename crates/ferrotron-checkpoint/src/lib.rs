@@ -17,6 +17,7 @@ mod hf_export;
 pub mod peft;
 mod safetensors_writer;
 mod staging;
+mod upcycle;
 pub mod vocab;
 
 pub use error::CheckpointError;
@@ -26,4 +27,5 @@ pub use hf_export::{
     export_hf, tokenizer_files,
 };
 pub use peft::{PeftAdapter, write_peft_adapter};
+pub use upcycle::{UpcycleReport, upcycle_hf};
 pub use vocab::{ExpandVocabOptions, ExpandVocabReport, VocabMode, expand_vocab};

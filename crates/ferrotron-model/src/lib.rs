@@ -19,6 +19,7 @@ mod param_table;
 mod pipeline_stage;
 pub mod tensor_parallel;
 pub mod train;
+mod upcycle;
 mod vocab;
 
 pub use config::{
@@ -40,6 +41,7 @@ pub use train::{
     ActivationMemory, DpoStats, DpoTargets, ForwardTrace, GradReady, LossStats, MoeLosses,
     NoGradHook, Objective, ParamInfo, RewardTargets, StageForward, StageLogps, TrainBatch,
 };
+pub use upcycle::UpcycleOptions;
 pub use vocab::NewToken;
 
 /// Result alias for model construction and forward passes.

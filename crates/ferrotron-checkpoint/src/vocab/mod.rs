@@ -20,7 +20,9 @@ use serde_json::{Value, json};
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::error::display_name;
-use crate::hf_export::{HfExportOptions, HfExportSource, TOKENIZER_FILES, export_hf, model_err};
+use crate::hf_export::{
+    HfExportOptions, HfExportSource, TOKENIZER_FILES, export_hf, input_dtype, model_err,
+};
 use crate::{CheckpointError, OutputDtype};
 
 /// How new tokens join the tokenizer (the two forms of HF vocabulary expansion).
@@ -208,16 +210,6 @@ fn merge_into_model(tok_path: &Path, tokens: &[String]) -> Result<TokenizerChang
         skipped: merged.skipped,
         added_tokens: Vec::new(),
     })
-}
-
-/// The weights' dtype of an HF `config.json` (`dtype` or `torch_dtype`; f32 when absent).
-fn input_dtype(config: Option<&Value>) -> OutputDtype {
-    let name = config.and_then(|c| c.get("dtype").or_else(|| c.get("torch_dtype")));
-    match name.and_then(Value::as_str) {
-        Some("bfloat16") => OutputDtype::BF16,
-        Some("float16") => OutputDtype::F16,
-        _ => OutputDtype::F32,
-    }
 }
 
 /// Writes the expanded model and tokenizer: the tokenizer files go to a scratch directory

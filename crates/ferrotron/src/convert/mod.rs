@@ -3,6 +3,7 @@
 
 mod check;
 mod checkpoint;
+mod upcycle;
 mod vocab;
 
 use anyhow::{Context, Result};
@@ -38,6 +39,12 @@ pub enum ConvertCommand {
     /// rows of the pieces the old tokenizer split the token into, config.json's vocab_size
     /// grows (padded with --pad-to-multiple-of). Logits over the old vocabulary are unchanged.
     ExpandVocab(vocab::ExpandVocabArgs),
+    /// Dense HuggingFace model -> the mixture-of-experts model upcycled from it (Megatron's
+    /// --moe-use-upcycling, offline): a LLaMA or Mistral model becomes a Mixtral whose
+    /// experts copy its MLPs (or, with --moe-upcycling-granularity G, slices of them, scaled)
+    /// and whose routers are drawn N(0, --init-method-std). With whole copies its logits
+    /// equal the dense model's.
+    Upcycle(upcycle::UpcycleArgs),
 }
 
 #[derive(Args)]
@@ -113,5 +120,6 @@ pub fn run(cmd: ConvertCommand) -> Result<ExitCode> {
         ConvertCommand::CkptToHf(a) => checkpoint::ckpt_to_hf(a),
         ConvertCommand::CkptToCkpt(a) => checkpoint::ckpt_to_ckpt(a),
         ConvertCommand::ExpandVocab(a) => vocab::expand(a),
+        ConvertCommand::Upcycle(a) => upcycle::upcycle(a),
     }
 }
