@@ -209,6 +209,10 @@ impl ParallelState {
     pub fn tensor_model_parallel_size(&self) -> usize {
         self.config.tensor_model_parallel_size
     }
+    /// `expert_model_parallel_size`.
+    pub fn expert_model_parallel_size(&self) -> usize {
+        self.config.expert_model_parallel_size
+    }
     /// `pipeline_model_parallel_size`.
     pub fn pipeline_model_parallel_size(&self) -> usize {
         self.config.pipeline_model_parallel_size

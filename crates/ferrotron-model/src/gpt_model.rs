@@ -49,6 +49,8 @@ pub struct GptModel {
     pub(crate) tp: Option<TpInfo>,
     /// Set on a pipeline stage.
     pub(crate) stage: Option<StageInfo>,
+    /// Set on an expert-parallel shard.
+    pub(crate) ep: Option<crate::ExpertParallel>,
     /// The LoRA adapters take part in the passes (PEFT's `disable_adapter()` turns this off
     /// for a DPO reference forward); true when built.
     adapters_enabled: bool,
@@ -191,6 +193,7 @@ impl GptModel {
             alibi_slopes,
             tp,
             stage,
+            ep: None,
             adapters_enabled: true,
         })
     }

@@ -8,6 +8,7 @@
 
 mod config;
 mod error;
+mod expert_parallel;
 pub mod families;
 mod gpt_model;
 mod init;
@@ -28,6 +29,7 @@ pub use config::{
     RecomputeMethod, RouterConfig, ScoreFunction, TransformerConfig,
 };
 pub use error::ModelError;
+pub use expert_parallel::ExpertParallel;
 pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;

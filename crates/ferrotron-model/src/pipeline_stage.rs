@@ -178,6 +178,7 @@ impl GptModel {
             layer_ids: layer_ids.clone(),
             pre_process,
             post_process,
+            experts: None,
         };
         let layout = ModelLayout::new(c, c.vocab_size, &part);
         // Every parameter of the stage is the full model's of the same name.
@@ -212,14 +213,17 @@ impl GptModel {
 
     /// The part of the model this one holds (the whole model unless a stage).
     pub(crate) fn part(&self) -> ModelPart {
-        match &self.stage {
+        let mut part = match &self.stage {
             Some(s) => ModelPart {
                 layer_ids: s.layer_ids.clone(),
                 pre_process: s.pre_process,
                 post_process: s.post_process,
+                experts: None,
             },
             None => ModelPart::whole(self.config().num_layers),
-        }
+        };
+        part.experts = self.ep.as_ref().map(crate::ExpertParallel::shard);
+        part
     }
 
     /// The pipeline stage info, `None` for a whole model.

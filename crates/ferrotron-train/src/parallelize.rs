@@ -10,7 +10,7 @@
 //! same weights, so they do not enter here.
 
 use ferrotron_comm::ProcessGroups;
-use ferrotron_model::{GptModel, ModelError, stage_layers, virtual_stage_layers};
+use ferrotron_model::{ExpertParallel, GptModel, ModelError, stage_layers, virtual_stage_layers};
 use ferrotron_nn::TensorParallel;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -108,14 +108,25 @@ pub fn parallelize(
     } else {
         full
     };
-    if t == 1 {
-        return Ok(staged.into_owned());
+    let sharded = if t > 1 {
+        let group = TensorParallel::new(groups.tensor.clone(), options.sequence_parallel);
+        let shard = staged
+            .tensor_parallel_shard(group, options.make_vocab_size_divisible_by)
+            .map_err(|error| ParallelizeError {
+                key: "tensor_model_parallel_size",
+                error,
+            })?;
+        Cow::Owned(shard)
+    } else {
+        staged
+    };
+    if state.expert_model_parallel_size() == 1 {
+        return Ok(sharded.into_owned());
     }
-    let group = TensorParallel::new(groups.tensor.clone(), options.sequence_parallel);
-    staged
-        .tensor_parallel_shard(group, options.make_vocab_size_divisible_by)
+    sharded
+        .expert_parallel_shard(ExpertParallel::new(groups.expert.clone()))
         .map_err(|error| ParallelizeError {
-            key: "tensor_model_parallel_size",
+            key: "expert_model_parallel_size",
             error,
         })
 }

@@ -2,7 +2,9 @@
 //! under the parallel layouts with their balancing losses on (Megatron's `aux_loss` at the
 //! fixture's `router_aux_loss_coef` and a z-loss): tp 2 (the experts' widths split, Megatron's
 //! expert tensor parallelism at `expert_tensor_parallel_size` = tp) with and without sequence
-//! parallelism, pp 2, dp 2 with the distributed optimizer, tp 2 x pp 2 and pp 2 x dp 2 give
+//! parallelism, pp 2, dp 2 with the distributed optimizer, tp 2 x pp 2 and pp 2 x dp 2, and
+//! expert parallelism (the alltoall dispatcher; expert gradients reduced over the
+//! expert-data-parallel ranks): ep 2, ep 4, ep 2 over dp 4, ep 2 x pp 2 and ep 2 x tp 2 give
 //! the single rank's per-iteration LM losses, load-balancing and z losses, and final
 //! parameters (in-process ranks).
 
@@ -41,6 +43,12 @@ fn train_moe(t: &mut Trainer) -> (Run, Vec<MoeMetrics>) {
 }
 
 fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
+    let experts = moe_fixture(name)
+        .config()
+        .moe
+        .as_ref()
+        .unwrap()
+        .num_experts();
     let mut one = Trainer::new(moe_fixture(name), dp_options(1, ITERS)).unwrap();
     let (reference, moe) = train_moe(&mut one);
     assert!(
@@ -54,28 +62,36 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
         assert!((0.5..4.0).contains(&lb), "{name}: load_balancing_loss {lb}");
         assert!(m.z_loss.unwrap() > 0.0);
     }
-    // (tp, pp, dp, sequence parallel, distributed optimizer)
+    // (tp, pp, dp, ep, sequence parallel, distributed optimizer)
     let mut layouts = vec![
-        (1, 1, 2, false, true),
-        (2, 1, 1, false, false),
-        (2, 1, 1, true, false),
+        (1, 1, 2, 1, false, true),
+        (2, 1, 1, 1, false, false),
+        (2, 1, 1, 1, true, false),
+        (1, 1, 2, 2, false, false),
+        (1, 1, 4, 2, false, false),
+        (2, 1, 2, 2, true, false),
     ];
+    if experts.is_multiple_of(4) {
+        layouts.push((1, 1, 4, 4, false, false));
+    }
     if pipeline {
         layouts.extend([
-            (1, 2, 1, false, false),
-            (1, 2, 2, false, true),
-            (2, 2, 1, true, false),
+            (1, 2, 1, 1, false, false),
+            (1, 2, 2, 1, false, true),
+            (2, 2, 1, 1, true, false),
+            (1, 2, 2, 2, false, false),
         ]);
     }
-    for (tp, pp, dp, sp, distributed) in layouts {
+    for (tp, pp, dp, ep, sp, distributed) in layouts {
         let layout = Layout {
             tp,
             pp,
             sp,
             distributed,
+            ep,
             ..Layout::default()
         };
-        let label = format!("{name} tp{tp} pp{pp} dp{dp} sp={sp} distributed={distributed}");
+        let label = format!("{name} tp{tp} pp{pp} dp{dp} ep{ep} sp={sp} distributed={distributed}");
         let runs = run_local(tp * pp * dp, |comm| {
             let mut t = layout.trainer(comm, ITERS, moe_fixture(name))?;
             Ok::<_, TrainError>(train_moe(&mut t))
@@ -94,6 +110,43 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
             }
         }
     }
+}
+
+/// A checkpoint saved under ep 2 (over dp 2) resumes on one rank and under ep 2 x pp 2,
+/// continuing the uninterrupted single-rank run.
+#[test]
+fn expert_parallel_checkpoints_resume_under_other_layouts() {
+    let name = "tiny-mixtral";
+    let mut one = Trainer::new(moe_fixture(name), dp_options(1, ITERS)).unwrap();
+    let (reference, _) = train_moe(&mut one);
+    let tail = tail_of(&reference);
+    let dir = tempfile::tempdir().unwrap();
+    let ep2 = Layout {
+        ep: 2,
+        ..Layout::default()
+    };
+    let ckpt = save_after_two(2, ep2, || moe_fixture(name), dir.path());
+    assert_resumes(
+        "ep2 -> 1 rank",
+        1,
+        Layout::default(),
+        || moe_fixture(name),
+        &ckpt,
+        &tail,
+    );
+    let ep2_pp2 = Layout {
+        ep: 2,
+        pp: 2,
+        ..Layout::default()
+    };
+    assert_resumes(
+        "ep2 -> ep2 x pp2",
+        4,
+        ep2_pp2,
+        || moe_fixture(name),
+        &ckpt,
+        &tail,
+    );
 }
 
 #[test]

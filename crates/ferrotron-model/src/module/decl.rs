@@ -140,15 +140,22 @@ pub(crate) struct Declarer<'c> {
     pub padded_vocab: usize,
     /// The family's HF tensor names.
     pub hf: HfNames,
+    /// The routed experts declared (an expert-parallel rank's; all when `None`).
+    pub experts: Option<super::ExpertShard>,
     decls: Vec<ParamDecl>,
 }
 
 impl<'c> Declarer<'c> {
-    pub(crate) fn new(c: &'c TransformerConfig, padded_vocab: usize) -> Declarer<'c> {
+    pub(crate) fn new(
+        c: &'c TransformerConfig,
+        padded_vocab: usize,
+        experts: Option<super::ExpertShard>,
+    ) -> Declarer<'c> {
         Declarer {
             c,
             padded_vocab: padded_vocab.max(c.vocab_size),
             hf: c.family.hf_names(),
+            experts,
             decls: Vec::new(),
         }
     }

@@ -16,6 +16,24 @@ pub struct ModelPart {
     pub pre_process: bool,
     /// Holds the final norm and the output layer (the word embedding when tied).
     pub post_process: bool,
+    /// The routed experts held: an expert-parallel rank's share, or all of them (`None`).
+    pub experts: Option<ExpertShard>,
+}
+
+/// Expert-parallel rank `rank` of `size` holds experts `rank·E/size .. (rank+1)·E/size` of
+/// every MoE layer (Megatron-Core's placement, `expert_model_parallel_size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShard {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl ExpertShard {
+    /// The global ids of the experts held out of `num_experts`.
+    pub fn experts(self, num_experts: usize) -> std::ops::Range<usize> {
+        let local = num_experts / self.size;
+        self.rank * local..(self.rank + 1) * local
+    }
 }
 
 impl ModelPart {
@@ -25,6 +43,7 @@ impl ModelPart {
             layer_ids: (0..num_layers).collect(),
             pre_process: true,
             post_process: true,
+            experts: None,
         }
     }
 }
@@ -55,7 +74,7 @@ impl ModelLayout {
     /// vocabulary tables split as `padded_vocab` rows over tensor-parallel ranks
     /// (`c.vocab_size` when unsplit).
     pub fn new(c: &TransformerConfig, padded_vocab: usize, part: &ModelPart) -> ModelLayout {
-        let mut d = Declarer::new(c, padded_vocab);
+        let mut d = Declarer::new(c, padded_vocab, part.experts);
         // A score head is its own weight, whatever the tying of an LM head would be.
         let tied =
             !c.untie_embeddings_and_output_weights && c.output_head == OutputHead::LanguageModel;

@@ -16,7 +16,8 @@ pub struct MoeMlp {
     /// `[E, h]` `mlp.router.weight` (HF `mlp.gate`, Mixtral's `block_sparse_moe.gate`),
     /// replicated over tensor-parallel ranks.
     pub router: ParamId,
-    /// `[E·2f_e, h]` `mlp.experts.linear_fc1.weight`: expert `e`'s gate rows then up rows at
+    /// `[E·2f_e, h]` `mlp.experts.linear_fc1.weight` (`E` the experts held: an
+    /// expert-parallel rank declares its `E/ep`): expert `e`'s gate rows then up rows at
     /// rows `e·2f_e ..` (Megatron's `linear_fc1.weight{e}` stacked; HF `experts.{e}.gate_proj`
     /// and `up_proj`, Mixtral's `w1` and `w3`). Tensor parallelism splits every expert's gate
     /// and up blocks (`2E` parts), as Megatron's expert tensor parallelism does.
@@ -63,12 +64,17 @@ impl MoeMlp {
     fn declare(d: &mut Declarer<'_>, layer: usize, names: HfMoe) -> MoeMlp {
         let c = d.c;
         let moe = c.moe.as_ref().expect("an MoE layer has an MoE config");
-        let (h, e, f) = (c.hidden_size, moe.num_experts(), moe.moe_ffn_hidden_size);
+        let (h, f) = (c.hidden_size, moe.moe_ffn_hidden_size);
+        // An expert-parallel rank declares its own experts only (same names, fewer rows).
+        let held = d
+            .experts
+            .map_or(0..moe.num_experts(), |s| s.experts(moe.num_experts()));
+        let e = held.len();
         let mg = format!("decoder.layers.{layer}.mlp");
         let router = d.push(whole(
             format!("{mg}.router.weight"),
             format!("{}.weight", d.hf_layer(layer, names.router)),
-            vec![e, h],
+            vec![moe.num_experts(), h],
             TpSplit::Replicated,
             Init::Normal,
             ParamRole::Weight,
@@ -80,12 +86,14 @@ impl MoeMlp {
             rows: vec![rows],
         };
         let [gate, up] = names.expert_fc1;
-        let fc1_parts = (0..e)
-            .flat_map(|i| {
+        let fc1_parts = held
+            .clone()
+            .enumerate()
+            .flat_map(|(i, global)| {
                 let at = i * 2 * f;
                 [
-                    expert(d, i, gate, at..at + f, h),
-                    expert(d, i, up, at + f..at + 2 * f, h),
+                    expert(d, global, gate, at..at + f, h),
+                    expert(d, global, up, at + f..at + 2 * f, h),
                 ]
             })
             .collect();
@@ -98,8 +106,9 @@ impl MoeMlp {
             layer: Some(layer),
             hf: fc1_parts,
         });
-        let fc2_parts = (0..e)
-            .map(|i| expert(d, i, names.expert_fc2, i * h..(i + 1) * h, f))
+        let fc2_parts = held
+            .enumerate()
+            .map(|(i, global)| expert(d, global, names.expert_fc2, i * h..(i + 1) * h, f))
             .collect();
         let experts_fc2 = d.push(ParamDecl {
             name: format!("{mg}.experts.linear_fc2.weight"),

@@ -119,9 +119,14 @@ impl GptModel {
         )
     }
 
-    /// The full shape of parameter `i` (order of [`GptModel::parameters`]).
+    /// The full shape of parameter `i` (order of [`GptModel::parameters`]): on an
+    /// expert-parallel shard an expert stack's holds every rank's experts.
     pub fn global_param_shape(&self, i: usize) -> Vec<usize> {
-        self.layout().decls()[i].shape.clone()
+        let mut shape = self.layout().decls()[i].shape.clone();
+        if let Some(ep) = self.ep.as_ref().filter(|_| self.is_expert_param(i)) {
+            shape[0] *= ep.shard().size;
+        }
+        shape
     }
 
     /// Where the local elements `range` of parameter `i` (order of
@@ -129,24 +134,37 @@ impl GptModel {
     /// [`TpSplit::boxes`]); a full model's parameter is its own full tensor.
     pub fn param_boxes(&self, i: usize, range: std::ops::Range<usize>) -> Vec<ParamBox> {
         let d = &self.layout().decls()[i];
-        match &self.tp {
+        let mut boxes = match &self.tp {
             Some(tp) => d
                 .split
                 .boxes(&d.shape, tp.group.size(), tp.group.rank(), range),
             None => TpSplit::Replicated.boxes(&d.shape, 1, 0, range),
+        };
+        // An expert-parallel rank's experts are rows `rank·rows ..` of the whole stack.
+        if let Some(ep) = self.ep.as_ref().filter(|_| self.is_expert_param(i)) {
+            for b in &mut boxes {
+                b.global_offset[0] += ep.shard().rank * d.shape[0];
+            }
         }
+        boxes
     }
 
     /// Whether another rank of the model-parallel group holds the stored copy of parameter
-    /// `i`: a replicated parameter on tensor-parallel rank > 0, or the last pipeline stage's
+    /// `i`: a replicated parameter on tensor-parallel rank > 0, a non-expert parameter on
+    /// expert-parallel rank > 0, or the last pipeline stage's
     /// shared copy of a tied embedding (stage 0 stores it). Checkpoints write each parameter
     /// once (Megatron's `replica_id`).
     pub fn is_param_replica(&self, i: usize) -> bool {
         let tp_replica = self.tp.as_ref().is_some_and(|tp| {
             tp.group.rank() > 0 && self.layout().decls()[i].split == TpSplit::Replicated
         });
+        // Every expert-parallel rank holds the non-expert parameters; the first stores them.
+        let ep_replica = self
+            .ep
+            .as_ref()
+            .is_some_and(|ep| ep.shard().rank > 0 && !self.is_expert_param(i));
         let embedding = self.layout().embedding.map(|e| e.index());
-        tp_replica || (embedding == Some(i) && self.holds_shared_embedding_copy())
+        tp_replica || ep_replica || (embedding == Some(i) && self.holds_shared_embedding_copy())
     }
 
     /// The tensor-parallel shard info, `None` for a full model.

@@ -35,6 +35,7 @@ mod attention;
 mod backward;
 pub(crate) mod core_attention;
 mod dpo;
+mod experts;
 pub(crate) mod forward;
 mod lora;
 mod loss;

@@ -8,6 +8,7 @@
 use std::sync::Mutex;
 
 use super::backward::trainable;
+use super::experts::{ExpertRun, routed_backward, routed_forward};
 use super::forward::Pass;
 use super::mlp::{DenseActs, dense_backward, dense_forward};
 use super::stored::Stored;
@@ -15,8 +16,8 @@ use super::tp_ops::{reduce_partial_rows, row_parallel_output_grad};
 use crate::config::LoadBalancing;
 use crate::module::MoeMlp;
 use crate::{ModelError, MoeConfig, Result};
+use ferrotron_nn::moe::Routing;
 use ferrotron_nn::moe::router::{aux_loss, z_loss};
-use ferrotron_nn::moe::{ExpertActs, ExpertWeights, Routing, experts_backward, experts_forward};
 use ferrotron_nn::tensor_parallel::reduce_from_tensor_model_parallel_region;
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, matmul_weight_t, weight_grad};
@@ -59,7 +60,7 @@ pub(crate) struct MoeActs {
     /// Each token's experts and weights.
     routing: Routing,
     /// The experts' permuted inputs and intermediate outputs.
-    experts: ExpertActs,
+    experts: ExpertRun,
     /// `[rows, E]` the balancing losses' gradient wrt the logits, times the loss scale
     /// (training passes of a model with such losses).
     daux: Option<Vec<f32>>,
@@ -118,11 +119,7 @@ pub(super) fn moe_forward(
     input: &[f32],
 ) -> Result<(MoeActs, Buffer<f32>)> {
     let moe = moe_config(pass);
-    let (h, e, f) = (
-        pass.c.hidden_size,
-        moe.num_experts(),
-        moe.moe_ffn_hidden_size,
-    );
+    let (h, e) = (pass.c.hidden_size, moe.num_experts());
     let rows = pass.positions.len();
     let router = pass.model.param(m.router);
     let mut logits = vec![0f32; rows * e];
@@ -133,17 +130,7 @@ pub(super) fn moe_forward(
             .drop_over_capacity(e, c.factor, c.drop_policy)
             .map_err(nn_error)?;
     }
-    let (fc1, fc2) = (
-        pass.model.param(m.experts_fc1).to_f32(),
-        pass.model.param(m.experts_fc2).to_f32(),
-    );
-    let w = ExpertWeights {
-        fc1: &fc1,
-        fc2: &fc2,
-        hidden: h,
-        ffn: f,
-    };
-    let (y, experts) = experts_forward(input, &routing, &w);
+    let (y, experts) = routed_forward(pass, m, input, &routing)?;
     // Under tensor parallelism each rank's experts hold a slice of every expert's width.
     let mut out = reduce_partial_rows(pass.tp, Buffer::from_host(y))?;
     let shared = match (m.shared_experts, moe.shared_expert_intermediate_size) {
@@ -296,24 +283,10 @@ pub(super) fn moe_backward(
     grads: &mut [&mut [f32]],
 ) -> Result<Buffer<f32>> {
     let moe = moe_config(pass);
-    let (h, e, f) = (
-        pass.c.hidden_size,
-        moe.num_experts(),
-        moe.moe_ffn_hidden_size,
-    );
+    let (h, e) = (pass.c.hidden_size, moe.num_experts());
     let rows = pass.positions.len();
-    let (fc1, fc2) = (
-        pass.model.param(m.experts_fc1).to_f32(),
-        pass.model.param(m.experts_fc2).to_f32(),
-    );
-    let w = ExpertWeights {
-        fc1: &fc1,
-        fc2: &fc2,
-        hidden: h,
-        ffn: f,
-    };
     let dy = row_parallel_output_grad(pass.tp, dout)?;
-    let mut g = experts_backward(&acts.routing, &w, &acts.experts, &dy);
+    let mut g = routed_backward(pass, m, &acts.routing, &acts.experts, &dy)?;
     drop(dy);
     if let Some(t) = pass.tp {
         // Each rank's routing-weight gradient covers its slice of the experts' width.

@@ -29,6 +29,21 @@ pub struct EpActs {
     act: Vec<f32>,
 }
 
+impl EpActs {
+    /// Bytes held: the permutation, the exchange plan and the `[R, ·]` activations.
+    pub fn bytes(&self) -> u128 {
+        let f32s = self.out.len() + self.xl.len() + self.fc1.len() + self.act.len();
+        let p = &self.plan;
+        let usizes = self.perm.slots.len()
+            + self.perm.offsets.len()
+            + p.send_rows.len()
+            + p.recv_rows.len()
+            + p.order.len()
+            + p.offsets.len();
+        (4 * f32s + std::mem::size_of::<usize>() * usizes) as u128
+    }
+}
+
 /// The row counts of one dispatch and the local-expert order of the received rows.
 #[derive(Clone, Debug)]
 struct Exchange {

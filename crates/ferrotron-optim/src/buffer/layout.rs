@@ -137,6 +137,12 @@ pub struct ParamFlags {
     /// buffer, no bucket, no gradient and no optimizer state.
     #[serde(default)]
     pub frozen: bool,
+    /// A routed experts' parameter of an expert-parallel model: its gradient is reduced over
+    /// the expert-data-parallel group, not the data-parallel one, so it never shares a
+    /// bucket with other parameters (Megatron keeps expert parameters in buffers of their
+    /// own).
+    #[serde(default)]
+    pub expert_parallel: bool,
 }
 
 impl ParamFlags {
@@ -188,6 +194,9 @@ pub struct BucketInfo {
     pub numel_unpadded: usize,
     /// Parameters in buffer order.
     pub params: Vec<ParamId>,
+    /// Holds expert-parallel parameters (all of its parameters are, or none).
+    #[serde(default)]
+    pub expert_parallel: bool,
 }
 
 impl BucketInfo {
@@ -242,7 +251,7 @@ fn close_bucket(
     end: usize,
     divisor: usize,
     start: &mut usize,
-    members: &mut Vec<ParamId>,
+    (members, expert_parallel): (&mut Vec<ParamId>, bool),
 ) -> usize {
     let padded_end = pad_to(end, divisor);
     buckets.push(BucketInfo {
@@ -251,6 +260,7 @@ fn close_bucket(
         end: padded_end,
         numel_unpadded: end - *start,
         params: std::mem::take(members),
+        expert_parallel,
     });
     *start = padded_end;
     padded_end
@@ -269,6 +279,7 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
     let mut bucket_params: Vec<ParamId> = Vec::new();
     let mut param_start = 0usize;
     let mut param_end = 0usize;
+    let mut bucket_expert = false;
 
     let order: Vec<usize> = if config.reverse_order {
         (0..params.len()).rev().collect()
@@ -285,15 +296,18 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
             param_start = pad_to(param_start, PARAM_START_ALIGN);
         }
         let own_bucket = pad && flags.shared_embedding;
-        if own_bucket && !bucket_params.is_empty() {
+        // Expert-parallel parameters and the others never share a bucket.
+        let switch = flags.expert_parallel != bucket_expert;
+        if (own_bucket || switch) && !bucket_params.is_empty() {
             param_start = close_bucket(
                 &mut buckets,
                 param_start,
                 divisor,
                 &mut bucket_start,
-                &mut bucket_params,
+                (&mut bucket_params, bucket_expert),
             );
         }
+        bucket_expert = flags.expert_parallel;
         param_end = param_start + numel;
         placements[id] = (param_start, Some(buckets.len()));
         bucket_params.push(ParamId(id));
@@ -306,7 +320,7 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
                 param_end,
                 divisor,
                 &mut bucket_start,
-                &mut bucket_params,
+                (&mut bucket_params, bucket_expert),
             )
         } else {
             param_end
@@ -318,7 +332,7 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
             param_end,
             divisor,
             &mut bucket_start,
-            &mut bucket_params,
+            (&mut bucket_params, bucket_expert),
         );
     }
     let numel = buckets.last().map_or(0, |b| b.end);

@@ -16,16 +16,20 @@ pub(super) fn unsupported(r: &RawConfig, lr_decay_style: LrDecayStyle, p: &mut V
         no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
     }
     let par = &r.parallel;
-    for (key, size) in [
-        ("parallel.context_parallel_size", par.context_parallel_size),
-        (
-            "parallel.expert_model_parallel_size",
-            par.expert_model_parallel_size,
-        ),
-    ] {
-        if size > 1 {
-            no(key, "data and tensor parallelism run so far");
-        }
+    if par.context_parallel_size > 1 {
+        no(
+            "parallel.context_parallel_size",
+            "data, tensor, pipeline and expert parallelism run so far",
+        );
+    }
+    if par.expert_model_parallel_size > 1
+        && (par.use_distributed_optimizer || par.overlap_grad_reduce)
+    {
+        no(
+            "parallel.expert_model_parallel_size with use_distributed_optimizer or \
+             overlap_grad_reduce",
+            "expert gradients are all-reduced over the expert-data-parallel ranks",
+        );
     }
     if par.overlap_grad_reduce && par.pipeline_model_parallel_size > 1 {
         no(

@@ -330,6 +330,7 @@ fn build_trainer(
     if !par.grad_reduce_in_fp32 {
         dp = dp.with_bf16_grad_reduce();
     }
+    let dp = dp.with_expert_parallel(groups.expert_data.clone(), groups.expert.clone())?;
     let mut trainer = Trainer::new_data_parallel(model, opts, dp)?;
     if par.pipeline_model_parallel_size > 1 {
         let pp = PipelineParallel::new(groups.pipeline.clone(), groups.embedding.clone());

@@ -36,6 +36,17 @@ pub struct DataParallel {
     /// Reduce gradients as bf16 (each rank's contribution rounded once, summed in f32)
     /// instead of f32: half the traffic (Megatron's `grad_reduce_in_fp32 = false`).
     grad_reduce_in_bf16: bool,
+    /// Under expert parallelism: the expert-data-parallel group (the data-parallel ranks
+    /// holding the same experts), over which the expert buckets are reduced, and the
+    /// expert-parallel group (ranks holding other experts: the grad norm sums over it).
+    experts: Option<ExpertGroups>,
+}
+
+/// The groups of an expert-parallel run besides the data-parallel one.
+#[derive(Clone)]
+struct ExpertGroups {
+    expert_data: Arc<dyn Communicator>,
+    expert: Arc<dyn Communicator>,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -64,7 +75,42 @@ impl DataParallel {
             overlap: None,
             param_gather: None,
             grad_reduce_in_bf16: false,
+            experts: None,
         }
+    }
+
+    /// Expert parallelism (Megatron's `expert_model_parallel_size`): the expert buckets
+    /// ([`ferrotron_optim::BucketInfo::expert_parallel`]) are reduced over `expert_data`
+    /// (the data-parallel ranks holding the same experts) instead of this group, and the
+    /// grad norm also sums over `expert` (the ranks holding the other experts; the trainer
+    /// leaves their copies of the other parameters out of it).
+    ///
+    /// Expert buckets are reduced in f32 whatever `grad_reduce_in_fp32` says.
+    ///
+    /// # Errors
+    /// With the distributed optimizer (its shards of expert buckets would need the
+    /// expert-data-parallel size) or `overlap_grad_reduce` (its progress thread reduces
+    /// over the data-parallel group).
+    pub fn with_expert_parallel(
+        mut self,
+        expert_data: Arc<dyn Communicator>,
+        expert: Arc<dyn Communicator>,
+    ) -> Result<Self> {
+        if expert.size() == 1 {
+            return Ok(self);
+        }
+        if self.use_distributed_optimizer || self.overlap.is_some() {
+            return Err(TrainError::Config(
+                "expert_model_parallel_size > 1 runs without use_distributed_optimizer and \
+                 overlap_grad_reduce so far"
+                    .into(),
+            ));
+        }
+        self.experts = Some(ExpertGroups {
+            expert_data,
+            expert,
+        });
+        Ok(self)
     }
 
     /// Megatron's `grad_reduce_in_fp32 = false`: gradient buckets travel as bf16 (rounded
@@ -168,14 +214,37 @@ impl DataParallel {
 
     /// Makes every rank's parameters those of rank 0 (Megatron's `broadcast_params` at DDP
     /// construction), so replicas start identical however their weights were made.
+    /// Under expert parallelism the expert buckets come from the first rank holding the
+    /// same experts (of the expert-data-parallel group) instead.
     pub(super) fn broadcast_params(&self, buffer: &mut ParamAndGradBuffer) -> Result<()> {
         if self.size() == 1 {
             return Ok(());
         }
+        let Some(groups) = &self.experts else {
+            let (params, _) = buffer.data_mut();
+            return self
+                .comm
+                .broadcast_bytes(storage_bytes(params), 0)
+                .map_err(comm_err);
+        };
+        let buckets: Vec<_> = buffer
+            .buckets()
+            .iter()
+            .map(|b| (b.start..b.end, b.expert_parallel))
+            .collect();
         let (params, _) = buffer.data_mut();
-        self.comm
-            .broadcast_bytes(storage_bytes(params), 0)
-            .map_err(comm_err)
+        let elem = params.dtype().size_in_bytes();
+        let bytes = storage_bytes(params);
+        for (r, expert) in buckets {
+            let comm = if expert {
+                &groups.expert_data
+            } else {
+                &self.comm
+            };
+            comm.broadcast_bytes(&mut bytes[r.start * elem..r.end * elem], 0)
+                .map_err(comm_err)?;
+        }
+        Ok(())
     }
 
     /// Step 2: reduces every bucket's gradients (SUM) over the group: all-reduce, or
@@ -185,6 +254,16 @@ impl DataParallel {
             return Ok(());
         }
         for b in 0..buffer.buckets().len() {
+            if let (true, Some(groups)) = (buffer.buckets()[b].expert_parallel, &self.experts) {
+                let grads = buffer.bucket_grads_mut(b);
+                if groups.expert_data.size() > 1 {
+                    groups
+                        .expert_data
+                        .all_reduce(grads, ReduceOp::Sum)
+                        .map_err(comm_err)?;
+                }
+                continue;
+            }
             let grads = buffer.bucket_grads_mut(b);
             if self.grad_reduce_in_bf16 {
                 let mut narrow: Vec<bf16> = grads.iter().map(|&g| bf16::from_f32(g)).collect();
@@ -228,17 +307,19 @@ impl DataParallel {
     }
 
     /// The optimizer's cross-rank reductions (grad-norm partials, fp16 inf flag): over
-    /// `tensor` (a model shard's tensor-parallel group) and `pipeline` (each stage holds
-    /// other parameters), where ranks hold different gradients, and over this group when each rank holds an optimizer shard; none when
-    /// every rank holds the whole (identical) reduced gradient.
+    /// `tensor` (a model shard's tensor-parallel group), `pipeline` (each stage holds
+    /// other parameters) and the expert-parallel group (each rank holds other experts),
+    /// where ranks hold different gradients, and over this group when each rank holds an
+    /// optimizer shard; none when every rank holds the whole (identical) reduced gradient.
     pub(super) fn stats_reduce<'a>(
         &'a self,
         tensor: Option<&'a dyn Communicator>,
         pipeline: Option<&'a dyn Communicator>,
     ) -> StatsReduce<'a> {
-        let mut comms = Vec::with_capacity(3);
+        let mut comms = Vec::with_capacity(4);
         comms.extend(tensor.filter(|c| c.size() > 1));
         comms.extend(pipeline.filter(|c| c.size() > 1));
+        comms.extend(self.experts.as_ref().map(|g| &*g.expert));
         if self.use_distributed_optimizer && self.size() > 1 {
             comms.push(&*self.comm);
         }

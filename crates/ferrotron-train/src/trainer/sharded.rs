@@ -7,6 +7,8 @@
 //!   `model_tp{t}_pp{p}.safetensors`: each parameter's tensor-parallel shard as boxes of the
 //!   full tensor (`linear_fc1` as its gate and up boxes), replicated parameters by
 //!   tensor-parallel rank 0 only, the last stage's copy of a tied embedding not at all.
+//!   Under expert parallelism expert-parallel rank `e > 0` (data-parallel rank `e`) writes
+//!   its experts' rows of every expert stack to `model_tp{t}_pp{p}_ep{e}.safetensors`.
 //! - Optimizer state (Adam moments, fp32 master weights): in the parameters' own full shapes;
 //!   a distributed optimizer's flat owned ranges become boxes (a partial first row, whole
 //!   rows, a partial last row), so every data-parallel rank writes
@@ -51,7 +53,11 @@ impl Trainer {
     pub(super) fn write_rank_shards(&self, writer: &mut CheckpointWriter) -> Result<()> {
         let (tp, pp) = self.tp_pp_rank();
         let infos = self.buffer.params();
-        if self.dp.rank() == 0 {
+        // Expert-parallel rank r (data-parallel rank r of the first expert-data-parallel
+        // group, Megatron's grid) writes its experts; rank 0 everything else too.
+        let ep = self.model.expert_parallel().map_or(1, |e| e.shard().size);
+        let writes = self.dp.rank() < ep;
+        if writes {
             let mut planned = Vec::new();
             for (i, p) in infos.iter().enumerate() {
                 // Frozen parameters (a LoRA model's base) come from the base model.
@@ -62,7 +68,10 @@ impl Trainer {
             }
             let specs: Vec<ShardSpec> = planned.iter().map(|p| p.spec.clone()).collect();
             let dtype = stored(self.buffer.param_dtype())?;
-            let file = model_file(tp, pp);
+            let file = match self.dp.rank() {
+                0 => model_file(tp, pp),
+                e => model_file(tp, pp).replace(".safetensors", &format!("_ep{e}.safetensors")),
+            };
             let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
             // A parameter's boxes are consecutive: widen it to f32 once for all of them.
             for boxes in planned.chunk_by(|a, b| a.param == b.param) {
@@ -71,7 +80,7 @@ impl Trainer {
             }
             out.finish().map_err(ckpt_err)?;
         }
-        if self.dp.rank() != 0 && !self.dp.use_distributed_optimizer() {
+        if !writes && !self.dp.use_distributed_optimizer() {
             return Ok(());
         }
         let optim = self.optimizer.export_state();

@@ -110,12 +110,16 @@ impl Trainer {
         // Tensor-parallel duplicates (replicated parameters on tp rank > 0) stay out of the
         // grad norm, as Megatron's `param_is_not_tensor_parallel_duplicate`.
         // So is the last pipeline stage's copy of a tied embedding (`param_is_not_shared`).
+        // Under expert parallelism each rank's non-expert parameters are copies of the
+        // first expert-parallel rank's: only that rank counts them (`is_param_replica`).
         for (i, p) in model.parameters().into_iter().enumerate() {
+            let expert = model.is_expert_param(i);
             let flags = ParamFlags {
                 is_norm_or_bias: p.is_norm_or_bias,
                 is_embedding: p.is_embedding,
                 exclude_from_grad_norm: model.is_param_replica(i),
                 frozen: p.frozen,
+                expert_parallel: model.expert_parallel().is_some() && expert,
                 ..ParamFlags::default()
             };
             builder.register(&p.name, &p.shape, flags)?;

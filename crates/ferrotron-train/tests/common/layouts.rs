@@ -42,6 +42,7 @@ pub fn params(t: &Trainer) -> Vec<(String, Vec<f32>)> {
     let infos = t.model().parameters();
     let local = (0..infos.len()).map(|i| t.param(i)).collect();
     let full = t.model().gather_tensor_parallel(local).unwrap();
+    let full = t.model().gather_expert_parallel(full).unwrap();
     infos.into_iter().map(|p| p.name).zip(full).collect()
 }
 
@@ -136,6 +137,8 @@ pub struct Layout {
     pub dpo: Option<ferrotron_train::trainer::DpoReference>,
     /// Train a reward model (TRL's loss, center coefficient 0.01) on pairs of rows.
     pub reward: bool,
+    /// `expert_model_parallel_size` (0 or 1: none).
+    pub ep: usize,
 }
 
 impl Layout {
@@ -153,6 +156,7 @@ impl Layout {
             tensor_model_parallel_size: tp,
             pipeline_model_parallel_size: pp,
             virtual_pipeline_model_parallel_size: (vp > 1).then_some(vp),
+            expert_model_parallel_size: self.ep.max(1),
             ..ParallelConfig::default()
         };
         let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
@@ -164,7 +168,8 @@ impl Layout {
         };
         let shard = parallelize(Cow::Owned(full), &groups, &layout)
             .map_err(|e| TrainError::Config(e.to_string()))?;
-        let mut group = DataParallel::new(groups.data.clone(), self.distributed);
+        let mut group = DataParallel::new(groups.data.clone(), self.distributed)
+            .with_expert_parallel(groups.expert_data.clone(), groups.expert.clone())?;
         if self.overlap {
             group = group.with_overlap_grad_reduce()?;
         }

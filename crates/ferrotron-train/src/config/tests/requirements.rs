@@ -16,6 +16,7 @@ fn unsupported_and_unrunnable_settings_name_their_key() {
             "optimizer.lr_decay_style=WSD",
             "parallel.context_parallel_size=2",
             "parallel.expert_model_parallel_size=2",
+            "parallel.use_distributed_optimizer=true",
             "parallel.pipeline_model_parallel_size=2",
             "parallel.overlap_grad_reduce=true",
         ],
@@ -24,7 +25,7 @@ fn unsupported_and_unrunnable_settings_name_their_key() {
         "data.num_workers (the loader uses one worker thread)",
         "optimizer.lr_decay_style = \"WSD\" (no WSD schedule)",
         "parallel.context_parallel_size (",
-        "parallel.expert_model_parallel_size (",
+        "parallel.expert_model_parallel_size with use_distributed_optimizer",
         "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1 (",
     ] {
         assert!(
