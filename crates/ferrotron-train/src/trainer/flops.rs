@@ -4,13 +4,15 @@
 //! ([`ferrotron_model::ModelLayout`]), so a new module kind is counted without a new term.
 
 use ferrotron_model::TransformerConfig;
-use ferrotron_model::module::{ModelLayout, ModelPart};
+use ferrotron_model::module::{LayerMlp, ModelLayout, ModelPart};
 
 /// The sizes the FLOPs count looks at.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FlopsModel {
-    /// Elements of every decoder-layer matmul weight (`[out, in]`): a token costs 2 FLOPs
-    /// per element in the forward.
+    /// Elements of every decoder-layer matmul weight (`[out, in]`) a token goes through: a
+    /// token costs 2 FLOPs per element in the forward. An MoE layer's experts count
+    /// `topk / E` of their elements (the `topk` experts a token is routed to, Megatron's
+    /// `moe_ffn_hidden_size · num_experts_routed_to`), its router in full.
     pub matmul_weights: u64,
     /// `v·h`, the logits' GEMM (the output layer, or the tied embedding).
     pub logit_weights: u64,
@@ -34,7 +36,8 @@ impl From<&TransformerConfig> for FlopsModel {
                 && layout.decls()[i].role == ferrotron_model::module::ParamRole::Adapter
         });
         FlopsModel {
-            matmul_weights: layout.matmul_weight_elements() as u64,
+            matmul_weights: (layout.matmul_weight_elements() - inactive_experts(c, &layout))
+                as u64,
             logit_weights: (c.vocab_size * c.hidden_size) as u64,
             attention_width: (c.num_layers * c.num_attention_heads * c.kv_channels) as u64,
             adapter_weights: adapters.map(|i| layout.decls()[i].numel() as u64).sum(),
@@ -42,6 +45,27 @@ impl From<&TransformerConfig> for FlopsModel {
             reference_forward: false,
         }
     }
+}
+
+/// Elements of the routed experts a token does not go through: `(E - k) / E` of every MoE
+/// layer's expert stacks.
+fn inactive_experts(c: &TransformerConfig, layout: &ModelLayout) -> usize {
+    let Some(moe) = &c.moe else {
+        return 0;
+    };
+    let (e, k) = (moe.num_experts(), moe.router.topk);
+    layout
+        .layers
+        .iter()
+        .filter_map(|l| match l.mlp {
+            LayerMlp::Moe(m) => Some(m),
+            LayerMlp::Dense(_) => None,
+        })
+        .map(|m| {
+            let n = layout.decl(m.experts_fc1).numel() + layout.decl(m.experts_fc2).numel();
+            n / e * (e - k)
+        })
+        .sum()
 }
 
 /// FLOPs of one training iteration (forward + backward) over `batch_size` sequences of
@@ -115,5 +139,36 @@ mod tests {
         };
         let want = want + w + v + att;
         assert_eq!(num_floating_point_operations(&dpo, 2, 32), want * 64.0);
+    }
+
+    /// An MoE layer counts the router and `topk` of its `E` experts: 8 experts of width 128,
+    /// top-2, cost what a dense MLP of width 256 does, plus the router's `2·h·E` per token.
+    #[test]
+    fn moe_layers_count_the_experts_a_token_is_routed_to() {
+        let mut dense = TransformerConfig::llama(2, 64, 256, 4, 2, 256, 64).unwrap();
+        dense.set_family(ferrotron_model::ModelFamily::Mixtral);
+        let mut c = dense.clone();
+        c.ffn_hidden_size = 128;
+        c.moe = Some(ferrotron_model::MoeConfig {
+            router: ferrotron_model::RouterConfig {
+                num_experts: 8,
+                topk: 2,
+                score_function: ferrotron_model::ScoreFunction::Softmax,
+                pre_softmax: false,
+                groups: None,
+                scaling_factor: None,
+            },
+            moe_ffn_hidden_size: 128,
+            layer_pattern: vec![true, true],
+            shared_expert_intermediate_size: None,
+            shared_expert_gate: false,
+            load_balancing_type: ferrotron_model::LoadBalancing::AuxLoss,
+            aux_loss_coeff: 0.0,
+            z_loss_coeff: None,
+            capacity: None,
+        });
+        dense.set_family(ferrotron_model::ModelFamily::Llama);
+        let (moe, dense) = (FlopsModel::from(&c), FlopsModel::from(&dense));
+        assert_eq!(moe.matmul_weights, dense.matmul_weights + 2 * 8 * 64);
     }
 }
