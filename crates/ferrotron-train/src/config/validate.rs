@@ -279,7 +279,12 @@ fn validate_parallel(par: &ParallelSection, p: &mut Vec<String>) -> usize {
         * par.tensor_model_parallel_size
         * par.pipeline_model_parallel_size
         * par.context_parallel_size;
-    if let Err(e) = ferrotron_comm::ParallelState::new(world, 0, config) {
+    // With data_parallel_size unset, an `mpirun` world decides it at launch: the expert
+    // grid (ep must divide the data-parallel ranks) is checked there.
+    let world_known = par.data_parallel_size.is_some() || par.expert_model_parallel_size == 1;
+    if let Err(e) = ferrotron_comm::ParallelState::new(world, 0, config)
+        && world_known
+    {
         p.push(format!("[parallel]: {e}"));
     }
     if par.ddp_bucket_size == Some(0) {

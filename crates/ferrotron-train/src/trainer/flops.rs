@@ -36,8 +36,7 @@ impl From<&TransformerConfig> for FlopsModel {
                 && layout.decls()[i].role == ferrotron_model::module::ParamRole::Adapter
         });
         FlopsModel {
-            matmul_weights: (layout.matmul_weight_elements() - inactive_experts(c, &layout))
-                as u64,
+            matmul_weights: (layout.matmul_weight_elements() - inactive_experts(c, &layout)) as u64,
             logit_weights: (c.vocab_size * c.hidden_size) as u64,
             attention_width: (c.num_layers * c.num_attention_heads * c.kv_channels) as u64,
             adapter_weights: adapters.map(|i| layout.decls()[i].numel() as u64).sum(),

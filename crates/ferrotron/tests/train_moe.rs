@@ -1,0 +1,173 @@
+//! `ferrotron train` of an MoE model end to end (the tiny Mixtral fixture, a generated
+//! corpus): `[moe]` options on a loaded model turn the balancing losses on, the log line and
+//! `metrics.jsonl` carry `load_balancing_loss` / `z_loss`; expert parallelism 2 over dp 2
+//! in-process and 4 `mpirun` processes (ep 4) give the single rank's training and validation
+//! losses; the expert-parallel run's checkpoint converts back to an HF Mixtral that validates
+//! as the single rank's does.
+
+use std::path::{Path, PathBuf};
+
+mod common;
+use common::{ferrotron, metrics_losses, text, tiny_corpus};
+
+fn config(dir: &Path, prefix: &Path, out: &str) -> PathBuf {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-mixtral");
+    let cfg = dir.join(format!("{out}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nload = {:?}\nseq_length = 16\n\
+             [data]\ndata_path = {:?}\nsplit = \"90,10,0\"\ndata_cache_path = {:?}\n\
+             [training]\nmicro_batch_size = 1\nglobal_batch_size = 4\ntrain_iters = 4\n\
+             log_interval = 1\neval_interval = 2\neval_iters = 1\n\
+             [optimizer]\nlr = 3e-3\nmin_lr = 3e-4\nlr_warmup_iters = 1\n\
+             [moe]\nmoe_router_load_balancing_type = \"aux_loss\"\nmoe_z_loss_coeff = 1e-3\n\
+             [checkpoint]\nsave = {:?}\n\
+             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
+            model.to_str().unwrap(),
+            prefix.to_str().unwrap(),
+            dir.join("cache").to_str().unwrap(),
+            dir.join(format!("{out}-ckpt")).to_str().unwrap(),
+            dir.join(out).to_str().unwrap(),
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+fn train(cfg: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = ferrotron(&args);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "train {extra:?} failed: {err}");
+    out + &err
+}
+
+/// `(iteration, load_balancing_loss, z_loss)` of every training line of `metrics.jsonl`.
+fn moe_metrics(out_dir: &Path) -> Vec<(u64, f64, f64)> {
+    std::fs::read_to_string(out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "train")
+        .map(|v| {
+            let m = &v["moe"];
+            (
+                v["iteration"].as_u64().unwrap(),
+                m["load_balancing_loss"].as_f64().unwrap(),
+                m["z_loss"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn assert_close(label: &str, got: f64, want: f64) {
+    let rel = (got - want).abs() / want.abs();
+    assert!(rel <= 1e-5, "{label}: {got} vs {want} (rel {rel:.1e})");
+}
+
+fn assert_same_run(label: &str, dir: &Path, got: &str, want: &str) {
+    let (g, w) = (
+        metrics_losses(&dir.join(got)),
+        metrics_losses(&dir.join(want)),
+    );
+    assert_eq!(g.len(), w.len(), "{label}");
+    for (g, w) in g.iter().zip(&w) {
+        assert_eq!((&g.0, g.1), (&w.0, w.1), "{label}");
+        assert_close(&format!("{label} {} {}", g.0, g.1), g.2, w.2);
+    }
+    let (g, w) = (moe_metrics(&dir.join(got)), moe_metrics(&dir.join(want)));
+    assert_eq!(g.len(), w.len(), "{label}");
+    for (g, w) in g.iter().zip(&w) {
+        assert_close(&format!("{label} load_balancing_loss {}", g.0), g.1, w.1);
+        assert_close(&format!("{label} z_loss {}", g.0), g.2, w.2);
+    }
+}
+
+#[test]
+fn expert_parallel_runs_match_one_rank_and_convert_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let log = train(&config(tmp.path(), &prefix, "single"), &[]);
+    assert!(log.contains("| load_balancing_loss: "), "{log}");
+    assert!(log.contains("| z_loss: "), "{log}");
+    let metrics = moe_metrics(&tmp.path().join("single"));
+    assert_eq!(metrics.len(), 4);
+    assert!(
+        metrics
+            .iter()
+            .all(|m| (0.5..4.0).contains(&m.1) && m.2 > 0.0),
+        "{metrics:?}"
+    );
+    train(
+        &config(tmp.path(), &prefix, "ep2"),
+        &[
+            "--set",
+            "parallel.data_parallel_size=2",
+            "--set",
+            "parallel.expert_model_parallel_size=2",
+        ],
+    );
+    assert_same_run("ep2 x dp2 in-process", tmp.path(), "ep2", "single");
+    // Each run's checkpoint as an HF Mixtral: the two validate alike (the same held-out
+    // batches: `skip_train` evaluates the first ones).
+    let single = exported_validation(tmp.path(), &prefix, "single");
+    let ep2 = exported_validation(tmp.path(), &prefix, "ep2");
+    assert_close("ep2 export vs single export", ep2, single);
+}
+
+/// The validation loss of run `run`'s checkpoint converted to HF.
+fn exported_validation(dir: &Path, prefix: &Path, run: &str) -> f64 {
+    let hf = dir.join(format!("{run}-hf"));
+    let ckpt = dir.join(format!("{run}-ckpt"));
+    let o = ferrotron(&[
+        "convert",
+        "ckpt-to-hf",
+        "--ckpt",
+        ckpt.to_str().unwrap(),
+        "--output",
+        hf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o).1);
+    let config_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config_json["architectures"][0], "MixtralForCausalLM");
+    let load = format!("model.load={:?}", hf.to_str().unwrap());
+    let valid_run = format!("{run}-hf-valid");
+    let cfg = config(dir, prefix, &valid_run);
+    train(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
+    metrics_losses(&dir.join(valid_run))
+        .into_iter()
+        .find(|l| l.0 == "valid")
+        .expect("a validation line")
+        .2
+}
+
+/// `mpirun -np 4 ferrotron train --dist-backend mpi` with expert parallelism 4: the
+/// single rank's losses.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpirun_expert_parallel_4_matches_one_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    train(&config(tmp.path(), &prefix, "single"), &[]);
+    let cfg = config(tmp.path(), &prefix, "mpi-ep4");
+    let o = std::process::Command::new("timeout")
+        .args([
+            "120",
+            "mpirun",
+            "--oversubscribe",
+            "--allow-run-as-root",
+            "-np",
+            "4",
+        ])
+        .arg(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["train", "--dist-backend", "mpi", "--config"])
+        .arg(&cfg)
+        .args(["--set", "parallel.expert_model_parallel_size=4"])
+        .output()
+        .expect("timeout and mpirun (openmpi-bin)");
+    assert!(o.status.success(), "mpirun failed: {}", text(&o).1);
+    assert_same_run("mpi ep4", tmp.path(), "mpi-ep4", "single");
+}
