@@ -15,6 +15,7 @@ mod init;
 mod kv_cache;
 pub mod lora;
 pub mod module;
+mod moe_options;
 mod paged_kv;
 mod param_table;
 mod pipeline_stage;

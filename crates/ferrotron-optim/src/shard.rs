@@ -65,8 +65,22 @@ impl OwnedRanges {
         dp_rank: usize,
         dp_size: usize,
     ) -> Result<Self> {
+        OwnedRanges::distributed_shard_by(buffer, |_| (dp_rank, dp_size))
+    }
+
+    /// [`OwnedRanges::distributed_shard`] with each bucket's own `(rank, size)` of the group
+    /// that shards it (under expert parallelism the expert buckets are sharded over the
+    /// expert-data-parallel group).
+    ///
+    /// # Errors
+    /// As [`OwnedRanges::distributed_shard`].
+    pub fn distributed_shard_by(
+        buffer: &ParamAndGradBuffer,
+        group: impl Fn(&crate::BucketInfo) -> (usize, usize),
+    ) -> Result<Self> {
         let mut ranges = Vec::with_capacity(buffer.buckets().len());
         for b in buffer.buckets() {
+            let (dp_rank, dp_size) = group(b);
             if dp_rank >= dp_size || !(b.end - b.start).is_multiple_of(dp_size) {
                 return Err(OptimError::Range {
                     start: b.start,

@@ -4,7 +4,8 @@
 //! expert tensor parallelism at `expert_tensor_parallel_size` = tp) with and without sequence
 //! parallelism, pp 2, dp 2 with the distributed optimizer, tp 2 x pp 2 and pp 2 x dp 2, and
 //! expert parallelism (the alltoall dispatcher; expert gradients reduced over the
-//! expert-data-parallel ranks): ep 2, ep 4, ep 2 over dp 4, ep 2 x pp 2 and ep 2 x tp 2 give
+//! expert-data-parallel ranks): ep 2, ep 4, ep 2 over dp 4 (with and without the distributed
+//! optimizer), ep 2 x pp 2 and ep 2 x tp 2 give
 //! the single rank's per-iteration LM losses, load-balancing and z losses, and final
 //! parameters (in-process ranks).
 
@@ -68,7 +69,9 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
         (2, 1, 1, 1, false, false),
         (2, 1, 1, 1, true, false),
         (1, 1, 2, 2, false, false),
+        (1, 1, 2, 2, false, true),
         (1, 1, 4, 2, false, false),
+        (1, 1, 4, 2, false, true),
         (2, 1, 2, 2, true, false),
     ];
     if experts.is_multiple_of(4) {
@@ -112,8 +115,9 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
     }
 }
 
-/// A checkpoint saved under ep 2 (over dp 2) resumes on one rank and under ep 2 x pp 2,
-/// continuing the uninterrupted single-rank run.
+/// A checkpoint saved under ep 2 (over dp 2), or ep 2 over dp 4 with the distributed
+/// optimizer, resumes on one rank and under other expert-parallel layouts, continuing the
+/// uninterrupted single-rank run.
 #[test]
 fn expert_parallel_checkpoints_resume_under_other_layouts() {
     let name = "tiny-mixtral";
@@ -143,6 +147,31 @@ fn expert_parallel_checkpoints_resume_under_other_layouts() {
         "ep2 -> ep2 x pp2",
         4,
         ep2_pp2,
+        || moe_fixture(name),
+        &ckpt,
+        &tail,
+    );
+    // ep 2 over dp 4 with the distributed optimizer: every rank writes its optimizer shard.
+    let ep2_zero1 = Layout {
+        ep: 2,
+        distributed: true,
+        ..Layout::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = save_after_two(4, ep2_zero1, || moe_fixture(name), dir.path());
+    let one = Layout::default();
+    assert_resumes(
+        "ep2 dp4 zero1 -> 1",
+        1,
+        one,
+        || moe_fixture(name),
+        &ckpt,
+        &tail,
+    );
+    assert_resumes(
+        "ep2 dp4 zero1 -> ep2 dp2",
+        2,
+        ep2,
         || moe_fixture(name),
         &ckpt,
         &tail,

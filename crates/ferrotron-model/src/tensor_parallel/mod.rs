@@ -155,16 +155,24 @@ impl GptModel {
     /// shared copy of a tied embedding (stage 0 stores it). Checkpoints write each parameter
     /// once (Megatron's `replica_id`).
     pub fn is_param_replica(&self, i: usize) -> bool {
-        let tp_replica = self.tp.as_ref().is_some_and(|tp| {
-            tp.group.rank() > 0 && self.layout().decls()[i].split == TpSplit::Replicated
-        });
         // Every expert-parallel rank holds the non-expert parameters; the first stores them.
         let ep_replica = self
             .ep
             .as_ref()
             .is_some_and(|ep| ep.shard().rank > 0 && !self.is_expert_param(i));
+        ep_replica || self.is_model_parallel_replica(i)
+    }
+
+    /// [`GptModel::is_param_replica`] within the tensor x pipeline group alone: a replicated
+    /// parameter on tensor-parallel rank > 0, or the last stage's copy of a tied embedding
+    /// (the data-parallel ranks, expert-parallel ones included, each own a shard of the
+    /// others under the distributed optimizer).
+    pub fn is_model_parallel_replica(&self, i: usize) -> bool {
+        let tp_replica = self.tp.as_ref().is_some_and(|tp| {
+            tp.group.rank() > 0 && self.layout().decls()[i].split == TpSplit::Replicated
+        });
         let embedding = self.layout().embedding.map(|e| e.index());
-        tp_replica || ep_replica || (embedding == Some(i) && self.holds_shared_embedding_copy())
+        tp_replica || (embedding == Some(i) && self.holds_shared_embedding_copy())
     }
 
     /// The tensor-parallel shard info, `None` for a full model.

@@ -383,3 +383,86 @@ fn shared_gate_backward(
     }
     dshared
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MoeConfig, RouterConfig, ScoreFunction};
+
+    fn config() -> MoeConfig {
+        MoeConfig {
+            router: RouterConfig {
+                num_experts: 4,
+                topk: 2,
+                score_function: ScoreFunction::Softmax,
+                pre_softmax: false,
+                groups: None,
+                scaling_factor: None,
+            },
+            moe_ffn_hidden_size: 8,
+            layer_pattern: vec![true],
+            shared_expert_intermediate_size: None,
+            shared_expert_gate: false,
+            load_balancing_type: LoadBalancing::SeqAuxLoss,
+            aux_loss_coeff: 1.0,
+            z_loss_coeff: None,
+            capacity: None,
+        }
+    }
+
+    /// Megatron's `sequence_load_balancing_loss_func` written out: per sequence `j` of `b`
+    /// (rows `i·b + j`), `Σ_e (c_je · E / (s·k)) · mean_i p_ije`, averaged over the sequences.
+    #[test]
+    fn seq_aux_loss_is_megatrons_per_sequence_loss() {
+        let (s, b, e, k) = (5, 3, 4, 2);
+        let logits: Vec<f32> = (0..s * b * e)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        let (loss, grad) = seq_aux_loss(&config(), &logits, s, b);
+        let mut want = 0f64;
+        for j in 0..b {
+            let mut counts = vec![0f64; e];
+            let mut mean_p = vec![0f64; e];
+            for i in 0..s {
+                let z = &logits[(i * b + j) * e..][..e];
+                let m = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let ex: Vec<f64> = z.iter().map(|v| f64::from(v - m).exp()).collect();
+                let sum: f64 = ex.iter().sum();
+                let p: Vec<f64> = ex.iter().map(|v| v / sum).collect();
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|&x, &y| p[y].total_cmp(&p[x]).then(x.cmp(&y)));
+                for &x in &order[..k] {
+                    counts[x] += 1.0;
+                }
+                for x in 0..e {
+                    mean_p[x] += p[x] / s as f64;
+                }
+            }
+            let seq: f64 = (0..e)
+                .map(|x| counts[x] * e as f64 / (s * k) as f64 * mean_p[x])
+                .sum();
+            want += seq / b as f64;
+        }
+        assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
+        // One sequence is the plain aux loss.
+        let (one, _) = seq_aux_loss(&config(), &logits[..s * e], s, 1);
+        let (plain, _) = aux_loss(&config().router, &logits[..s * e], 1.0);
+        assert!((one - f64::from(plain)).abs() < 1e-6);
+        // Finite differences of the gradient.
+        let h = 1e-3f32;
+        for at in [0, 7, 29, s * b * e - 1] {
+            let mut plus = logits.clone();
+            plus[at] += h;
+            let mut minus = logits.clone();
+            minus[at] -= h;
+            let numeric = (seq_aux_loss(&config(), &plus, s, b).0
+                - seq_aux_loss(&config(), &minus, s, b).0)
+                / (2.0 * f64::from(h));
+            assert!(
+                (numeric - f64::from(grad[at])).abs() < 1e-3,
+                "d/dz[{at}]: {numeric} vs {}",
+                grad[at]
+            );
+        }
+    }
+}

@@ -22,13 +22,11 @@ pub(super) fn unsupported(r: &RawConfig, lr_decay_style: LrDecayStyle, p: &mut V
             "data, tensor, pipeline and expert parallelism run so far",
         );
     }
-    if par.expert_model_parallel_size > 1
-        && (par.use_distributed_optimizer || par.overlap_grad_reduce)
-    {
+    if par.expert_model_parallel_size > 1 && (par.overlap_grad_reduce || par.overlap_param_gather) {
         no(
-            "parallel.expert_model_parallel_size with use_distributed_optimizer or \
-             overlap_grad_reduce",
-            "expert gradients are all-reduced over the expert-data-parallel ranks",
+            "parallel.expert_model_parallel_size with overlap_grad_reduce or \
+             overlap_param_gather",
+            "expert buckets are reduced over the expert-data-parallel ranks after the backward",
         );
     }
     if par.overlap_grad_reduce && par.pipeline_model_parallel_size > 1 {

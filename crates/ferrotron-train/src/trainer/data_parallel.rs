@@ -85,12 +85,12 @@ impl DataParallel {
     /// grad norm also sums over `expert` (the ranks holding the other experts; the trainer
     /// leaves their copies of the other parameters out of it).
     ///
-    /// Expert buckets are reduced in f32 whatever `grad_reduce_in_fp32` says.
+    /// Expert buckets are reduced in f32 whatever `grad_reduce_in_fp32` says; with the
+    /// distributed optimizer they are sharded over the expert-data-parallel group.
     ///
     /// # Errors
-    /// With the distributed optimizer (its shards of expert buckets would need the
-    /// expert-data-parallel size) or `overlap_grad_reduce` (its progress thread reduces
-    /// over the data-parallel group).
+    /// With `overlap_grad_reduce` or `overlap_param_gather` (their progress threads work on
+    /// the data-parallel group).
     pub fn with_expert_parallel(
         mut self,
         expert_data: Arc<dyn Communicator>,
@@ -99,10 +99,10 @@ impl DataParallel {
         if expert.size() == 1 {
             return Ok(self);
         }
-        if self.use_distributed_optimizer || self.overlap.is_some() {
+        if self.overlap.is_some() || self.param_gather.is_some() {
             return Err(TrainError::Config(
-                "expert_model_parallel_size > 1 runs without use_distributed_optimizer and \
-                 overlap_grad_reduce so far"
+                "expert_model_parallel_size > 1 runs without overlap_grad_reduce and \
+                 overlap_param_gather so far"
                     .into(),
             ));
         }
@@ -256,11 +256,14 @@ impl DataParallel {
         for b in 0..buffer.buckets().len() {
             if let (true, Some(groups)) = (buffer.buckets()[b].expert_parallel, &self.experts) {
                 let grads = buffer.bucket_grads_mut(b);
-                if groups.expert_data.size() > 1 {
-                    groups
-                        .expert_data
-                        .all_reduce(grads, ReduceOp::Sum)
-                        .map_err(comm_err)?;
+                let comm = &groups.expert_data;
+                if comm.size() > 1 {
+                    if self.use_distributed_optimizer {
+                        comm.reduce_scatter_in_place(grads, ReduceOp::Sum)
+                    } else {
+                        comm.all_reduce(grads, ReduceOp::Sum)
+                    }
+                    .map_err(comm_err)?;
                 }
                 continue;
             }
@@ -294,16 +297,38 @@ impl DataParallel {
         if self.size() == 1 || !self.use_distributed_optimizer {
             return Ok(());
         }
-        let ranges: Vec<_> = buffer.buckets().iter().map(|b| b.start..b.end).collect();
+        let ranges: Vec<_> = buffer
+            .buckets()
+            .iter()
+            .map(|b| (b.start..b.end, self.bucket_group(b)))
+            .collect();
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
         let bytes = storage_bytes(params);
-        for r in ranges {
-            self.comm
-                .all_gather_bytes(&mut bytes[r.start * elem..r.end * elem])
-                .map_err(comm_err)?;
+        for (r, comm) in ranges {
+            if comm.size() > 1 {
+                comm.all_gather_bytes(&mut bytes[r.start * elem..r.end * elem])
+                    .map_err(comm_err)?;
+            }
         }
         Ok(())
+    }
+
+    /// The group that reduces (and, with the distributed optimizer, shards) bucket `b`: the
+    /// expert-data-parallel group for an expert bucket, this group otherwise.
+    pub(super) fn bucket_group(&self, b: &ferrotron_optim::BucketInfo) -> &Arc<dyn Communicator> {
+        match (&self.experts, b.expert_parallel) {
+            (Some(groups), true) => &groups.expert_data,
+            _ => &self.comm,
+        }
+    }
+
+    /// Whether this rank leaves its copies of the non-expert parameters out of the grad
+    /// norm: an expert-parallel rank > 0 without the distributed optimizer (the first
+    /// expert-parallel rank counts them; with the distributed optimizer every rank counts
+    /// its own shard of them).
+    pub(super) fn skips_expert_replicas(&self, ep_rank: usize) -> bool {
+        self.experts.is_some() && !self.use_distributed_optimizer && ep_rank > 0
     }
 
     /// The optimizer's cross-rank reductions (grad-norm partials, fp16 inf flag): over
@@ -319,7 +344,11 @@ impl DataParallel {
         let mut comms = Vec::with_capacity(4);
         comms.extend(tensor.filter(|c| c.size() > 1));
         comms.extend(pipeline.filter(|c| c.size() > 1));
-        comms.extend(self.experts.as_ref().map(|g| &*g.expert));
+        // Without the distributed optimizer the ranks of an expert-parallel group hold other
+        // experts' gradients; with it the data-parallel sum below covers them.
+        if !self.use_distributed_optimizer {
+            comms.extend(self.experts.as_ref().map(|g| &*g.expert));
+        }
         if self.use_distributed_optimizer && self.size() > 1 {
             comms.push(&*self.comm);
         }

@@ -94,8 +94,14 @@ impl Trainer {
             let prefix = format!("{OPTIM}{name}.");
             let mut planned = Vec::new();
             for (i, p) in infos.iter().enumerate() {
-                // Frozen parameters (a LoRA model's base) come from the base model.
-                if self.model.is_param_replica(i) || p.flags.frozen {
+                // Frozen parameters (a LoRA model's base) come from the base model. Each
+                // data-parallel rank owns its own shard under the distributed optimizer.
+                let replica = if self.dp.use_distributed_optimizer() {
+                    self.model.is_model_parallel_replica(i)
+                } else {
+                    self.model.is_param_replica(i)
+                };
+                if replica || p.flags.frozen {
                     continue;
                 }
                 for (off, len, start) in owned_parts(p, owned) {

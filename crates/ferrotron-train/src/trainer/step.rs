@@ -110,14 +110,17 @@ impl Trainer {
         // Tensor-parallel duplicates (replicated parameters on tp rank > 0) stay out of the
         // grad norm, as Megatron's `param_is_not_tensor_parallel_duplicate`.
         // So is the last pipeline stage's copy of a tied embedding (`param_is_not_shared`).
-        // Under expert parallelism each rank's non-expert parameters are copies of the
-        // first expert-parallel rank's: only that rank counts them (`is_param_replica`).
+        // Under expert parallelism without the distributed optimizer each rank's non-expert
+        // parameters are copies of the first expert-parallel rank's: only it counts them.
+        let ep_rank = model.expert_parallel().map_or(0, |e| e.shard().rank);
+        let skip_copies = dp.skips_expert_replicas(ep_rank);
         for (i, p) in model.parameters().into_iter().enumerate() {
             let expert = model.is_expert_param(i);
             let flags = ParamFlags {
                 is_norm_or_bias: p.is_norm_or_bias,
                 is_embedding: p.is_embedding,
-                exclude_from_grad_norm: model.is_param_replica(i),
+                exclude_from_grad_norm: model.is_model_parallel_replica(i)
+                    || (skip_copies && !expert),
                 frozen: p.frozen,
                 expert_parallel: model.expert_parallel().is_some() && expert,
                 ..ParamFlags::default()
@@ -330,7 +333,10 @@ pub(super) fn new_optimizer(
     if !dp.use_distributed_optimizer() {
         return Ok(Optimizer::new(config, buffer)?);
     }
-    let owned = OwnedRanges::distributed_shard(buffer, dp.rank(), dp.size())?;
+    let owned = OwnedRanges::distributed_shard_by(buffer, |b| {
+        let group = dp.bucket_group(b);
+        (group.rank(), group.size())
+    })?;
     Ok(Optimizer::new_sharded(
         config,
         buffer,

@@ -16,7 +16,6 @@ fn unsupported_and_unrunnable_settings_name_their_key() {
             "optimizer.lr_decay_style=WSD",
             "parallel.context_parallel_size=2",
             "parallel.expert_model_parallel_size=2",
-            "parallel.use_distributed_optimizer=true",
             "parallel.pipeline_model_parallel_size=2",
             "parallel.overlap_grad_reduce=true",
         ],
@@ -25,7 +24,7 @@ fn unsupported_and_unrunnable_settings_name_their_key() {
         "data.num_workers (the loader uses one worker thread)",
         "optimizer.lr_decay_style = \"WSD\" (no WSD schedule)",
         "parallel.context_parallel_size (",
-        "parallel.expert_model_parallel_size with use_distributed_optimizer",
+        "parallel.expert_model_parallel_size with overlap_grad_reduce",
         "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1 (",
     ] {
         assert!(
