@@ -107,7 +107,7 @@ for ((r = 0; r < rounds; r++)); do
 done
 
 echo
-echo "SmolLM2-135M training step (fwd+bwd+clip+AdamW${lora:+, LoRA rank $lora}), seq $seq, $threads threads, warmup $warmup," \
+echo "$(basename "$model") training step (fwd+bwd+clip+AdamW${lora:+, LoRA rank $lora}), seq $seq, $threads threads, warmup $warmup," \
   "$steps timed steps (median), $rounds round(s); $model"
 echo "load average before: $load_before, after: $(cut -d' ' -f1-3 /proc/loadavg); results: $out"
 "$py" - "$out" <<'EOF'

@@ -153,21 +153,7 @@ fn mpirun_expert_parallel_4_matches_one_rank() {
     let prefix = tiny_corpus(tmp.path());
     train(&config(tmp.path(), &prefix, "single"), &[]);
     let cfg = config(tmp.path(), &prefix, "mpi-ep4");
-    let o = std::process::Command::new("timeout")
-        .args([
-            "120",
-            "mpirun",
-            "--oversubscribe",
-            "--allow-run-as-root",
-            "-np",
-            "4",
-        ])
-        .arg(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["train", "--dist-backend", "mpi", "--config"])
-        .arg(&cfg)
-        .args(["--set", "parallel.expert_model_parallel_size=4"])
-        .output()
-        .expect("timeout and mpirun (openmpi-bin)");
+    let o = common::mpirun_train(4, &cfg, &["--set", "parallel.expert_model_parallel_size=4"]);
     assert!(o.status.success(), "mpirun failed: {}", text(&o).1);
     assert_same_run("mpi ep4", tmp.path(), "mpi-ep4", "single");
 }

@@ -9,6 +9,8 @@
 use std::path::{Path, PathBuf};
 
 mod common;
+#[cfg(feature = "mpi")]
+use common::mpirun_train;
 use common::{ferrotron, metrics_losses, tiny_corpus};
 
 fn config(dir: &Path, prefix: &Path, out: &str) -> PathBuf {
@@ -295,27 +297,6 @@ fn bad_parallel_settings_are_named() {
         err.contains("parallel.overlap_param_gather needs parallel.use_distributed_optimizer"),
         "{err}"
     );
-}
-
-/// `[timeout 120] mpirun --oversubscribe -np N ferrotron train --dist-backend mpi --config CFG
-/// EXTRA...` (the timeout turns a hang into a failure).
-#[cfg(feature = "mpi")]
-fn mpirun_train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Output {
-    std::process::Command::new("timeout")
-        .args([
-            "120",
-            "mpirun",
-            "--oversubscribe",
-            "--allow-run-as-root",
-            "-np",
-        ])
-        .arg(np.to_string())
-        .arg(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["train", "--dist-backend", "mpi", "--config"])
-        .arg(cfg)
-        .args(extra)
-        .output()
-        .expect("timeout and mpirun (openmpi-bin)")
 }
 
 /// `mpirun -np N ferrotron train --dist-backend mpi`: dp 2 and dp 4 (with the distributed

@@ -123,3 +123,24 @@ pub fn train_losses(out: &str) -> Vec<f64> {
         })
         .collect()
 }
+
+/// `[timeout 120] mpirun --oversubscribe -np N ferrotron train --dist-backend mpi --config CFG
+/// EXTRA...` (the timeout turns a hang into a failure).
+#[cfg(feature = "mpi")]
+pub fn mpirun_train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Output {
+    std::process::Command::new("timeout")
+        .args([
+            "120",
+            "mpirun",
+            "--oversubscribe",
+            "--allow-run-as-root",
+            "-np",
+        ])
+        .arg(np.to_string())
+        .arg(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["train", "--dist-backend", "mpi", "--config"])
+        .arg(cfg)
+        .args(extra)
+        .output()
+        .expect("timeout and mpirun (openmpi-bin)")
+}
