@@ -1,11 +1,12 @@
 //! Benchmark of an MoE layer's experts (forward + backward), the median of several runs:
 //!
-//! - `grouped`: [`experts_forward`] / [`experts_backward`], the experts' GEMMs run side by
-//!   side (Megatron's `GroupedMLP`);
+//! - `grouped`: [`experts_forward`] / [`experts_backward_into`], the experts' GEMMs run side
+//!   by side (Megatron's `GroupedMLP`), the weight gradients accumulated into gradient
+//!   buffers that live across steps, as in training;
 //! - `sequential`: the same math with one expert after another, each GEMM using every thread
 //!   (Megatron's `SequentialMLP`, the per-expert loop);
 //! - `ep2`: two in-process expert-parallel ranks with the alltoall dispatcher
-//!   ([`ep_experts_forward`] / [`ep_experts_backward`]), each with half the experts and
+//!   ([`ep_experts_forward`] / [`ep_experts_backward_into`]), each with half the experts and
 //!   half the tokens, and the time of the exchanges alone (four all-to-alls of the routed
 //!   rows, as one forward and backward make).
 //!
@@ -14,12 +15,17 @@
 
 use ferrotron_comm::{Collectives, Communicator, run_local};
 use ferrotron_nn::moe::{
-    ExpertWeights, RouterConfig, Routing, ScoreFunction, ep_experts_backward, ep_experts_forward,
-    experts_backward, experts_forward,
+    ExpertWeights, RouterConfig, Routing, ScoreFunction, ep_experts_backward_into,
+    ep_experts_forward, experts_backward_into, experts_forward,
 };
 use ferrotron_tensor::gemm::{Op, sgemm};
 use ferrotron_tensor::ops::{swiglu_packed, swiglu_packed_backward};
 use std::time::Instant;
+
+// The allocator a training run has (mimalloc keeping freed memory: see
+// `ferrotron_tensor::allocator`), so the passes' buffers are reused, not faulted in anew.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut x = seed;
@@ -52,14 +58,19 @@ fn time(runs: usize, mut f: impl FnMut()) -> f64 {
     )
 }
 
-/// Forward and backward of every expert, one after another (each GEMM multi-threaded).
-fn sequential(x: &[f32], routing: &Routing, w: &ExpertWeights<'_>, dy: &[f32]) -> f32 {
+/// Forward and backward of every expert, one after another (each GEMM multi-threaded),
+/// accumulating the weight gradients into `dfc1`, `dfc2`.
+fn sequential(
+    x: &[f32],
+    routing: &Routing,
+    w: &ExpertWeights<'_>,
+    dy: &[f32],
+    (dfc1, dfc2): (&mut [f32], &mut [f32]),
+) -> f32 {
     let (h, f, e) = (w.hidden, w.ffn, w.num_experts());
     let k = routing.topk();
     let mut y = vec![0f32; x.len()];
     let mut dx = vec![0f32; x.len()];
-    let mut dfc1 = vec![0f32; e * 2 * f * h];
-    let mut dfc2 = vec![0f32; e * h * f];
     for ex in 0..e {
         let slots: Vec<usize> = (0..routing.experts.len())
             .filter(|&s| routing.experts[s] as usize == ex)
@@ -121,6 +132,7 @@ fn main() {
         arg(3, 8),
         arg(4, 2),
     );
+    ferrotron_tensor::allocator::retain_freed_memory();
     let runs = 5;
     let router = RouterConfig {
         num_experts: e,
@@ -139,13 +151,15 @@ fn main() {
         hidden: h,
         ffn: f,
     };
+    // Gradient buffers that live across steps, as a trainer's do.
+    let (mut dfc1, mut dfc2) = (vec![0f32; fc1.len()], vec![0f32; fc2.len()]);
     let grouped = time(runs, || {
         let (y, acts) = experts_forward(&x, &routing, &w);
-        let g = experts_backward(&routing, &w, &acts, &dy);
+        let g = experts_backward_into(&routing, &w, &acts, &dy, (&mut dfc1, &mut dfc2));
         std::hint::black_box((y, g));
     });
     let seq = time(runs, || {
-        std::hint::black_box(sequential(&x, &routing, &w, &dy));
+        std::hint::black_box(sequential(&x, &routing, &w, &dy, (&mut dfc1, &mut dfc2)));
     });
     // Two expert-parallel ranks, each with half the tokens and half the experts.
     let half = t / 2;
@@ -163,9 +177,11 @@ fn main() {
             hidden: h,
             ffn: f,
         };
+        let (mut d1, mut d2) = (vec![0f32; w.fc1.len()], vec![0f32; w.fc2.len()]);
         let total = time(runs, || {
             let (y, acts) = ep_experts_forward(&comm, xr, &routing, e, &w).unwrap();
-            let g = ep_experts_backward(&comm, &routing, &w, &acts, dyr).unwrap();
+            let grads = (&mut d1[..], &mut d2[..]);
+            let g = ep_experts_backward_into(&comm, &routing, &w, &acts, dyr, grads).unwrap();
             std::hint::black_box((y, g));
         });
         let rows = vec![0f32; half * k * h];

@@ -9,8 +9,8 @@ use super::forward::Pass;
 use crate::module::MoeMlp;
 use crate::{ModelError, Result};
 use ferrotron_nn::moe::{
-    EpActs, ExpertActs, ExpertWeights, Routing, ep_experts_backward, ep_experts_forward,
-    experts_backward, experts_forward,
+    EpActs, ExpertActs, ExpertWeights, Routing, ep_experts_backward_into, ep_experts_forward,
+    experts_backward_into, experts_forward,
 };
 
 /// What the experts' backward needs.
@@ -29,15 +29,6 @@ impl ExpertRun {
             ExpertRun::Parallel(a) => a.bytes(),
         }
     }
-}
-
-/// The routed experts' gradients: `dx [T, h]`, `dprobs [T, k]` of this rank's tokens, and
-/// the held experts' `dfc1`, `dfc2` (the layouts of their parameters).
-pub(super) struct ExpertGrads {
-    pub dx: Vec<f32>,
-    pub dprobs: Vec<f32>,
-    pub dfc1: Vec<f32>,
-    pub dfc2: Vec<f32>,
 }
 
 /// The held experts' weights widened to f32 (borrowed when stored in f32).
@@ -95,7 +86,9 @@ pub(super) fn routed_forward(
     }
 }
 
-/// [`routed_forward`]'s backward for `dy [T, h]`.
+/// [`routed_forward`]'s backward for `dy [T, h]`: returns `(dx [T, h], dprobs [T, k])` of
+/// this rank's tokens and **accumulates** the held experts' weight gradients into `grads`
+/// (table order) in place.
 ///
 /// # Errors
 /// A failed exchange of the expert-parallel group.
@@ -105,28 +98,36 @@ pub(super) fn routed_backward(
     routing: &Routing,
     run: &ExpertRun,
     dy: &[f32],
-) -> Result<ExpertGrads> {
+    grads: &mut [&mut [f32]],
+) -> Result<(Vec<f32>, Vec<f32>)> {
     let weights = Weights::of(pass, m);
     let w = weights.view(pass);
-    Ok(match (run, &pass.model.ep) {
+    // The gradient slices themselves (scratch for a frozen stack, never in training).
+    let (i1, i2) = (m.experts_fc1.index(), m.experts_fc2.index());
+    let (mut s1, mut s2) = (Vec::new(), Vec::new());
+    let [g1, g2] = grads
+        .get_disjoint_mut([i1, i2])
+        .expect("two distinct parameters");
+    let dfc1: &mut [f32] = if g1.is_empty() {
+        s1.resize(w.fc1.len(), 0.0);
+        &mut s1
+    } else {
+        g1
+    };
+    let dfc2: &mut [f32] = if g2.is_empty() {
+        s2.resize(w.fc2.len(), 0.0);
+        &mut s2
+    } else {
+        g2
+    };
+    match (run, &pass.model.ep) {
         (ExpertRun::Local(acts), None) => {
-            let g = experts_backward(routing, &w, acts, dy);
-            ExpertGrads {
-                dx: g.dx,
-                dprobs: g.dprobs,
-                dfc1: g.dfc1,
-                dfc2: g.dfc2,
-            }
+            Ok(experts_backward_into(routing, &w, acts, dy, (dfc1, dfc2)))
         }
         (ExpertRun::Parallel(acts), Some(ep)) => {
-            let g = ep_experts_backward(ep.comm(), routing, &w, acts, dy).map_err(nn_error)?;
-            ExpertGrads {
-                dx: g.dx,
-                dprobs: g.dprobs,
-                dfc1: g.dfc1,
-                dfc2: g.dfc2,
-            }
+            ep_experts_backward_into(ep.comm(), routing, &w, acts, dy, (dfc1, dfc2))
+                .map_err(nn_error)
         }
         _ => unreachable!("the backward runs on the model that ran the forward"),
-    })
+    }
 }

@@ -286,20 +286,15 @@ pub(super) fn moe_backward(
     let (h, e) = (pass.c.hidden_size, moe.num_experts());
     let rows = pass.positions.len();
     let dy = row_parallel_output_grad(pass.tp, dout)?;
-    let mut g = routed_backward(pass, m, &acts.routing, &acts.experts, &dy)?;
+    let (dx, mut dprobs) = routed_backward(pass, m, &acts.routing, &acts.experts, &dy, grads)?;
     drop(dy);
     if let Some(t) = pass.tp {
         // Each rank's routing-weight gradient covers its slice of the experts' width.
-        reduce_from_tensor_model_parallel_region(&t.group, &mut g.dprobs)
+        reduce_from_tensor_model_parallel_region(&t.group, &mut dprobs)
             .map_err(|e| ModelError::Comm(format!("MoE routing weights: {e}")))?;
     }
-    for (id, dw) in [(m.experts_fc1, &g.dfc1), (m.experts_fc2, &g.dfc2)] {
-        if let Some(slot) = trainable(grads, id) {
-            slot.iter_mut().zip(dw).for_each(|(s, d)| *s += d);
-        }
-    }
-    let mut dx = Buffer::from_host(g.dx);
-    let mut dlogits = moe.router.backward(&acts.routing, &g.dprobs);
+    let mut dx = Buffer::from_host(dx);
+    let mut dlogits = moe.router.backward(&acts.routing, &dprobs);
     if let Some(daux) = &acts.daux {
         dlogits.iter_mut().zip(daux).for_each(|(d, a)| *d += a);
     }

@@ -190,19 +190,36 @@ pub fn ep_experts_backward(
     acts: &EpActs,
     dy: &[f32],
 ) -> Result<EpGrads> {
-    let h = w.hidden;
-    let (dout, dprobs) = acts
-        .perm
-        .unpermute_backward(&acts.out, &routing.probs, dy, h);
-    let dl = acts.plan.dispatch(ep, &dout, h)?;
-    let (dxl, dfc1, dfc2) =
-        grouped_mlp_backward(&acts.xl, &acts.fc1, &acts.act, &acts.plan.offsets, w, &dl);
-    let dxp = acts.plan.combine(ep, &dxl, h)?;
-    let dx = acts.perm.permute_backward(&dxp, h, dy.len());
+    let (mut dfc1, mut dfc2) = (vec![0f32; w.fc1.len()], vec![0f32; w.fc2.len()]);
+    let (dx, dprobs) = ep_experts_backward_into(ep, routing, w, acts, dy, (&mut dfc1, &mut dfc2))?;
     Ok(EpGrads {
         dx,
         dfc1,
         dfc2,
         dprobs,
     })
+}
+
+/// [`ep_experts_backward`] **accumulating** the local experts' weight gradients into `dfc1`
+/// and `dfc2`; returns `(dx [T, h], dprobs [T, k])`.
+///
+/// # Errors
+/// [`NnError::Comm`] when an exchange fails.
+pub fn ep_experts_backward_into(
+    ep: &dyn Communicator,
+    routing: &Routing,
+    w: &ExpertWeights<'_>,
+    acts: &EpActs,
+    dy: &[f32],
+    (dfc1, dfc2): (&mut [f32], &mut [f32]),
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let h = w.hidden;
+    let (dout, dprobs) = acts
+        .perm
+        .unpermute_backward(&acts.out, &routing.probs, dy, h);
+    let dl = acts.plan.dispatch(ep, &dout, h)?;
+    let saved = (acts.xl.as_slice(), acts.fc1.as_slice(), acts.act.as_slice());
+    let dxl = grouped_mlp_backward(saved, &acts.plan.offsets, w, &dl, (dfc1, dfc2));
+    let dxp = acts.plan.combine(ep, &dxl, h)?;
+    Ok((acts.perm.permute_backward(&dxp, h, dy.len()), dprobs))
 }

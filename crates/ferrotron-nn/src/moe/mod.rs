@@ -8,8 +8,11 @@ pub mod dispatch;
 pub mod experts;
 pub mod router;
 
-pub use dispatch::{EpActs, EpGrads, ep_experts_backward, ep_experts_forward};
+pub use dispatch::{
+    EpActs, EpGrads, ep_experts_backward, ep_experts_backward_into, ep_experts_forward,
+};
 pub use experts::{
-    ExpertActs, ExpertGrads, ExpertWeights, Permutation, experts_backward, experts_forward,
+    ExpertActs, ExpertGrads, ExpertWeights, Permutation, experts_backward, experts_backward_into,
+    experts_forward,
 };
 pub use router::{DropPolicy, ExpertGroups, GroupScore, RouterConfig, Routing, ScoreFunction};
