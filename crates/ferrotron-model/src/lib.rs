@@ -27,7 +27,7 @@ mod vocab;
 pub use config::{
     ActivationFunc, DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing,
     ModelFamily, MoeConfig, Normalization, OutputHead, PositionEmbedding, RecomputeGranularity,
-    RecomputeMethod, RouterConfig, ScoreFunction, TransformerConfig,
+    RecomputeMethod, RouterConfig, ScoreFunction, TokenDispatcher, TransformerConfig,
 };
 pub use error::ModelError;
 pub use expert_parallel::ExpertParallel;

@@ -94,6 +94,7 @@ impl GptModel {
             aux_loss_coeff: options.aux_loss_coeff,
             z_loss_coeff: None,
             capacity: None,
+            token_dispatcher: Default::default(),
         });
         config.validate()?;
         let layout = ModelLayout::new(

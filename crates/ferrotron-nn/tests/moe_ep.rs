@@ -1,12 +1,13 @@
-//! Expert parallelism (the `alltoall` dispatcher) against all experts on one rank: at ep 2 and
+//! Expert parallelism (the `alltoall` and `allgather` dispatchers) against all experts on one
+//! rank: at ep 2 and
 //! ep 4 (in-process ranks, each with its own tokens and routing), every rank's output, input
 //! and routing-weight gradients (also with tokens dropped over capacity) equal the one-rank experts' on its tokens, and each rank's
 //! expert weight gradients equal the one-rank gradients summed over every rank's tokens.
 
 use ferrotron_comm::{Communicator, run_local};
 use ferrotron_nn::moe::{
-    DropPolicy, ExpertWeights, ep_experts_backward, ep_experts_forward, experts_backward,
-    experts_forward,
+    DropPolicy, ExpertWeights, ag_experts_backward, ag_experts_forward, ep_experts_backward,
+    ep_experts_forward, experts_backward, experts_forward,
 };
 
 mod common;
@@ -54,37 +55,40 @@ fn expert_parallel_equals_one_rank() {
             want.push((y, g.dx, g.dprobs));
         }
         let local = E / ep;
-        let got = run_local(ep, |c| {
-            let r = c.rank();
-            let ((x, dy), routing) = (tokens(r), route(r));
-            let w = ExpertWeights {
-                fc1: &fc1[r * local * 2 * F * H..][..local * 2 * F * H],
-                fc2: &fc2[r * local * H * F..][..local * H * F],
-                hidden: H,
-                ffn: F,
-            };
-            let (y, acts) = ep_experts_forward(&c, &x, &routing, E, &w)?;
-            let g = ep_experts_backward(&c, &routing, &w, &acts, &dy)?;
-            Ok::<_, ferrotron_nn::NnError>((y, g))
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-        for (r, (y, g)) in got.into_iter().enumerate() {
-            let (wy, wdx, wdp) = &want[r];
-            assert_close(&format!("ep{ep} rank {r} y"), &y, wy);
-            assert_close(&format!("ep{ep} rank {r} dx"), &g.dx, wdx);
-            assert_close(&format!("ep{ep} rank {r} dprobs"), &g.dprobs, wdp);
-            let n1 = local * 2 * F * H;
-            assert_close(
-                &format!("ep{ep} rank {r} dfc1"),
-                &g.dfc1,
-                &want_dfc1[r * n1..][..n1],
-            );
-            let n2 = local * H * F;
-            assert_close(
-                &format!("ep{ep} rank {r} dfc2"),
-                &g.dfc2,
-                &want_dfc2[r * n2..][..n2],
-            );
+        for allgather in [false, true] {
+            let got = run_local(ep, |c| {
+                let r = c.rank();
+                let ((x, dy), routing) = (tokens(r), route(r));
+                let w = ExpertWeights {
+                    fc1: &fc1[r * local * 2 * F * H..][..local * 2 * F * H],
+                    fc2: &fc2[r * local * H * F..][..local * H * F],
+                    hidden: H,
+                    ffn: F,
+                };
+                if allgather {
+                    let (y, acts) = ag_experts_forward(&c, &x, &routing, E, &w)?;
+                    let mut d1 = vec![0f32; w.fc1.len()];
+                    let mut d2 = vec![0f32; w.fc2.len()];
+                    let (dx, dprobs) = ag_experts_backward(&c, &w, &acts, &dy, (&mut d1, &mut d2))?;
+                    return Ok::<_, ferrotron_nn::NnError>((y, dx, dprobs, d1, d2));
+                }
+                let (y, acts) = ep_experts_forward(&c, &x, &routing, E, &w)?;
+                let g = ep_experts_backward(&c, &routing, &w, &acts, &dy)?;
+                Ok((y, g.dx, g.dprobs, g.dfc1, g.dfc2))
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+            let label = if allgather { "allgather" } else { "alltoall" };
+            for (r, (y, dx, dprobs, dfc1, dfc2)) in got.into_iter().enumerate() {
+                let (wy, wdx, wdp) = &want[r];
+                let at = |what: &str| format!("{label} ep{ep} rank {r} {what}");
+                assert_close(&at("y"), &y, wy);
+                assert_close(&at("dx"), &dx, wdx);
+                assert_close(&at("dprobs"), &dprobs, wdp);
+                let n1 = local * 2 * F * H;
+                assert_close(&at("dfc1"), &dfc1, &want_dfc1[r * n1..][..n1]);
+                let n2 = local * H * F;
+                assert_close(&at("dfc2"), &dfc2, &want_dfc2[r * n2..][..n2]);
+            }
         }
     }
 }

@@ -4,8 +4,8 @@
 //! expert tensor parallelism at `expert_tensor_parallel_size` = tp) with and without sequence
 //! parallelism, pp 2, dp 2 with the distributed optimizer, tp 2 x pp 2 and pp 2 x dp 2, and
 //! expert parallelism (the alltoall dispatcher; expert gradients reduced over the
-//! expert-data-parallel ranks): ep 2, ep 4, ep 2 over dp 4 (with and without the distributed
-//! optimizer), ep 2 x pp 2 and ep 2 x tp 2 give
+//! expert-data-parallel ranks; the alltoall and the allgather dispatchers): ep 2, ep 4, ep 2
+//! over dp 4 (with and without the distributed optimizer), ep 2 x pp 2 and ep 2 x tp 2 give
 //! the single rank's per-iteration LM losses, load-balancing and z losses, and final
 //! parameters (in-process ranks).
 
@@ -14,16 +14,22 @@ mod common;
 use common::layouts::*;
 use common::*;
 use ferrotron_comm::run_local;
-use ferrotron_model::{GptModel, LoadBalancing};
+use ferrotron_model::{GptModel, LoadBalancing, TokenDispatcher};
 use ferrotron_train::trainer::{MoeMetrics, TrainError, Trainer};
 
 /// The fixture with Megatron's balancing losses on.
 fn moe_fixture(name: &str) -> GptModel {
+    with_dispatcher(name, TokenDispatcher::AllToAll)
+}
+
+/// [`moe_fixture`] with `dispatcher` under expert parallelism.
+fn with_dispatcher(name: &str, dispatcher: TokenDispatcher) -> GptModel {
     let mut model = fixture(name);
     model
         .update_moe(|m| {
             m.load_balancing_type = LoadBalancing::AuxLoss;
             m.z_loss_coeff = Some(1e-3);
+            m.token_dispatcher = dispatcher;
         })
         .unwrap();
     model
@@ -63,29 +69,33 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
         assert!((0.5..4.0).contains(&lb), "{name}: load_balancing_loss {lb}");
         assert!(m.z_loss.unwrap() > 0.0);
     }
-    // (tp, pp, dp, ep, sequence parallel, distributed optimizer)
+    // (tp, pp, dp, ep, sequence parallel, distributed optimizer, dispatcher)
+    let (a2a, ag) = (TokenDispatcher::AllToAll, TokenDispatcher::AllGather);
     let mut layouts = vec![
-        (1, 1, 2, 1, false, true),
-        (2, 1, 1, 1, false, false),
-        (2, 1, 1, 1, true, false),
-        (1, 1, 2, 2, false, false),
-        (1, 1, 2, 2, false, true),
-        (1, 1, 4, 2, false, false),
-        (1, 1, 4, 2, false, true),
-        (2, 1, 2, 2, true, false),
+        (1, 1, 2, 1, false, true, a2a),
+        (2, 1, 1, 1, false, false, a2a),
+        (2, 1, 1, 1, true, false, a2a),
+        (1, 1, 2, 2, false, false, a2a),
+        (1, 1, 2, 2, false, true, a2a),
+        (1, 1, 4, 2, false, false, a2a),
+        (1, 1, 4, 2, false, true, a2a),
+        (2, 1, 2, 2, true, false, a2a),
+        (1, 1, 2, 2, false, false, ag),
+        (1, 1, 4, 2, false, true, ag),
+        (2, 1, 2, 2, true, false, ag),
     ];
     if experts.is_multiple_of(4) {
-        layouts.push((1, 1, 4, 4, false, false));
+        layouts.push((1, 1, 4, 4, false, false, a2a));
     }
     if pipeline {
         layouts.extend([
-            (1, 2, 1, 1, false, false),
-            (1, 2, 2, 1, false, true),
-            (2, 2, 1, 1, true, false),
-            (1, 2, 2, 2, false, false),
+            (1, 2, 1, 1, false, false, a2a),
+            (1, 2, 2, 1, false, true, a2a),
+            (2, 2, 1, 1, true, false, a2a),
+            (1, 2, 2, 2, false, false, a2a),
         ]);
     }
-    for (tp, pp, dp, ep, sp, distributed) in layouts {
+    for (tp, pp, dp, ep, sp, distributed, dispatcher) in layouts {
         let layout = Layout {
             tp,
             pp,
@@ -94,9 +104,11 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
             ep,
             ..Layout::default()
         };
-        let label = format!("{name} tp{tp} pp{pp} dp{dp} ep{ep} sp={sp} distributed={distributed}");
+        let label = format!(
+            "{name} tp{tp} pp{pp} dp{dp} ep{ep} sp={sp} distributed={distributed} {dispatcher:?}"
+        );
         let runs = run_local(tp * pp * dp, |comm| {
-            let mut t = layout.trainer(comm, ITERS, moe_fixture(name))?;
+            let mut t = layout.trainer(comm, ITERS, with_dispatcher(name, dispatcher))?;
             Ok::<_, TrainError>(train_moe(&mut t))
         })
         .unwrap_or_else(|e| panic!("{label}: {e}"));

@@ -6,7 +6,7 @@ pub use ferrotron_tensor::ops::ActivationFunc;
 use ferrotron_tensor::ops::RopeScaling;
 pub use moe::{
     DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing, MoeConfig, RouterConfig,
-    ScoreFunction,
+    ScoreFunction, TokenDispatcher,
 };
 
 /// Which HuggingFace architecture a model came from (selects weight naming and biases).

@@ -56,6 +56,20 @@ pub struct ExpertCapacity {
     pub drop_policy: DropPolicy,
 }
 
+/// How an expert-parallel rank's tokens reach the experts (Megatron's
+/// `moe_token_dispatcher_type`); without expert parallelism both are the same computation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TokenDispatcher {
+    /// `alltoall`: each routed row goes to the rank holding its expert and back
+    /// ([`ferrotron_nn::moe::ep_experts_forward`]).
+    #[default]
+    AllToAll,
+    /// `allgather`: every rank gathers every rank's tokens, runs its experts on those routed
+    /// to them, and a reduce-scatter sums the results
+    /// ([`ferrotron_nn::moe::ag_experts_forward`]).
+    AllGather,
+}
+
 /// The mixture-of-experts layers of a model (Megatron's `MoELayer`): a router `[E, h]`, `E`
 /// routed SwiGLU experts of width `moe_ffn_hidden_size` run as a grouped GEMM, optionally a
 /// shared expert every token goes through (Qwen2-MoE's `shared_expert`, DeepSeek's
@@ -87,6 +101,8 @@ pub struct MoeConfig {
     pub z_loss_coeff: Option<f32>,
     /// Token dropping; `None` is dropless.
     pub capacity: Option<ExpertCapacity>,
+    /// `moe_token_dispatcher_type` (expert parallelism only).
+    pub token_dispatcher: TokenDispatcher,
 }
 
 impl MoeConfig {

@@ -122,6 +122,7 @@ pub(super) fn parse_moe(
         aux_loss_coeff: aux as f32,
         z_loss_coeff: None,
         capacity: None,
+        token_dispatcher: Default::default(),
     }))
 }
 

@@ -1,24 +1,28 @@
 //! The routed experts of an MoE layer's training pass: every expert on this rank (the
 //! grouped GEMM, [`ferrotron_nn::moe::experts_forward`]), or this rank's share of them over
-//! the expert-parallel group with the alltoall token dispatcher
-//! ([`ferrotron_nn::moe::ep_experts_forward`]); the backward of each beside it.
+//! the expert-parallel group with the alltoall or the allgather token dispatcher
+//! ([`ferrotron_nn::moe::ep_experts_forward`], [`ferrotron_nn::moe::ag_experts_forward`]);
+//! the backward of each beside it.
 
 use std::borrow::Cow;
 
 use super::forward::Pass;
+use crate::TokenDispatcher;
 use crate::module::MoeMlp;
 use crate::{ModelError, Result};
 use ferrotron_nn::moe::{
-    EpActs, ExpertActs, ExpertWeights, Routing, ep_experts_backward_into, ep_experts_forward,
-    experts_backward_into, experts_forward,
+    AgActs, EpActs, ExpertActs, ExpertWeights, Routing, ag_experts_backward, ag_experts_forward,
+    ep_experts_backward_into, ep_experts_forward, experts_backward_into, experts_forward,
 };
 
 /// What the experts' backward needs.
 pub(super) enum ExpertRun {
     /// Every expert ran here.
     Local(ExpertActs),
-    /// This rank's experts ran over the rows the group sent them.
+    /// This rank's experts ran over the rows the group sent them (alltoall).
     Parallel(EpActs),
+    /// This rank's experts ran over the group's gathered tokens (allgather).
+    Gathered(AgActs),
 }
 
 impl ExpertRun {
@@ -27,6 +31,7 @@ impl ExpertRun {
         match self {
             ExpertRun::Local(a) => a.bytes(),
             ExpertRun::Parallel(a) => a.bytes(),
+            ExpertRun::Gathered(a) => a.bytes(),
         }
     }
 }
@@ -79,9 +84,20 @@ pub(super) fn routed_forward(
             Ok((y, ExpertRun::Local(acts)))
         }
         Some(ep) => {
-            let e = pass.c.moe.as_ref().map_or(0, |m| m.num_experts());
-            let (y, acts) = ep_experts_forward(ep.comm(), x, routing, e, &w).map_err(nn_error)?;
-            Ok((y, ExpertRun::Parallel(acts)))
+            let moe = pass.c.moe.as_ref().expect("an MoE layer has an MoE config");
+            let e = moe.num_experts();
+            match moe.token_dispatcher {
+                TokenDispatcher::AllToAll => {
+                    let (y, acts) =
+                        ep_experts_forward(ep.comm(), x, routing, e, &w).map_err(nn_error)?;
+                    Ok((y, ExpertRun::Parallel(acts)))
+                }
+                TokenDispatcher::AllGather => {
+                    let (y, acts) =
+                        ag_experts_forward(ep.comm(), x, routing, e, &w).map_err(nn_error)?;
+                    Ok((y, ExpertRun::Gathered(acts)))
+                }
+            }
         }
     }
 }
@@ -127,6 +143,9 @@ pub(super) fn routed_backward(
         (ExpertRun::Parallel(acts), Some(ep)) => {
             ep_experts_backward_into(ep.comm(), routing, &w, acts, dy, (dfc1, dfc2))
                 .map_err(nn_error)
+        }
+        (ExpertRun::Gathered(acts), Some(ep)) => {
+            ag_experts_backward(ep.comm(), &w, acts, dy, (dfc1, dfc2)).map_err(nn_error)
         }
         _ => unreachable!("the backward runs on the model that ran the forward"),
     }

@@ -402,6 +402,7 @@ mod tests {
             aux_loss_coeff: 1.0,
             z_loss_coeff: None,
             capacity: None,
+            token_dispatcher: Default::default(),
         }
     }
 

@@ -78,6 +78,36 @@ impl Permutation {
         }
     }
 
+    /// The permutation of the slots of `experts` / `dropped` (`[T·k]`, `k` per token) whose
+    /// expert lies in `held`, sorted by expert (ids relative to `held.start`): the rows a
+    /// rank holding experts `held` computes of tokens whose routing it knows (the allgather
+    /// dispatcher).
+    pub fn of_held(
+        experts: &[u32],
+        dropped: &[bool],
+        topk: usize,
+        held: std::ops::Range<usize>,
+    ) -> Permutation {
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); held.len()];
+        for (slot, (&e, &d)) in experts.iter().zip(dropped).enumerate() {
+            let e = e as usize;
+            if !d && held.contains(&e) {
+                by_expert[e - held.start].push(slot);
+            }
+        }
+        let mut offsets = vec![0usize];
+        let mut slots = Vec::with_capacity(by_expert.iter().map(Vec::len).sum());
+        for rows in by_expert {
+            slots.extend(rows);
+            offsets.push(slots.len());
+        }
+        Permutation {
+            slots,
+            offsets,
+            topk,
+        }
+    }
+
     /// The token of permuted row `r`.
     fn token(&self, r: usize) -> usize {
         self.slots[r] / self.topk

@@ -2,12 +2,14 @@
 //! ([`router`]: top-k routing with every score function and group limit Megatron and HF's MoE
 //! families use, the load-balancing and z losses), the experts ([`experts`]: permuted rows,
 //! grouped GEMMs, the weighted unpermute) and expert parallelism ([`dispatch`]: the `alltoall`
-//! token dispatcher), each with its backward.
+//! token dispatcher; [`allgather`]: the `allgather` one), each with its backward.
 
+pub mod allgather;
 pub mod dispatch;
 pub mod experts;
 pub mod router;
 
+pub use allgather::{AgActs, ag_experts_backward, ag_experts_forward};
 pub use dispatch::{
     EpActs, EpGrads, ep_experts_backward, ep_experts_backward_into, ep_experts_forward,
 };

@@ -6,7 +6,7 @@
 use super::sections::section;
 use ferrotron_model::{
     DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing, MoeConfig, RouterConfig,
-    ScoreFunction,
+    ScoreFunction, TokenDispatcher,
 };
 use serde::{Deserialize, Serialize};
 
@@ -78,6 +78,10 @@ section! {
         /// Which tokens an expert over capacity keeps: "probs" (highest routing weights) or
         /// "position" (earliest). Default: "probs". Megatron: `--moe-token-drop-policy`.
         moe_token_drop_policy: Option<String> = None,
+        /// How tokens reach the experts under expert parallelism: "alltoall" (each routed
+        /// row to its expert's rank and back) or "allgather" (every rank gathers every
+        /// token). Default: "alltoall". Megatron: `--moe-token-dispatcher-type`.
+        moe_token_dispatcher_type: Option<String> = None,
     }
 }
 
@@ -102,6 +106,7 @@ pub struct MoeOptions {
     pub aux_loss_coeff: Option<f32>,
     pub z_loss_coeff: Option<f32>,
     pub capacity: Option<ExpertCapacity>,
+    pub token_dispatcher: Option<TokenDispatcher>,
 }
 
 impl MoeOptions {
@@ -122,6 +127,7 @@ impl MoeOptions {
         m.aux_loss_coeff = self.aux_loss_coeff.unwrap_or(m.aux_loss_coeff);
         m.z_loss_coeff = self.z_loss_coeff.or(m.z_loss_coeff);
         m.capacity = self.capacity.or(m.capacity);
+        m.token_dispatcher = self.token_dispatcher.unwrap_or(m.token_dispatcher);
     }
 }
 
@@ -194,6 +200,7 @@ pub(super) fn moe_settings(
         aux_loss_coeff: 0.0,
         z_loss_coeff: None,
         capacity: None,
+        token_dispatcher: Default::default(),
     };
     options.apply(&mut moe);
     if let Err(e) = moe.validate(num_layers) {
@@ -239,6 +246,12 @@ fn options(s: &MoeSection, p: &mut Vec<String>) -> MoeOptions {
         &["probs", "position"],
     )
     .map(|i| [DropPolicy::Probs, DropPolicy::Position][i]);
+    let token_dispatcher = pick(
+        "moe_token_dispatcher_type",
+        &s.moe_token_dispatcher_type,
+        &["alltoall", "allgather"],
+    )
+    .map(|i| [TokenDispatcher::AllToAll, TokenDispatcher::AllGather][i]);
     let groups = match (s.moe_router_num_groups, s.moe_router_group_topk) {
         (Some(num_groups), Some(group_topk)) => Some(ExpertGroups {
             num_groups,
@@ -267,5 +280,6 @@ fn options(s: &MoeSection, p: &mut Vec<String>) -> MoeOptions {
             factor: f as f32,
             drop_policy: drop_policy.unwrap_or(DropPolicy::Probs),
         }),
+        token_dispatcher,
     }
 }

@@ -165,6 +165,7 @@ mod tests {
             aux_loss_coeff: 0.0,
             z_loss_coeff: None,
             capacity: None,
+            token_dispatcher: Default::default(),
         });
         dense.set_family(ferrotron_model::ModelFamily::Llama);
         let (moe, dense) = (FlopsModel::from(&c), FlopsModel::from(&dense));

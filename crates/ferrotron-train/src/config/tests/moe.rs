@@ -1,12 +1,13 @@
 use super::*;
-use ferrotron_model::{DropPolicy, LoadBalancing, ScoreFunction};
+use ferrotron_model::{DropPolicy, LoadBalancing, ScoreFunction, TokenDispatcher};
 
 #[test]
 fn moe_section_builds_an_moe_model_with_megatron_defaults() {
     let dir = data_dir();
     let text = format!(
         "{}\n[moe]\nnum_experts = 8\nmoe_layer_freq = [0, 1, 1, 1]\n\
-         moe_aux_loss_coeff = 0.01\nmoe_expert_capacity_factor = 1.5\n",
+         moe_aux_loss_coeff = 0.01\nmoe_expert_capacity_factor = 1.5\n\
+         moe_token_dispatcher_type = \"allgather\"\n",
         minimal(dir.path())
     );
     let rc = RunConfig::from_toml_str(&text, &[]).unwrap();
@@ -18,6 +19,7 @@ fn moe_section_builds_an_moe_model_with_megatron_defaults() {
     assert_eq!(moe.layer_pattern, vec![false, true, true, true]);
     assert_eq!(moe.load_balancing_type, LoadBalancing::AuxLoss);
     assert_eq!(moe.aux_loss_coeff, 0.01);
+    assert_eq!(moe.token_dispatcher, TokenDispatcher::AllGather);
     let capacity = moe.capacity.unwrap();
     assert_eq!(
         (capacity.factor, capacity.drop_policy),
@@ -47,6 +49,11 @@ fn bad_moe_settings_name_their_key() {
         &[],
     );
     assert!(has(&p, "moe.moe_router_load_balancing_type"), "{p:?}");
+    let p = problems(
+        &with("num_experts = 4\nmoe_token_dispatcher_type = \"flex\""),
+        &[],
+    );
+    assert!(has(&p, "moe.moe_token_dispatcher_type"), "{p:?}");
     let p = problems(&with("num_experts = 4\nmoe_layer_freq = [1, 1]"), &[]);
     assert!(has(&p, "moe_layer_freq"), "{p:?}");
     let p = problems(&with("num_experts = 4\nmoe_router_num_groups = 2"), &[]);
