@@ -3,14 +3,21 @@
 //! request reproduces `generate`), and a ragged batch of sequences — decode rows beside
 //! prompt chunks that start after cached tokens, blocks scattered over the pool — gives each
 //! sequence its solo logits within float rounding. LLaMA (GQA), Mistral (sliding window),
-//! Bloom (ALiBi) and Qwen2 (biases).
+//! Bloom (ALiBi), Qwen2 (biases), Mixtral and Qwen2-MoE (MoE layers, a shared expert).
 
 use ferrotron_model::{GptModel, KvCache, LogitsMode, PagedKvCache, RaggedBatch, RaggedSeq};
 
 mod common;
 use common::{fixture, tokens};
 
-const FAMILIES: [&str; 4] = ["tiny-llama", "tiny-mistral", "tiny-bloom", "tiny-qwen2"];
+const FAMILIES: [&str; 6] = [
+    "tiny-llama",
+    "tiny-mistral",
+    "tiny-bloom",
+    "tiny-qwen2",
+    "tiny-mixtral",
+    "tiny-qwen2-moe",
+];
 const BLOCK: usize = 4;
 
 /// Logits of each step of feeding `chunks` to a contiguous cache (last row of each chunk).
