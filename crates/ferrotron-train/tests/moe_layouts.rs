@@ -205,3 +205,33 @@ fn qwen2_moe_dense_layer_and_shared_expert() {
 fn olmoe() {
     moe_layouts_match_one_rank("tiny-olmoe", true);
 }
+
+/// bf16 weights with fp32 master weights: the Mixtral fixture's losses track the f32 run's
+/// (the experts compute in f32 on the bf16 weights) and fall.
+#[test]
+fn bf16_training_tracks_f32() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-mixtral");
+    let (mut bf16_model, _) =
+        ferrotron_model::families::load_hf_model(&dir, ferrotron_tensor::DType::BF16).unwrap();
+    bf16_model
+        .update_moe(|m| m.load_balancing_type = LoadBalancing::AuxLoss)
+        .unwrap();
+    let mut options = dp_options(1, ITERS);
+    options.precision = ferrotron_optim::Precision::Bf16;
+    let mut bf16 = Trainer::new(bf16_model, options).unwrap();
+    let (bf16_run, bf16_moe) = train_moe(&mut bf16);
+    let mut f32_model = fixture("tiny-mixtral");
+    f32_model
+        .update_moe(|m| m.load_balancing_type = LoadBalancing::AuxLoss)
+        .unwrap();
+    let mut f32_trainer = Trainer::new(f32_model, dp_options(1, ITERS)).unwrap();
+    let (f32_run, _) = train_moe(&mut f32_trainer);
+    for (it, (b, f)) in bf16_run.0.iter().zip(&f32_run.0).enumerate() {
+        assert!(
+            (b - f).abs() < 2e-2 * f,
+            "iteration {it}: bf16 {b} vs f32 {f}"
+        );
+    }
+    assert!(bf16_run.0[ITERS - 1] < bf16_run.0[0], "{:?}", bf16_run.0);
+    assert!(bf16_moe.iter().all(|m| m.load_balancing_loss.is_some()));
+}
