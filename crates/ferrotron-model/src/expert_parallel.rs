@@ -82,13 +82,15 @@ impl GptModel {
         part.experts = Some(ep.shard());
         let padded = self.tp.as_ref().map_or(c.vocab_size, |t| t.padded_vocab);
         let layout = ModelLayout::new(c, padded, &part);
-        let experts = expert_stacks(self.layout());
+        let experts: Vec<usize> = expert_stacks(self.layout()).collect();
         let held = ep.shard().experts(e);
+        // The same declarations in the same order; only the expert stacks hold fewer rows.
         let params = layout
             .decls()
             .iter()
-            .map(|d| {
-                let i = self.param_index(&d.name)?;
+            .enumerate()
+            .map(|(i, d)| {
+                debug_assert_eq!(d.name, self.layout().decls()[i].name);
                 let full = self.param_table().view(i);
                 if !experts.contains(&i) {
                     return Ok(full.to_tensor());
@@ -124,7 +126,7 @@ impl GptModel {
         let Some(ep) = &self.ep else {
             return Ok(local);
         };
-        let experts = expert_stacks(self.layout());
+        let experts: Vec<usize> = expert_stacks(self.layout()).collect();
         local
             .into_iter()
             .enumerate()
@@ -150,27 +152,14 @@ impl GptModel {
     /// reduced over the expert-data-parallel group, and each expert-parallel rank holds
     /// other experts.
     pub fn is_expert_param(&self, i: usize) -> bool {
-        expert_stacks(self.layout()).contains(&i)
-    }
-
-    /// The table index of the parameter named `name`.
-    fn param_index(&self, name: &str) -> Result<usize> {
-        self.layout()
-            .decls()
-            .iter()
-            .position(|d| d.name == name)
-            .ok_or_else(|| ModelError::Input(format!("no parameter {name}")))
+        expert_stacks(self.layout()).any(|x| x == i)
     }
 }
 
 /// Table indices of every MoE layer's `experts.linear_fc1` and `experts.linear_fc2`.
-fn expert_stacks(layout: &ModelLayout) -> Vec<usize> {
-    layout
-        .layers
-        .iter()
-        .flat_map(|l| match l.mlp {
-            LayerMlp::Moe(m) => vec![m.experts_fc1.index(), m.experts_fc2.index()],
-            LayerMlp::Dense(_) => Vec::new(),
-        })
-        .collect()
+fn expert_stacks(layout: &ModelLayout) -> impl Iterator<Item = usize> + '_ {
+    layout.layers.iter().flat_map(|l| match l.mlp {
+        LayerMlp::Moe(m) => vec![m.experts_fc1.index(), m.experts_fc2.index()],
+        LayerMlp::Dense(_) => Vec::new(),
+    })
 }

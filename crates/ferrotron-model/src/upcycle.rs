@@ -17,9 +17,10 @@
 
 use crate::config::{LoadBalancing, MoeConfig, RouterConfig, ScoreFunction};
 use crate::init::{InitConfig, init_param};
-use crate::module::{ModelLayout, ModelPart};
+use crate::module::{LayerMlp, ModelLayout, ModelPart};
 use crate::{ActivationFunc, GptModel, ModelError, ModelFamily, Result};
 use ferrotron_tensor::Tensor;
+use std::collections::HashMap;
 
 /// How [`GptModel::upcycle`] builds the MoE model (Megatron's `--num-experts`,
 /// `--moe-router-topk`, `--moe-upcycling-granularity`, ...).
@@ -103,21 +104,46 @@ impl GptModel {
             &ModelPart::whole(config.num_layers),
         );
         let experts = Experts::new(&config, options);
-        let dense = self.layout();
-        let mut params = Vec::with_capacity(layout.decls().len());
-        for d in layout.decls() {
-            let copied = dense.decls().iter().position(|x| x.name == d.name);
-            let value = match copied {
-                Some(i) => self.param_table().view(i).to_tensor(),
-                None => experts.param(self, d)?,
+        // Every parameter outside the MLPs: the dense model's of the same name.
+        let dense: HashMap<&str, usize> = (self.layout().decls().iter().enumerate())
+            .map(|(i, d)| (d.name.as_str(), i))
+            .collect();
+        let mut params: Vec<Option<Tensor>> = (layout.decls().iter())
+            .map(|d| {
+                dense
+                    .get(d.name.as_str())
+                    .map(|&i| self.param_table().view(i).to_tensor())
+            })
+            .collect();
+        // Each MoE layer from the dense layer's MLP.
+        for (moe, dense) in layout.layers.iter().zip(self.layers()) {
+            let (LayerMlp::Moe(m), LayerMlp::Dense(mlp)) = (moe.mlp, dense.mlp) else {
+                return bad(format!("layer {} is not a dense MLP layer", dense.number));
             };
-            params.push(value);
+            let router = experts.router(layout.decl(m.router))?;
+            let fc1 = experts.fc1(&self.param(mlp.linear_fc1.weight).to_f32());
+            let fc2 = experts.fc2(&self.param(mlp.linear_fc2.weight).to_f32());
+            for (id, values) in [
+                (m.router, router),
+                (m.experts_fc1, fc1),
+                (m.experts_fc2, fc2),
+            ] {
+                let t = Tensor::from_f32(&layout.decl(id).shape, values)?.to_dtype(self.dtype());
+                params[id.index()] = Some(t);
+            }
         }
+        let params = params
+            .into_iter()
+            .zip(layout.decls())
+            .map(|(p, d)| {
+                p.ok_or_else(|| ModelError::Input(format!("upcycling: no value for {}", d.name)))
+            })
+            .collect::<Result<Vec<_>>>()?;
         GptModel::new(config, params)
     }
 }
 
-/// The MoE parameters of the upcycled model, from the dense ones.
+/// How the dense MLP becomes the experts.
 struct Experts<'o> {
     options: &'o UpcycleOptions,
     /// The dense MLP's width `f`.
@@ -147,64 +173,56 @@ impl Experts<'_> {
         }
     }
 
-    /// The value of MoE parameter `d` (a router, or a layer's stacked experts), in `dense`'s
-    /// dtype.
-    fn param(&self, dense: &GptModel, d: &crate::ParamDecl) -> Result<Tensor> {
-        let layer = d.layer.ok_or_else(|| {
-            ModelError::Input(format!("upcycling: unexpected parameter {}", d.name))
-        })?;
-        let mlp = format!("decoder.layers.{layer}.mlp");
-        let dense_value = |name: &str| -> Result<Vec<f32>> {
-            let i = dense
-                .layout()
-                .decls()
-                .iter()
-                .position(|x| x.name == format!("{mlp}.{name}"))
-                .ok_or_else(|| ModelError::Input(format!("upcycling: no {mlp}.{name}")))?;
-            Ok(dense.param_table().view(i).to_f32().into_owned())
+    /// The router `[E, h]` (declared `d`): the MoE model's random init, expert `e` taking
+    /// row `e / G`.
+    fn router(&self, d: &crate::ParamDecl) -> Result<Vec<f32>> {
+        let (g, e, h) = (
+            self.options.granularity,
+            self.options.num_experts,
+            self.hidden,
+        );
+        let init = InitConfig {
+            params_dtype: ferrotron_tensor::DType::F32,
+            ..self.options.init
         };
+        let random = init_param(d, &init, init.init_method_std)?.to_f32_vec();
+        Ok((0..e)
+            .flat_map(|x| random[(x / g) * h..][..h].to_vec())
+            .collect())
+    }
+
+    /// The experts' `linear_fc1` `[E·2f/G, h]` from the dense `[2f, h]` (gate rows, then up
+    /// rows): expert `e` holds slice `e mod G` of each, scaled.
+    fn fc1(&self, dense: &[f32]) -> Vec<f32> {
         let (g, e, h) = (
             self.options.granularity,
             self.options.num_experts,
             self.hidden,
         );
         let fs = self.ffn / g;
-        let values = if d.name == format!("{mlp}.router.weight") {
-            // The MoE model's random router; expert e takes row e / G.
-            let init = InitConfig {
-                params_dtype: ferrotron_tensor::DType::F32,
-                ..self.options.init
-            };
-            let random = init_param(d, &init, init.init_method_std)?.to_f32_vec();
-            (0..e)
-                .flat_map(|x| random[(x / g) * h..][..h].to_vec())
-                .collect()
-        } else if d.name == format!("{mlp}.experts.linear_fc1.weight") {
-            let fc1 = dense_value("linear_fc1.weight")?;
-            let rows = |start: usize| fc1[start * h..(start + fs) * h].iter();
-            (0..e)
-                .flat_map(|x| {
-                    let j = x % g;
-                    rows(j * fs).chain(rows(self.ffn + j * fs))
-                })
-                .map(|v| v * self.scale)
-                .collect()
-        } else if d.name == format!("{mlp}.experts.linear_fc2.weight") {
-            let fc2 = dense_value("linear_fc2.weight")?;
-            (0..e)
-                .flat_map(|x| {
-                    let j = x % g;
-                    fc2.chunks_exact(self.ffn)
-                        .flat_map(move |row| row[j * fs..(j + 1) * fs].iter())
-                })
-                .map(|v| v * self.scale)
-                .collect()
-        } else {
-            return Err(ModelError::Input(format!(
-                "upcycling: no rule for {}",
-                d.name
-            )));
-        };
-        Ok(Tensor::from_f32(&d.shape, values)?.to_dtype(dense.dtype()))
+        let rows = |start: usize| dense[start * h..(start + fs) * h].iter();
+        (0..e)
+            .flat_map(|x| {
+                let j = x % g;
+                rows(j * fs).chain(rows(self.ffn + j * fs))
+            })
+            .map(|v| v * self.scale)
+            .collect()
+    }
+
+    /// The experts' `linear_fc2` `[E·h, f/G]` from the dense `[h, f]`: expert `e` holds
+    /// columns slice `e mod G`, scaled.
+    fn fc2(&self, dense: &[f32]) -> Vec<f32> {
+        let (g, e) = (self.options.granularity, self.options.num_experts);
+        let fs = self.ffn / g;
+        (0..e)
+            .flat_map(|x| {
+                let j = x % g;
+                dense
+                    .chunks_exact(self.ffn)
+                    .flat_map(move |row| row[j * fs..(j + 1) * fs].iter())
+            })
+            .map(|v| v * self.scale)
+            .collect()
     }
 }

@@ -10,7 +10,7 @@ use super::lora::lora_backward;
 use super::memory::Ledger;
 use super::mlp::mlp_backward;
 use super::norm::{NormLayer, NormStats};
-use super::tp_ops::column_input_backward;
+use super::tp_ops::{adds_replicated_grads, column_input_backward};
 use super::{GradReady, TrainBatch};
 use crate::module::{LinearParams, Norm, ParamId, TransformerLayer};
 use crate::{GptModel, OutputHead, Result};
@@ -177,7 +177,7 @@ impl GptModel {
         // gradients, so the first alone contributes them and the sums over the group (the
         // input's below, the weight's in `finalize_grads`) are exactly that rank's.
         let contributes = self.config().output_head == OutputHead::LanguageModel
-            || self.tp.as_ref().is_none_or(|t| t.group.rank() == 0);
+            || adds_replicated_grads(self.tp.as_ref());
         if contributes {
             matmul_weight(dl, w, dnormed_all.host_mut(), rows, v, h, false);
         }

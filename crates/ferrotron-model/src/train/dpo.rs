@@ -177,7 +177,7 @@ impl GptModel {
     ) -> Result<StageLogps> {
         let part = self.chunk_part(chunk)?;
         let post_process = part.post_process;
-        let mut acts = self.train_forward(batch, part, input, 0.0, &mut Ledger::default())?;
+        let mut acts = self.train_forward(batch, part, input, None, &mut Ledger::default())?;
         if !post_process {
             return Ok(StageLogps::Output(
                 std::mem::take(&mut acts.x_final).into_host(),

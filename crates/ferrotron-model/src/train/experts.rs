@@ -7,6 +7,7 @@
 use std::borrow::Cow;
 
 use super::forward::Pass;
+use super::moe::moe_config;
 use crate::TokenDispatcher;
 use crate::module::MoeMlp;
 use crate::{ModelError, Result};
@@ -51,12 +52,11 @@ impl<'a> Weights<'a> {
     }
 
     fn view(&self, pass: &Pass<'_>) -> ExpertWeights<'_> {
-        let moe = pass.c.moe.as_ref().expect("an MoE layer has an MoE config");
         ExpertWeights {
             fc1: &self.fc1,
             fc2: &self.fc2,
             hidden: pass.c.hidden_size,
-            ffn: moe.moe_ffn_hidden_size,
+            ffn: moe_config(pass).moe_ffn_hidden_size,
         }
     }
 }
@@ -84,7 +84,7 @@ pub(super) fn routed_forward(
             Ok((y, ExpertRun::Local(acts)))
         }
         Some(ep) => {
-            let moe = pass.c.moe.as_ref().expect("an MoE layer has an MoE config");
+            let moe = moe_config(pass);
             let e = moe.num_experts();
             match moe.token_dispatcher {
                 TokenDispatcher::AllToAll => {

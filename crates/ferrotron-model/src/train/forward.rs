@@ -119,9 +119,9 @@ impl<'a> Pass<'a> {
     }
 
     /// This pass with its MoE layers' balancing losses on, their gradient times `scale`
-    /// (the micro-batch's loss scale).
-    pub(crate) fn with_moe_losses(mut self, scale: f32) -> Pass<'a> {
-        if self.c.moe.is_some() {
+    /// (the micro-batch's loss scale); off for `None` (a forward without a backward).
+    pub(crate) fn with_moe_losses(mut self, scale: Option<f32>) -> Pass<'a> {
+        if let (Some(scale), Some(_)) = (scale, &self.c.moe) {
             self.moe_losses = Some(MoeLossSink {
                 scale,
                 losses: Default::default(),
@@ -312,8 +312,8 @@ pub(crate) struct Activations {
     /// Logits `[rows, v]`, turned into `∂(loss_scale·loss)/∂logits` by the loss.
     pub dlogits: Buffer<f32>,
     /// The loss scale of the micro-batch (the MoE balancing losses' gradient scale, for
-    /// layers the backward re-runs).
-    pub loss_scale: f32,
+    /// layers the backward re-runs); `None` for a forward without a backward.
+    pub loss_scale: Option<f32>,
     /// The balancing losses of the MoE layers the forward ran.
     pub moe_losses: MoeLosses,
 }
@@ -323,7 +323,8 @@ impl GptModel {
     /// `input`: `[local rows, h]`), the layers of `part` and, on the last virtual stage, the
     /// final norm and the logits (in `dlogits`), saving activations as the config's
     /// recompute setting says (recorded in `ledger`). Before the last stage `x_final` is the
-    /// stage's output.
+    /// stage's output. `loss_scale` is the balancing losses' gradient scale of a pass a
+    /// backward follows; without one (`None`) the MoE layers compute no balancing losses.
     ///
     /// # Errors
     /// Bad token ids, an input of the wrong length or given to the first stage, a failed
@@ -333,7 +334,7 @@ impl GptModel {
         batch: &TrainBatch,
         part: ChunkPart,
         input: Option<Vec<f32>>,
-        loss_scale: f32,
+        loss_scale: Option<f32>,
         ledger: &mut Ledger,
     ) -> Result<Activations> {
         let (x, embedding) = self.stage_input(batch, &part, input)?;

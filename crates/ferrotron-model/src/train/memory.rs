@@ -285,7 +285,13 @@ mod tests {
             let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
             let mut ledger = Ledger::default();
             let mut acts = model
-                .train_forward(&batch, model.chunk_part(0).unwrap(), None, 1.0, &mut ledger)
+                .train_forward(
+                    &batch,
+                    model.chunk_part(0).unwrap(),
+                    None,
+                    Some(1.0),
+                    &mut ledger,
+                )
                 .unwrap();
             assert_eq!(
                 ledger.held(),

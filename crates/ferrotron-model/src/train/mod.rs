@@ -384,7 +384,7 @@ impl GptModel {
         // buffers then always come from one thread's allocator heap, so memory freed by the
         // last step is what the next one reuses.
         let mut ledger = memory::Ledger::default();
-        let mut acts = self.train_forward(batch, part, None, loss_scale, &mut ledger)?;
+        let mut acts = self.train_forward(batch, part, None, Some(loss_scale), &mut ledger)?;
         let mut stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
         stats.moe = acts.moe_losses;
         self.train_backward(batch, acts, grads, &mut ledger, ready, None)?;

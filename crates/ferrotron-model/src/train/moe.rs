@@ -12,7 +12,7 @@ use super::experts::{ExpertRun, routed_backward, routed_forward};
 use super::forward::Pass;
 use super::mlp::{DenseActs, dense_backward, dense_forward};
 use super::stored::Stored;
-use super::tp_ops::{reduce_partial_rows, row_parallel_output_grad};
+use super::tp_ops::{adds_replicated_grads, reduce_partial_rows, row_parallel_output_grad};
 use crate::config::LoadBalancing;
 use crate::module::MoeMlp;
 use crate::{ModelError, MoeConfig, Result};
@@ -55,9 +55,7 @@ pub(crate) struct MoeLossSink {
 
 /// What an MoE layer's backward needs, over `rows` tokens (all rows).
 pub(crate) struct MoeActs {
-    /// `[rows, E]` router logits (f32).
-    logits: Vec<f32>,
-    /// Each token's experts and weights.
+    /// Each token's experts and weights (with the scores the router's backward reads).
     routing: Routing,
     /// The experts' permuted inputs and intermediate outputs.
     experts: ExpertRun,
@@ -84,8 +82,7 @@ impl MoeActs {
         let shared = self.shared.as_ref().map_or(0, |s| {
             s.mlp.bytes() + s.out.bytes() + f32s(s.gate.as_ref().map_or(0, Vec::len))
         });
-        f32s(self.logits.len())
-            + routing_bytes(&self.routing)
+        routing_bytes(&self.routing)
             + self.experts.bytes()
             + f32s(self.daux.as_ref().map_or(0, Vec::len))
             + shared
@@ -97,7 +94,8 @@ fn routing_bytes(r: &Routing) -> u128 {
     (r.experts.len() * (4 + 4 + 1)) as u128 + r.scores_bytes()
 }
 
-fn moe_config<'c>(pass: &Pass<'c>) -> &'c MoeConfig {
+/// The pass's MoE settings (an MoE layer's pass has them).
+pub(super) fn moe_config<'c>(pass: &Pass<'c>) -> &'c MoeConfig {
     pass.c
         .moe
         .as_ref()
@@ -164,7 +162,6 @@ pub(super) fn moe_forward(
         .as_ref()
         .map(|sink| balancing_losses(moe, &logits, pass, sink));
     let acts = MoeActs {
-        logits,
         routing,
         experts,
         daux,
@@ -183,13 +180,6 @@ fn local_row_range(pass: &Pass<'_>, rows: usize) -> std::ops::Range<usize> {
         }
         None => 0..rows,
     }
-}
-
-/// Whether this rank adds the gradient of a replicated parameter that every
-/// tensor-parallel rank computes in full (the first does; see
-/// [`crate::ModelLayout::single_contributor_params`]).
-fn contributes(pass: &Pass<'_>) -> bool {
-    pass.tp.is_none_or(|t| t.group.rank() == 0)
 }
 
 /// `out[t] += gate[t] · s[t]` per row of width `h` (`gate` 1 when absent).
@@ -299,7 +289,7 @@ pub(super) fn moe_backward(
         dlogits.iter_mut().zip(daux).for_each(|(d, a)| *d += a);
     }
     let router = pass.model.param(m.router);
-    if contributes(pass) {
+    if adds_replicated_grads(pass.tp) {
         if let Some(dw) = trainable(grads, m.router) {
             weight_grad(
                 &dlogits,
@@ -369,7 +359,7 @@ fn shared_gate_backward(
     // Under sequence parallelism each rank has its own rows' part; otherwise every rank
     // has all of it and the first adds it.
     let sequence_parallel = pass.tp.is_some_and(|t| t.group.sequence_parallel());
-    if sequence_parallel || contributes(pass) {
+    if sequence_parallel || adds_replicated_grads(pass.tp) {
         let w = pass.model.param(id);
         if let Some(dw) = trainable(grads, id) {
             weight_grad(&dz, mlp_in.operand(), w.weight_ref(), dw, rows, 1, h);

@@ -85,7 +85,7 @@ impl GptModel {
             batch,
             part,
             None,
-            0.0,
+            None,
             &mut super::memory::Ledger::default(),
         )?;
         let scores = acts.dlogits.host();

@@ -40,7 +40,7 @@ impl GptModel {
         self.local_config().validate_recompute()?;
         let mut ledger = memory::Ledger::default();
         let post_process = part.post_process;
-        let mut acts = self.train_forward(batch, part, input, loss_scale, &mut ledger)?;
+        let mut acts = self.train_forward(batch, part, input, Some(loss_scale), &mut ledger)?;
         let loss = if post_process {
             let mut loss = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
             loss.moe = acts.moe_losses;

@@ -102,6 +102,14 @@ pub(crate) fn row_parallel_output_grad<'d>(
     }
 }
 
+/// Whether this rank adds the gradients of a replicated parameter that every
+/// tensor-parallel rank computes in full from all rows (a score head, an MoE router): the
+/// first does, the others add nothing, and the sum over the group is that rank's (see
+/// [`crate::ModelLayout::single_contributor_params`]).
+pub(crate) fn adds_replicated_grads(tp: Option<&TpInfo>) -> bool {
+    tp.is_none_or(|t| t.group.rank() == 0)
+}
+
 /// The embedding norm's input `[local rows, h]` and statistics, when the model has one.
 pub(crate) type EmbeddingActs = Option<(Buffer<f32>, NormStats)>;
 

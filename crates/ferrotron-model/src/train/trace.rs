@@ -46,7 +46,7 @@ impl GptModel {
         }
         batch.validate(self)?;
         let part = self.chunk_part(0)?;
-        let acts = self.train_forward(batch, part, input, 0.0, &mut Ledger::default())?;
+        let acts = self.train_forward(batch, part, input, None, &mut Ledger::default())?;
         let mut layer_outputs: Vec<Vec<f32>> = acts
             .saved
             .into_iter()

@@ -82,14 +82,11 @@ pub fn ag_experts_forward(
         });
     }
     let x_all = gathered(ep, x)?;
+    // Expert ids travel as f32 (exact below 2^24; the communicator has no u32).
     let ids: Vec<f32> = routing.experts.iter().map(|&e| e as f32).collect();
     let experts: Vec<u32> = gathered(ep, &ids)?.iter().map(|&e| e as u32).collect();
-    let drops: Vec<f32> = routing
-        .dropped
-        .iter()
-        .map(|&d| f32::from(u8::from(d)))
-        .collect();
-    let dropped: Vec<bool> = gathered(ep, &drops)?.iter().map(|&d| d != 0.0).collect();
+    let drops: Vec<u8> = routing.dropped.iter().map(|&d| u8::from(d)).collect();
+    let dropped: Vec<bool> = gathered(ep, &drops)?.iter().map(|&d| d != 0).collect();
     let probs = gathered(ep, &routing.probs)?;
     let held = ep.rank() * local..(ep.rank() + 1) * local;
     let perm = Permutation::of_held(&experts, &dropped, routing.topk(), held);

@@ -220,27 +220,23 @@ impl DataParallel {
         if self.size() == 1 {
             return Ok(());
         }
-        let Some(groups) = &self.experts else {
+        if self.experts.is_none() {
+            // The whole storage at once (frozen parameters, outside every bucket, too).
             let (params, _) = buffer.data_mut();
             return self
                 .comm
                 .broadcast_bytes(storage_bytes(params), 0)
                 .map_err(comm_err);
-        };
+        }
         let buckets: Vec<_> = buffer
             .buckets()
             .iter()
-            .map(|b| (b.start..b.end, b.expert_parallel))
+            .map(|b| (b.start..b.end, self.bucket_group(b)))
             .collect();
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
         let bytes = storage_bytes(params);
-        for (r, expert) in buckets {
-            let comm = if expert {
-                &groups.expert_data
-            } else {
-                &self.comm
-            };
+        for (r, comm) in buckets {
             comm.broadcast_bytes(&mut bytes[r.start * elem..r.end * elem], 0)
                 .map_err(comm_err)?;
         }
@@ -254,39 +250,37 @@ impl DataParallel {
             return Ok(());
         }
         for b in 0..buffer.buckets().len() {
-            if let (true, Some(groups)) = (buffer.buckets()[b].expert_parallel, &self.experts) {
-                let grads = buffer.bucket_grads_mut(b);
-                let comm = &groups.expert_data;
-                if comm.size() > 1 {
-                    if self.use_distributed_optimizer {
-                        comm.reduce_scatter_in_place(grads, ReduceOp::Sum)
-                    } else {
-                        comm.all_reduce(grads, ReduceOp::Sum)
-                    }
-                    .map_err(comm_err)?;
-                }
+            let bucket = &buffer.buckets()[b];
+            let comm = self.bucket_group(bucket).clone();
+            if comm.size() == 1 {
                 continue;
             }
+            // Expert buckets are reduced in f32 whatever `grad_reduce_in_fp32` says.
+            let narrow = self.grad_reduce_in_bf16 && !bucket.expert_parallel;
             let grads = buffer.bucket_grads_mut(b);
-            if self.grad_reduce_in_bf16 {
+            if narrow {
                 let mut narrow: Vec<bf16> = grads.iter().map(|&g| bf16::from_f32(g)).collect();
-                self.reduce_bucket(&mut narrow)?;
+                self.reduce_bucket(&*comm, &mut narrow)?;
                 for (g, n) in grads.iter_mut().zip(&narrow) {
                     *g = n.to_f32();
                 }
             } else {
-                self.reduce_bucket(grads)?;
+                self.reduce_bucket(&*comm, grads)?;
             }
         }
         Ok(())
     }
 
-    /// All-reduce, or reduce-scatter into this rank's shard, of one bucket (SUM).
-    fn reduce_bucket<T: ferrotron_comm::Element>(&self, grads: &mut [T]) -> Result<()> {
+    /// All-reduce, or reduce-scatter into this rank's shard, of one bucket over `comm` (SUM).
+    fn reduce_bucket<T: ferrotron_comm::Element>(
+        &self,
+        comm: &dyn Communicator,
+        grads: &mut [T],
+    ) -> Result<()> {
         if self.use_distributed_optimizer {
-            self.comm.reduce_scatter_in_place(grads, ReduceOp::Sum)
+            comm.reduce_scatter_in_place(grads, ReduceOp::Sum)
         } else {
-            self.comm.all_reduce(grads, ReduceOp::Sum)
+            comm.all_reduce(grads, ReduceOp::Sum)
         }
         .map_err(comm_err)
     }
