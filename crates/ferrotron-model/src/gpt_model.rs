@@ -10,7 +10,7 @@ use crate::{
 use ferrotron_nn::attention::alibi_slopes;
 use ferrotron_nn::{Embedding, Linear, LoraAdapter, NnError};
 use ferrotron_tensor::gemm::matmul_weight_t;
-use ferrotron_tensor::ops::RopeTable;
+use ferrotron_tensor::ops::{RopeTable, RotaryLayout};
 use ferrotron_tensor::{DType, Device, Tensor, TensorView};
 use std::borrow::Cow;
 
@@ -167,12 +167,19 @@ impl GptModel {
         local.num_layers = layout.layers.len();
         let (rope, alibi_slopes) = match local.position_embedding_type {
             PositionEmbedding::Rope => (
-                Some(RopeTable::new(
-                    local.kv_channels,
-                    local.rotary_base,
-                    &local.rope_scaling,
-                    local.max_position_embeddings,
-                )),
+                Some(
+                    RopeTable::new(
+                        local.rotary_dim(),
+                        local.rotary_base,
+                        &local.rope_scaling,
+                        local.max_position_embeddings,
+                    )
+                    .with_layout(if local.rotary_interleaved {
+                        RotaryLayout::Interleaved
+                    } else {
+                        RotaryLayout::RotateHalf
+                    }),
+                ),
                 None,
             ),
             PositionEmbedding::Alibi => {

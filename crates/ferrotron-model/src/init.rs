@@ -117,6 +117,7 @@ impl TransformerConfig {
             max_position_embeddings,
             rotary_base: 10000.0,
             rope_scaling: RopeScaling::None,
+            rotary_interleaved: false,
             layernorm_epsilon: 1e-5,
             normalization: Normalization::RmsNorm,
             apply_layernorm_1p: false,
@@ -137,6 +138,7 @@ impl TransformerConfig {
             lora: None,
             output_head: OutputHead::LanguageModel,
             moe: None,
+            multi_latent_attention: None,
         };
         config.validate()?;
         Ok(config)

@@ -25,7 +25,7 @@ mod upcycle;
 mod vocab;
 
 pub use config::{
-    ActivationFunc, DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing,
+    ActivationFunc, DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing, MlaConfig,
     ModelFamily, MoeConfig, Normalization, OutputHead, PositionEmbedding, RecomputeGranularity,
     RecomputeMethod, RouterConfig, ScoreFunction, TokenDispatcher, TransformerConfig,
 };

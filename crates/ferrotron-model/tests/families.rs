@@ -16,7 +16,7 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-const FAMILIES: [&str; 10] = [
+const FAMILIES: [&str; 12] = [
     "tiny-olmo",
     "tiny-olmo2",
     "tiny-gemma",
@@ -27,6 +27,8 @@ const FAMILIES: [&str; 10] = [
     "tiny-mixtral",
     "tiny-qwen2-moe",
     "tiny-olmoe",
+    "tiny-deepseek-v2",
+    "tiny-deepseek-v2-lite",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -272,14 +274,18 @@ family_tests! {
     mixtral: "tiny-mixtral",
     qwen2_moe: "tiny-qwen2-moe",
     olmoe: "tiny-olmoe",
+    deepseek_v2: "tiny-deepseek-v2",
+    deepseek_v2_lite: "tiny-deepseek-v2-lite",
 }
 
 /// `model` with its MoE layers' balancing losses as the MoE fixtures' `aux_grads` computes
-/// them: Megatron's `aux_loss` (the config's `router_aux_loss_coef`) and a z-loss of 1e-3.
+/// them: Megatron's `aux_loss` at 0.01 (the fixtures' `router_aux_loss_coef`; DeepSeek-V2's
+/// HF config has no such key) and a z-loss of 1e-3.
 fn with_balancing_losses(model: &GptModel) -> GptModel {
     let mut c = model.config().clone();
     let moe = c.moe.as_mut().expect("an MoE model");
     moe.load_balancing_type = LoadBalancing::AuxLoss;
+    moe.aux_loss_coeff = 0.01;
     moe.z_loss_coeff = Some(1e-3);
     let params = (0..model.param_table().len())
         .map(|i| model.param_table().view(i).to_tensor())
@@ -353,6 +359,14 @@ mod balancing_losses {
     #[test]
     fn olmoe() {
         super::check_balancing_losses("tiny-olmoe");
+    }
+    #[test]
+    fn deepseek_v2() {
+        super::check_balancing_losses("tiny-deepseek-v2");
+    }
+    #[test]
+    fn deepseek_v2_lite() {
+        super::check_balancing_losses("tiny-deepseek-v2-lite");
     }
 }
 

@@ -1,9 +1,11 @@
+mod mla;
 mod moe;
 
 use crate::lora::LoraConfig;
 use crate::{ModelError, Result};
 pub use ferrotron_tensor::ops::ActivationFunc;
 use ferrotron_tensor::ops::RopeScaling;
+pub use mla::MlaConfig;
 pub use moe::{
     DropPolicy, ExpertCapacity, ExpertGroups, GroupScore, LoadBalancing, MoeConfig, RouterConfig,
     ScoreFunction, TokenDispatcher,
@@ -41,11 +43,15 @@ pub enum ModelFamily {
     /// `OlmoeForCausalLM` (OLMoE: full-width q/k RMSNorm, routed experts without
     /// renormalisation).
     Olmoe,
+    /// `DeepseekV2ForCausalLM` (DeepSeek-V2 / V2-Lite: multi-latent attention with
+    /// interleaved YaRN rope, ungated shared experts, greedy or group-limited routing
+    /// scaled by `routed_scaling_factor`, the first `first_k_dense_replace` layers dense).
+    DeepseekV2,
 }
 
 impl ModelFamily {
     /// Every family, in the order errors list them.
-    pub const ALL: [ModelFamily; 13] = [
+    pub const ALL: [ModelFamily; 14] = [
         ModelFamily::Llama,
         ModelFamily::Mistral,
         ModelFamily::Qwen2,
@@ -59,6 +65,7 @@ impl ModelFamily {
         ModelFamily::Mixtral,
         ModelFamily::Qwen2Moe,
         ModelFamily::Olmoe,
+        ModelFamily::DeepseekV2,
     ];
 
     /// The HF `architectures[0]` name.
@@ -128,6 +135,9 @@ pub struct TransformerConfig {
     /// RoPE base θ.
     pub rotary_base: f32,
     pub rope_scaling: RopeScaling,
+    /// Megatron's `rotary_interleaved`: rope rotates adjacent pairs `(2i, 2i + 1)`
+    /// (DeepSeek-V2) instead of the halves `(i, i + d/2)`.
+    pub rotary_interleaved: bool,
     /// Epsilon of every norm.
     pub layernorm_epsilon: f32,
     /// Megatron's `normalization`.
@@ -180,6 +190,9 @@ pub struct TransformerConfig {
     /// Mixture-of-experts layers (Megatron's `num_moe_experts` and `moe_*`); `None`: every
     /// layer has the dense MLP.
     pub moe: Option<MoeConfig>,
+    /// Megatron's `multi_latent_attention` with its sizes: every layer's attention is MLA
+    /// ([`MlaConfig`]); `None` for the standard `linear_qkv` attention.
+    pub multi_latent_attention: Option<MlaConfig>,
 }
 
 /// The head on the final hidden states.
@@ -260,7 +273,9 @@ impl TransformerConfig {
                 ),
             ));
         }
-        if self.position_embedding_type == PositionEmbedding::Rope
+        if let Some(mla) = &self.multi_latent_attention {
+            mla.validate(self)?;
+        } else if self.position_embedding_type == PositionEmbedding::Rope
             && !self.kv_channels.is_multiple_of(2)
         {
             return Err(field_error(
@@ -340,6 +355,20 @@ impl TransformerConfig {
         Ok(())
     }
 
+    /// The dims rope rotates per head: multi-latent attention's `qk_pos_emb_head_dim`, else
+    /// the head dim `d`.
+    pub fn rotary_dim(&self) -> usize {
+        self.multi_latent_attention
+            .map_or(self.kv_channels, |m| m.qk_pos_emb_head_dim)
+    }
+
+    /// Each head's value dims (`linear_proj`'s input is `a·` this): multi-latent
+    /// attention's `v_head_dim`, else the head dim `d`.
+    pub fn value_head_dim(&self) -> usize {
+        self.multi_latent_attention
+            .map_or(self.kv_channels, |m| m.v_head_dim)
+    }
+
     /// Query heads per key/value group, `a / g`.
     pub fn heads_per_group(&self) -> usize {
         self.num_attention_heads / self.num_query_groups
@@ -397,6 +426,7 @@ mod tests {
                 ModelFamily::Mixtral => 10,
                 ModelFamily::Qwen2Moe => 11,
                 ModelFamily::Olmoe => 12,
+                ModelFamily::DeepseekV2 => 13,
             };
             assert_eq!(position, i, "{family:?}");
             assert_eq!(

@@ -1,7 +1,7 @@
 use super::schema::{Biases, KvHeads, activation_from_hf};
 use crate::config::{ActivationFunc, OutputHead, field_error};
 use crate::{ModelError, ModelFamily, Result, TransformerConfig};
-use ferrotron_tensor::ops::RopeScaling;
+use ferrotron_tensor::ops::{RopeScaling, YarnScaling};
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -86,6 +86,7 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
         max_position_embeddings: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
         rotary_base,
         rope_scaling,
+        rotary_interleaved: false,
         layernorm_epsilon,
         normalization: schema.switches.normalization,
         apply_layernorm_1p: false,
@@ -107,8 +108,18 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
         lora: None,
         output_head,
         moe: None,
+        multi_latent_attention: None,
     };
-    config.moe = super::hf_moe::parse_moe(obj, family, config.num_layers)?;
+    if family == ModelFamily::DeepseekV2 {
+        let (mla, moe) =
+            super::hf_deepseek::parse_deepseek(obj, config.num_layers, num_attention_heads)?;
+        config.kv_channels = mla.attention_head_dim();
+        config.rotary_interleaved = true;
+        config.multi_latent_attention = Some(mla);
+        config.moe = Some(moe);
+    } else {
+        config.moe = super::hf_moe::parse_moe(obj, family, config.num_layers)?;
+    }
     schema.switches.apply(&mut config);
     config.validate()?;
     Ok(HfModelInfo {
@@ -278,10 +289,41 @@ fn rope_settings(obj: &Map<String, Value>) -> Result<(f32, RopeScaling)> {
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
         },
+        "yarn" => {
+            let opt = |name: &str| -> Result<Option<f32>> {
+                match p.get(name) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(v) => v
+                        .as_f64()
+                        .map(|v| Some(v as f32))
+                        .ok_or_else(|| field_error(&field(name), "expected a number or null")),
+                }
+            };
+            let truncate = match p.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| field_error(&field("truncate"), "expected a boolean"))?,
+            };
+            // transformers: `beta_fast or 32`, `beta_slow or 1` (0 falls back too).
+            let beta = |name: &str, default: f32| {
+                Ok::<f32, ModelError>(opt(name)?.filter(|b| *b != 0.0).unwrap_or(default))
+            };
+            RopeScaling::Yarn(YarnScaling {
+                factor: num("factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+                beta_fast: beta("beta_fast", 32.0)?,
+                beta_slow: beta("beta_slow", 1.0)?,
+                mscale: opt("mscale")?,
+                mscale_all_dim: opt("mscale_all_dim")?,
+                attention_factor: opt("attention_factor")?,
+                truncate,
+            })
+        }
         other => {
             return Err(field_error(
                 &field("rope_type"),
-                format!("`{other}` is not supported (default, linear, llama3)"),
+                format!("`{other}` is not supported (default, linear, llama3, yarn)"),
             ));
         }
     };
@@ -418,7 +460,7 @@ mod tests {
                 .contains("hidden_act")
         );
         let mut v = base();
-        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        v["rope_scaling"] = json!({"rope_type": "longrope", "factor": 4.0});
         assert!(
             parse_hf_config(&v)
                 .unwrap_err()

@@ -129,7 +129,11 @@ pub fn hf_config_json(
         obj.insert("label2id".into(), json!({"LABEL_0": 0}));
     }
     insert_schema_fields(&mut obj, c, &schema)?;
-    super::hf_moe::insert_moe_fields(&mut obj, c)?;
+    if c.family == ModelFamily::DeepseekV2 {
+        super::hf_deepseek::insert_deepseek_fields(&mut obj, c)?;
+    } else {
+        super::hf_moe::insert_moe_fields(&mut obj, c)?;
+    }
     Ok(Value::Object(obj))
 }
 
@@ -258,7 +262,13 @@ fn check_expressible(c: &TransformerConfig, schema: &ConfigSchema) -> Result<()>
     if schema.ffn.is_none() && c.ffn_hidden_size != 4 * c.hidden_size {
         return bad("ffn_hidden_size", "the MLP is always 4 x hidden_size");
     }
-    if !schema.head_dim && c.kv_channels != c.hidden_size / c.num_attention_heads {
+    if c.rotary_interleaved != (c.family == ModelFamily::DeepseekV2) {
+        return bad("rotary_interleaved", "the rope layout is fixed");
+    }
+    if !schema.head_dim
+        && c.multi_latent_attention.is_none()
+        && c.kv_channels != c.hidden_size / c.num_attention_heads
+    {
         return bad(
             "kv_channels",
             "the head dim is always hidden_size / num_attention_heads",
@@ -340,6 +350,30 @@ fn rope_json(c: &TransformerConfig) -> Result<Value> {
             "high_freq_factor": f("high_freq_factor", high_freq_factor)?,
             "original_max_position_embeddings": original_max_position_embeddings,
         }),
+        RopeScaling::Yarn(y) => {
+            let mut rope = json!({
+                "rope_type": "yarn",
+                "rope_theta": theta,
+                "factor": f("factor", y.factor)?,
+                "original_max_position_embeddings": y.original_max_position_embeddings,
+                "beta_fast": f("beta_fast", y.beta_fast)?,
+                "beta_slow": f("beta_slow", y.beta_slow)?,
+            });
+            let optional = [
+                ("mscale", y.mscale),
+                ("mscale_all_dim", y.mscale_all_dim),
+                ("attention_factor", y.attention_factor),
+            ];
+            for (name, v) in optional {
+                if let Some(v) = v {
+                    rope[name] = f(name, v)?;
+                }
+            }
+            if !y.truncate {
+                rope["truncate"] = json!(false);
+            }
+            rope
+        }
     })
 }
 

@@ -3,6 +3,7 @@
 //! ([`hf_config_json`], [`hf_tensors`]) for exporting.
 
 mod hf_config;
+mod hf_deepseek;
 mod hf_export;
 mod hf_moe;
 mod hf_safetensors;
@@ -17,4 +18,4 @@ pub use hf_export::{HfConfigInputs, HfTensor, hf_config_json, hf_tensors};
 pub use hf_safetensors::{HfSafetensors, load_hf_model, release_pages};
 pub use hf_weights::{WeightSource, gpt_model_from_hf};
 pub use mapping::param_mapping;
-pub use names::{HfFc1, HfMoe, HfNames, HfQkv};
+pub use names::{HfFc1, HfMla, HfMoe, HfNames, HfQkv};

@@ -45,6 +45,28 @@ pub struct HfNames {
     pub output_layer: &'static str,
     /// The MoE layers' tensors (families with experts).
     pub moe: Option<HfMoe>,
+    /// Multi-latent attention's tensors (DeepSeek-V2; `qkv` is then unused).
+    pub mla: Option<HfMla>,
+}
+
+/// How a family names multi-latent attention's tensors (relative to `{layers}.{i}`, without
+/// `.weight`; transformers' `DeepseekV2Attention`), each beside its Megatron module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HfMla {
+    /// `linear_q_proj` (no `q_lora_rank`).
+    pub q_proj: &'static str,
+    /// `linear_q_down_proj`.
+    pub q_a_proj: &'static str,
+    /// `q_layernorm`.
+    pub q_a_layernorm: &'static str,
+    /// `linear_q_up_proj`.
+    pub q_b_proj: &'static str,
+    /// `linear_kv_down_proj`.
+    pub kv_a_proj_with_mqa: &'static str,
+    /// `kv_layernorm`.
+    pub kv_a_layernorm: &'static str,
+    /// `linear_kv_up_proj`.
+    pub kv_b_proj: &'static str,
 }
 
 /// How a family names an MoE layer's tensors (relative to `{layers}.{i}`, without
@@ -142,6 +164,7 @@ const LLAMA: HfNames = HfNames {
     final_layernorm: "model.norm",
     output_layer: "lm_head",
     moe: None,
+    mla: None,
 };
 
 /// transformers' `FalconForCausalLM` (`new_decoder_architecture=False`) and
@@ -164,6 +187,7 @@ const FALCON: HfNames = HfNames {
     final_layernorm: "transformer.ln_f",
     output_layer: "lm_head",
     moe: None,
+    mla: None,
 };
 
 impl ModelFamily {
@@ -242,6 +266,29 @@ impl ModelFamily {
                 moe: Some(QWEN2_MOE),
                 ..LLAMA
             },
+            ModelFamily::DeepseekV2 => HfNames {
+                architecture: "DeepseekV2ForCausalLM",
+                model_type: "deepseek_v2",
+                moe: Some(HfMoe {
+                    shared_expert: Some([
+                        "mlp.shared_experts.gate_proj",
+                        "mlp.shared_experts.up_proj",
+                        "mlp.shared_experts.down_proj",
+                    ]),
+                    shared_expert_gate: None,
+                    ..QWEN2_MOE
+                }),
+                mla: Some(HfMla {
+                    q_proj: "self_attn.q_proj",
+                    q_a_proj: "self_attn.q_a_proj",
+                    q_a_layernorm: "self_attn.q_a_layernorm",
+                    q_b_proj: "self_attn.q_b_proj",
+                    kv_a_proj_with_mqa: "self_attn.kv_a_proj_with_mqa",
+                    kv_a_layernorm: "self_attn.kv_a_layernorm",
+                    kv_b_proj: "self_attn.kv_b_proj",
+                }),
+                ..LLAMA
+            },
             ModelFamily::Olmoe => HfNames {
                 architecture: "OlmoeForCausalLM",
                 model_type: "olmoe",
@@ -282,6 +329,13 @@ impl HfNames {
         }
         if c.qk_layernorm && self.qk_layernorm.is_none() {
             return missing("qk_layernorm", "q/k norm");
+        }
+        if self.mla.is_some() != c.multi_latent_attention.is_some() {
+            let has = if self.mla.is_some() { "" } else { " no" };
+            return Err(field_error(
+                "multi_latent_attention",
+                format!("{arch} has{has} multi-latent attention"),
+            ));
         }
         if self.moe.is_some() && c.moe.is_none() {
             return Err(field_error("moe", format!("{arch} has MoE layers")));

@@ -282,6 +282,12 @@ impl ModelFamily {
                 },
                 ..LLAMA_SCHEMA
             },
+            ModelFamily::DeepseekV2 => ConfigSchema {
+                biases: Biases::Attention,
+                // `head_dim` is the rope width there; MLA's sizes come from its own keys.
+                head_dim: false,
+                ..LLAMA_SCHEMA
+            },
             ModelFamily::Falcon => FALCON_SCHEMA,
             ModelFamily::Bloom => ConfigSchema {
                 num_layers: "n_layer",

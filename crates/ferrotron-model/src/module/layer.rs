@@ -3,8 +3,8 @@
 
 use std::ops::Range;
 
-use super::attention::SelfAttention;
 use super::decl::Declarer;
+use super::mla::LayerAttention;
 use super::moe::LayerMlp;
 use super::norm::Norm;
 
@@ -18,7 +18,8 @@ pub struct TransformerLayer {
     pub number: usize,
     /// `[h]` (HF `input_layernorm`); absent under `post_sublayer_norm`.
     pub input_layernorm: Option<Norm>,
-    pub self_attention: SelfAttention,
+    /// Standard or multi-latent attention.
+    pub self_attention: LayerAttention,
     /// `[h]` on attention's output (OLMo2's `post_attention_layernorm`).
     pub post_self_attn_layernorm: Option<Norm>,
     /// `[h]` (HF `post_attention_layernorm`); absent under parallel attention or
@@ -46,7 +47,7 @@ impl TransformerLayer {
         };
         let names = d.hf;
         let input_layernorm = norm(d, "input_layernorm", names.input_layernorm, pre);
-        let self_attention = SelfAttention::declare(d, number);
+        let self_attention = LayerAttention::declare(d, number);
         let post_self_attn_layernorm = norm(
             d,
             "post_self_attn_layernorm",
@@ -74,11 +75,11 @@ impl TransformerLayer {
         }
     }
 
-    /// The layer's linear layers: `linear_qkv`, `linear_proj`, then the MLP's `linear_fc1`,
-    /// `linear_fc2` (an MoE layer's shared expert's; routed experts are not linears).
+    /// The layer's linear layers: attention's (`linear_qkv`, `linear_proj`, or MLA's), then
+    /// the MLP's `linear_fc1`, `linear_fc2` (an MoE layer's shared expert's; routed experts
+    /// are not linears).
     pub fn linears(&self) -> Vec<super::LinearParams> {
-        let sa = &self.self_attention;
-        let mut linears = vec![sa.linear_qkv, sa.linear_proj];
+        let mut linears = self.self_attention.linears();
         linears.extend(self.mlp.linears());
         linears
     }

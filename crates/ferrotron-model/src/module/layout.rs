@@ -171,6 +171,21 @@ impl ModelLayout {
             .collect()
     }
 
+    /// Replicated parameters whose gradient each tensor-parallel rank computes a part of
+    /// (from its own heads' share), even without sequence parallelism: multi-latent
+    /// attention's down projections and latent norms. [`crate::GptModel::finalize_grads`]
+    /// sums them over the group.
+    pub fn partial_grad_params(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .flat_map(|l| match &l.self_attention {
+                super::LayerAttention::MultiLatent(m) => m.replicated_params(),
+                super::LayerAttention::SelfAttention(_) => Vec::new(),
+            })
+            .map(|id| id.0)
+            .collect()
+    }
+
     /// Parameter count, the embedding counted once when tied.
     pub fn num_parameters(&self) -> usize {
         self.decls.iter().map(ParamDecl::numel).sum()

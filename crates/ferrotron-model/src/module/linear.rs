@@ -28,6 +28,9 @@ pub(crate) enum Parallel {
     /// `RowParallelLinear`: input columns split; the bias is replicated and added after the
     /// reduction.
     Row,
+    /// Megatron's `duplicated` linear: every rank holds all of it (multi-latent attention's
+    /// down projections).
+    Replicated,
 }
 
 /// A linear layer to declare.
@@ -57,6 +60,7 @@ impl LinearParams {
         let (weight_split, bias_split) = match spec.parallel {
             Parallel::Column { parts } => (TpSplit::Rows { parts }, TpSplit::Rows { parts }),
             Parallel::Row => (TpSplit::Columns, TpSplit::Replicated),
+            Parallel::Replicated => (TpSplit::Replicated, TpSplit::Replicated),
         };
         let make = |suffix: &str, shape: Vec<usize>, split, init, role| ParamDecl {
             name: format!("{}.{suffix}", spec.name),

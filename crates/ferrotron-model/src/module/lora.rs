@@ -39,6 +39,7 @@ impl LoraParams {
         let (in_split, out_split) = match parallel {
             Parallel::Column { parts } => (TpSplit::Replicated, TpSplit::Rows { parts }),
             Parallel::Row => (TpSplit::Columns, TpSplit::Replicated),
+            Parallel::Replicated => (TpSplit::Replicated, TpSplit::Replicated),
         };
         let mut adapter = |name: &str, shape: Vec<usize>, split, init| {
             d.push(ParamDecl {

@@ -240,10 +240,11 @@ impl GptModel {
         };
         let sp = tp.group.sequence_parallel();
         let comm: &dyn Communicator = tp.group.comm().as_ref();
-        let single = self.layout().single_contributor_params();
+        let mut summed = self.layout().single_contributor_params();
+        summed.extend(self.layout().partial_grad_params());
         for (i, (g, d)) in grads.iter_mut().zip(self.layout().decls()).enumerate() {
             // Frozen parameters have empty slices (and the same on every rank).
-            let partial = sp || d.role == ParamRole::Adapter || single.contains(&i);
+            let partial = sp || d.role == ParamRole::Adapter || summed.contains(&i);
             if d.split == TpSplit::Replicated && partial && !g.is_empty() {
                 comm.all_reduce(g, ferrotron_comm::ReduceOp::Sum)
                     .map_err(|e| ModelError::Comm(format!("tensor-parallel grads: {e}")))?;

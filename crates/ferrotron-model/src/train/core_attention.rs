@@ -161,11 +161,11 @@ impl CoreAttnOut {
         self.ctx.bytes() + self.lse.bytes()
     }
 
-    /// Bytes per token of [`CoreAttnOut`]: `a·d` (bf16 when `narrow`) + `a` f32 (in u128,
+    /// Bytes per token of [`CoreAttnOut`]: `a·dv` (bf16 when `narrow`) + `a` f32 (in u128,
     /// so no config overflows).
     pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
         let a = c.num_attention_heads as u128;
-        a * c.kv_channels as u128 * element_bytes(narrow) + a * 4
+        a * c.value_head_dim() as u128 * element_bytes(narrow) + a * 4
     }
 }
 

@@ -7,8 +7,8 @@
 //! ([`GptModel::forward`]) drops them as it goes.
 
 use super::TrainBatch;
-use super::attention::attention_forward;
-use super::core_attention::{CoreAttnOut, KeysValues};
+use super::attention::{AttnActs, attention_forward};
+use super::core_attention::KeysValues;
 use super::lora::PassDropout;
 use super::memory::Ledger;
 use super::mlp::{MlpActs, mlp_forward};
@@ -174,16 +174,9 @@ pub(crate) struct LayerActs {
     /// post-sublayer norms), all rows (gathered under sequence parallelism). Under parallel
     /// attention also the MLP's input.
     pub attn_in: Stored,
-    /// The q/k norms' inputs and statistics (`qk_layernorm`).
-    pub qk_norm: Option<QkNormActs>,
-    /// Queries after rope `[rows, a, d]`.
-    pub q: Stored,
-    /// Keys after rope `[rows, g, d]`.
-    pub k: Stored,
-    /// Values `[rows, g, d]`.
-    pub v: Stored,
-    /// Core attention's output; `None` under selective recompute (recomputed in the backward).
-    pub core_attn: Option<CoreAttnOut>,
+    /// Attention's activations: q/k/v, the q/k norms' or MLA's latents, core attention's
+    /// output (`None` under selective recompute).
+    pub attn: AttnActs,
     /// Attention's output `[local rows, h]` before `post_self_attn_layernorm`, and that
     /// norm's statistics (post-sublayer norms).
     pub post_attn: Option<(Buffer<f32>, NormStats)>,
@@ -214,7 +207,7 @@ pub(crate) struct QkNormActs {
 impl LayerActs {
     /// Bytes held (core attention's output included when kept).
     pub(crate) fn bytes(&self) -> u128 {
-        let stored = [&self.attn_in, &self.q, &self.k, &self.v];
+        let stored = [&self.attn_in];
         let stats = [&self.norm1, &self.norm2];
         let post = [&self.post_attn, &self.post_mlp];
         self.x.bytes()
@@ -232,16 +225,13 @@ impl LayerActs {
                 .flat_map(|p| p.as_ref())
                 .map(|(o, s)| o.bytes() + s.bytes())
                 .sum::<u128>()
-            + self.qk_norm.as_ref().map_or(0, |n| {
-                n.q.bytes() + n.k.bytes() + n.q_stats.bytes() + n.k_stats.bytes()
-            })
-            + self.core_attn.as_ref().map_or(0, CoreAttnOut::bytes)
+            + self.attn.bytes()
     }
 
     /// Bytes [`layer_forward`] saves per token, core attention's output excluded: f32 `x`
     /// (`h`), `x_mid` (`h`, unless parallel attention), each norm's statistics
     /// ([`NormStats::bytes_per_row`]), post-sublayer norm inputs (`2h`) and q/k norm inputs
-    /// (`(a + g)·d`); in the saved dtype (bf16 when `narrow`) the linears' inputs `attn_in`
+    /// (`(a + g)·d`), MLA's latents; in the saved dtype (bf16 when `narrow`) the linears' inputs `attn_in`
     /// and `mlp_in` (`h` each, one under parallel attention), `q, k, v` (`(a + 2g)·d`),
     /// `fc1` and `act`. In u128, so no config overflows.
     pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
@@ -266,10 +256,16 @@ impl LayerActs {
         } else {
             0
         };
+        // MLA's latents: each f32 with its `1/rms`, and normed in the saved dtype.
+        let latents = c.multi_latent_attention.map_or(0, |m| {
+            let latent = |w: usize| (4 + element_bytes(narrow)) * w as u128 + 4;
+            latent(m.kv_lora_rank) + m.q_lora_rank.map_or(0, latent)
+        });
         4 * copies * h
             + stats
             + post_inputs
             + qk
+            + latents
             + element_bytes(narrow) * (copies * h + (a + 2 * g) * d + fc1 + f)
     }
 
@@ -519,11 +515,7 @@ pub(crate) fn layer_forward(
         x,
         norm1,
         attn_in: attn_in.stored,
-        qk_norm: attn.qk_norm,
-        q: attn.q,
-        k: attn.k,
-        v: attn.v,
-        core_attn: attn.core_attn,
+        attn,
         post_attn,
         x_mid,
         norm2,

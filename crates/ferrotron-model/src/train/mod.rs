@@ -40,6 +40,7 @@ pub(crate) mod forward;
 mod lora;
 mod loss;
 pub mod memory;
+mod mla;
 mod mlp;
 mod moe;
 pub use moe::MoeLosses;

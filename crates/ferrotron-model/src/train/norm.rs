@@ -70,6 +70,13 @@ impl<'m> NormLayer<'m> {
         }
     }
 
+    /// This norm with epsilon `eps` instead of the config's (multi-latent attention's
+    /// latent norms).
+    pub(crate) fn with_eps(mut self, eps: f32) -> Self {
+        self.eps = eps;
+        self
+    }
+
     /// A q/k norm whose full row is `full_width` features over the ranks of `tp` (a no-op
     /// without tensor parallelism).
     pub(crate) fn spanning(mut self, tp: Option<&'m TpInfo>, full_width: usize) -> Self {

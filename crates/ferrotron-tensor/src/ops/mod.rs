@@ -31,6 +31,6 @@ pub use layer_norm::{layer_norm, layer_norm_backward};
 pub use math::{dot, exp_in_place_normalizer, fast_exp, has_avx2_fma, has_avx512};
 pub use norm::{rms_norm, rms_norm_backward};
 pub use reduce::{argmax, top_k};
-pub use rope::{RopeScaling, RopeTable};
+pub use rope::{RopeScaling, RopeTable, RotaryLayout, YarnScaling};
 pub use softmax::{softmax_rows, softmax_rows_backward};
 pub use tile::{tile_rows_product, tile_update};

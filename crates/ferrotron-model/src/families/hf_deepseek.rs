@@ -1,0 +1,183 @@
+//! DeepSeek-V2's config keys (transformers 5.23 `configuration_deepseek_v2.py`, class
+//! defaults for absent keys): multi-latent attention into an [`MlaConfig`], the experts into a
+//! [`MoeConfig`], and back.
+//!
+//! transformers' in-tree `DeepseekV2TopkRouter` (what the fixtures match): f32 logits ->
+//! softmax over the experts -> top-k (`greedy`), or top-k within the `topk_group` best of
+//! `n_group` groups scored by their **max** expert (`group_limited_greedy`) -> times
+//! `routed_scaling_factor`, never renormalised: Megatron's `moe_router_pre_softmax` with
+//! [`GroupScore::Max`] and `moe_router_topk_scaling_factor`. It ignores `norm_topk_prob`
+//! (DeepSeek's remote code would renormalise and skip the scale; so do we not) and
+//! `moe_layer_freq` (the MoE layers are those from `first_k_dense_replace` on), and returns
+//! no balancing loss: `aux_loss_alpha` is kept as the coefficient a training config's
+//! `seq_aux_loss` (DeepSeek's `seq_aux`) would use.
+
+use super::hf_config::{opt_bool, opt_f64, opt_str, opt_usize, req_usize};
+use crate::config::field_error;
+use crate::{
+    ExpertGroups, GroupScore, LoadBalancing, MlaConfig, MoeConfig, Result, RouterConfig,
+    ScoreFunction, TransformerConfig,
+};
+use serde_json::{Map, Value, json};
+
+/// The multi-latent attention and MoE settings of a DeepSeek-V2 `config.json` with
+/// `num_layers` layers and `num_heads` query heads.
+///
+/// # Errors
+/// A key of the wrong type; `num_key_value_heads` other than the heads; a `topk_method`
+/// other than `greedy` / `group_limited_greedy`; groups missing for the latter; a
+/// `moe_layer_freq` other than 1 (transformers ignores it; DeepSeek's remote code does not);
+/// `first_k_dense_replace` leaving no MoE layer.
+pub(super) fn parse_deepseek(
+    obj: &Map<String, Value>,
+    num_layers: usize,
+    num_heads: usize,
+) -> Result<(MlaConfig, MoeConfig)> {
+    if opt_usize(obj, "num_key_value_heads")?.is_some_and(|g| g != num_heads) {
+        return Err(field_error(
+            "num_key_value_heads",
+            "multi-latent attention has one key/value head per query head",
+        ));
+    }
+    let mla = MlaConfig {
+        q_lora_rank: match obj.get("q_lora_rank") {
+            Some(Value::Null) => None,
+            _ => Some(opt_usize(obj, "q_lora_rank")?.unwrap_or(1536)),
+        },
+        kv_lora_rank: opt_usize(obj, "kv_lora_rank")?.unwrap_or(512),
+        qk_head_dim: opt_usize(obj, "qk_nope_head_dim")?.unwrap_or(128),
+        qk_pos_emb_head_dim: opt_usize(obj, "qk_rope_head_dim")?.unwrap_or(64),
+        v_head_dim: opt_usize(obj, "v_head_dim")?.unwrap_or(128),
+    };
+    if opt_usize(obj, "moe_layer_freq")?.is_some_and(|f| f != 1) {
+        return Err(field_error(
+            "moe_layer_freq",
+            "only 1 is supported (transformers' DeepseekV2 ignores it)",
+        ));
+    }
+    let num_experts = opt_usize(obj, "n_routed_experts")?.unwrap_or(64);
+    let expert_ffn = opt_usize(obj, "moe_intermediate_size")?.unwrap_or(1407);
+    let groups = match opt_str(obj, "topk_method")?.unwrap_or("greedy") {
+        "greedy" => None,
+        "group_limited_greedy" => Some(ExpertGroups {
+            num_groups: req_usize(obj, "n_group")?,
+            group_topk: req_usize(obj, "topk_group")?,
+            score: GroupScore::Max,
+        }),
+        other => {
+            return Err(field_error(
+                "topk_method",
+                format!("`{other}` is not supported (greedy, group_limited_greedy)"),
+            ));
+        }
+    };
+    let scale = opt_f64(obj, "routed_scaling_factor")?.unwrap_or(1.0) as f32;
+    let shared = opt_usize(obj, "n_shared_experts")?.unwrap_or(2);
+    let first_dense = opt_usize(obj, "first_k_dense_replace")?.unwrap_or(0);
+    let moe = MoeConfig {
+        router: RouterConfig {
+            num_experts,
+            topk: req_usize(obj, "num_experts_per_tok")?,
+            score_function: ScoreFunction::Softmax,
+            pre_softmax: true,
+            groups,
+            scaling_factor: (scale != 1.0).then_some(scale),
+        },
+        moe_ffn_hidden_size: expert_ffn,
+        layer_pattern: (0..num_layers).map(|l| l >= first_dense).collect(),
+        shared_expert_intermediate_size: (shared > 0).then_some(expert_ffn * shared),
+        shared_expert_gate: false,
+        load_balancing_type: match opt_bool(obj, "output_router_logits")? {
+            // transformers' DeepseekV2 computes no balancing loss; a training run that sets
+            // `output_router_logits` asks for DeepSeek's own.
+            Some(true) => LoadBalancing::SeqAuxLoss,
+            _ => LoadBalancing::None,
+        },
+        aux_loss_coeff: opt_f64(obj, "aux_loss_alpha")?.unwrap_or(0.001) as f32,
+        z_loss_coeff: None,
+        capacity: None,
+        token_dispatcher: Default::default(),
+    };
+    Ok((mla, moe))
+}
+
+/// Writes `c`'s multi-latent attention and MoE keys as DeepSeek-V2's config spells them.
+///
+/// # Errors
+/// What the family cannot express, naming the field: no MLA or no MoE layers, a routing rule
+/// other than pre-softmax top-k (optionally max-grouped and scaled), a shared expert whose
+/// width is not a multiple of the experts', a gated shared expert, dense layers anywhere but
+/// first.
+pub(super) fn insert_deepseek_fields(
+    obj: &mut Map<String, Value>,
+    c: &TransformerConfig,
+) -> Result<()> {
+    let arch = c.family.hf_architecture();
+    let bad = |field: &str, why: &str| Err(field_error(field, format!("{arch}: {why}")));
+    let (Some(mla), Some(moe)) = (&c.multi_latent_attention, &c.moe) else {
+        return bad("multi_latent_attention", "needs MLA and MoE layers");
+    };
+    let r = &moe.router;
+    let max_groups = r.groups.is_none_or(|g| g.score == GroupScore::Max);
+    if r.score_function != ScoreFunction::Softmax || !r.pre_softmax || !max_groups {
+        return bad(
+            "moe_router_pre_softmax",
+            "routes by softmax then top-k (groups scored by their max expert)",
+        );
+    }
+    let f = moe.moe_ffn_hidden_size;
+    let shared = match moe.shared_expert_intermediate_size {
+        None => 0,
+        Some(w) if w % f == 0 => w / f,
+        Some(_) => {
+            return bad(
+                "moe_shared_expert_intermediate_size",
+                "the shared experts' width is n_shared_experts x moe_intermediate_size",
+            );
+        }
+    };
+    if moe.shared_expert_gate {
+        return bad("moe_shared_expert_gate", "the shared experts are ungated");
+    }
+    let first_dense = moe.layer_pattern.iter().take_while(|m| !**m).count();
+    if moe.layer_pattern[first_dense..].contains(&false) {
+        return bad(
+            "moe_layer_freq",
+            "dense layers come first (first_k_dense_replace)",
+        );
+    }
+    let (method, n_group, topk_group) = match r.groups {
+        Some(g) => (
+            "group_limited_greedy",
+            json!(g.num_groups),
+            json!(g.group_topk),
+        ),
+        None => ("greedy", Value::Null, Value::Null),
+    };
+    let f32_json = |x: f32| json!(x.to_string().parse::<f64>().unwrap_or(f64::from(x)));
+    let fields = json!({
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_head_dim,
+        "qk_rope_head_dim": mla.qk_pos_emb_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "qk_head_dim": mla.query_head_dim(),
+        "head_dim": mla.qk_pos_emb_head_dim,
+        "n_routed_experts": r.num_experts,
+        "num_experts_per_tok": r.topk,
+        "moe_intermediate_size": f,
+        "n_shared_experts": shared,
+        "first_k_dense_replace": first_dense,
+        "topk_method": method,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": f32_json(r.scaling_factor.unwrap_or(1.0)),
+        "norm_topk_prob": false,
+        "aux_loss_alpha": f32_json(moe.aux_loss_coeff),
+        "output_router_logits": moe.load_balancing_type != LoadBalancing::None,
+    });
+    if let Value::Object(fields) = fields {
+        obj.extend(fields);
+    }
+    Ok(())
+}
