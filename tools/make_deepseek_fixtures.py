@@ -5,7 +5,8 @@ other MoE families (``config.json`` / ``model.safetensors`` / ``reference.safete
 ``aux_grads.safetensors``; see that script's and ``make_family_fixtures.py``'s docstrings).
 
 Both use multi-latent attention (MLA) with deliberately unequal head dims (``qk_nope_head_dim`` 12,
-``qk_rope_head_dim`` 8, ``v_head_dim`` 10) so a mixed-up split cannot pass, RoPE on the 8-dim slice with
+``qk_rope_head_dim`` 8, ``v_head_dim`` 10, or 24 for the lite one: values narrower and wider than the
+queries' 20) so a mixed-up split cannot pass, RoPE on the 8-dim slice with
 interleaved pairs, one shared ``k_pe`` head, shared experts (one ungated MLP of width
 ``moe_intermediate_size·n_shared_experts``) and ``first_k_dense_replace`` 1 (layer 0 a dense MLP).
 
@@ -46,12 +47,12 @@ BASE = {
 }
 
 
-def check_layer(model, q_lora: bool) -> None:
+def check_layer(model, q_lora: bool, v_head_dim: int) -> None:
     attn = model.model.layers[0].self_attn
     assert (attn.q_a_proj is not None) == q_lora and (attn.q_proj is None) == q_lora
     assert attn.kv_a_proj_with_mqa.weight.shape == (16 + 8, 48)
-    assert attn.kv_b_proj.weight.shape == (4 * (12 + 10), 16)
-    assert attn.o_proj.weight.shape == (48, 4 * 10)
+    assert attn.kv_b_proj.weight.shape == (4 * (12 + v_head_dim), 16)
+    assert attn.o_proj.weight.shape == (48, 4 * v_head_dim)
     assert not hasattr(model.model.layers[0].mlp, "gate") and hasattr(model.model.layers[1].mlp, "gate")
 
 
@@ -63,7 +64,7 @@ def tiny_deepseek_v2() -> None:
                           q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
                           topk_method="group_limited_greedy", routed_scaling_factor=2.5)
     model = moe.build(DeepseekV2ForCausalLM, cfg, seed=24)
-    check_layer(model, q_lora=True)
+    check_layer(model, q_lora=True, v_head_dim=10)
     rotary = model.model.rotary_emb
     assert abs(rotary.attention_scaling - 1.0) > 1e-3, rotary.attention_scaling
     assert abs(model.model.layers[0].self_attn.scaling * 20**0.5 - 1.0) > 1e-3
@@ -73,10 +74,10 @@ def tiny_deepseek_v2() -> None:
 
 
 def tiny_deepseek_v2_lite() -> None:
-    cfg = fam.make_config(DeepseekV2Config, **BASE, q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2,
-                          topk_method="greedy", routed_scaling_factor=1.0)
+    cfg = fam.make_config(DeepseekV2Config, **{**BASE, "v_head_dim": 24}, q_lora_rank=None, n_routed_experts=6,
+                          num_experts_per_tok=2, topk_method="greedy", routed_scaling_factor=1.0)
     model = moe.build(DeepseekV2ForCausalLM, cfg, seed=25)
-    check_layer(model, q_lora=False)
+    check_layer(model, q_lora=False, v_head_dim=24)
     out = moe.finish("tiny-deepseek-v2-lite", lambda: moe.build(DeepseekV2ForCausalLM, cfg, seed=25), seed=125)
     moe.check_experts_on_disk(out, 6)
     moe.aux_grads(out, topk=2)

@@ -82,7 +82,9 @@ fn families_hf_to_ckpt_to_hf_is_bit_exact() {
 }
 
 /// The MoE families (experts stacked per layer, split over tensor-parallel ranks by every
-/// expert's gate and up blocks), at tp 2 and pp 2 where the layers divide.
+/// expert's gate and up blocks; DeepSeek-V2's multi-latent attention, its up projections
+/// split by heads, the down projections and latent norms replicated), at tp 2 and pp 2 where
+/// the layers divide.
 #[test]
 fn moe_families_hf_to_ckpt_to_hf_is_bit_exact() {
     let tmp = tempfile::tempdir().unwrap();
@@ -90,6 +92,8 @@ fn moe_families_hf_to_ckpt_to_hf_is_bit_exact() {
         ("tiny-mixtral", true),
         ("tiny-qwen2-moe", false),
         ("tiny-olmoe", true),
+        ("tiny-deepseek-v2-lite", true),
+        ("tiny-deepseek-v2", false),
     ] {
         round_trip(tmp.path(), name, 2, 1);
         if pipeline {

@@ -3,20 +3,22 @@
 //! request reproduces `generate`), and a ragged batch of sequences — decode rows beside
 //! prompt chunks that start after cached tokens, blocks scattered over the pool — gives each
 //! sequence its solo logits within float rounding. LLaMA (GQA), Mistral (sliding window),
-//! Bloom (ALiBi), Qwen2 (biases), Mixtral and Qwen2-MoE (MoE layers, a shared expert).
+//! Bloom (ALiBi), Qwen2 (biases), Mixtral and Qwen2-MoE (MoE layers, a shared expert),
+//! DeepSeek-V2 (multi-latent attention, its keys and values cached per head).
 
 use ferrotron_model::{GptModel, KvCache, LogitsMode, PagedKvCache, RaggedBatch, RaggedSeq};
 
 mod common;
 use common::{fixture, tokens};
 
-const FAMILIES: [&str; 6] = [
+const FAMILIES: [&str; 7] = [
     "tiny-llama",
     "tiny-mistral",
     "tiny-bloom",
     "tiny-qwen2",
     "tiny-mixtral",
     "tiny-qwen2-moe",
+    "tiny-deepseek-v2",
 ];
 const BLOCK: usize = 4;
 

@@ -1,4 +1,5 @@
-//! The MoE families (Mixtral, Qwen2-MoE, OLMoE, the committed tiny fixtures) train exactly
+//! The MoE families (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V2 and V2-Lite with multi-latent
+//! attention, the committed tiny fixtures) train exactly
 //! under the parallel layouts with their balancing losses on (Megatron's `aux_loss` at the
 //! fixture's `router_aux_loss_coef` and a z-loss): tp 2 (the experts' widths split, Megatron's
 //! expert tensor parallelism at `expert_tensor_parallel_size` = tp) with and without sequence
@@ -204,6 +205,20 @@ fn qwen2_moe_dense_layer_and_shared_expert() {
 #[test]
 fn olmoe() {
     moe_layouts_match_one_rank("tiny-olmoe", true);
+}
+
+/// Multi-latent attention under tensor parallelism (up projections split by heads, the
+/// replicated down projections' and latent norms' partial gradients summed), with and
+/// without sequence parallelism, beside max-grouped, scaled routing and shared experts.
+#[test]
+fn deepseek_v2_multi_latent_attention() {
+    moe_layouts_match_one_rank("tiny-deepseek-v2", false);
+}
+
+/// V2-Lite: queries projected directly, greedy routing; pipeline layouts too.
+#[test]
+fn deepseek_v2_lite() {
+    moe_layouts_match_one_rank("tiny-deepseek-v2-lite", true);
 }
 
 /// bf16 weights with fp32 master weights: the Mixtral fixture's losses track the f32 run's

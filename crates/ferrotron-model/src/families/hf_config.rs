@@ -116,7 +116,7 @@ pub fn parse_hf_config(value: &Value) -> Result<HfModelInfo> {
         config.kv_channels = mla.attention_head_dim();
         config.rotary_interleaved = true;
         config.multi_latent_attention = Some(mla);
-        config.moe = Some(moe);
+        config.moe = moe;
     } else {
         config.moe = super::hf_moe::parse_moe(obj, family, config.num_layers)?;
     }

@@ -26,13 +26,13 @@ use serde_json::{Map, Value, json};
 /// # Errors
 /// A key of the wrong type; `num_key_value_heads` other than the heads; a `topk_method`
 /// other than `greedy` / `group_limited_greedy`; groups missing for the latter; a
-/// `moe_layer_freq` other than 1 (transformers ignores it; DeepSeek's remote code does not);
-/// `first_k_dense_replace` leaving no MoE layer.
+/// `moe_layer_freq` other than 1 (transformers ignores it; DeepSeek's remote code does not).
+/// `first_k_dense_replace` at or past the layers is an all-dense model (no MoE settings).
 pub(super) fn parse_deepseek(
     obj: &Map<String, Value>,
     num_layers: usize,
     num_heads: usize,
-) -> Result<(MlaConfig, MoeConfig)> {
+) -> Result<(MlaConfig, Option<MoeConfig>)> {
     if opt_usize(obj, "num_key_value_heads")?.is_some_and(|g| g != num_heads) {
         return Err(field_error(
             "num_key_value_heads",
@@ -74,6 +74,10 @@ pub(super) fn parse_deepseek(
     let scale = opt_f64(obj, "routed_scaling_factor")?.unwrap_or(1.0) as f32;
     let shared = opt_usize(obj, "n_shared_experts")?.unwrap_or(2);
     let first_dense = opt_usize(obj, "first_k_dense_replace")?.unwrap_or(0);
+    if first_dense >= num_layers {
+        // Every layer dense: no MoE settings to keep.
+        return Ok((mla, None));
+    }
     let moe = MoeConfig {
         router: RouterConfig {
             num_experts,
@@ -98,13 +102,13 @@ pub(super) fn parse_deepseek(
         capacity: None,
         token_dispatcher: Default::default(),
     };
-    Ok((mla, moe))
+    Ok((mla, Some(moe)))
 }
 
 /// Writes `c`'s multi-latent attention and MoE keys as DeepSeek-V2's config spells them.
 ///
 /// # Errors
-/// What the family cannot express, naming the field: no MLA or no MoE layers, a routing rule
+/// What the family cannot express, naming the field: no MLA, a routing rule
 /// other than pre-softmax top-k (optionally max-grouped and scaled), a shared expert whose
 /// width is not a multiple of the experts', a gated shared expert, dense layers anywhere but
 /// first.
@@ -114,9 +118,35 @@ pub(super) fn insert_deepseek_fields(
 ) -> Result<()> {
     let arch = c.family.hf_architecture();
     let bad = |field: &str, why: &str| Err(field_error(field, format!("{arch}: {why}")));
-    let (Some(mla), Some(moe)) = (&c.multi_latent_attention, &c.moe) else {
-        return bad("multi_latent_attention", "needs MLA and MoE layers");
+    let Some(mla) = &c.multi_latent_attention else {
+        return bad(
+            "multi_latent_attention",
+            "every layer has multi-latent attention",
+        );
     };
+    let mut fields = json!({
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_head_dim,
+        "qk_rope_head_dim": mla.qk_pos_emb_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "qk_head_dim": mla.query_head_dim(),
+        "head_dim": mla.qk_pos_emb_head_dim,
+        "first_k_dense_replace": c.num_layers,
+    });
+    if let Some(moe) = &c.moe {
+        insert_moe(&mut fields, moe, c)?;
+    }
+    if let Value::Object(fields) = fields {
+        obj.extend(fields);
+    }
+    Ok(())
+}
+
+/// DeepSeek-V2's MoE keys of `moe` into `fields`.
+fn insert_moe(fields: &mut Value, moe: &MoeConfig, c: &TransformerConfig) -> Result<()> {
+    let arch = c.family.hf_architecture();
+    let bad = |field: &str, why: &str| Err(field_error(field, format!("{arch}: {why}")));
     let r = &moe.router;
     let max_groups = r.groups.is_none_or(|g| g.score == GroupScore::Max);
     if r.score_function != ScoreFunction::Softmax || !r.pre_softmax || !max_groups {
@@ -155,14 +185,7 @@ pub(super) fn insert_deepseek_fields(
         None => ("greedy", Value::Null, Value::Null),
     };
     let f32_json = |x: f32| json!(x.to_string().parse::<f64>().unwrap_or(f64::from(x)));
-    let fields = json!({
-        "q_lora_rank": mla.q_lora_rank,
-        "kv_lora_rank": mla.kv_lora_rank,
-        "qk_nope_head_dim": mla.qk_head_dim,
-        "qk_rope_head_dim": mla.qk_pos_emb_head_dim,
-        "v_head_dim": mla.v_head_dim,
-        "qk_head_dim": mla.query_head_dim(),
-        "head_dim": mla.qk_pos_emb_head_dim,
+    let moe_fields = json!({
         "n_routed_experts": r.num_experts,
         "num_experts_per_tok": r.topk,
         "moe_intermediate_size": f,
@@ -176,8 +199,77 @@ pub(super) fn insert_deepseek_fields(
         "aux_loss_alpha": f32_json(moe.aux_loss_coeff),
         "output_router_logits": moe.load_balancing_type != LoadBalancing::None,
     });
-    if let Value::Object(fields) = fields {
-        obj.extend(fields);
+    if let (Value::Object(fields), Value::Object(moe_fields)) = (fields, moe_fields) {
+        fields.extend(moe_fields);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{HfConfigInputs, hf_config_json, parse_hf_config};
+    use crate::GroupScore;
+    use ferrotron_tensor::DType;
+    use serde_json::{Value, json};
+
+    fn deepseek(extra: Value) -> Value {
+        let mut v = json!({"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "vocab_size": 100, "q_lora_rank": null, "kv_lora_rank": 8,
+            "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 12,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "n_shared_experts": 1, "first_k_dense_replace": 1});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    #[test]
+    fn routing_dense_layers_and_padded_heads() {
+        let v = deepseek(json!({"topk_method": "group_limited_greedy", "n_group": 4,
+            "topk_group": 2, "routed_scaling_factor": 16.0}));
+        let c = parse_hf_config(&v).unwrap().config;
+        let mla = c.multi_latent_attention.unwrap();
+        assert_eq!((mla.q_lora_rank, mla.query_head_dim()), (None, 10));
+        // Values wider than q/k: core attention runs at 12, q/k padded.
+        assert_eq!(c.kv_channels, 12);
+        assert!(c.rotary_interleaved);
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(moe.layer_pattern, vec![false, true, true]);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(16));
+        assert!(moe.router.pre_softmax && !moe.shared_expert_gate);
+        let groups = moe.router.groups.unwrap();
+        assert_eq!((groups.num_groups, groups.group_topk), (4, 2));
+        assert_eq!(groups.score, GroupScore::Max);
+        assert_eq!(moe.router.scaling_factor, Some(16.0));
+        let inputs = HfConfigInputs::default();
+        let written = hf_config_json(&c, &inputs, DType::F32).unwrap();
+        assert_eq!(parse_hf_config(&written).unwrap().config, c);
+    }
+
+    /// `first_k_dense_replace` at the layer count: a dense MLA model, written back as one.
+    #[test]
+    fn all_dense_layers_are_a_dense_model() {
+        let c = parse_hf_config(&deepseek(json!({"first_k_dense_replace": 3})))
+            .unwrap()
+            .config;
+        assert!(c.moe.is_none() && c.multi_latent_attention.is_some());
+        let written = hf_config_json(&c, &HfConfigInputs::default(), DType::F32).unwrap();
+        assert_eq!(written["first_k_dense_replace"], json!(3));
+        assert_eq!(parse_hf_config(&written).unwrap().config, c);
+    }
+
+    #[test]
+    fn unsupported_values_name_the_key() {
+        let err = |extra: Value| parse_hf_config(&deepseek(extra)).unwrap_err().to_string();
+        assert!(err(json!({"topk_method": "noaux_tc"})).contains("topk_method"));
+        assert!(err(json!({"topk_method": "group_limited_greedy"})).contains("n_group"));
+        assert!(err(json!({"moe_layer_freq": 2})).contains("moe_layer_freq"));
+        assert!(err(json!({"num_key_value_heads": 2})).contains("num_key_value_heads"));
+        assert!(err(json!({"qk_rope_head_dim": 3})).contains("qk_pos_emb_head_dim"));
+        assert!(err(json!({"num_experts_per_tok": 9})).contains("moe_router_topk"));
+        let yarn = json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}});
+        assert!(err(yarn).contains("rope_parameters.factor"));
+    }
 }

@@ -337,7 +337,9 @@ impl HfNames {
                 format!("{arch} has{has} multi-latent attention"),
             ));
         }
-        if self.moe.is_some() && c.moe.is_none() {
+        // DeepSeek-V2 states an all-dense model (`first_k_dense_replace` = the layers); the
+        // other families' configs always build their experts.
+        if self.moe.is_some() && c.moe.is_none() && self.mla.is_none() {
             return Err(field_error("moe", format!("{arch} has MoE layers")));
         }
         if let Some(moe) = &c.moe {

@@ -237,13 +237,15 @@ mod tests {
     fn replay_matches_the_real_pass() {
         // Qwen2 (biases), and the switches that change what a layer keeps: LayerNorm with a
         // non-gated MLP (StarCoder2), post-sublayer and q/k norms (OLMo2), parallel
-        // attention (Falcon), the embedding norm (Bloom).
+        // attention (Falcon), the embedding norm (Bloom), multi-latent attention's latents
+        // and padded heads (DeepSeek-V2, its MLPs dense).
         for name in [
             "tiny-qwen2",
             "tiny-starcoder2",
             "tiny-olmo2",
             "tiny-falcon",
             "tiny-bloom",
+            "tiny-deepseek-v2",
         ] {
             for dtype in [DType::F32, DType::BF16] {
                 replay_matches_the_real_pass_in(name, dtype);
@@ -259,6 +261,8 @@ mod tests {
         // Four layers, so uniform 3 leaves a short last group.
         let mut config = loaded.config().clone();
         config.num_layers = 4;
+        // MoE layers are not in the formula: DeepSeek-V2's attention with dense MLPs.
+        config.moe = None;
         let init = crate::InitConfig {
             params_dtype: dtype,
             ..Default::default()

@@ -16,8 +16,10 @@ pub struct FlopsModel {
     pub matmul_weights: u64,
     /// `v·h`, the logits' GEMM (the output layer, or the tied embedding).
     pub logit_weights: u64,
-    /// `num_layers · a · d`: the width of core attention's `QKᵀ` and `AV` products, summed
-    /// over the layers (each costs `2·s·a·d` FLOPs per token and layer).
+    /// `num_layers · a · (d_qk + d_v)`: the widths of core attention's `QKᵀ` (`d_qk`) and
+    /// `AV` (`d_v`) products, summed over the layers; each costs `2·s·a·d_x` FLOPs per
+    /// token (`d_qk = d_v = d`, but multi-latent attention's `qk_head_dim +
+    /// qk_pos_emb_head_dim` and `v_head_dim`).
     pub attention_width: u64,
     /// Elements of the LoRA adapter matrices (0 without LoRA).
     pub adapter_weights: u64,
@@ -38,12 +40,20 @@ impl From<&TransformerConfig> for FlopsModel {
         FlopsModel {
             matmul_weights: (layout.matmul_weight_elements() - inactive_experts(c, &layout)) as u64,
             logit_weights: (c.vocab_size * c.hidden_size) as u64,
-            attention_width: (c.num_layers * c.num_attention_heads * c.kv_channels) as u64,
+            attention_width: attention_width(c),
             adapter_weights: adapters.map(|i| layout.decls()[i].numel() as u64).sum(),
             frozen_base: c.lora.is_some(),
             reference_forward: false,
         }
     }
+}
+
+/// [`FlopsModel::attention_width`] of `c`.
+fn attention_width(c: &TransformerConfig) -> u64 {
+    let d_qk = c
+        .multi_latent_attention
+        .map_or(c.kv_channels, |m| m.query_head_dim());
+    (c.num_layers * c.num_attention_heads * (d_qk + c.value_head_dim())) as u64
 }
 
 /// Elements of the routed experts a token does not go through: `(E - k) / E` of every MoE
@@ -82,7 +92,7 @@ fn inactive_experts(c: &TransformerConfig, layout: &ModelLayout) -> usize {
 pub fn num_floating_point_operations(m: &FlopsModel, batch_size: u64, seq_length: u64) -> f64 {
     let s = seq_length as f64;
     let base = 2.0 * m.matmul_weights as f64 + 2.0 * m.logit_weights as f64;
-    let attention = 4.0 * s * m.attention_width as f64;
+    let attention = 2.0 * s * m.attention_width as f64;
     let adapters = 2.0 * m.adapter_weights as f64;
     let weight_grads = if m.frozen_base { 0.0 } else { base };
     let mut per_token = (base + adapters + attention) // forward
