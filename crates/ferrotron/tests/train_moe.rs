@@ -3,7 +3,8 @@
 //! `metrics.jsonl` carry `load_balancing_loss` / `z_loss`; expert parallelism 2 over dp 2
 //! in-process and 4 `mpirun` processes (ep 4) give the single rank's training and validation
 //! losses; the expert-parallel run's checkpoint converts back to an HF Mixtral that validates
-//! as the single rank's does.
+//! as the single rank's does. DeepSeek-V2 (multi-latent attention) the same under tp 2 with
+//! sequence parallelism and ep 2.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +12,14 @@ mod common;
 use common::{ferrotron, metrics_losses, text, tiny_corpus};
 
 fn config(dir: &Path, prefix: &Path, out: &str) -> PathBuf {
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-mixtral");
+    config_of("tiny-mixtral", dir, prefix, out)
+}
+
+/// A 4-iteration run of fixture `model` with its balancing losses on.
+fn config_of(model: &str, dir: &Path, prefix: &Path, out: &str) -> PathBuf {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(model);
     let cfg = dir.join(format!("{out}.toml"));
     std::fs::write(
         &cfg,
@@ -117,8 +125,44 @@ fn expert_parallel_runs_match_one_rank_and_convert_back() {
     assert_close("ep2 export vs single export", ep2, single);
 }
 
+/// DeepSeek-V2 (multi-latent attention, grouped routing, shared experts) from its HF
+/// directory: tensor parallel 2 with sequence parallelism and expert parallel 2 over data
+/// parallel 2 give the single rank's run, and the checkpoint converts back to an HF
+/// DeepseekV2 that validates as the single rank's does.
+#[test]
+fn deepseek_v2_trains_under_tp_sp_and_ep_and_converts_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let cfg = |out: &str| config_of("tiny-deepseek-v2", tmp.path(), &prefix, out);
+    let log = train(&cfg("ds-single"), &[]);
+    assert!(log.contains("| load_balancing_loss: "), "{log}");
+    let set = |kv: &'static str| ["--set", kv];
+    let tp: Vec<&str> = [
+        set("parallel.tensor_model_parallel_size=2"),
+        set("parallel.sequence_parallel=true"),
+    ]
+    .concat();
+    train(&cfg("ds-tp2"), &tp);
+    assert_same_run("deepseek tp2 sp", tmp.path(), "ds-tp2", "ds-single");
+    let ep: Vec<&str> = [
+        set("parallel.data_parallel_size=2"),
+        set("parallel.expert_model_parallel_size=2"),
+    ]
+    .concat();
+    train(&cfg("ds-ep2"), &ep);
+    assert_same_run("deepseek ep2 x dp2", tmp.path(), "ds-ep2", "ds-single");
+    let single = exported_validation_of("tiny-deepseek-v2", tmp.path(), &prefix, "ds-single");
+    let ep2 = exported_validation_of("tiny-deepseek-v2", tmp.path(), &prefix, "ds-ep2");
+    assert_close("deepseek ep2 export vs single export", ep2, single);
+}
+
 /// The validation loss of run `run`'s checkpoint converted to HF.
 fn exported_validation(dir: &Path, prefix: &Path, run: &str) -> f64 {
+    exported_validation_of("tiny-mixtral", dir, prefix, run)
+}
+
+/// [`exported_validation`] of a run of fixture `model`.
+fn exported_validation_of(model: &str, dir: &Path, prefix: &Path, run: &str) -> f64 {
     let hf = dir.join(format!("{run}-hf"));
     let ckpt = dir.join(format!("{run}-ckpt"));
     let o = ferrotron(&[
@@ -132,10 +176,20 @@ fn exported_validation(dir: &Path, prefix: &Path, run: &str) -> f64 {
     assert!(o.status.success(), "{}", text(&o).1);
     let config_json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
-    assert_eq!(config_json["architectures"][0], "MixtralForCausalLM");
+    let want: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fixtures")
+                .join(model)
+                .join("config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config_json["architectures"], want["architectures"]);
     let load = format!("model.load={:?}", hf.to_str().unwrap());
     let valid_run = format!("{run}-hf-valid");
-    let cfg = config(dir, prefix, &valid_run);
+    let cfg = config_of(model, dir, prefix, &valid_run);
     train(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
     metrics_losses(&dir.join(valid_run))
         .into_iter()
