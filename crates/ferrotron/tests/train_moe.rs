@@ -156,6 +156,127 @@ fn deepseek_v2_trains_under_tp_sp_and_ep_and_converts_back() {
     assert_close("deepseek ep2 export vs single export", ep2, single);
 }
 
+/// A DeepSeek-V2 built from `[model]`, `[mla]` (query latent, YaRN) and `[moe]` (grouped,
+/// scaled, pre-softmax routing; shared expert; a dense first layer): its loss falls, and its
+/// checkpoint converts to an HF DeepseekV2 with the same MLA and routing keys.
+#[test]
+fn deepseek_v2_from_scratch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prefix = tiny_corpus(tmp.path());
+    let (out, ckpt) = (tmp.path().join("scratch"), tmp.path().join("scratch-ckpt"));
+    let cfg = tmp.path().join("scratch.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]
+family = \"deepseek_v2\"
+num_layers = 3
+hidden_size = 48
+\
+             num_attention_heads = 4
+vocab_size = 112
+seq_length = 16
+ffn_hidden_size = 64
+\
+             [mla]
+multi_latent_attention = true
+q_lora_rank = 24
+kv_lora_rank = 16
+\
+             qk_head_dim = 12
+qk_pos_emb_head_dim = 8
+v_head_dim = 10
+\
+             original_max_position_embeddings = 8
+rotary_scaling_factor = 4.0
+\
+             mscale = 0.707
+mscale_all_dim = 0.707
+\
+             [moe]
+num_experts = 8
+moe_router_topk = 2
+moe_ffn_hidden_size = 16
+\
+             moe_layer_freq = [0, 1, 1]
+moe_router_pre_softmax = true
+\
+             moe_router_num_groups = 4
+moe_router_group_topk = 2
+moe_router_group_score = \"max\"
+\
+             moe_router_topk_scaling_factor = 2.5
+moe_shared_expert_intermediate_size = 32
+\
+             moe_aux_loss_coeff = 1e-3
+moe_router_load_balancing_type = \"seq_aux_loss\"
+\
+             [data]
+data_path = {:?}
+split = \"90,10,0\"
+data_cache_path = {:?}
+\
+             [training]
+micro_batch_size = 2
+global_batch_size = 4
+train_iters = 8
+\
+             log_interval = 1
+eval_interval = 8
+eval_iters = 1
+\
+             [optimizer]
+lr = 3e-3
+min_lr = 3e-4
+lr_warmup_iters = 1
+\
+             [checkpoint]
+save = {:?}
+[logging]
+output_dir = {:?}
+tensorboard = false
+",
+            prefix.to_str().unwrap(),
+            tmp.path().join("cache").to_str().unwrap(),
+            ckpt.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ),
+    )
+    .unwrap();
+    let log = train(&cfg, &[]);
+    assert!(log.contains("| load_balancing_loss: "), "{log}");
+    let losses: Vec<f64> = metrics_losses(&out)
+        .into_iter()
+        .filter(|l| l.0 == "train")
+        .map(|l| l.2)
+        .collect();
+    assert!(losses[losses.len() - 1] < losses[0], "{losses:?}");
+    let hf = tmp.path().join("scratch-hf");
+    let o = ferrotron(&[
+        "convert",
+        "ckpt-to-hf",
+        "--ckpt",
+        ckpt.to_str().unwrap(),
+        "--output",
+        hf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o).1);
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(c["architectures"][0], "DeepseekV2ForCausalLM");
+    assert_eq!(
+        (&c["q_lora_rank"], &c["kv_lora_rank"], &c["v_head_dim"]),
+        (
+            &serde_json::json!(24),
+            &serde_json::json!(16),
+            &serde_json::json!(10)
+        )
+    );
+    assert_eq!(c["topk_method"], "group_limited_greedy");
+    assert_eq!(c["first_k_dense_replace"], 1);
+    assert_eq!(c["rope_parameters"]["rope_type"], "yarn");
+}
+
 /// The validation loss of run `run`'s checkpoint converted to HF.
 fn exported_validation(dir: &Path, prefix: &Path, run: &str) -> f64 {
     exported_validation_of("tiny-mixtral", dir, prefix, run)

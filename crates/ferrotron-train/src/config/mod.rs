@@ -6,6 +6,7 @@
 //! [`RunConfig::from_raw`] checks everything and derives the values the trainer uses. Both steps
 //! collect *every* problem and report them together in one [`ConfigError`], each naming its key.
 
+mod mla;
 mod moe;
 pub(crate) mod requirements;
 mod sections;
@@ -14,6 +15,7 @@ mod types;
 mod validate;
 mod values;
 
+pub use mla::{MlaSection, MlaSettings};
 pub use moe::{MoeLayerFreq, MoeOptions, MoeSection, MoeSettings};
 pub use sections::{
     BlendItem, CheckpointSection, DataPath, DataSection, DpoSection, LoggingSection, LoraSection,
@@ -207,6 +209,7 @@ pub fn parse_raw(text: &str, overrides: &[String]) -> Result<RawConfig, ConfigEr
         dpo: section_from_table("dpo", take("dpo"), &mut problems),
         reward: section_from_table("reward", take("reward"), &mut problems),
         moe: section_from_table("moe", take("moe"), &mut problems),
+        mla: section_from_table("mla", take("mla"), &mut problems),
     };
     if problems.is_empty() {
         Ok(raw)

@@ -67,7 +67,8 @@ section! {
         load: Option<PathBuf> = None,
         /// Architecture family of a model built from the keys below, by its HF `model_type`:
         /// llama, mistral, qwen2, olmo, olmo2, gemma, phi3, starcoder2, falcon, bloom, or the
-        /// MoE families mixtral, qwen2_moe and olmoe (with `[moe]`). It
+        /// MoE families mixtral, qwen2_moe and olmoe (with `[moe]`), or deepseek_v2 (with
+        /// `[mla]`, and `[moe]` for its experts). It
         /// fixes the skeleton's switches (norm kind, gated MLP and activation, position
         /// embedding, parallel attention, extra norms, biases) as that family's HF modeling
         /// code does. Unset with `load`. Default: llama.
@@ -416,6 +417,8 @@ pub struct RawConfig {
     pub reward: RewardSection,
     /// `[moe]`.
     pub moe: super::moe::MoeSection,
+    /// `[mla]`.
+    pub mla: super::mla::MlaSection,
 }
 
 /// `(section, keys)` for every section, in file order.
@@ -434,5 +437,9 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
     (
         super::moe::MoeSection::SECTION,
         super::moe::MoeSection::KEYS,
+    ),
+    (
+        super::mla::MlaSection::SECTION,
+        super::mla::MlaSection::KEYS,
     ),
 ];

@@ -147,6 +147,8 @@ pub struct RunConfig {
     pub reward: Option<crate::trainer::RewardOptions>,
     /// `[moe]`: the MoE layers of a model built from `[model]`, or options for a loaded one.
     pub moe: super::MoeSettings,
+    /// `[mla]`: multi-latent attention of a model built from `[model]`.
+    pub mla: Option<super::MlaSettings>,
 }
 
 impl RunConfig {

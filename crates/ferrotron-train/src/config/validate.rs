@@ -49,6 +49,11 @@ impl RunConfig {
             ModelSource::Load(_) => None,
         };
         let moe = super::moe::moe_settings(&r.moe, dims.is_none(), dims, &mut p);
+        let family = match &model {
+            ModelSource::Explicit(d) => Some(d.family),
+            ModelSource::Load(_) => None,
+        };
+        let mla = super::mla::mla_settings(&r.mla, family.is_none(), family, &mut p);
         checkpoint(&r.checkpoint, &mut p);
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
@@ -77,6 +82,7 @@ impl RunConfig {
             dpo,
             reward,
             moe,
+            mla,
         })
     }
 }

@@ -225,6 +225,14 @@ fn from_scratch(
     config.rotary_base = m.rotary_base as f32;
     config.untie_embeddings_and_output_weights = m.untie_embeddings_and_output_weights;
     config.moe = rc.moe.build.clone();
+    if let Some(mla) = &rc.mla {
+        // MLA's core attention: one head per query head at the padded head dim.
+        config.multi_latent_attention = Some(mla.config);
+        config.kv_channels = mla.config.attention_head_dim();
+        config.num_query_groups = config.num_attention_heads;
+        config.rotary_interleaved = true;
+        config.rope_scaling = mla.rope_scaling.clone();
+    }
     config.validate().context("[model]")?;
     let init = InitConfig {
         seed: rc.resolved.training.seed,

@@ -78,3 +78,43 @@ fn bad_moe_settings_name_their_key() {
     );
     assert!(!has(&p, "moe_aux_loss_coeff"), "{p:?}");
 }
+
+#[test]
+fn mla_section_builds_multi_latent_attention_with_megatron_defaults() {
+    let dir = data_dir();
+    let text = format!(
+        "{}\n[mla]\nmulti_latent_attention = true\nq_lora_rank = 32\nkv_lora_rank = 16\n\
+         qk_head_dim = 12\nqk_pos_emb_head_dim = 8\nv_head_dim = 10\n\
+         mscale_all_dim = 0.707\n",
+        minimal(dir.path()).replace("[model]\n", "[model]\nfamily = \"deepseek_v2\"\n")
+    );
+    let rc = RunConfig::from_toml_str(&text, &[]).unwrap();
+    let mla = rc.mla.unwrap();
+    assert_eq!(mla.config.q_lora_rank, Some(32));
+    assert_eq!(mla.config.attention_head_dim(), 20);
+    let ferrotron_tensor::ops::RopeScaling::Yarn(y) = mla.rope_scaling else {
+        panic!("Megatron's MLA rope is YaRN by default");
+    };
+    assert_eq!((y.factor, y.original_max_position_embeddings), (40.0, 4096));
+    assert_eq!(y.mscale_all_dim, Some(0.707));
+}
+
+#[test]
+fn bad_mla_settings_name_their_key() {
+    let dir = data_dir();
+    let with = |mla: &str| format!("{}\n[mla]\n{mla}\n", minimal(dir.path()));
+    let p = problems(&with("kv_lora_rank = 8"), &[]);
+    assert!(has(&p, "mla.multi_latent_attention = true"), "{p:?}");
+    let p = problems(&with("multi_latent_attention = true"), &[]);
+    assert!(has(&p, "model.family = \"deepseek_v2\""), "{p:?}");
+    let p = problems(
+        &with("multi_latent_attention = true\nrope_type = \"ntk\""),
+        &[],
+    );
+    assert!(has(&p, "mla.rope_type"), "{p:?}");
+    let p = problems(
+        &with("multi_latent_attention = true\nrotary_scaling_factor = 0.0"),
+        &[],
+    );
+    assert!(has(&p, "mla.rotary_scaling_factor"), "{p:?}");
+}
