@@ -158,8 +158,11 @@ impl GptModel {
             local.vocab_size = tp.padded_vocab / t;
             if let Some(moe) = local.moe.as_mut() {
                 // Megatron's expert tensor parallelism (`expert_tensor_parallel_size` = tp):
-                // each expert's and the shared expert's inner width split.
-                moe.moe_ffn_hidden_size /= t;
+                // each expert's inner width split (or whole at 1); the shared expert's
+                // always, as a dense MLP's.
+                if tp.experts == crate::module::ExpertTensorParallel::Split {
+                    moe.moe_ffn_hidden_size /= t;
+                }
                 moe.shared_expert_intermediate_size =
                     moe.shared_expert_intermediate_size.map(|f| f / t);
             }

@@ -179,6 +179,7 @@ impl GptModel {
             pre_process,
             post_process,
             experts: None,
+            expert_tp: Default::default(),
         };
         let layout = ModelLayout::new(c, c.vocab_size, &part);
         // Every parameter of the stage is the full model's of the same name.
@@ -219,10 +220,15 @@ impl GptModel {
                 pre_process: s.pre_process,
                 post_process: s.post_process,
                 experts: None,
+                expert_tp: Default::default(),
             },
             None => ModelPart::whole(self.config().num_layers),
         };
         part.experts = self.ep.as_ref().map(crate::ExpertParallel::shard);
+        part.expert_tp = self
+            .tp
+            .as_ref()
+            .map_or_else(Default::default, |t| t.experts);
         part
     }
 

@@ -10,6 +10,7 @@
 //! same weights, so they do not enter here.
 
 use ferrotron_comm::ProcessGroups;
+use ferrotron_model::module::ExpertTensorParallel;
 use ferrotron_model::{ExpertParallel, GptModel, ModelError, stage_layers, virtual_stage_layers};
 use ferrotron_nn::TensorParallel;
 use std::borrow::Cow;
@@ -31,6 +32,9 @@ pub struct ParallelizeOptions {
     /// (`parallel.decoder_first_pipeline_num_layers`); `None` = an even split. Not with a
     /// virtual pipeline size > 1 (the interleaved split is even).
     pub decoder_first_pipeline_num_layers: Option<usize>,
+    /// How tensor parallelism holds the routed experts
+    /// (`parallel.expert_tensor_parallel_size`: tp splits them, 1 keeps them whole).
+    pub expert_tensor_parallel: ExpertTensorParallel,
 }
 
 impl Default for ParallelizeOptions {
@@ -40,6 +44,7 @@ impl Default for ParallelizeOptions {
             sequence_parallel: false,
             make_vocab_size_divisible_by: 128,
             decoder_first_pipeline_num_layers: None,
+            expert_tensor_parallel: ExpertTensorParallel::Split,
         }
     }
 }
@@ -67,9 +72,10 @@ pub struct ParallelizeError {
 ///   the final norm and output layer (`post_process`, and its own copy of a tied embedding);
 ///   parameters keep their global names ([`GptModel::pipeline_chunks`]).
 /// - Tensor parallelism (`t > 1`): the stage's shard over `groups.tensor`
-///   ([`GptModel::tensor_parallel_shard`]): `a/t` heads, `g/t` query groups, `f/t` FFN
+///   ([`GptModel::tensor_parallel_shard_with`]): `a/t` heads, `g/t` query groups, `f/t` FFN
 ///   columns and `v'/t` vocabulary rows, `v'` = `v` padded to a multiple of
-///   `make_vocab_size_divisible_by · t`; with `sequence_parallel` the activations between
+///   `make_vocab_size_divisible_by · t`, the routed experts' widths split or whole as
+///   `expert_tensor_parallel` says; with `sequence_parallel` the activations between
 ///   the tensor-parallel regions are split along `s`.
 /// - Neither: `full` itself (no copy when it is owned).
 ///
@@ -110,12 +116,17 @@ pub fn parallelize(
     };
     let sharded = if t > 1 {
         let group = TensorParallel::new(groups.tensor.clone(), options.sequence_parallel);
+        let (divisible_by, experts) = (
+            options.make_vocab_size_divisible_by,
+            options.expert_tensor_parallel,
+        );
+        let key = match experts {
+            ExpertTensorParallel::Split => "tensor_model_parallel_size",
+            ExpertTensorParallel::Whole => "expert_tensor_parallel_size",
+        };
         let shard = staged
-            .tensor_parallel_shard(group, options.make_vocab_size_divisible_by)
-            .map_err(|error| ParallelizeError {
-                key: "tensor_model_parallel_size",
-                error,
-            })?;
+            .tensor_parallel_shard_with(group, divisible_by, experts)
+            .map_err(|error| ParallelizeError { key, error })?;
         Cow::Owned(shard)
     } else {
         staged

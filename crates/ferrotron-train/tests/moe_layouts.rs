@@ -6,7 +6,8 @@
 //! parallelism, pp 2, dp 2 with the distributed optimizer, tp 2 x pp 2 and pp 2 x dp 2, and
 //! expert parallelism (the alltoall dispatcher; expert gradients reduced over the
 //! expert-data-parallel ranks; the alltoall and the allgather dispatchers): ep 2, ep 4, ep 2
-//! over dp 4 (with and without the distributed optimizer), ep 2 x pp 2 and ep 2 x tp 2 give
+//! over dp 4 (with and without the distributed optimizer), ep 2 x pp 2 and ep 2 x tp 2 (at
+//! expert tensor-parallel sizes 2 and 1, with and without sequence parallelism) give
 //! the single rank's per-iteration LM losses, load-balancing and z losses, and final
 //! parameters (in-process ranks).
 
@@ -70,46 +71,57 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
         assert!((0.5..4.0).contains(&lb), "{name}: load_balancing_loss {lb}");
         assert!(m.z_loss.unwrap() > 0.0);
     }
-    // (tp, pp, dp, ep, sequence parallel, distributed optimizer, dispatcher)
+    // (tp, pp, dp, ep, sequence parallel, distributed optimizer, dispatcher, etp 1)
     let (a2a, ag) = (TokenDispatcher::AllToAll, TokenDispatcher::AllGather);
     let mut layouts = vec![
-        (1, 1, 2, 1, false, true, a2a),
-        (2, 1, 1, 1, false, false, a2a),
-        (2, 1, 1, 1, true, false, a2a),
-        (1, 1, 2, 2, false, false, a2a),
-        (1, 1, 2, 2, false, true, a2a),
-        (1, 1, 4, 2, false, false, a2a),
-        (1, 1, 4, 2, false, true, a2a),
-        (2, 1, 2, 2, true, false, a2a),
-        (1, 1, 2, 2, false, false, ag),
-        (1, 1, 4, 2, false, true, ag),
-        (2, 1, 2, 2, true, false, ag),
+        (1, 1, 2, 1, false, true, a2a, false),
+        (2, 1, 1, 1, false, false, a2a, false),
+        (2, 1, 1, 1, true, false, a2a, false),
+        (1, 1, 2, 2, false, false, a2a, false),
+        (1, 1, 2, 2, false, true, a2a, false),
+        (1, 1, 4, 2, false, false, a2a, false),
+        (1, 1, 4, 2, false, true, a2a, false),
+        (2, 1, 2, 2, true, false, a2a, false),
+        (1, 1, 2, 2, false, false, ag, false),
+        (1, 1, 4, 2, false, true, ag, false),
+        (2, 1, 2, 2, true, false, ag, false),
+        // expert_tensor_parallel_size 1: whole experts, each tp rank its share of the rows.
+        (2, 1, 1, 1, false, false, a2a, true),
+        (2, 1, 1, 1, true, false, a2a, true),
+        (2, 1, 2, 2, true, false, a2a, true),
+        (2, 1, 2, 2, false, true, a2a, true),
+        (2, 1, 2, 2, true, false, ag, true),
     ];
     if experts.is_multiple_of(4) {
-        layouts.push((1, 1, 4, 4, false, false, a2a));
+        layouts.push((1, 1, 4, 4, false, false, a2a, false));
     }
     if pipeline {
         layouts.extend([
-            (1, 2, 1, 1, false, false, a2a),
-            (1, 2, 2, 1, false, true, a2a),
-            (2, 2, 1, 1, true, false, a2a),
-            (1, 2, 2, 2, false, false, a2a),
+            (1, 2, 1, 1, false, false, a2a, false),
+            (1, 2, 2, 1, false, true, a2a, false),
+            (2, 2, 1, 1, true, false, a2a, false),
+            (1, 2, 2, 2, false, false, a2a, false),
+            (2, 2, 1, 1, true, false, a2a, true),
         ]);
     }
-    for (tp, pp, dp, ep, sp, distributed, dispatcher) in layouts {
+    for (tp, pp, dp, ep, sp, distributed, dispatcher, whole_experts) in layouts {
         let layout = Layout {
             tp,
             pp,
             sp,
             distributed,
             ep,
+            whole_experts,
             ..Layout::default()
         };
+        let etp = if whole_experts { 1 } else { tp };
         let label = format!(
-            "{name} tp{tp} pp{pp} dp{dp} ep{ep} sp={sp} distributed={distributed} {dispatcher:?}"
+            "{name} tp{tp} pp{pp} dp{dp} ep{ep} etp{etp} sp={sp} distributed={distributed} \
+             {dispatcher:?}"
         );
         let runs = run_local(tp * pp * dp, |comm| {
             let mut t = layout.trainer(comm, ITERS, with_dispatcher(name, dispatcher))?;
+            assert_expert_widths(t.model(), tp, etp, ep);
             Ok::<_, TrainError>(train_moe(&mut t))
         })
         .unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -128,9 +140,31 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
     }
 }
 
-/// A checkpoint saved under ep 2 (over dp 2), or ep 2 over dp 4 with the distributed
-/// optimizer, resumes on one rank and under other expert-parallel layouts, continuing the
-/// uninterrupted single-rank run.
+/// Every expert stack of `shard` holds `E/ep` experts of width `f/etp` (`f` the full width).
+fn assert_expert_widths(shard: &GptModel, tp: usize, etp: usize, ep: usize) {
+    let moe = shard.config().moe.as_ref().unwrap();
+    let (e, f, h) = (
+        moe.num_experts(),
+        moe.moe_ffn_hidden_size,
+        shard.config().hidden_size,
+    );
+    for (i, d) in shard.layout().decls().iter().enumerate() {
+        if !shard.is_expert_param(i) {
+            continue;
+        }
+        let want = if d.name.contains("linear_fc1") {
+            [e / ep * 2 * f / etp, h]
+        } else {
+            [e / ep * h, f / etp]
+        };
+        let local = shard.param_table().view(i);
+        assert_eq!(local.shape(), want, "{} at tp{tp} etp{etp} ep{ep}", d.name);
+    }
+}
+
+/// A checkpoint saved under ep 2 (over dp 2), ep 2 over dp 4 with the distributed
+/// optimizer, or tp 2 x ep 2 with whole experts resumes on one rank and under other
+/// expert-parallel layouts, continuing the uninterrupted single-rank run.
 #[test]
 fn expert_parallel_checkpoints_resume_under_other_layouts() {
     let name = "tiny-mixtral";
@@ -185,6 +219,38 @@ fn expert_parallel_checkpoints_resume_under_other_layouts() {
         "ep2 dp4 zero1 -> ep2 dp2",
         2,
         ep2,
+        || moe_fixture(name),
+        &ckpt,
+        &tail,
+    );
+    // Whole experts (expert_tensor_parallel_size 1) under tp 2 x ep 2 with the distributed
+    // optimizer, resumed with split experts (etp 2) and on one rank.
+    let whole = Layout {
+        tp: 2,
+        ep: 2,
+        sp: true,
+        distributed: true,
+        whole_experts: true,
+        ..Layout::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = save_after_two(4, whole, || moe_fixture(name), dir.path());
+    let split = Layout {
+        whole_experts: false,
+        ..whole
+    };
+    assert_resumes(
+        "tp2 ep2 etp1 -> etp2",
+        4,
+        split,
+        || moe_fixture(name),
+        &ckpt,
+        &tail,
+    );
+    assert_resumes(
+        "tp2 ep2 etp1 -> 1",
+        1,
+        Layout::default(),
         || moe_fixture(name),
         &ckpt,
         &tail,

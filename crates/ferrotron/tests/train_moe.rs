@@ -126,8 +126,9 @@ fn expert_parallel_runs_match_one_rank_and_convert_back() {
 }
 
 /// DeepSeek-V2 (multi-latent attention, grouped routing, shared experts) from its HF
-/// directory: tensor parallel 2 with sequence parallelism and expert parallel 2 over data
-/// parallel 2 give the single rank's run, and the checkpoint converts back to an HF
+/// directory: tensor parallel 2 with sequence parallelism, expert parallel 2 over data
+/// parallel 2, and both with whole experts (`expert_tensor_parallel_size` 1) give the single
+/// rank's run, and the checkpoint converts back to an HF
 /// DeepseekV2 that validates as the single rank's does.
 #[test]
 fn deepseek_v2_trains_under_tp_sp_and_ep_and_converts_back() {
@@ -151,6 +152,20 @@ fn deepseek_v2_trains_under_tp_sp_and_ep_and_converts_back() {
     .concat();
     train(&cfg("ds-ep2"), &ep);
     assert_same_run("deepseek ep2 x dp2", tmp.path(), "ds-ep2", "ds-single");
+    // tp 2 x ep 2 over dp 2 with whole experts (expert_tensor_parallel_size 1).
+    let etp1 = [
+        tp,
+        ep,
+        set("parallel.expert_tensor_parallel_size=1").to_vec(),
+    ]
+    .concat();
+    train(&cfg("ds-etp1"), &etp1);
+    assert_same_run(
+        "deepseek tp2 x ep2 etp1",
+        tmp.path(),
+        "ds-etp1",
+        "ds-single",
+    );
     let single = exported_validation_of("tiny-deepseek-v2", tmp.path(), &prefix, "ds-single");
     let ep2 = exported_validation_of("tiny-deepseek-v2", tmp.path(), &prefix, "ds-ep2");
     assert_close("deepseek ep2 export vs single export", ep2, single);

@@ -142,6 +142,8 @@ pub(crate) struct Declarer<'c> {
     pub hf: HfNames,
     /// The routed experts declared (an expert-parallel rank's; all when `None`).
     pub experts: Option<super::ExpertShard>,
+    /// Whether tensor parallelism splits the experts' widths.
+    pub expert_tp: super::ExpertTensorParallel,
     decls: Vec<ParamDecl>,
 }
 
@@ -150,12 +152,14 @@ impl<'c> Declarer<'c> {
         c: &'c TransformerConfig,
         padded_vocab: usize,
         experts: Option<super::ExpertShard>,
+        expert_tp: super::ExpertTensorParallel,
     ) -> Declarer<'c> {
         Declarer {
             c,
             padded_vocab: padded_vocab.max(c.vocab_size),
             hf: c.family.hf_names(),
             experts,
+            expert_tp,
             decls: Vec::new(),
         }
     }

@@ -18,6 +18,22 @@ pub struct ModelPart {
     pub post_process: bool,
     /// The routed experts held: an expert-parallel rank's share, or all of them (`None`).
     pub experts: Option<ExpertShard>,
+    /// How a tensor-parallel shard holds them.
+    pub expert_tp: ExpertTensorParallel,
+}
+
+/// How tensor parallelism holds the routed experts (Megatron's
+/// `expert_tensor_parallel_size`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertTensorParallel {
+    /// `expert_tensor_parallel_size` = tp: every expert's width is split over the
+    /// tensor-parallel ranks, which all run every routed row.
+    #[default]
+    Split,
+    /// `expert_tensor_parallel_size` = 1: each tensor-parallel rank holds its experts whole
+    /// and runs them over its own share of the rows (its sequence-parallel rows); their
+    /// gradients are summed over the group.
+    Whole,
 }
 
 /// Expert-parallel rank `rank` of `size` holds experts `rank·E/size .. (rank+1)·E/size` of
@@ -44,6 +60,7 @@ impl ModelPart {
             pre_process: true,
             post_process: true,
             experts: None,
+            expert_tp: ExpertTensorParallel::Split,
         }
     }
 }
@@ -74,7 +91,7 @@ impl ModelLayout {
     /// vocabulary tables split as `padded_vocab` rows over tensor-parallel ranks
     /// (`c.vocab_size` when unsplit).
     pub fn new(c: &TransformerConfig, padded_vocab: usize, part: &ModelPart) -> ModelLayout {
-        let mut d = Declarer::new(c, padded_vocab, part.experts);
+        let mut d = Declarer::new(c, padded_vocab, part.experts, part.expert_tp);
         // A score head is its own weight, whatever the tying of an LM head would be.
         let tied =
             !c.untie_embeddings_and_output_weights && c.output_head == OutputHead::LanguageModel;

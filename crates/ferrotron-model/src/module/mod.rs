@@ -32,7 +32,7 @@ pub use attention::SelfAttention;
 pub(crate) use attention::{pack_qkv, split_qkv};
 pub use decl::{HfPart, Init, ParamDecl, ParamId, ParamRole};
 pub use layer::TransformerLayer;
-pub use layout::{ExpertShard, ModelLayout, ModelPart};
+pub use layout::{ExpertShard, ExpertTensorParallel, ModelLayout, ModelPart};
 pub use linear::LinearParams;
 pub use lora::LoraParams;
 pub use mla::{LayerAttention, MlaQuery, MlaSelfAttention};

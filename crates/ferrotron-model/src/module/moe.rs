@@ -20,7 +20,8 @@ pub struct MoeMlp {
     /// expert-parallel rank declares its `E/ep`): expert `e`'s gate rows then up rows at
     /// rows `e·2f_e ..` (Megatron's `linear_fc1.weight{e}` stacked; HF `experts.{e}.gate_proj`
     /// and `up_proj`, Mixtral's `w1` and `w3`). Tensor parallelism splits every expert's gate
-    /// and up blocks (`2E` parts), as Megatron's expert tensor parallelism does.
+    /// and up blocks (`2E` parts), as Megatron's expert tensor parallelism does, or holds
+    /// the stack whole ([`super::ExpertTensorParallel`]).
     pub experts_fc1: ParamId,
     /// `[E·h, f_e]` `mlp.experts.linear_fc2.weight`: expert `e`'s rows `e·h ..` (HF
     /// `experts.{e}.down_proj`, Mixtral's `w2`); columns split over tensor-parallel ranks.
@@ -97,10 +98,17 @@ impl MoeMlp {
                 ]
             })
             .collect();
+        // Tensor parallelism splits every expert's gate and up blocks and its down columns,
+        // or (expert_tensor_parallel_size 1) none of them.
+        let expert_tp = d.expert_tp;
+        let split = |s: TpSplit| match expert_tp {
+            super::ExpertTensorParallel::Split => s,
+            super::ExpertTensorParallel::Whole => TpSplit::Replicated,
+        };
         let experts_fc1 = d.push(ParamDecl {
             name: format!("{mg}.experts.linear_fc1.weight"),
             shape: vec![e * 2 * f, h],
-            split: TpSplit::Rows { parts: 2 * e },
+            split: split(TpSplit::Rows { parts: 2 * e }),
             init: Init::Normal,
             role: ParamRole::Weight,
             layer: Some(layer),
@@ -113,7 +121,7 @@ impl MoeMlp {
         let experts_fc2 = d.push(ParamDecl {
             name: format!("{mg}.experts.linear_fc2.weight"),
             shape: vec![e * h, f],
-            split: TpSplit::Columns,
+            split: split(TpSplit::Columns),
             init: Init::ScaledNormal,
             role: ParamRole::Weight,
             layer: Some(layer),

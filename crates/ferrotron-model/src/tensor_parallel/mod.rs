@@ -21,7 +21,7 @@ use ferrotron_comm::{Collectives, Communicator};
 use ferrotron_nn::TensorParallel;
 use ferrotron_tensor::Tensor;
 
-use crate::module::{ModelLayout, ParamRole};
+use crate::module::{ExpertTensorParallel, ModelLayout, ParamRole};
 use crate::param_table::dense;
 use crate::{GptModel, ModelError, Result};
 
@@ -39,6 +39,8 @@ pub struct TpInfo {
     pub vocab_start: usize,
     /// Real (unpadded) rows of this rank's vocabulary shard.
     pub vocab_valid: usize,
+    /// How the shard holds the routed experts.
+    pub experts: ExpertTensorParallel,
 }
 
 /// `v` padded to a multiple of `divisible_by · t` (Megatron's `_vocab_size_with_padding`).
@@ -49,7 +51,9 @@ pub fn padded_vocab_size(v: usize, divisible_by: usize, t: usize) -> usize {
 impl GptModel {
     /// This rank's tensor-parallel shard of the full model `self` (Megatron's layout, see the
     /// module docs), in the same storage dtype; `make_vocab_size_divisible_by` as Megatron's
-    /// flag (128 by default there). A group of one returns a plain copy.
+    /// flag (128 by default there). A group of one returns a plain copy. The routed experts
+    /// are split too (`expert_tensor_parallel_size` = tp; see
+    /// [`GptModel::tensor_parallel_shard_with`]).
     ///
     /// # Errors
     /// [`ModelError::Input`] when heads, query groups or the FFN size do not divide by `t`,
@@ -59,6 +63,20 @@ impl GptModel {
         group: TensorParallel,
         make_vocab_size_divisible_by: usize,
     ) -> Result<GptModel> {
+        let split = ExpertTensorParallel::Split;
+        self.tensor_parallel_shard_with(group, make_vocab_size_divisible_by, split)
+    }
+
+    /// [`GptModel::tensor_parallel_shard`] holding the routed experts as `experts` says.
+    ///
+    /// # Errors
+    /// As [`GptModel::tensor_parallel_shard`]; whole experts on a model without MoE layers.
+    pub fn tensor_parallel_shard_with(
+        &self,
+        group: TensorParallel,
+        make_vocab_size_divisible_by: usize,
+        experts: ExpertTensorParallel,
+    ) -> Result<GptModel> {
         let (t, r) = (group.size(), group.rank());
         let c = self.config();
         if self.tp.is_some() {
@@ -66,9 +84,15 @@ impl GptModel {
                 "the model is already a tensor-parallel shard".into(),
             ));
         }
+        if experts == ExpertTensorParallel::Whole && c.moe.is_none() {
+            return Err(ModelError::Input(
+                "expert_tensor_parallel_size 1: the model has no MoE layers".into(),
+            ));
+        }
         let moe_widths = c.moe.iter().flat_map(|m| {
             [
-                Some(("moe_ffn_hidden_size", m.moe_ffn_hidden_size)),
+                Some(("moe_ffn_hidden_size", m.moe_ffn_hidden_size))
+                    .filter(|_| experts == ExpertTensorParallel::Split),
                 m.shared_expert_intermediate_size
                     .map(|f| ("moe_shared_expert_intermediate_size", f)),
             ]
@@ -91,7 +115,9 @@ impl GptModel {
             return Err(ModelError::Input(problems.join("; ")));
         }
         let padded = padded_vocab_size(c.vocab_size, make_vocab_size_divisible_by.max(1), t);
-        let layout = ModelLayout::new(c, padded, &self.part());
+        let mut part = self.part();
+        part.expert_tp = experts;
+        let layout = ModelLayout::new(c, padded, &part);
         // One full parameter widened at a time: every in-process rank shards the same model.
         let params = layout
             .decls()
@@ -109,6 +135,7 @@ impl GptModel {
             padded_vocab: padded,
             vocab_start,
             vocab_valid: c.vocab_size.saturating_sub(vocab_start).min(padded / t),
+            experts,
         };
         GptModel::assemble(
             c.clone(),
@@ -244,7 +271,11 @@ impl GptModel {
         summed.extend(self.layout().partial_grad_params());
         for (i, (g, d)) in grads.iter_mut().zip(self.layout().decls()).enumerate() {
             // Frozen parameters have empty slices (and the same on every rank).
-            let partial = sp || d.role == ParamRole::Adapter || summed.contains(&i);
+            // Whole experts run over each rank's share of the rows.
+            let whole_experts =
+                tp.experts == ExpertTensorParallel::Whole && self.is_expert_param(i);
+            let partial =
+                sp || d.role == ParamRole::Adapter || whole_experts || summed.contains(&i);
             if d.split == TpSplit::Replicated && partial && !g.is_empty() {
                 comm.all_reduce(g, ferrotron_comm::ReduceOp::Sum)
                     .map_err(|e| ModelError::Comm(format!("tensor-parallel grads: {e}")))?;

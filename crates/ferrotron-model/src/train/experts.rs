@@ -5,11 +5,12 @@
 //! the backward of each beside it.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use super::forward::Pass;
 use super::moe::moe_config;
 use crate::TokenDispatcher;
-use crate::module::MoeMlp;
+use crate::module::{ExpertTensorParallel, MoeMlp};
 use crate::{ModelError, Result};
 use ferrotron_nn::moe::{
     AgActs, EpActs, ExpertActs, ExpertWeights, Routing, ag_experts_backward, ag_experts_forward,
@@ -65,12 +66,53 @@ fn nn_error(e: ferrotron_nn::NnError) -> ModelError {
     ModelError::Comm(format!("MoE token dispatch: {e}"))
 }
 
-/// `y [T, h]`: the routed experts of `m` over this rank's tokens `x [T, h]` as `routing`
-/// says (each expert's output a partial sum over tensor-parallel ranks).
+/// This tensor-parallel rank's share of the `rows` routed rows when it holds its experts
+/// whole (`expert_tensor_parallel_size` 1): block `r` of `t` (under sequence parallelism its
+/// own rows); `None` when every rank runs every row through its slice of the experts.
 ///
 /// # Errors
-/// A failed exchange of the expert-parallel group.
+/// Rows that do not split evenly over the ranks.
+fn row_share(pass: &Pass<'_>, rows: usize) -> Result<Option<Range<usize>>> {
+    let Some(tp) = pass.tp.filter(|t| t.experts == ExpertTensorParallel::Whole) else {
+        return Ok(None);
+    };
+    let (t, r) = (tp.group.size(), tp.group.rank());
+    if !rows.is_multiple_of(t) {
+        return Err(ModelError::Input(format!(
+            "expert_tensor_parallel_size 1 shares the {rows} rows of a micro-batch over              tensor_model_parallel_size {t} ranks: they must divide evenly"
+        )));
+    }
+    let n = rows / t;
+    Ok(Some(r * n..(r + 1) * n))
+}
+
+/// `y [T, h]`: the routed experts of `m` over this rank's tokens `x [T, h]` as `routing`
+/// says (each row's output a partial sum over tensor-parallel ranks: every rank's slice of
+/// the experts' width, or, with whole experts, the rank's share of the rows and zeros
+/// elsewhere).
+///
+/// # Errors
+/// A failed exchange of the expert-parallel group; rows that whole experts cannot share.
 pub(super) fn routed_forward(
+    pass: &Pass<'_>,
+    m: &MoeMlp,
+    x: &[f32],
+    routing: &Routing,
+) -> Result<(Vec<f32>, ExpertRun)> {
+    let h = pass.c.hidden_size;
+    let Some(share) = row_share(pass, x.len() / h)? else {
+        return experts_forward_on(pass, m, x, routing);
+    };
+    let rows = share.start * h..share.end * h;
+    let (ys, run) = experts_forward_on(pass, m, &x[rows.clone()], &routing.rows(share))?;
+    let mut y = vec![0f32; x.len()];
+    y[rows].copy_from_slice(&ys);
+    Ok((y, run))
+}
+
+/// The routed experts over the tokens `x` (all of them here, or exchanged with the
+/// expert-parallel group).
+fn experts_forward_on(
     pass: &Pass<'_>,
     m: &MoeMlp,
     x: &[f32],
@@ -103,12 +145,37 @@ pub(super) fn routed_forward(
 }
 
 /// [`routed_forward`]'s backward for `dy [T, h]`: returns `(dx [T, h], dprobs [T, k])` of
-/// this rank's tokens and **accumulates** the held experts' weight gradients into `grads`
-/// (table order) in place.
+/// this rank's tokens (partial sums over tensor-parallel ranks, as the output was) and
+/// **accumulates** the held experts' weight gradients into `grads` (table order) in place.
 ///
 /// # Errors
 /// A failed exchange of the expert-parallel group.
 pub(super) fn routed_backward(
+    pass: &Pass<'_>,
+    m: &MoeMlp,
+    routing: &Routing,
+    run: &ExpertRun,
+    dy: &[f32],
+    grads: &mut [&mut [f32]],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (h, k) = (pass.c.hidden_size, routing.topk());
+    let Some(share) = row_share(pass, dy.len() / h)? else {
+        return experts_backward_on(pass, m, routing, run, dy, grads);
+    };
+    let (rows, slots) = (
+        share.start * h..share.end * h,
+        share.start * k..share.end * k,
+    );
+    let mine = routing.rows(share);
+    let (dxs, dps) = experts_backward_on(pass, m, &mine, run, &dy[rows.clone()], grads)?;
+    let (mut dx, mut dprobs) = (vec![0f32; dy.len()], vec![0f32; routing.probs.len()]);
+    dx[rows].copy_from_slice(&dxs);
+    dprobs[slots].copy_from_slice(&dps);
+    Ok((dx, dprobs))
+}
+
+/// [`experts_forward_on`]'s backward.
+fn experts_backward_on(
     pass: &Pass<'_>,
     m: &MoeMlp,
     routing: &Routing,

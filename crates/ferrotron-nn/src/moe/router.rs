@@ -416,6 +416,26 @@ impl Routing {
         self.topk
     }
 
+    /// Tokens `rows` of this routing (their experts, weights, drop flags and scores), for
+    /// running the experts over a share of the tokens routed together.
+    ///
+    /// # Panics
+    /// `rows` past the routed tokens (a caller bug).
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Routing {
+        let (k, e) = (
+            self.topk,
+            self.scores.len() / (self.experts.len() / self.topk).max(1),
+        );
+        let slots = rows.start * k..rows.end * k;
+        Routing {
+            experts: self.experts[slots.clone()].to_vec(),
+            probs: self.probs[slots.clone()].to_vec(),
+            dropped: self.dropped[slots].to_vec(),
+            topk: k,
+            scores: self.scores[rows.start * e..rows.end * e].to_vec(),
+        }
+    }
+
     /// Bytes of the kept `[T, E]` scores (what the backward reads besides `probs`).
     pub fn scores_bytes(&self) -> u128 {
         std::mem::size_of_val(self.scores.as_slice()) as u128

@@ -275,6 +275,14 @@ section! {
         /// Ranks splitting the experts of MoE layers. Default: 1.
         /// Megatron: `--expert-model-parallel-size`.
         expert_model_parallel_size: usize = 1,
+        /// Tensor-parallel ranks splitting each expert's width: tensor_model_parallel_size
+        /// (every expert split, every rank runs every routed row) or 1 (each rank holds its
+        /// experts whole and runs them over its share of the rows, its sequence-parallel
+        /// rows; the gradients summed over the tensor-parallel ranks). Default:
+        /// tensor_model_parallel_size. Megatron: `--expert-tensor-parallel-size` (whose
+        /// parallel folding may also place the expert-parallel ranks across the
+        /// tensor-parallel ones; here they are always data-parallel ranks).
+        expert_tensor_parallel_size: Option<usize> = None,
         /// Shard norms and dropout along the sequence over the tensor-parallel ranks.
         /// Default: false. Megatron: `--sequence-parallel`.
         sequence_parallel: bool = false,

@@ -293,6 +293,16 @@ fn validate_parallel(par: &ParallelSection, p: &mut Vec<String>) -> usize {
     {
         p.push(format!("[parallel]: {e}"));
     }
+    if let Some(etp) = par.expert_tensor_parallel_size
+        && etp != 1
+        && etp != par.tensor_model_parallel_size
+    {
+        p.push(format!(
+            "parallel.expert_tensor_parallel_size ({etp}) must be 1 or \
+             tensor_model_parallel_size ({})",
+            par.tensor_model_parallel_size
+        ));
+    }
     if par.ddp_bucket_size == Some(0) {
         p.push("parallel.ddp_bucket_size must be at least 1".to_string());
     }

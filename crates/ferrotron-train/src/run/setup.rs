@@ -16,6 +16,7 @@ use crate::{ParallelizeOptions, parallelize};
 use ferrotron_comm::ProcessGroups;
 use ferrotron_data::{DataLoader, LoaderConfig, MicroBatch};
 use ferrotron_model::GptModel;
+use ferrotron_model::module::ExpertTensorParallel;
 use ferrotron_optim::{DynamicGradScalerConfig, LrDecayStyle as OptimDecay};
 use std::borrow::Cow;
 use std::io::{BufWriter, Write};
@@ -318,6 +319,10 @@ fn build_trainer(
         sequence_parallel: par.sequence_parallel,
         make_vocab_size_divisible_by: rc.resolved.model.make_vocab_size_divisible_by,
         decoder_first_pipeline_num_layers: par.decoder_first_pipeline_num_layers,
+        expert_tensor_parallel: match par.expert_tensor_parallel_size {
+            Some(1) if par.tensor_model_parallel_size > 1 => ExpertTensorParallel::Whole,
+            _ => ExpertTensorParallel::Split,
+        },
     };
     let model = parallelize(Cow::Owned(model), groups, &layout)?;
     let mut dp = DataParallel::new(groups.data.clone(), par.use_distributed_optimizer);

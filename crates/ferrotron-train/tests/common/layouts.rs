@@ -139,6 +139,8 @@ pub struct Layout {
     pub reward: bool,
     /// `expert_model_parallel_size` (0 or 1: none).
     pub ep: usize,
+    /// `expert_tensor_parallel_size` 1: the experts whole on every tensor-parallel rank.
+    pub whole_experts: bool,
 }
 
 impl Layout {
@@ -164,6 +166,11 @@ impl Layout {
         let groups = ProcessGroups::new(state, Arc::new(comm)).unwrap();
         let layout = ParallelizeOptions {
             sequence_parallel: self.sp,
+            expert_tensor_parallel: if self.whole_experts {
+                ferrotron_model::module::ExpertTensorParallel::Whole
+            } else {
+                ferrotron_model::module::ExpertTensorParallel::Split
+            },
             ..ParallelizeOptions::default()
         };
         let shard = parallelize(Cow::Owned(full), &groups, &layout)

@@ -118,3 +118,19 @@ fn bad_mla_settings_name_their_key() {
     );
     assert!(has(&p, "mla.rotary_scaling_factor"), "{p:?}");
 }
+
+#[test]
+fn expert_tensor_parallel_size_is_1_or_tp() {
+    let dir = data_dir();
+    let text = format!(
+        "{}\n[parallel]\ntensor_model_parallel_size = 2\nexpert_tensor_parallel_size = 3\n",
+        minimal(dir.path())
+    );
+    let p = problems(&text, &[]);
+    assert!(has(&p, "parallel.expert_tensor_parallel_size (3)"), "{p:?}");
+    let ok = text.replace(
+        "expert_tensor_parallel_size = 3",
+        "expert_tensor_parallel_size = 1",
+    );
+    assert!(RunConfig::from_toml_str(&ok, &[]).is_ok());
+}
