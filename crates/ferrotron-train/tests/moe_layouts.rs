@@ -7,7 +7,8 @@
 //! expert parallelism (the alltoall dispatcher; expert gradients reduced over the
 //! expert-data-parallel ranks; the alltoall and the allgather dispatchers): ep 2, ep 4, ep 2
 //! over dp 4 (with and without the distributed optimizer), ep 2 x pp 2 and ep 2 x tp 2 (at
-//! expert tensor-parallel sizes 2 and 1, with and without sequence parallelism) give
+//! expert tensor-parallel sizes 2 and 1, with and without sequence parallelism), and ep 2 with
+//! overlapped gradient reduction and parameter gathers give
 //! the single rank's per-iteration LM losses, load-balancing and z losses, and final
 //! parameters (in-process ranks).
 
@@ -104,7 +105,15 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
             (2, 2, 1, 1, true, false, a2a, true),
         ]);
     }
-    for (tp, pp, dp, ep, sp, distributed, dispatcher, whole_experts) in layouts {
+    // Overlapped gradient reduction and parameter gathers, the expert buckets on the
+    // expert-data-parallel group's own threads: (tp, dp, ep, distributed).
+    let overlapped = [(1, 2, 2, false), (1, 4, 2, true), (2, 4, 2, true)];
+    let overlapped = overlapped.map(|(tp, dp, ep, d)| (tp, 1, dp, ep, tp > 1, d, a2a, false, true));
+    let layouts = layouts
+        .into_iter()
+        .map(|(tp, pp, dp, ep, sp, d, x, w)| (tp, pp, dp, ep, sp, d, x, w, false))
+        .chain(overlapped);
+    for (tp, pp, dp, ep, sp, distributed, dispatcher, whole_experts, overlap) in layouts {
         let layout = Layout {
             tp,
             pp,
@@ -112,12 +121,14 @@ fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {
             distributed,
             ep,
             whole_experts,
+            overlap,
+            overlap_params: overlap && distributed,
             ..Layout::default()
         };
         let etp = if whole_experts { 1 } else { tp };
         let label = format!(
             "{name} tp{tp} pp{pp} dp{dp} ep{ep} etp{etp} sp={sp} distributed={distributed} \
-             {dispatcher:?}"
+             {dispatcher:?} overlap={overlap}"
         );
         let runs = run_local(tp * pp * dp, |comm| {
             let mut t = layout.trainer(comm, ITERS, with_dispatcher(name, dispatcher))?;

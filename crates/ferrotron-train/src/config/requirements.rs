@@ -22,13 +22,6 @@ pub(super) fn unsupported(r: &RawConfig, lr_decay_style: LrDecayStyle, p: &mut V
             "data, tensor, pipeline and expert parallelism run so far",
         );
     }
-    if par.expert_model_parallel_size > 1 && (par.overlap_grad_reduce || par.overlap_param_gather) {
-        no(
-            "parallel.expert_model_parallel_size with overlap_grad_reduce or \
-             overlap_param_gather",
-            "expert buckets are reduced over the expert-data-parallel ranks after the backward",
-        );
-    }
     if par.overlap_grad_reduce && par.pipeline_model_parallel_size > 1 {
         no(
             "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1",

@@ -47,6 +47,29 @@ pub struct DataParallel {
 struct ExpertGroups {
     expert_data: Arc<dyn Communicator>,
     expert: Arc<dyn Communicator>,
+    /// `expert_data`'s progress thread, with `overlap_grad_reduce`.
+    overlap: Option<Arc<AsyncComm>>,
+    /// The expert buckets' parameter gathers' progress thread (on a duplicate of
+    /// `expert_data`), with `overlap_param_gather`.
+    param_gather: Option<Arc<AsyncComm>>,
+}
+
+/// The progress threads of a trainer's overlapped reductions or gathers: the data-parallel
+/// group's, and the expert-data-parallel group's for the expert buckets.
+#[derive(Clone, Copy)]
+pub(super) struct BucketComms<'a> {
+    data: &'a AsyncComm,
+    expert: Option<&'a AsyncComm>,
+}
+
+impl<'a> BucketComms<'a> {
+    /// The thread of the group that reduces (and shards) `bucket`.
+    pub(super) fn of(&self, bucket: &ferrotron_optim::BucketInfo) -> &'a AsyncComm {
+        match (bucket.expert_parallel, self.expert) {
+            (true, Some(expert)) => expert,
+            _ => self.data,
+        }
+    }
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -88,9 +111,11 @@ impl DataParallel {
     /// Expert buckets are reduced in f32 whatever `grad_reduce_in_fp32` says; with the
     /// distributed optimizer they are sharded over the expert-data-parallel group.
     ///
+    /// With `overlap_grad_reduce` / `overlap_param_gather` (set before or after) the expert
+    /// buckets get progress threads of their own on the expert-data-parallel group.
+    ///
     /// # Errors
-    /// With `overlap_grad_reduce` or `overlap_param_gather` (their progress threads work on
-    /// the data-parallel group).
+    /// A progress thread or the duplicate group for the gathers could not be made.
     pub fn with_expert_parallel(
         mut self,
         expert_data: Arc<dyn Communicator>,
@@ -99,18 +124,39 @@ impl DataParallel {
         if expert.size() == 1 {
             return Ok(self);
         }
-        if self.overlap.is_some() || self.param_gather.is_some() {
-            return Err(TrainError::Config(
-                "expert_model_parallel_size > 1 runs without overlap_grad_reduce and \
-                 overlap_param_gather so far"
-                    .into(),
-            ));
-        }
         self.experts = Some(ExpertGroups {
             expert_data,
             expert,
+            overlap: None,
+            param_gather: None,
         });
+        self.start_expert_threads()?;
         Ok(self)
+    }
+
+    /// The expert-data-parallel progress threads the overlap options ask for and the
+    /// expert groups do not have yet. Collective over the expert-data-parallel group.
+    fn start_expert_threads(&mut self) -> Result<()> {
+        let (overlap, gather) = (self.overlap.is_some(), self.param_gather.is_some());
+        let Some(g) = self.experts.as_mut() else {
+            return Ok(());
+        };
+        if overlap && g.overlap.is_none() {
+            let thread = AsyncComm::new(g.expert_data.clone()).map_err(comm_err)?;
+            g.overlap = Some(Arc::new(thread));
+        }
+        if gather && g.param_gather.is_none() {
+            let rank = g.expert_data.rank();
+            let dup = g
+                .expert_data
+                .split(Some(0), rank)
+                .map_err(comm_err)?
+                .ok_or_else(|| {
+                    TrainError::Comm("duplicating the expert-data-parallel group".into())
+                })?;
+            g.param_gather = Some(Arc::new(AsyncComm::new(dup).map_err(comm_err)?));
+        }
+        Ok(())
     }
 
     /// Megatron's `grad_reduce_in_fp32 = false`: gradient buckets travel as bf16 (rounded
@@ -133,12 +179,25 @@ impl DataParallel {
                 AsyncComm::new(self.comm.clone()).map_err(comm_err)?,
             ));
         }
+        self.start_expert_threads()?;
         Ok(self)
     }
 
-    /// The progress thread of `overlap_grad_reduce`, if on.
-    pub(super) fn overlap_comm(&self) -> Option<&AsyncComm> {
-        self.overlap.as_deref()
+    /// The progress threads of `overlap_grad_reduce`, if on.
+    pub(super) fn overlap_comms(&self) -> Option<BucketComms<'_>> {
+        self.bucket_comms(self.overlap.as_deref(), |g| g.overlap.as_deref())
+    }
+
+    /// `data` with the expert groups' thread `expert` picks, when `data` is on.
+    fn bucket_comms<'a>(
+        &'a self,
+        data: Option<&'a AsyncComm>,
+        expert: impl Fn(&'a ExpertGroups) -> Option<&'a AsyncComm>,
+    ) -> Option<BucketComms<'a>> {
+        Some(BucketComms {
+            data: data?,
+            expert: self.experts.as_ref().and_then(expert),
+        })
     }
 
     /// Megatron's `overlap_param_gather` (with the distributed optimizer): after each step
@@ -164,12 +223,13 @@ impl DataParallel {
                 .ok_or_else(|| TrainError::Comm("duplicating the data-parallel group".into()))?;
             self.param_gather = Some(Arc::new(AsyncComm::new(dup).map_err(comm_err)?));
         }
+        self.start_expert_threads()?;
         Ok(self)
     }
 
-    /// The progress thread of `overlap_param_gather`, if on.
-    pub(super) fn param_gather_comm(&self) -> Option<&AsyncComm> {
-        self.param_gather.as_deref()
+    /// The progress threads of `overlap_param_gather`, if on.
+    pub(super) fn param_gather_comms(&self) -> Option<BucketComms<'_>> {
+        self.bucket_comms(self.param_gather.as_deref(), |g| g.param_gather.as_deref())
     }
 
     /// A group of one: the single-rank trainer.

@@ -16,10 +16,12 @@ use ferrotron_comm::{AsyncComm, CommHandle, ReduceOp};
 use ferrotron_model::GradReady;
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 
-use super::data_parallel::comm_err;
+use super::data_parallel::{BucketComms, comm_err};
 use super::{Result, TrainError};
 
-struct Bucket {
+struct Bucket<'a> {
+    /// The progress thread of the group reducing it.
+    comm: &'a AsyncComm,
     range: Range<usize>,
     waiting_for: usize,
     staging: Vec<f32>,
@@ -29,22 +31,27 @@ struct Bucket {
 /// The per-step state of overlapped gradient reduction; a [`GradReady`] hook for
 /// [`GptModel::forward_backward_with`](ferrotron_model::GptModel::forward_backward_with).
 pub(super) struct BucketOverlap<'a> {
-    comm: &'a AsyncComm,
     distributed: bool,
-    buckets: Vec<Bucket>,
+    buckets: Vec<Bucket<'a>>,
     /// Per parameter: its bucket and flat range (`None` for a frozen one).
     params: Vec<Option<(usize, Range<usize>)>>,
     error: Option<String>,
 }
 
 impl<'a> BucketOverlap<'a> {
-    /// Ready to hear the parameters of `buffer`; reductions go to `comm` (reduce-scatter
-    /// into each rank's shard when `distributed`, all-reduce otherwise).
-    pub(super) fn new(comm: &'a AsyncComm, distributed: bool, buffer: &ParamAndGradBuffer) -> Self {
+    /// Ready to hear the parameters of `buffer`; each bucket's reduction goes to its group's
+    /// thread in `comms` (reduce-scatter into each rank's shard when `distributed`,
+    /// all-reduce otherwise).
+    pub(super) fn new(
+        comms: BucketComms<'a>,
+        distributed: bool,
+        buffer: &ParamAndGradBuffer,
+    ) -> Self {
         let mut buckets: Vec<Bucket> = buffer
             .buckets()
             .iter()
             .map(|b| Bucket {
+                comm: comms.of(b),
                 range: b.start..b.end,
                 waiting_for: 0,
                 staging: Vec::new(),
@@ -60,7 +67,6 @@ impl<'a> BucketOverlap<'a> {
             })
             .collect();
         BucketOverlap {
-            comm,
             distributed,
             buckets,
             params,
@@ -113,9 +119,9 @@ impl GradReady for BucketOverlap<'_> {
             if bucket.waiting_for == 0 {
                 let staged = std::mem::take(&mut bucket.staging);
                 bucket.pending = Some(if self.distributed {
-                    self.comm.reduce_scatter_in_place(staged, ReduceOp::Sum)
+                    bucket.comm.reduce_scatter_in_place(staged, ReduceOp::Sum)
                 } else {
-                    self.comm.all_reduce(staged, ReduceOp::Sum)
+                    bucket.comm.all_reduce(staged, ReduceOp::Sum)
                 });
             }
         }

@@ -12,13 +12,14 @@
 //! buckets are dispatched and waited for from the last to the first. The values are the
 //! same as with the synchronous gather; only the waiting moves.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ferrotron_comm::{AsyncComm, CommHandle};
 use ferrotron_model::GptModel;
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 
-use super::data_parallel::{comm_err, storage_bytes};
+use super::data_parallel::{BucketComms, comm_err, storage_bytes};
 use super::step::with_params_in_buffer;
 use super::{Result, TrainError};
 
@@ -34,16 +35,21 @@ pub(super) struct ParamGather {
 
 impl ParamGather {
     /// Dispatches the all-gather of every bucket's parameters (this rank's updated shard in
-    /// place, the others' to be filled in) on `comm`, the last bucket first.
-    pub(super) fn launch(comm: &AsyncComm, buffer: &mut ParamAndGradBuffer) -> ParamGather {
-        let ranges: Vec<_> = buffer.buckets().iter().map(|b| b.start..b.end).collect();
+    /// place, the others' to be filled in) on its group's thread in `comms`, the last bucket
+    /// first.
+    pub(super) fn launch(comms: BucketComms<'_>, buffer: &mut ParamAndGradBuffer) -> ParamGather {
+        let ranges: Vec<(Range<usize>, &AsyncComm)> = buffer
+            .buckets()
+            .iter()
+            .map(|b| (b.start..b.end, comms.of(b)))
+            .collect();
         let n = buffer.params().len();
         let param_bucket = (0..n).map(|i| buffer.info(ParamId(i)).bucket_id).collect();
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
         let bytes = storage_bytes(params);
         let mut pending: Vec<Option<CommHandle<Vec<u8>>>> = ranges.iter().map(|_| None).collect();
-        for (b, r) in ranges.iter().enumerate().rev() {
+        for (b, (r, comm)) in ranges.iter().enumerate().rev() {
             let mut staged = bytes[r.start * elem..r.end * elem].to_vec();
             pending[b] =
                 Some(comm.submit(move |c| c.all_gather_bytes(&mut staged).map(|()| staged)));

@@ -116,7 +116,7 @@ impl Trainer {
         let distributed = self.dp.use_distributed_optimizer();
         let mut overlap = self
             .dp
-            .overlap_comm()
+            .overlap_comms()
             .map(|c| BucketOverlap::new(c, distributed, &self.buffer));
         let last = batches.len() - 1;
         let (mut loss_sum, mut tokens, mut gather_wait) = (0.0, 0, Duration::ZERO);
@@ -184,7 +184,7 @@ impl Trainer {
                 let out = optimizer.step_with(buffer, lr, weight_decay, &mut reduce)?;
                 let (mut gather, mut waited) = (None, Duration::ZERO);
                 if out.update_successful {
-                    match dp.param_gather_comm() {
+                    match dp.param_gather_comms() {
                         Some(comm) => gather = Some(ParamGather::launch(comm, buffer)),
                         None => {
                             let start = Instant::now();
