@@ -102,6 +102,71 @@ fn moe_families_hf_to_ckpt_to_hf_is_bit_exact() {
     }
 }
 
+/// The experts laid out for expert parallelism (rank e's in `_ep{e}` files) with their
+/// widths split over tp or whole (`expert_tensor_parallel_size` 1): HF -> checkpoint -> HF
+/// is bit-exact, and the expert stacks' boxes are the layout's.
+#[test]
+fn expert_layouts_hf_to_ckpt_to_hf_are_bit_exact() {
+    use ferrotron_model::module::ExpertTensorParallel::{Split, Whole};
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, t, p, ep, etp) in [
+        ("tiny-mixtral", 1, 1, 2, Split),
+        ("tiny-mixtral", 2, 2, 2, Split),
+        ("tiny-mixtral", 2, 1, 4, Whole),
+        ("tiny-deepseek-v2", 2, 1, 4, Whole),
+        ("tiny-deepseek-v2-lite", 2, 2, 2, Whole),
+    ] {
+        let label = format!("{name} tp{t} pp{p} ep{ep} {etp:?}");
+        let opts = HfToCkptOptions {
+            expert_model_parallel_size: ep,
+            expert_tensor_parallel: etp,
+            ..layout(t, p)
+        };
+        let ckpt = tmp.path().join(label.replace(' ', "-"));
+        let report = hf_to_ckpt(&fixture(name), &ckpt, &opts).unwrap();
+        // Per stage: t files of rank 0 (with everything else), then on a stage with MoE
+        // layers (ep - 1) x (t, or 1 for whole experts) expert files.
+        let c = ferrotron_model::families::read_hf_config(&fixture(name))
+            .unwrap()
+            .config;
+        let per_stage = c.num_layers / p;
+        let moe_stages = (0..p)
+            .filter(|s| (s * per_stage..(s + 1) * per_stage).any(|l| c.is_moe_layer(l)))
+            .count();
+        let expert_files = moe_stages * (ep - 1) * if etp == Whole { 1 } else { t };
+        assert_eq!(
+            report.files.len(),
+            p * t + expert_files,
+            "{label}: {:?}",
+            report.files
+        );
+        let reader = CheckpointReader::open(&iteration_dir(&ckpt, 0)).unwrap();
+        let meta = reader.metadata();
+        assert_eq!(meta.parallel.expert_model_parallel_size, ep, "{label}");
+        // One box per expert-parallel rank, or per tp rank every expert's gate and up block.
+        let stack = "model.decoder.layers.1.mlp.experts.linear_fc1.weight";
+        let e = meta.tensors[stack].global_shape[0] / meta.tensors[stack].global_shape[1];
+        let experts = match name {
+            "tiny-mixtral" => 4,
+            "tiny-deepseek-v2" => 8,
+            _ => 6,
+        };
+        let boxes = if etp == Whole || t == 1 {
+            ep
+        } else {
+            t * 2 * experts
+        };
+        assert_eq!(meta.tensors[stack].shards.len(), boxes, "{label} ({e})");
+        let back = tmp.path().join(format!("{}-hf", label.replace(' ', "-")));
+        ckpt_to_hf(&ckpt, &back, &HfExportOptions::default()).unwrap();
+        let (want, got) = (hf_tensors(&fixture(name)), hf_tensors(&back));
+        assert_eq!(got.len(), want.len(), "{label}");
+        for (tensor, w) in &want {
+            assert!(got[tensor] == *w, "{label}: {tensor} differs");
+        }
+    }
+}
+
 /// HF `name` -> a tp `t` x pp `p` checkpoint -> HF: every tensor and the config as before.
 fn round_trip(tmp: &Path, name: &str, t: usize, p: usize) {
     let original = hf_tensors(&fixture(name));

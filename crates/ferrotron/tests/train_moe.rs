@@ -292,6 +292,66 @@ tensorboard = false
     assert_eq!(c["rope_parameters"]["rope_type"], "yarn");
 }
 
+/// `convert hf-to-ckpt --check` with the experts laid out for expert parallelism (split over
+/// tp, or whole): the checkpoint's model run at tp x ep (x pp) in-process matches the HF
+/// directory layer by layer; an expert tensor-parallel size other than 1 or tp is refused.
+#[test]
+fn expert_layouts_convert_with_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, layout) in [
+        ("tiny-deepseek-v2", ["2", "1", "4", "1"]),
+        ("tiny-mixtral", ["2", "2", "2", "2"]),
+    ] {
+        let hf = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures")
+            .join(name);
+        let ckpt = tmp.path().join(format!("{name}-{}", layout.join("-")));
+        let [t, p, ep, etp] = layout;
+        let o = ferrotron(&[
+            "convert",
+            "hf-to-ckpt",
+            "--hf",
+            hf.to_str().unwrap(),
+            "--output",
+            ckpt.to_str().unwrap(),
+            "--check",
+            "--tensor-model-parallel-size",
+            t,
+            "--pipeline-model-parallel-size",
+            p,
+            "--expert-model-parallel-size",
+            ep,
+            "--expert-tensor-parallel-size",
+            etp,
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{name} {layout:?}: {out}\n{err}");
+        assert!(
+            out.contains("layer   1 output") && out.contains("PASS"),
+            "{out}"
+        );
+        assert!(err.contains(&format!("x ep {ep}")), "{err}");
+    }
+    let o = ferrotron(&[
+        "convert",
+        "hf-to-ckpt",
+        "--hf",
+        "fixtures/tiny-mixtral",
+        "--output",
+        tmp.path().join("bad").to_str().unwrap(),
+        "--tensor-model-parallel-size",
+        "2",
+        "--expert-tensor-parallel-size",
+        "3",
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).1.contains("--expert-tensor-parallel-size 3"),
+        "{}",
+        text(&o).1
+    );
+}
+
 /// The validation loss of run `run`'s checkpoint converted to HF.
 fn exported_validation(dir: &Path, prefix: &Path, run: &str) -> f64 {
     exported_validation_of("tiny-mixtral", dir, prefix, run)

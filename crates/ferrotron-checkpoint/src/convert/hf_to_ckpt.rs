@@ -10,12 +10,13 @@ use std::path::{Path, PathBuf};
 use ferrotron_model::families::{
     HfSafetensors, ParamDecl, WeightSource, param_mapping, parse_hf_config,
 };
+use ferrotron_model::module::{ExpertShard, ExpertTensorParallel, ModelLayout, ModelPart};
 use ferrotron_model::{TpSplit, TransformerConfig, padded_vocab_size, stage_layers};
 use ferrotron_tensor::DType;
 use serde_json::{Value, json};
 
 use super::assemble::{assemble, extract_box};
-use super::{ConvertReport, MODEL_PREFIX, TOKENIZER_SUBDIR, model_file};
+use super::{ConvertReport, MODEL_PREFIX, TOKENIZER_SUBDIR, expert_model_file};
 use crate::dist::{
     CheckpointWriter, ParallelLayout, ShardSpec, StoredDtype, iteration_dir, write_tracker,
 };
@@ -40,6 +41,12 @@ pub struct HfToCkptOptions {
     pub dtype: StoredDtype,
     /// Replace a non-empty output directory.
     pub force: bool,
+    /// `expert_model_parallel_size`: the routed experts of every MoE layer split over this
+    /// many ranks, rank `e`'s in `model_tp{t}_pp{p}_ep{e}` files (rank 0's with the rest).
+    pub expert_model_parallel_size: usize,
+    /// How the tensor-parallel ranks hold the experts (`expert_tensor_parallel_size` = tp,
+    /// or whole at 1).
+    pub expert_tensor_parallel: ExpertTensorParallel,
 }
 
 impl Default for HfToCkptOptions {
@@ -51,6 +58,8 @@ impl Default for HfToCkptOptions {
             make_vocab_size_divisible_by: 128,
             dtype: StoredDtype::F32,
             force: false,
+            expert_model_parallel_size: 1,
+            expert_tensor_parallel: ExpertTensorParallel::Split,
         }
     }
 }
@@ -170,15 +179,30 @@ pub(super) fn plan_layout(
         t,
     );
     let mapping = param_mapping(&config, padded).map_err(|e| err(origin, e.to_string()))?;
+    // Each expert-parallel rank's declarations: its experts' rows, split or whole over tp.
+    let ep = opts.expert_model_parallel_size;
+    let ep_decls: Vec<Vec<ParamDecl>> = (0..ep)
+        .map(|rank| {
+            let mut part = ModelPart::whole(config.num_layers);
+            part.experts = (ep > 1).then_some(ExpertShard { rank, size: ep });
+            part.expert_tp = opts.expert_tensor_parallel;
+            ModelLayout::new(&config, padded, &part).into_decls()
+        })
+        .collect();
     let (mut missing, mut shape_mismatches) = (Vec::new(), Vec::new());
     let mut params = Vec::with_capacity(mapping.len());
     let mut files = Vec::new();
-    for m in mapping {
+    for (i, m) in mapping.into_iter().enumerate() {
         check_hf_sources(&m, &mut available, &mut missing, &mut shape_mismatches);
         let stage = (0..p)
             .find(|&s| m.on_stage(s, p, &stages[s]))
             .expect("every parameter has a stage");
-        let shards = plan_shards(&m, t, stage, &mut files);
+        // An expert stack: each expert-parallel rank's rows; anything else: rank 0's.
+        let expert = ep_decls[0][i].shape != m.shape || ep_decls[0][i].split != m.split;
+        let ranks = if expert { 0..ep } else { 0..1 };
+        let shards = ranks
+            .flat_map(|e| plan_shards(&ep_decls[e][i], t, stage, e, &mut files))
+            .collect();
         params.push(PlannedParam {
             mapping: m,
             stage,
@@ -229,6 +253,7 @@ fn layout_stages(
             ));
         }
     }
+    problems.extend(expert_problems(config, opts));
     let stages: Vec<std::ops::Range<usize>> = (0..p)
         .map(|s| {
             stage_layers(
@@ -247,6 +272,46 @@ fn layout_stages(
         return Err(err(origin, problems.join("; ")));
     }
     Ok(stages)
+}
+
+/// What the expert layout asks of the model: MoE layers, experts splitting evenly over the
+/// expert-parallel ranks, expert widths dividing by tp when split.
+fn expert_problems(config: &TransformerConfig, opts: &HfToCkptOptions) -> Vec<String> {
+    let (t, ep) = (
+        opts.tensor_model_parallel_size,
+        opts.expert_model_parallel_size,
+    );
+    let whole = opts.expert_tensor_parallel == ExpertTensorParallel::Whole;
+    let Some(moe) = &config.moe else {
+        return match (ep, whole) {
+            (1, false) => Vec::new(),
+            _ => vec![
+                "expert_model_parallel_size / expert_tensor_parallel_size: the model has \
+                       no MoE layers"
+                    .into(),
+            ],
+        };
+    };
+    let mut problems = Vec::new();
+    if ep == 0 || !moe.num_experts().is_multiple_of(ep) {
+        problems.push(format!(
+            "num_experts ({}) is not divisible by expert_model_parallel_size ({ep})",
+            moe.num_experts()
+        ));
+    }
+    let widths = [
+        Some(("moe_ffn_hidden_size", moe.moe_ffn_hidden_size)).filter(|_| !whole),
+        moe.shared_expert_intermediate_size
+            .map(|f| ("moe_shared_expert_intermediate_size", f)),
+    ];
+    for (name, n) in widths.into_iter().flatten() {
+        if t > 0 && !n.is_multiple_of(t) {
+            problems.push(format!(
+                "{name} ({n}) is not divisible by tensor_model_parallel_size ({t})"
+            ));
+        }
+    }
+    problems
 }
 
 /// Takes `m`'s HF tensors out of `available`, recording the missing and misshapen ones.
@@ -268,23 +333,27 @@ fn check_hf_sources(
     }
 }
 
-/// The boxes of `m` on pipeline stage `stage` for each tensor-parallel rank of `t` (rank 0
-/// only when replicated), adding each rank's file to `files` on first use.
+/// The boxes of `m` (expert-parallel rank `ep`'s declaration: an expert stack's rows are
+/// that rank's, at row `ep·rows` of the whole stack) on pipeline stage `stage` for each
+/// tensor-parallel rank of `t` (rank 0 only when replicated), adding each rank's file to
+/// `files` on first use.
 fn plan_shards(
     m: &ParamDecl,
     t: usize,
     stage: usize,
+    ep: usize,
     files: &mut Vec<String>,
 ) -> Vec<PlannedShard> {
     let ranks = if m.split == TpSplit::Replicated { 1 } else { t };
     let local = m.split.local_shape(&m.shape, t).iter().product::<usize>();
     let mut shards = Vec::new();
     for r in 0..ranks {
-        let file = model_file(r, stage);
+        let file = expert_model_file(r, stage, ep);
         if !files.contains(&file) {
             files.push(file.clone());
         }
-        for b in m.split.boxes(&m.shape, t, r, 0..local) {
+        for mut b in m.split.boxes(&m.shape, t, r, 0..local) {
+            b.global_offset[0] += ep * m.shape[0];
             shards.push(PlannedShard {
                 file: file.clone(),
                 global_offset: b.global_offset,
@@ -369,6 +438,11 @@ pub(super) fn write_layout(
         tensor_model_parallel_size: opts.tensor_model_parallel_size,
         pipeline_model_parallel_size: opts.pipeline_model_parallel_size,
         data_parallel_size: 1,
+        expert_model_parallel_size: opts.expert_model_parallel_size,
+        expert_tensor_parallel_size: match opts.expert_tensor_parallel {
+            ExpertTensorParallel::Split => None,
+            ExpertTensorParallel::Whole => Some(1),
+        },
     };
     writer.commit(0, layout, content)?;
     write_tracker(root.path(), 0)?;
@@ -393,13 +467,16 @@ fn write_stage(
     opts: &HfToCkptOptions,
 ) -> Result<u64, CheckpointError> {
     let on_stage: Vec<&PlannedParam> = plan.params.iter().filter(|p| p.stage == stage).collect();
+    let mut names: Vec<&String> = on_stage
+        .iter()
+        .flat_map(|p| p.shards.iter().map(|s| &s.file))
+        .collect();
+    names.sort();
+    names.dedup();
     let mut files = Vec::new();
-    for r in 0..opts.tensor_model_parallel_size {
-        let name = model_file(r, stage);
-        let specs = shard_specs(&on_stage, &name);
-        if !specs.is_empty() {
-            files.push((name.clone(), writer.open_file(&name, opts.dtype, &specs)?));
-        }
+    for name in names {
+        let specs = shard_specs(&on_stage, name);
+        files.push((name.clone(), writer.open_file(name, opts.dtype, &specs)?));
     }
     for p in &on_stage {
         let full = assemble(src, &p.mapping, origin)?;

@@ -38,6 +38,16 @@ pub fn model_file(tp: usize, pp: usize) -> String {
     format!("model_tp{tp:02}_pp{pp:03}.safetensors")
 }
 
+/// File of the model shard of tensor-parallel rank `tp`, stage `pp`, expert-parallel rank
+/// `ep`: [`model_file`] for `ep` 0 (which also holds every non-expert parameter), else
+/// `model_tp{tp}_pp{pp}_ep{ep}.safetensors` with that rank's experts.
+pub fn expert_model_file(tp: usize, pp: usize, ep: usize) -> String {
+    match ep {
+        0 => model_file(tp, pp),
+        e => format!("model_tp{tp:02}_pp{pp:03}_ep{e}.safetensors"),
+    }
+}
+
 /// File of the optimizer shard of tensor-parallel rank `tp`, stage `pp`, data-parallel
 /// rank `dp`.
 pub fn optim_file(tp: usize, pp: usize, dp: usize) -> String {

@@ -54,6 +54,20 @@ pub struct ParallelLayout {
     pub pipeline_model_parallel_size: usize,
     /// `data_parallel_size`.
     pub data_parallel_size: usize,
+    /// `expert_model_parallel_size` (1 when absent).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub expert_model_parallel_size: usize,
+    /// `expert_tensor_parallel_size`; absent: the tensor-parallel size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_tensor_parallel_size: Option<usize>,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 impl ParallelLayout {
@@ -62,6 +76,8 @@ impl ParallelLayout {
         tensor_model_parallel_size: 1,
         pipeline_model_parallel_size: 1,
         data_parallel_size: 1,
+        expert_model_parallel_size: 1,
+        expert_tensor_parallel_size: None,
     };
 
     /// Ranks in the grid: `tp · pp · dp` (Megatron's `world_size`).

@@ -22,6 +22,7 @@ use ferrotron_checkpoint::dist::{
     CheckpointReader, CheckpointWriter, ParallelLayout, StoredDtype, iteration_dir,
     prune_checkpoints, write_tracker,
 };
+use ferrotron_model::module::ExpertTensorParallel;
 use ferrotron_optim::{
     OptimizerMeta, ParamInfo, SchedulerLoadPolicy, SchedulerState, StateArray, StateDict, Stateful,
 };
@@ -188,6 +189,12 @@ impl Trainer {
             data_parallel_size: self.dp.size(),
             tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),
             pipeline_model_parallel_size: self.pp.as_ref().map_or(1, |p| p.stages()),
+            expert_model_parallel_size: self.model.expert_parallel().map_or(1, |e| e.shard().size),
+            expert_tensor_parallel_size: self
+                .model
+                .tensor_parallel()
+                .filter(|t| t.experts == ExpertTensorParallel::Whole)
+                .map(|_| 1),
         }
     }
 

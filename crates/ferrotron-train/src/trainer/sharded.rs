@@ -18,7 +18,7 @@
 //! The records of every rank's shards are gathered (data-parallel, then tensor-parallel, then
 //! pipeline groups) to the committing rank, which writes `metadata.json`.
 
-use ferrotron_checkpoint::convert::{model_file, optim_file};
+use ferrotron_checkpoint::convert::{expert_model_file, optim_file};
 use ferrotron_checkpoint::dist::{
     CheckpointReader, CheckpointWriter, ShardFile, ShardSpec, StoredDtype, TensorRecords,
 };
@@ -68,10 +68,7 @@ impl Trainer {
             }
             let specs: Vec<ShardSpec> = planned.iter().map(|p| p.spec.clone()).collect();
             let dtype = stored(self.buffer.param_dtype())?;
-            let file = match self.dp.rank() {
-                0 => model_file(tp, pp),
-                e => model_file(tp, pp).replace(".safetensors", &format!("_ep{e}.safetensors")),
-            };
+            let file = expert_model_file(tp, pp, self.dp.rank());
             let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
             // A parameter's boxes are consecutive: widen it to f32 once for all of them.
             for boxes in planned.chunk_by(|a, b| a.param == b.param) {

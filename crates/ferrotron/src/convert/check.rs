@@ -13,6 +13,7 @@ use ferrotron_comm::{
 };
 use ferrotron_data::Tokenizer;
 use ferrotron_model::families::{load_hf_model, parse_hf_config};
+use ferrotron_model::module::ExpertTensorParallel;
 use ferrotron_model::{ForwardTrace, GptModel, InitConfig, TpSplit, TrainBatch};
 use ferrotron_tensor::DType;
 use ferrotron_train::{ParallelizeOptions, parallelize};
@@ -165,10 +166,15 @@ fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>
     let hf_config = stored_hf_config(&meta.content)
         .context("--check: the checkpoint's metadata holds no hf_config")?;
     let config = parse_hf_config(hf_config)?.config;
-    let (t, p) = (
+    let (t, p, ep) = (
         meta.parallel.tensor_model_parallel_size,
         meta.parallel.pipeline_model_parallel_size,
+        meta.parallel.expert_model_parallel_size,
     );
+    let experts = match meta.parallel.expert_tensor_parallel_size {
+        Some(1) if t > 1 => ExpertTensorParallel::Whole,
+        _ => ExpertTensorParallel::Split,
+    };
     let divisible_by = meta
         .content
         .get("make_vocab_size_divisible_by")
@@ -176,19 +182,23 @@ fn sharded_forward(ckpt_dir: &Path, batch: &TrainBatch) -> Result<(Vec<Vec<f32>>
         .unwrap_or(128) as usize;
     let vocab = config.vocab_size;
     let skeleton = GptModel::init_random(config, InitConfig::default())?;
+    // Expert parallelism runs over data-parallel ranks: `ep` copies of the tp x pp grid.
+    let world = t * p * ep;
     eprintln!(
-        "check: running the checkpoint at tp {t} x pp {p} ({} in-process ranks, {} threads each)",
-        t * p,
-        threads_per_rank(t * p)
+        "check: running the checkpoint at tp {t} x pp {p} x ep {ep} ({world} in-process ranks, \
+         {} threads each)",
+        threads_per_rank(world)
     );
     let layout = CheckLayout {
         t,
         p,
+        ep,
+        experts,
         divisible_by,
         vocab,
         skeleton: &skeleton,
     };
-    let traces = run_local(t * p, |comm| rank_trace(comm, &layout, &reader, batch))
+    let traces = run_local(world, |comm| rank_trace(comm, &layout, &reader, batch))
         .map_err(|e| anyhow::anyhow!("--check: {e}"))?;
     let mut layers = Vec::new();
     let mut logits = Vec::new();
@@ -207,6 +217,10 @@ struct CheckLayout<'a> {
     t: usize,
     /// Pipeline-parallel size.
     p: usize,
+    /// Expert-parallel size (over as many data-parallel ranks, each running the prompt).
+    ep: usize,
+    /// How the tensor-parallel ranks hold the experts.
+    experts: ExpertTensorParallel,
     /// Megatron's `make_vocab_size_divisible_by` the checkpoint was written with.
     divisible_by: usize,
     /// The unpadded vocabulary.
@@ -217,7 +231,8 @@ struct CheckLayout<'a> {
 
 /// One rank's part of the check: its shard of the checkpoint's model, loaded from its own
 /// boxes, runs the prompt (receiving from / sending to the neighbouring pipeline stages);
-/// returns the trace on tensor-parallel rank 0, logits gathered over the vocabulary.
+/// returns the trace on tensor-parallel rank 0 of data-parallel rank 0, logits gathered over
+/// the vocabulary.
 fn rank_trace(
     comm: LocalComm,
     layout: &CheckLayout<'_>,
@@ -228,13 +243,15 @@ fn rank_trace(
     let parallel = ParallelConfig {
         tensor_model_parallel_size: t,
         pipeline_model_parallel_size: p,
+        expert_model_parallel_size: layout.ep,
         ..ParallelConfig::default()
     };
-    let state = ParallelState::new(t * p, comm.world_rank(), parallel)?;
-    let stage = state.coords().pp;
+    let state = ParallelState::new(t * p * layout.ep, comm.world_rank(), parallel)?;
+    let (stage, dp) = (state.coords().pp, state.coords().dp);
     let groups = ProcessGroups::new(state, Arc::new(comm))?;
     let options = ParallelizeOptions {
         make_vocab_size_divisible_by: layout.divisible_by,
+        expert_tensor_parallel: layout.experts,
         ..ParallelizeOptions::default()
     };
     let mut shard = parallelize(Cow::Borrowed(layout.skeleton), &groups, &options)?;
@@ -268,7 +285,7 @@ fn rank_trace(
         groups.tensor.all_gather(&local, &mut all)?;
         trace.logits = Some(gather_vocab(&all, t, batch.tokens.len(), layout.vocab));
     }
-    Ok((groups.tensor.rank() == 0).then_some(trace))
+    Ok((groups.tensor.rank() == 0 && dp == 0).then_some(trace))
 }
 
 /// Full `[rows, v]` logits from the tensor-parallel ranks' `[rows, v'/t]` shards laid end

@@ -10,6 +10,7 @@ use ferrotron_checkpoint::convert::{
 };
 use ferrotron_checkpoint::dist::{StoredDtype, locate_checkpoint};
 use ferrotron_checkpoint::{CheckpointError, HfExportOptions};
+use ferrotron_model::module::ExpertTensorParallel;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -57,6 +58,14 @@ pub struct LayoutArgs {
     /// Layers of the first pipeline stage (the rest split evenly); default: all even.
     #[arg(long)]
     decoder_first_pipeline_num_layers: Option<usize>,
+    /// Expert-parallel ranks the routed experts are laid out for (MoE models; the experts
+    /// must split evenly): rank e's in model_tp{t}_pp{p}_ep{e}.safetensors.
+    #[arg(long, default_value_t = 1)]
+    expert_model_parallel_size: usize,
+    /// Tensor-parallel ranks splitting each expert's width: the tensor-parallel size (the
+    /// default) or 1 (every expert whole on tensor-parallel rank 0's files).
+    #[arg(long)]
+    expert_tensor_parallel_size: Option<usize>,
     /// Pad the vocabulary (on load) to a multiple of this times the tensor-parallel size,
     /// recorded in the metadata (Megatron's default 128).
     #[arg(long, default_value_t = 128)]
@@ -74,15 +83,29 @@ pub struct LayoutArgs {
 }
 
 impl LayoutArgs {
-    fn options(&self) -> HfToCkptOptions {
-        HfToCkptOptions {
-            tensor_model_parallel_size: self.tensor_model_parallel_size,
+    /// The converter's options.
+    ///
+    /// # Errors
+    /// An expert tensor-parallel size other than 1 or the tensor-parallel size.
+    fn options(&self) -> Result<HfToCkptOptions> {
+        let t = self.tensor_model_parallel_size;
+        let expert_tensor_parallel = match self.expert_tensor_parallel_size {
+            Some(1) if t > 1 => ExpertTensorParallel::Whole,
+            Some(e) if e != 1 && e != t => anyhow::bail!(
+                "--expert-tensor-parallel-size {e}: must be 1 or --tensor-model-parallel-size ({t})"
+            ),
+            _ => ExpertTensorParallel::Split,
+        };
+        Ok(HfToCkptOptions {
+            tensor_model_parallel_size: t,
             pipeline_model_parallel_size: self.pipeline_model_parallel_size,
             decoder_first_pipeline_num_layers: self.decoder_first_pipeline_num_layers,
             make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
             dtype: stored_dtype(self.dtype),
             force: self.force,
-        }
+            expert_model_parallel_size: self.expert_model_parallel_size,
+            expert_tensor_parallel,
+        })
     }
 }
 
@@ -223,17 +246,18 @@ fn write_checkpoint(
     plan: PlanFn,
     write: WriteFn,
 ) -> Result<Option<ExitCode>> {
-    let opts = layout.options();
+    let opts = layout.options()?;
     let context = || format!("convert {what}");
     if layout.dry_run {
         let plan = plan(source, &opts).with_context(context)?;
         return Ok(Some(print_plan(&plan)));
     }
     let bar = spinner(format!(
-        "writing {} for tp {} x pp {}",
+        "writing {} for tp {} x pp {} x ep {}",
         source.display(),
         opts.tensor_model_parallel_size,
-        opts.pipeline_model_parallel_size
+        opts.pipeline_model_parallel_size,
+        opts.expert_model_parallel_size
     ));
     let result = write(source, &layout.output, &opts);
     bar.finish_and_clear();

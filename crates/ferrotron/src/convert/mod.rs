@@ -21,8 +21,9 @@ pub enum ConvertCommand {
     /// llama.cpp's q/k row permutation.
     GgufToHf(GgufToHfArgs),
     /// HuggingFace directory -> Ferrotron distributed checkpoint laid out for tensor x pipeline
-    /// parallel ranks (Pai-Megatron-Patch hf2mcore): q/k/v packed per query group into
-    /// linear_qkv, gate/up into linear_fc1, each rank's boxes in model_tp{t}_pp{p}.safetensors.
+    /// (x expert) parallel ranks (Pai-Megatron-Patch hf2mcore): q/k/v packed per query group
+    /// into linear_qkv, gate/up into linear_fc1, each rank's boxes in
+    /// model_tp{t}_pp{p}.safetensors (expert-parallel rank e's experts in ..._ep{e}).
     /// Writes CKPT/iter_0000000 + latest_checkpointed_iteration.txt; train from it with
     /// checkpoint.load = CKPT (or model.load = CKPT).
     HfToCkpt(checkpoint::HfToCkptArgs),
