@@ -266,18 +266,7 @@ tensorboard = false
         .map(|l| l.2)
         .collect();
     assert!(losses[losses.len() - 1] < losses[0], "{losses:?}");
-    let hf = tmp.path().join("scratch-hf");
-    let o = ferrotron(&[
-        "convert",
-        "ckpt-to-hf",
-        "--ckpt",
-        ckpt.to_str().unwrap(),
-        "--output",
-        hf.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", text(&o).1);
-    let c: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    let c = to_hf(&ckpt, &tmp.path().join("scratch-hf"));
     assert_eq!(c["architectures"][0], "DeepseekV2ForCausalLM");
     assert_eq!(
         (&c["q_lora_rank"], &c["kv_lora_rank"], &c["v_head_dim"]),
@@ -352,15 +341,8 @@ fn expert_layouts_convert_with_check() {
     );
 }
 
-/// The validation loss of run `run`'s checkpoint converted to HF.
-fn exported_validation(dir: &Path, prefix: &Path, run: &str) -> f64 {
-    exported_validation_of("tiny-mixtral", dir, prefix, run)
-}
-
-/// [`exported_validation`] of a run of fixture `model`.
-fn exported_validation_of(model: &str, dir: &Path, prefix: &Path, run: &str) -> f64 {
-    let hf = dir.join(format!("{run}-hf"));
-    let ckpt = dir.join(format!("{run}-ckpt"));
+/// `convert ckpt-to-hf` of `ckpt` into `hf`; the written `config.json`.
+fn to_hf(ckpt: &Path, hf: &Path) -> serde_json::Value {
     let o = ferrotron(&[
         "convert",
         "ckpt-to-hf",
@@ -370,8 +352,18 @@ fn exported_validation_of(model: &str, dir: &Path, prefix: &Path, run: &str) -> 
         hf.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o).1);
-    let config_json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap()
+}
+
+/// The validation loss of run `run`'s checkpoint converted to HF.
+fn exported_validation(dir: &Path, prefix: &Path, run: &str) -> f64 {
+    exported_validation_of("tiny-mixtral", dir, prefix, run)
+}
+
+/// [`exported_validation`] of a run of fixture `model`.
+fn exported_validation_of(model: &str, dir: &Path, prefix: &Path, run: &str) -> f64 {
+    let hf = dir.join(format!("{run}-hf"));
+    let config_json = to_hf(&dir.join(format!("{run}-ckpt")), &hf);
     let want: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -228,20 +228,19 @@ impl LayerActs {
             + self.attn.bytes()
     }
 
-    /// Bytes [`layer_forward`] saves per token, core attention's output excluded: f32 `x`
+    /// Bytes [`layer_forward`] saves per token besides the MLP's activations
+    /// ([`super::mlp::MlpActs::bytes_for`]) and core attention's output: f32 `x`
     /// (`h`), `x_mid` (`h`, unless parallel attention), each norm's statistics
     /// ([`NormStats::bytes_per_row`]), post-sublayer norm inputs (`2h`) and q/k norm inputs
-    /// (`(a + g)·d`), MLA's latents; in the saved dtype (bf16 when `narrow`) the linears' inputs `attn_in`
-    /// and `mlp_in` (`h` each, one under parallel attention), `q, k, v` (`(a + 2g)·d`),
-    /// `fc1` and `act`. In u128, so no config overflows.
+    /// (`(a + g)·d`), MLA's latents; in the saved dtype (bf16 when `narrow`) the linears'
+    /// inputs `attn_in` and `mlp_in` (`h` each, one under parallel attention) and `q, k, v`
+    /// (`(a + 2g)·d`). In u128, so no config overflows.
     pub(crate) fn bytes_per_row(c: &TransformerConfig, narrow: bool) -> u128 {
-        let [h, a, g, d, f, fc1] = [
+        let [h, a, g, d] = [
             c.hidden_size,
             c.num_attention_heads,
             c.num_query_groups,
             c.kv_channels,
-            c.ffn_hidden_size,
-            c.fc1_size(),
         ]
         .map(|n| n as u128);
         let (copies, norms) = match (c.post_sublayer_norm, c.parallel_attention_mlp) {
@@ -266,7 +265,7 @@ impl LayerActs {
             + post_inputs
             + qk
             + latents
-            + element_bytes(narrow) * (copies * h + (a + 2 * g) * d + fc1 + f)
+            + element_bytes(narrow) * (copies * h + (a + 2 * g) * d)
     }
 
     /// The layer input alone (what a recomputed group keeps), the rest freed.

@@ -12,6 +12,7 @@
 
 use super::core_attention::CoreAttnOut;
 use super::forward::LayerActs;
+use super::mlp::MlpActs;
 use super::norm::NormStats;
 use super::recompute::{Keep, Run};
 use crate::{ModelError, Result, TransformerConfig};
@@ -61,8 +62,8 @@ pub struct ActivationMemory {
 
 /// Bytes of each kind of saved activation of one micro-batch of `rows` tokens.
 struct PassSizes {
-    /// A layer's activations, core attention's output excluded.
-    layer: u128,
+    /// Each layer's activations, core attention's output excluded (MoE layers keep more).
+    layers: Vec<u128>,
     /// Core attention's output and log-sum-exp.
     core: u128,
     /// A `[rows, h]` f32 tensor (a layer input, the final norm's input or output).
@@ -78,13 +79,21 @@ struct PassSizes {
 }
 
 impl PassSizes {
-    fn new(c: &TransformerConfig, rows: u128, saved_dtype: ferrotron_tensor::DType) -> PassSizes {
+    fn new(
+        c: &TransformerConfig,
+        rows: u128,
+        saved_dtype: ferrotron_tensor::DType,
+    ) -> Result<PassSizes> {
         let f32_rows = |per_row: u128| rows * per_row * size_of::<f32>() as u128;
         let narrow = saved_dtype == ferrotron_tensor::DType::BF16;
         let input = f32_rows(c.hidden_size as u128);
         let final_stats = rows * NormStats::bytes_per_row(c.normalization);
-        PassSizes {
-            layer: rows * LayerActs::bytes_per_row(c, narrow),
+        let common = rows * LayerActs::bytes_per_row(c, narrow);
+        let layers = (0..c.num_layers)
+            .map(|l| Ok(common + MlpActs::bytes_for(c, l, rows, narrow)?))
+            .collect::<Result<_>>()?;
+        Ok(PassSizes {
+            layers,
             core: rows * CoreAttnOut::bytes_per_row(c, narrow),
             input,
             final_stats,
@@ -95,12 +104,12 @@ impl PassSizes {
             },
             logits: f32_rows(c.vocab_size as u128),
             positions: rows * size_of::<usize>() as u128,
-        }
+        })
     }
 
-    /// What a layer keeps, with or without core attention's output.
-    fn kept(&self, core_attention: bool) -> u128 {
-        self.layer + if core_attention { self.core } else { 0 }
+    /// What layer `l` keeps, with or without core attention's output.
+    fn kept(&self, l: usize, core_attention: bool) -> u128 {
+        self.layers[l] + if core_attention { self.core } else { 0 }
     }
 
     /// Replays the training forward (`train_forward`) then backward (`train_backward`) over
@@ -114,7 +123,7 @@ impl PassSizes {
                 Keep::Each { core_attention } => {
                     run.layers
                         .clone()
-                        .for_each(|_| m.hold(self.kept(core_attention)));
+                        .for_each(|l| m.hold(self.kept(l, core_attention)));
                 }
                 Keep::Input => m.hold(self.input),
             }
@@ -129,18 +138,20 @@ impl PassSizes {
         for run in runs.iter().rev() {
             match run.keep {
                 Keep::Each { core_attention } => {
-                    for _ in run.layers.clone() {
+                    for l in run.layers.clone() {
                         if !core_attention {
                             m.hold(self.core);
                             m.release(self.core);
                         }
-                        m.release(self.kept(core_attention));
+                        m.release(self.kept(l, core_attention));
                     }
                 }
                 Keep::Input => {
                     m.release(self.input);
-                    run.layers.clone().for_each(|_| m.hold(self.kept(true)));
-                    run.layers.clone().for_each(|_| m.release(self.kept(true)));
+                    run.layers.clone().for_each(|l| m.hold(self.kept(l, true)));
+                    run.layers
+                        .clone()
+                        .for_each(|l| m.release(self.kept(l, true)));
                 }
             }
         }
@@ -160,8 +171,11 @@ impl TransformerConfig {
     ///   and `s·b·(2h + (a + 2g)·d + 3f)` elements of the saved dtype (norm outputs, q/k/v,
     ///   fc1 and SwiGLU outputs); the switches change it as the layer's saved activations
     ///   say (LayerNorm means, post-sublayer and q/k norm inputs, one shared norm under
-    ///   parallel attention, an ungated `fc1`); plus `s·b·a·d` (saved dtype) and `s·b·a` f32
-    ///   for core attention's output and log-sum-exp unless selective recompute drops them;
+    ///   parallel attention, an ungated `fc1`, multi-latent attention's latents); an MoE
+    ///   layer keeps its routing, the `k` routed rows per token through its experts and its
+    ///   shared expert instead of the dense MLP's (`train::moe::moe_acts_bytes`); plus
+    ///   `s·b·a·dv` (saved dtype) and `s·b·a` f32 for core attention's output and
+    ///   log-sum-exp unless selective recompute drops them;
     /// - a recomputed group: its input `s·b·h` until the backward re-runs it, then all of its
     ///   layers' activations, each freed after its backward;
     /// - the positions `s·b` usize, the final norm `s·b·2h` and its statistics, logits
@@ -172,8 +186,9 @@ impl TransformerConfig {
     /// the bf16 training pass's ([`GptModel::activation_dtype`](crate::GptModel::activation_dtype)).
     ///
     /// # Errors
-    /// An invalid config ([`TransformerConfig::validate`]), a zero `micro_batch` or `seq`, or
-    /// a total beyond `u64::MAX` bytes.
+    /// An invalid config ([`TransformerConfig::validate`]), a zero `micro_batch` or `seq`, MoE
+    /// layers with token dropping (the rows they keep depend on the routing), or a total
+    /// beyond `u64::MAX` bytes.
     pub fn activation_memory(&self, micro_batch: usize, seq: usize) -> Result<ActivationMemory> {
         self.activation_memory_in(micro_batch, seq, ferrotron_tensor::DType::F32)
     }
@@ -190,12 +205,6 @@ impl TransformerConfig {
         saved_dtype: ferrotron_tensor::DType,
     ) -> Result<ActivationMemory> {
         self.validate()?;
-        if self.moe.is_some() {
-            // An MoE layer keeps `k` routed rows per token and more; not in the formula yet.
-            return Err(ModelError::Input(
-                "activation memory: MoE layers are not modelled".into(),
-            ));
-        }
         for (what, n) in [("micro_batch", micro_batch), ("seq", seq)] {
             if n == 0 {
                 return Err(ModelError::Input(format!(
@@ -203,7 +212,7 @@ impl TransformerConfig {
                 )));
             }
         }
-        let sizes = PassSizes::new(self, micro_batch as u128 * seq as u128, saved_dtype);
+        let sizes = PassSizes::new(self, micro_batch as u128 * seq as u128, saved_dtype)?;
         let (m, forward_end) = sizes.replay(&self.recompute_runs(0..self.num_layers));
         let logits = sizes.logits;
         let to_u64 = |b: u128| {
@@ -238,7 +247,8 @@ mod tests {
         // Qwen2 (biases), and the switches that change what a layer keeps: LayerNorm with a
         // non-gated MLP (StarCoder2), post-sublayer and q/k norms (OLMo2), parallel
         // attention (Falcon), the embedding norm (Bloom), multi-latent attention's latents
-        // and padded heads (DeepSeek-V2, its MLPs dense).
+        // and padded heads (DeepSeek-V2, with shared experts), MoE layers (Mixtral; Qwen2-MoE
+        // with its gated shared expert, dense layers between).
         for name in [
             "tiny-qwen2",
             "tiny-starcoder2",
@@ -246,11 +256,28 @@ mod tests {
             "tiny-falcon",
             "tiny-bloom",
             "tiny-deepseek-v2",
+            "tiny-mixtral",
+            "tiny-qwen2-moe",
         ] {
             for dtype in [DType::F32, DType::BF16] {
                 replay_matches_the_real_pass_in(name, dtype);
             }
         }
+    }
+
+    /// Token dropping keeps a data-dependent number of rows: no formula, a clear error.
+    #[test]
+    fn token_dropping_is_not_modelled() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-mixtral");
+        let (model, _) = load_hf_model(&dir, DType::F32).unwrap();
+        let mut c = model.config().clone();
+        assert!(c.activation_memory(2, 8).is_ok());
+        c.moe.as_mut().unwrap().capacity = Some(crate::ExpertCapacity {
+            factor: 1.0,
+            drop_policy: crate::DropPolicy::Probs,
+        });
+        let err = c.activation_memory(2, 8).unwrap_err().to_string();
+        assert!(err.contains("moe_expert_capacity_factor"), "{err}");
     }
 
     fn replay_matches_the_real_pass_in(name: &str, dtype: DType) {
@@ -261,8 +288,12 @@ mod tests {
         // Four layers, so uniform 3 leaves a short last group.
         let mut config = loaded.config().clone();
         config.num_layers = 4;
-        // MoE layers are not in the formula: DeepSeek-V2's attention with dense MLPs.
-        config.moe = None;
+        // The MoE layers (their pattern over the four layers).
+        if let Some(moe) = config.moe.as_mut() {
+            moe.layer_pattern = (0..4)
+                .map(|l| l % 2 == 1 || name == "tiny-mixtral")
+                .collect();
+        }
         let init = crate::InitConfig {
             params_dtype: dtype,
             ..Default::default()

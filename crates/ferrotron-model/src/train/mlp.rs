@@ -7,8 +7,8 @@ use super::forward::Pass;
 use super::moe::{MoeActs, moe_backward, moe_forward};
 use super::stored::{Kept, Stored};
 use super::tp_ops::{row_parallel_forward, row_parallel_output_grad};
-use crate::Result;
 use crate::module::{LayerMlp, Mlp};
+use crate::{Result, TransformerConfig};
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::ops::{
     activation, activation_backward, add_bias_backward, glu_packed, glu_packed_backward,
@@ -38,9 +38,40 @@ impl MlpActs {
     }
 }
 
+impl MlpActs {
+    /// Bytes the MLP of global layer `layer` saves over `rows` tokens of a training pass of
+    /// a full model `c` (activations in bf16 when `narrow`): a dense MLP's `fc1` and `act`, or
+    /// an MoE layer's ([`super::moe::moe_acts_bytes`]).
+    ///
+    /// # Errors
+    /// An MoE layer whose saved rows depend on the data (token dropping).
+    pub(crate) fn bytes_for(
+        c: &TransformerConfig,
+        layer: usize,
+        rows: u128,
+        narrow: bool,
+    ) -> Result<u128> {
+        if c.is_moe_layer(layer) {
+            return super::moe::moe_acts_bytes(c, rows, narrow);
+        }
+        Ok(DenseActs::bytes_for(
+            c.fc1_size(),
+            c.ffn_hidden_size,
+            rows,
+            narrow,
+        ))
+    }
+}
+
 impl DenseActs {
     pub(crate) fn bytes(&self) -> u128 {
         self.fc1.bytes() + self.act.bytes()
+    }
+
+    /// Bytes of a dense MLP's saved `fc1` (`fc1` wide) and `act` (`f` wide) over `rows`
+    /// tokens.
+    pub(crate) fn bytes_for(fc1: usize, f: usize, rows: u128, narrow: bool) -> u128 {
+        rows * super::stored::element_bytes(narrow) * (fc1 + f) as u128
     }
 }
 

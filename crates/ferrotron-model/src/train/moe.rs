@@ -15,7 +15,7 @@ use super::stored::Stored;
 use super::tp_ops::{adds_replicated_grads, reduce_partial_rows, row_parallel_output_grad};
 use crate::config::LoadBalancing;
 use crate::module::MoeMlp;
-use crate::{ModelError, MoeConfig, Result};
+use crate::{ModelError, MoeConfig, Result, TransformerConfig};
 use ferrotron_nn::moe::Routing;
 use ferrotron_nn::moe::router::{aux_loss, z_loss};
 use ferrotron_nn::tensor_parallel::reduce_from_tensor_model_parallel_region;
@@ -87,6 +87,43 @@ impl MoeActs {
             + f32s(self.daux.as_ref().map_or(0, Vec::len))
             + shared
     }
+}
+
+/// Bytes an MoE layer of the full model `c` saves over `T = rows` tokens of a training pass
+/// (what [`MoeActs::bytes`] measures): the routing (`[T, k]` ids, weights, drop flags, `[T, E]`
+/// scores), the balancing losses' `[T, E]` logit gradient, the grouped experts over the
+/// `R = T·k` routed rows (`[R, h]` permuted inputs and outputs, `[R, 2f_e]` and `[R, f_e]`
+/// f32, the permutation's `R + E + 1` usize) and the shared expert's `fc1` / `act` (saved
+/// dtype), output `[T, h]` and gate `[T]` f32.
+///
+/// # Errors
+/// Token dropping (`moe_expert_capacity_factor`): the rows kept depend on the routing.
+pub(crate) fn moe_acts_bytes(c: &TransformerConfig, rows: u128, narrow: bool) -> Result<u128> {
+    let moe = c.moe.as_ref().expect("an MoE layer has an MoE config");
+    if moe.capacity.is_some() {
+        return Err(ModelError::Input(
+            "activation memory: with moe_expert_capacity_factor the rows an MoE layer keeps \
+             depend on the routing"
+                .into(),
+        ));
+    }
+    let [e, k, h, f] = [
+        moe.num_experts(),
+        moe.router.topk,
+        c.hidden_size,
+        moe.moe_ffn_hidden_size,
+    ]
+    .map(|n| n as u128);
+    let (t, r) = (rows, rows * k);
+    let usize_bytes = size_of::<usize>() as u128;
+    let routing = r * (4 + 4 + 1) + 4 * t * e;
+    let daux = 4 * t * e;
+    let experts = 4 * r * (2 * h + 3 * f) + usize_bytes * (r + e + 1);
+    let shared = moe.shared_expert_intermediate_size.map_or(0, |fs| {
+        let gate = if moe.shared_expert_gate { 4 * t } else { 0 };
+        DenseActs::bytes_for(2 * fs, fs, t, narrow) + 4 * t * h + gate
+    });
+    Ok(routing + daux + experts + shared)
 }
 
 /// Bytes of a routing: `[T, k]` ids, weights and drop flags, `[T, E]` scores.
