@@ -259,7 +259,42 @@ fn parameters_round_trip_and_name_megatron_layout() {
 #[test]
 fn masked_loss_gradients_match_finite_differences() {
     let (mut model, _) = load_hf_model(&fixture("tiny-mistral"), DType::F32).unwrap();
-    let mut batch = batch("tiny-mistral");
+    let batch = masked_batch("tiny-mistral");
+    let checked = check_finite_differences(&mut model, &batch, |name| {
+        name.contains("layers.0.self_attention.linear_qkv")
+            || name.contains("layers.1.mlp.linear_fc1")
+            || name.contains("layers.1.pre_mlp_layernorm")
+            || name.contains("final_layernorm")
+            || name.contains("word_embeddings")
+            || name.contains("output_layer")
+    });
+    assert_eq!(checked, 18);
+}
+
+/// Multi-latent attention (DeepSeek-V2's: query latent, interleaved YaRN rope with both
+/// mscales, unequal head dims; dense MLPs so no routing flips under the perturbation) against
+/// central differences, every projection and latent norm, with the masked, restarted batch.
+#[test]
+fn multi_latent_attention_gradients_match_finite_differences() {
+    let (loaded, _) = load_hf_model(&fixture("tiny-deepseek-v2"), DType::F32).unwrap();
+    let mut config = loaded.config().clone();
+    config.moe = None;
+    let init = ferrotron_model::InitConfig {
+        init_method_std: 0.2,
+        ..Default::default()
+    };
+    let mut model = GptModel::init_random(config, init).unwrap();
+    let batch = masked_batch("tiny-deepseek-v2");
+    let checked = check_finite_differences(&mut model, &batch, |name| {
+        name.starts_with("decoder.layers.0.self_attention.")
+    });
+    // q down / norm / up, kv down / norm / up, linear_proj.
+    assert_eq!(checked, 3 * 7);
+}
+
+/// `name`'s reference batch with a loss mask and position ids restarting at `s/2`.
+fn masked_batch(name: &str) -> TrainBatch {
+    let mut batch = batch(name);
     let (b, s) = (batch.micro_batch, batch.seq);
     batch.loss_mask = Some((0..b * s).map(|i| ((i * 7) % 5) as f32 * 0.25).collect());
     // Two "documents" per sequence: positions restart at s/2.
@@ -268,10 +303,21 @@ fn masked_loss_gradients_match_finite_differences() {
             .flat_map(|t| std::iter::repeat_n(t % (s / 2), b))
             .collect(),
     );
+    batch
+}
+
+/// The analytic gradient at loss scale 3 against central differences (step 1e-2) of the
+/// loss for the 3 largest gradient entries of every parameter `pick` selects; returns how
+/// many entries were checked.
+fn check_finite_differences(
+    model: &mut GptModel,
+    batch: &TrainBatch,
+    pick: impl Fn(&str) -> bool,
+) -> usize {
     let scale = 3.0;
-    let mut grads = zero_grads(&model);
+    let mut grads = zero_grads(model);
     let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| g.as_mut_slice()).collect();
-    let stats = model.forward_backward(&batch, &mut views, scale).unwrap();
+    let stats = model.forward_backward(batch, &mut views, scale).unwrap();
     assert!((stats.loss as f64 - stats.loss_sum / stats.loss_count).abs() < 1e-6);
     assert_eq!(stats.loss_count, batch.loss_token_count());
     let params = model.parameters();
@@ -285,29 +331,19 @@ fn masked_loss_gradients_match_finite_differences() {
         model.load_parameters_from(&srcs).unwrap();
         let mut g = zero_grads(model);
         let mut v: Vec<&mut [f32]> = g.iter_mut().map(|g| g.as_mut_slice()).collect();
-        model
-            .forward_backward(&batch, &mut v, 1.0)
-            .unwrap()
-            .loss_sum
-            / batch.loss_token_count()
+        model.forward_backward(batch, &mut v, 1.0).unwrap().loss_sum / batch.loss_token_count()
     };
     let eps = 1e-2f32;
     let mut checked = 0;
     for (pi, p) in params.iter().enumerate() {
-        let pick = p.name.contains("layers.0.self_attention.linear_qkv")
-            || p.name.contains("layers.1.mlp.linear_fc1")
-            || p.name.contains("layers.1.pre_mlp_layernorm")
-            || p.name.contains("final_layernorm")
-            || p.name.contains("word_embeddings")
-            || p.name.contains("output_layer");
-        if !pick {
+        if !pick(&p.name) {
             continue;
         }
         let mut order: Vec<usize> = (0..p.numel()).collect();
         order.sort_by(|&i, &j| grads[pi][j].abs().total_cmp(&grads[pi][i].abs()));
         for &idx in order.iter().take(3) {
-            let plus = loss_at(&mut model, pi, idx, eps);
-            let minus = loss_at(&mut model, pi, idx, -eps);
+            let plus = loss_at(model, pi, idx, eps);
+            let minus = loss_at(model, pi, idx, -eps);
             let fd = scale as f64 * (plus - minus) / (2.0 * eps as f64);
             let g = grads[pi][idx] as f64;
             assert!(
@@ -318,7 +354,7 @@ fn masked_loss_gradients_match_finite_differences() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 18);
+    checked
 }
 
 /// bf16 storage (llama3 is bf16 on disk, so the weights are exact): `load_parameters_from`
