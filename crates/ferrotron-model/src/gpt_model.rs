@@ -54,6 +54,9 @@ pub struct GptModel {
     /// The LoRA adapters take part in the passes (PEFT's `disable_adapter()` turns this off
     /// for a DPO reference forward); true when built.
     adapters_enabled: bool,
+    /// The routed-token counts of the training forwards for the expert biases (Megatron's
+    /// router `local_tokens_per_expert`); empty in a clone.
+    pub(crate) expert_load: crate::expert_bias::ExpertLoad,
 }
 
 /// Checks `params` (this rank's values, table order) against their declarations over `t`
@@ -205,6 +208,7 @@ impl GptModel {
             stage,
             ep: None,
             adapters_enabled: true,
+            expert_load: Default::default(),
         })
     }
 

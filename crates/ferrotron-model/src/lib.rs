@@ -8,6 +8,7 @@
 
 mod config;
 mod error;
+mod expert_bias;
 mod expert_parallel;
 pub mod families;
 mod gpt_model;
@@ -30,6 +31,7 @@ pub use config::{
     RecomputeMethod, RouterConfig, ScoreFunction, TokenDispatcher, TransformerConfig,
 };
 pub use error::ModelError;
+pub use expert_bias::updated_expert_bias;
 pub use expert_parallel::ExpertParallel;
 pub use gpt_model::{GptModel, LogitsMode};
 pub use init::InitConfig;

@@ -96,6 +96,7 @@ impl GptModel {
             z_loss_coeff: None,
             capacity: None,
             token_dispatcher: Default::default(),
+            expert_bias_update_rate: None,
         });
         config.validate()?;
         let layout = ModelLayout::new(

@@ -103,6 +103,12 @@ pub struct MoeConfig {
     pub capacity: Option<ExpertCapacity>,
     /// `moe_token_dispatcher_type` (expert parallelism only).
     pub token_dispatcher: TokenDispatcher,
+    /// Megatron's `moe_router_enable_expert_bias` with its `moe_router_bias_update_rate`
+    /// (aux-loss-free load balancing, Wang et al. 2024, DeepSeek-V3): each MoE layer keeps an
+    /// `[E]` bias added to the sigmoid scores for choosing the experts (not to the weights);
+    /// after every step it moves by `rate · sign(mean − count)` per expert, the counts of the
+    /// step's routed tokens summed over the data-parallel ranks. `None`: no bias.
+    pub expert_bias_update_rate: Option<f32>,
 }
 
 impl MoeConfig {
@@ -165,6 +171,20 @@ impl MoeConfig {
         for (field, c) in coeffs {
             if let Some(c) = c.filter(|c| !(c.is_finite() && *c >= 0.0)) {
                 return Err(field_error(field, format!("{c} must be finite and >= 0")));
+            }
+        }
+        if let Some(rate) = self.expert_bias_update_rate {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(field_error(
+                    "moe_router_bias_update_rate",
+                    format!("{rate} must be > 0"),
+                ));
+            }
+            if self.router.score_function != ScoreFunction::Sigmoid {
+                return Err(field_error(
+                    "moe_router_enable_expert_bias",
+                    "the expert bias needs the sigmoid score function (Megatron's rule)",
+                ));
             }
         }
         if let Some(c) = self.capacity

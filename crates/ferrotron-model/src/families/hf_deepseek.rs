@@ -101,6 +101,7 @@ pub(super) fn parse_deepseek(
         z_loss_coeff: None,
         capacity: None,
         token_dispatcher: Default::default(),
+        expert_bias_update_rate: None,
     };
     Ok((mla, Some(moe)))
 }

@@ -123,6 +123,7 @@ pub(super) fn parse_moe(
         z_loss_coeff: None,
         capacity: None,
         token_dispatcher: Default::default(),
+        expert_bias_update_rate: None,
     }))
 }
 

@@ -38,6 +38,10 @@ pub enum ParamRole {
     /// trainable parameters of a model with [`crate::TransformerConfig::lora`]. Stored in
     /// the model's params dtype; weight decay as a matmul weight.
     Adapter,
+    /// A persistent state tensor that is not trained (Megatron's registered buffers: the MoE
+    /// router's `expert_bias`): frozen for the optimizer (no gradient, no state), written by
+    /// the trainer, saved in checkpoints. Stored in the params dtype.
+    Buffer,
 }
 
 impl ParamRole {

@@ -139,7 +139,8 @@ impl ModelLayout {
     pub fn is_frozen(&self, index: usize) -> bool {
         let head = self.output_layer.is_some_and(|id| id.0 == index)
             && self.decls[index].name == SCORE_WEIGHT;
-        self.frozen_base && self.decls[index].role != ParamRole::Adapter && !head
+        let role = self.decls[index].role;
+        role == ParamRole::Buffer || (self.frozen_base && role != ParamRole::Adapter && !head)
     }
 
     /// Every parameter's declaration, in table order.

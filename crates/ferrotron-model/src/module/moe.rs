@@ -31,6 +31,9 @@ pub struct MoeMlp {
     pub shared_experts: Option<Mlp>,
     /// `[1, h]` `mlp.shared_experts.gate_weight` (HF `mlp.shared_expert_gate`), replicated.
     pub shared_expert_gate: Option<ParamId>,
+    /// `[E]` `mlp.router.expert_bias` (Megatron's buffer, aux-loss-free routing), replicated:
+    /// a [`ParamRole::Buffer`] the trainer updates.
+    pub expert_bias: Option<ParamId>,
 }
 
 /// A decoder layer's MLP: dense, or mixture of experts.
@@ -154,12 +157,26 @@ impl MoeMlp {
                     Some(layer),
                 ))
             });
+        let expert_bias = moe.expert_bias_update_rate.map(|_| {
+            d.push(ParamDecl {
+                name: format!("{mg}.router.expert_bias"),
+                shape: vec![moe.num_experts()],
+                split: TpSplit::Replicated,
+                init: Init::Zeros,
+                role: ParamRole::Buffer,
+                layer: Some(layer),
+                // No HF family has it: their configs route by softmax, and the export of a
+                // sigmoid router is refused.
+                hf: Vec::new(),
+            })
+        });
         MoeMlp {
             router,
             experts_fc1,
             experts_fc2,
             shared_experts,
             shared_expert_gate,
+            expert_bias,
         }
     }
 }

@@ -77,7 +77,9 @@ impl GptModel {
                 self.output_grad(batch, dout)?
             }
         };
-        let pass = Pass::new(self, &positions, batch).with_moe_losses(loss_scale);
+        let pass = Pass::new(self, &positions, batch)
+            .with_moe_losses(loss_scale)
+            .rerun();
         let mut st = Backprop {
             scratch: Buffer::zeros(self.device(), dres.len()),
             dres,

@@ -125,7 +125,17 @@ impl<'a> Pass<'a> {
             self.moe_losses = Some(MoeLossSink {
                 scale,
                 losses: Default::default(),
+                counts_expert_load: true,
             });
+        }
+        self
+    }
+
+    /// This pass re-running layers whose forward already ran (full recompute in the
+    /// backward): their routed tokens are not counted again.
+    pub(crate) fn rerun(mut self) -> Pass<'a> {
+        if let Some(sink) = self.moe_losses.as_mut() {
+            sink.counts_expert_load = false;
         }
         self
     }

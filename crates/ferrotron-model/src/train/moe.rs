@@ -51,6 +51,9 @@ pub(crate) struct MoeLossSink {
     pub scale: f32,
     /// Summed over the MoE layers run in the forward.
     pub losses: Mutex<MoeLosses>,
+    /// The forward's routed tokens count toward the expert biases' update (false when the
+    /// backward re-runs layers under full recompute: counted once, as Megatron's).
+    pub counts_expert_load: bool,
 }
 
 /// What an MoE layer's backward needs, over `rows` tokens (all rows).
@@ -159,11 +162,22 @@ pub(super) fn moe_forward(
     let router = pass.model.param(m.router);
     let mut logits = vec![0f32; rows * e];
     matmul_weight_t(input, router.weight_ref(), &mut logits, rows, e, h, false);
-    let mut routing = moe.router.route(&logits, None).map_err(nn_error)?;
+    let bias = m.expert_bias.map(|id| pass.model.f32_param(id));
+    let mut routing = moe
+        .router
+        .route(&logits, bias.as_deref())
+        .map_err(nn_error)?;
     if let Some(c) = moe.capacity {
         routing
             .drop_over_capacity(e, c.factor, c.drop_policy)
             .map_err(nn_error)?;
+    }
+    if let (Some(id), Some(sink)) = (m.expert_bias, &pass.moe_losses)
+        && sink.counts_expert_load
+    {
+        let kept = routing.experts.iter().zip(&routing.dropped);
+        let experts = kept.filter(|(_, d)| !**d).map(|(x, _)| *x);
+        pass.model.expert_load.add(id, e, experts);
     }
     let (y, experts) = routed_forward(pass, m, input, &routing)?;
     // Under tensor parallelism each rank's experts hold a slice of every expert's width.
@@ -430,6 +444,7 @@ mod tests {
             z_loss_coeff: None,
             capacity: None,
             token_dispatcher: Default::default(),
+            expert_bias_update_rate: None,
         }
     }
 

@@ -78,6 +78,14 @@ section! {
         /// Which tokens an expert over capacity keeps: "probs" (highest routing weights) or
         /// "position" (earliest). Default: "probs". Megatron: `--moe-token-drop-policy`.
         moe_token_drop_policy: Option<String> = None,
+        /// Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the sigmoid
+        /// scores when choosing the experts, moved after every step toward an even load.
+        /// Needs moe_router_score_function = "sigmoid" and f32 weights. Default: false.
+        /// Unset with `model.load`. Megatron: `--moe-router-enable-expert-bias`.
+        moe_router_enable_expert_bias: Option<bool> = None,
+        /// How far the expert bias moves per step. Default: 1e-3. Megatron:
+        /// `--moe-router-bias-update-rate`.
+        moe_router_bias_update_rate: Option<f64> = None,
         /// How tokens reach the experts under expert parallelism: "alltoall" (each routed
         /// row to its expert's rank and back) or "allgather" (every rank gathers every
         /// token). Default: "alltoall". Megatron: `--moe-token-dispatcher-type`.
@@ -145,6 +153,14 @@ fn structural(s: &MoeSection) -> Vec<&'static str> {
             "moe.moe_shared_expert_gate",
             s.moe_shared_expert_gate.is_some(),
         ),
+        (
+            "moe.moe_router_enable_expert_bias",
+            s.moe_router_enable_expert_bias.is_some(),
+        ),
+        (
+            "moe.moe_router_bias_update_rate",
+            s.moe_router_bias_update_rate.is_some(),
+        ),
     ]
     .into_iter()
     .filter_map(|(k, set)| set.then_some(k))
@@ -201,7 +217,14 @@ pub(super) fn moe_settings(
         z_loss_coeff: None,
         capacity: None,
         token_dispatcher: Default::default(),
+        expert_bias_update_rate: s
+            .moe_router_enable_expert_bias
+            .unwrap_or(false)
+            .then(|| s.moe_router_bias_update_rate.unwrap_or(1e-3) as f32),
     };
+    if s.moe_router_bias_update_rate.is_some() && moe.expert_bias_update_rate.is_none() {
+        p.push("moe.moe_router_bias_update_rate needs moe.moe_router_enable_expert_bias".into());
+    }
     options.apply(&mut moe);
     if let Err(e) = moe.validate(num_layers) {
         p.push(format!("[moe]: {e}"));

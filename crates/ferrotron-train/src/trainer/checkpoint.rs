@@ -223,10 +223,14 @@ impl Trainer {
         };
         let params = self.buffer.params().to_vec();
         // A LoRA checkpoint holds the adapters: the frozen base comes from the base model.
+        // Buffers (the routers' expert biases) are not trained but saved.
+        let buffers: Vec<usize> = (0..params.len())
+            .filter(|&i| self.model.is_buffer(i))
+            .collect();
         let expected: Vec<(String, Vec<usize>)> = params
             .iter()
             .enumerate()
-            .filter(|(_, p)| !p.flags.frozen)
+            .filter(|(i, p)| !p.flags.frozen || buffers.contains(i))
             .map(|(i, p)| {
                 (
                     format!("{MODEL}{}", p.name),
@@ -252,6 +256,13 @@ impl Trainer {
         with_params_in_buffer(&mut self.model, &mut self.buffer, |buffer| {
             Ok(buffer.import_state(buffer_state)?)
         })?;
+        for &i in &buffers {
+            let key = format!("{MODEL}{}", params[i].name);
+            let numel = self.model.param_table().view(i).shape().iter().product();
+            let values = self.read_local(&reader, &key, i, 0..numel)?;
+            self.model
+                .load_parameters_with(&[i], |_| std::borrow::Cow::Borrowed(&values))?;
+        }
         let state = match (mode, stored_state) {
             (LoadMode::Resume, Some(state)) => {
                 self.load_optimizer(&reader, &params, &state)?;

@@ -176,6 +176,7 @@ mod tests {
             z_loss_coeff: None,
             capacity: None,
             token_dispatcher: Default::default(),
+            expert_bias_update_rate: None,
         });
         dense.set_family(ferrotron_model::ModelFamily::Llama);
         let (moe, dense) = (FlopsModel::from(&c), FlopsModel::from(&dense));

@@ -170,11 +170,19 @@ impl Trainer {
 
     /// AdamW at `lr` with the scheduled weight decay over the reduced gradients (grad-norm
     /// and overflow statistics reduced over the tensor, pipeline and data-parallel ranks),
+    /// after moving the MoE layers' expert biases (aux-loss-free routing),
     /// in place in the parameter storage the model reads. On success, with the distributed
     /// optimizer, the other ranks' updated shards are all-gathered now or, with
     /// `overlap_param_gather`, launched to arrive during the next forward; the schedule
     /// advances one iteration. Returns the outcome and the time waited for the gather.
     pub(super) fn update(&mut self, lr: f64) -> Result<(StepOutcome, Duration)> {
+        // The expert biases move on the step's routed-token counts summed over the
+        // data-parallel ranks (Megatron's `_update_router_expert_bias`, every step).
+        let dp = &self.dp;
+        self.model.update_expert_bias(|counts| {
+            dp.sum(counts)
+                .map_err(|e| ferrotron_model::ModelError::Comm(e.to_string()))
+        })?;
         let tp = self.model.tensor_parallel().map(|t| t.group.comm().clone());
         let (optimizer, dp, pp) = (&mut self.optimizer, &self.dp, &self.pp);
         let weight_decay = self.scheduler.weight_decay();

@@ -60,11 +60,18 @@ impl Trainer {
         if writes {
             let mut planned = Vec::new();
             for (i, p) in infos.iter().enumerate() {
-                // Frozen parameters (a LoRA model's base) come from the base model.
-                if self.model.is_param_replica(i) || p.flags.frozen {
+                // Frozen parameters (a LoRA model's base) come from the base model; buffers
+                // (the routers' expert biases) are saved.
+                let buffer = self.model.is_buffer(i);
+                if self.model.is_param_replica(i) || (p.flags.frozen && !buffer) {
                     continue;
                 }
-                self.plan(&mut planned, MODEL, &p.name, i, 0..p.numel, 0);
+                // The gradient buffer holds no elements of a frozen parameter.
+                let numel = match buffer {
+                    true => self.model.param_table().view(i).shape().iter().product(),
+                    false => p.numel,
+                };
+                self.plan(&mut planned, MODEL, &p.name, i, 0..numel, 0);
             }
             let specs: Vec<ShardSpec> = planned.iter().map(|p| p.spec.clone()).collect();
             let dtype = stored(self.buffer.param_dtype())?;

@@ -134,3 +134,19 @@ fn expert_tensor_parallel_size_is_1_or_tp() {
     );
     assert!(RunConfig::from_toml_str(&ok, &[]).is_ok());
 }
+
+#[test]
+fn expert_bias_needs_sigmoid_routing() {
+    let dir = data_dir();
+    let with = |moe: &str| format!("{}\n[moe]\nnum_experts = 4\n{moe}\n", minimal(dir.path()));
+    let rc = RunConfig::from_toml_str(
+        &with("moe_router_score_function = \"sigmoid\"\nmoe_router_enable_expert_bias = true"),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(rc.moe.build.unwrap().expert_bias_update_rate, Some(1e-3));
+    let p = problems(&with("moe_router_enable_expert_bias = true"), &[]);
+    assert!(has(&p, "moe_router_enable_expert_bias"), "{p:?}");
+    let p = problems(&with("moe_router_bias_update_rate = 0.01"), &[]);
+    assert!(has(&p, "needs moe.moe_router_enable_expert_bias"), "{p:?}");
+}
