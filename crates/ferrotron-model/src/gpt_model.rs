@@ -57,6 +57,8 @@ pub struct GptModel {
     /// The routed-token counts of the training forwards for the expert biases (Megatron's
     /// router `local_tokens_per_expert`); empty in a clone.
     pub(crate) expert_load: crate::expert_bias::ExpertLoad,
+    /// The `global_aux_loss` counts of the step so far and their group.
+    pub(crate) global_aux: crate::global_aux::GlobalAux,
 }
 
 /// Checks `params` (this rank's values, table order) against their declarations over `t`
@@ -209,6 +211,7 @@ impl GptModel {
             ep: None,
             adapters_enabled: true,
             expert_load: Default::default(),
+            global_aux: Default::default(),
         })
     }
 

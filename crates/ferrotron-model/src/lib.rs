@@ -11,6 +11,7 @@ mod error;
 mod expert_bias;
 mod expert_parallel;
 pub mod families;
+mod global_aux;
 mod gpt_model;
 mod init;
 mod kv_cache;

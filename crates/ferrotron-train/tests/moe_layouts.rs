@@ -17,7 +17,7 @@ mod common;
 use common::layouts::*;
 use common::*;
 use ferrotron_comm::run_local;
-use ferrotron_model::{GptModel, LoadBalancing, TokenDispatcher};
+use ferrotron_model::{GptModel, LoadBalancing, TokenDispatcher, TrainBatch};
 use ferrotron_train::trainer::{MoeMetrics, TrainError, Trainer};
 
 /// The fixture with Megatron's balancing losses on.
@@ -412,5 +412,103 @@ fn expert_bias_moves_and_layouts_match_one_rank() {
         expert_bias_model,
         &ckpt,
         &tail,
+    );
+}
+
+/// The tiny Mixtral with balancing loss `lb` at `coeff` and no z-loss.
+fn with_balancing(lb: LoadBalancing, coeff: f32) -> GptModel {
+    let mut model = fixture("tiny-mixtral");
+    model
+        .update_moe(|m| {
+            m.load_balancing_type = lb;
+            m.aux_loss_coeff = coeff;
+            m.z_loss_coeff = None;
+        })
+        .unwrap();
+    model
+}
+
+/// One rank training `model` on each whole global batch as one micro-batch.
+fn whole_batches(model: GptModel) -> Run {
+    let mut t = Trainer::new(model, options(GBS, GBS, ITERS as u64)).unwrap();
+    let losses = (0..ITERS)
+        .map(|it| {
+            let batch = micro_batches(it * GBS, GBS, GBS);
+            t.train_step(&batch).unwrap().loss
+        })
+        .collect();
+    (losses, params(&t))
+}
+
+/// `global_aux_loss` balances the global batch: with the whole batch in one micro-batch on
+/// one rank its training run is `aux_loss`'s; over 4 data-parallel ranks (a quarter of the
+/// batch each, each gradient at loss scale 1/4 as the trainer's per-token scale gives them)
+/// the counts are summed over the ranks and the token total is the global batch's, so the
+/// ranks' gradients sum to the whole batch's `aux_loss` gradients at `coeff / 4` — and not
+/// to the ranks' own `aux_loss`'s.
+#[test]
+fn global_aux_loss_balances_the_global_batch() {
+    let coeff = 0.5;
+    let aux = whole_batches(with_balancing(LoadBalancing::AuxLoss, coeff));
+    let global = whole_batches(with_balancing(LoadBalancing::GlobalAuxLoss, coeff));
+    assert_same_run(
+        "global_aux_loss = aux_loss on one micro-batch",
+        &global,
+        &aux,
+    );
+
+    let (b, s) = (8, 16);
+    let tokens: Vec<u32> = (0..b * s).map(|i| ((i * 37 + 11) % 100) as u32).collect();
+    let labels: Vec<i64> = tokens
+        .iter()
+        .map(|&t| (i64::from(t) * 7 + 3) % 100)
+        .collect();
+    let grads = |model: &GptModel, rows: std::ops::Range<usize>, scale: f32| {
+        let n = rows.len() / s;
+        let batch = TrainBatch::from_batch_major(&tokens[rows.clone()], &labels[rows], None, n, s);
+        let mut g = model.zero_grads();
+        let mut views: Vec<&mut [f32]> = g.iter_mut().map(|x| x.as_mut_slice()).collect();
+        model.forward_backward(&batch, &mut views, scale).unwrap();
+        g
+    };
+    let whole = grads(
+        &with_balancing(LoadBalancing::AuxLoss, coeff / 4.0),
+        0..b * s,
+        1.0,
+    );
+    let ranks = |lb| {
+        let parts = run_local(4, |comm| {
+            let rows = comm.world_rank() * 2 * s..(comm.world_rank() + 1) * 2 * s;
+            let mut model = with_balancing(lb, coeff);
+            model.set_global_aux_group(std::sync::Arc::new(comm));
+            Ok::<_, TrainError>(grads(&model, rows, 0.25))
+        })
+        .unwrap();
+        (0..whole.len())
+            .map(|i| {
+                (0..whole[i].len())
+                    .map(|j| parts.iter().map(|p| p[i][j]).sum::<f32>())
+                    .collect::<Vec<f32>>()
+            })
+            .collect::<Vec<_>>()
+    };
+    let max_rel = |got: &[Vec<f32>]| {
+        got.iter()
+            .zip(&whole)
+            .map(|(g, w)| {
+                let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+                g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+            })
+            .fold(0f32, f32::max)
+    };
+    let global = max_rel(&ranks(LoadBalancing::GlobalAuxLoss));
+    assert!(
+        global < 1e-5,
+        "global_aux_loss over dp 4: max rel diff {global}"
+    );
+    let local = max_rel(&ranks(LoadBalancing::AuxLoss));
+    assert!(
+        local > 1e-3,
+        "the ranks' own aux_loss is another gradient: {local}"
     );
 }

@@ -18,6 +18,11 @@ pub enum LoadBalancing {
     /// `seq_aux_loss` (DeepSeek-V2's `seq_aux`): the same per sequence (`T` = its length),
     /// averaged over the micro-batch's sequences (`sequence_load_balancing_loss_func`).
     SeqAuxLoss,
+    /// `global_aux_loss` (Qiu et al. 2025, global-batch balancing): `aux_loss` with `c` the
+    /// global batch's counts (summed over the data-parallel ranks, averaged over the step's
+    /// micro-batches so far) and `T` the micro-batch's tokens times the data-parallel size
+    /// (`_apply_global_aux_loss`; see `global_aux.rs`).
+    GlobalAuxLoss,
     /// `none`: no balancing loss (HF's models at inference, aux-loss-free routing).
     None,
 }
@@ -28,16 +33,17 @@ impl LoadBalancing {
         match self {
             LoadBalancing::AuxLoss => "aux_loss",
             LoadBalancing::SeqAuxLoss => "seq_aux_loss",
+            LoadBalancing::GlobalAuxLoss => "global_aux_loss",
             LoadBalancing::None => "none",
         }
     }
 
-    /// Parses Megatron's spelling; `None` for any other (`global_aux_loss` and `sinkhorn` are
-    /// not supported).
+    /// Parses Megatron's spelling; `None` for any other (`sinkhorn` is not supported).
     pub fn from_name(name: &str) -> Option<LoadBalancing> {
         [
             LoadBalancing::AuxLoss,
             LoadBalancing::SeqAuxLoss,
+            LoadBalancing::GlobalAuxLoss,
             LoadBalancing::None,
         ]
         .into_iter()

@@ -61,6 +61,7 @@ impl GptModel {
             dlogits,
             loss_scale,
             moe_losses: _,
+            global_aux,
         } = acts;
         let dres = match final_stats {
             Some(final_stats) => {
@@ -79,7 +80,7 @@ impl GptModel {
         };
         let pass = Pass::new(self, &positions, batch)
             .with_moe_losses(loss_scale)
-            .rerun();
+            .rerun(global_aux);
         let mut st = Backprop {
             scratch: Buffer::zeros(self.device(), dres.len()),
             dres,

@@ -126,18 +126,31 @@ impl<'a> Pass<'a> {
                 scale,
                 losses: Default::default(),
                 counts_expert_load: true,
+                global_aux: Default::default(),
             });
         }
         self
     }
 
     /// This pass re-running layers whose forward already ran (full recompute in the
-    /// backward): their routed tokens are not counted again.
-    pub(crate) fn rerun(mut self) -> Pass<'a> {
+    /// backward): their routed tokens are not counted again, and `global_aux_loss` reads the
+    /// counts the forward recorded (`recorded`, [`Activations::global_aux`]).
+    pub(crate) fn rerun(mut self, recorded: GlobalAuxCounts) -> Pass<'a> {
         if let Some(sink) = self.moe_losses.as_mut() {
             sink.counts_expert_load = false;
+            sink.global_aux = std::sync::Mutex::new(recorded);
         }
         self
+    }
+
+    /// The `global_aux_loss` counts this pass's MoE layers recorded.
+    pub(crate) fn global_aux_counts(&self) -> GlobalAuxCounts {
+        self.moe_losses.as_ref().map_or_else(Default::default, |s| {
+            s.global_aux
+                .lock()
+                .expect("no MoE layer panics holding the sink")
+                .clone()
+        })
     }
 
     /// The MoE layers' losses summed so far (zero without MoE layers or losses).
@@ -321,7 +334,15 @@ pub(crate) struct Activations {
     pub loss_scale: Option<f32>,
     /// The balancing losses of the MoE layers the forward ran.
     pub moe_losses: MoeLosses,
+    /// `global_aux_loss`'s counts of this micro-batch per MoE layer, for a backward that
+    /// re-runs layers.
+    pub global_aux: GlobalAuxCounts,
 }
+
+/// `global_aux_loss`'s average expert counts and global token total of one micro-batch per
+/// MoE layer (keyed by its router).
+pub(crate) type GlobalAuxCounts =
+    std::collections::BTreeMap<crate::module::ParamId, (Vec<f64>, f64)>;
 
 impl GptModel {
     /// Embedding (or, after the first virtual pipeline stage, the previous stage's output
@@ -348,10 +369,10 @@ impl GptModel {
         }
         let positions = batch.row_positions();
         ledger.hold(usize_bytes(&positions));
-        let (saved, x, moe_losses) = {
+        let (saved, x, moe_losses, global_aux) = {
             let pass = Pass::new(self, &positions, batch).with_moe_losses(loss_scale);
             let (saved, x) = self.layers_forward(&pass, &part, x, ledger)?;
-            (saved, x, pass.moe_losses())
+            (saved, x, pass.moe_losses(), pass.global_aux_counts())
         };
         let mut acts = Activations {
             part,
@@ -364,6 +385,7 @@ impl GptModel {
             dlogits: Buffer::default(),
             loss_scale,
             moe_losses,
+            global_aux,
         };
         if !acts.part.post_process {
             ledger.hold(acts.x_final.bytes());

@@ -43,6 +43,7 @@ pub mod memory;
 mod mla;
 mod mlp;
 mod moe;
+mod moe_losses;
 pub use moe::MoeLosses;
 mod norm;
 pub(crate) mod params;

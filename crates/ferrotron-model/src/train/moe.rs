@@ -5,56 +5,21 @@
 //! (Megatron's `MoEAuxLossAutoScaler`: scaled by the micro-batch's loss scale). The backward
 //! sits beside it.
 
-use std::sync::Mutex;
-
 use super::backward::trainable;
 use super::experts::{ExpertRun, routed_backward, routed_forward};
 use super::forward::Pass;
 use super::mlp::{DenseActs, dense_backward, dense_forward};
+pub(crate) use super::moe_losses::MoeLossSink;
+pub use super::moe_losses::MoeLosses;
+use super::moe_losses::balancing_losses;
 use super::stored::Stored;
 use super::tp_ops::{adds_replicated_grads, reduce_partial_rows, row_parallel_output_grad};
-use crate::config::LoadBalancing;
 use crate::module::MoeMlp;
 use crate::{ModelError, MoeConfig, Result, TransformerConfig};
 use ferrotron_nn::moe::Routing;
-use ferrotron_nn::moe::router::{aux_loss, z_loss};
 use ferrotron_nn::tensor_parallel::reduce_from_tensor_model_parallel_region;
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, matmul_weight_t, weight_grad};
-
-/// The balancing losses of a pass's MoE layers, summed over the layers, each **divided by
-/// its coefficient** (what Megatron's `save_to_aux_losses_tracker` records and logs: about 1
-/// for an even load whatever the coefficient); the objective got `coeff ·` each.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct MoeLosses {
-    /// Σ over MoE layers of `moe_router_load_balancing_type`'s loss over
-    /// `moe_aux_loss_coeff`.
-    pub load_balancing_loss: f64,
-    /// Σ over MoE layers of the router z-loss over `moe_z_loss_coeff`.
-    pub z_loss: f64,
-    /// MoE layers summed.
-    pub layers: usize,
-}
-
-impl MoeLosses {
-    /// `self + other`.
-    pub fn add(&mut self, other: &MoeLosses) {
-        self.load_balancing_loss += other.load_balancing_loss;
-        self.z_loss += other.z_loss;
-        self.layers += other.layers;
-    }
-}
-
-/// Where a training pass's MoE layers add their losses, and the scale of their gradient.
-pub(crate) struct MoeLossSink {
-    /// The micro-batch's loss scale (the LM loss's gradient scale).
-    pub scale: f32,
-    /// Summed over the MoE layers run in the forward.
-    pub losses: Mutex<MoeLosses>,
-    /// The forward's routed tokens count toward the expert biases' update (false when the
-    /// backward re-runs layers under full recompute: counted once, as Megatron's).
-    pub counts_expert_load: bool,
-}
 
 /// What an MoE layer's backward needs, over `rows` tokens (all rows).
 pub(crate) struct MoeActs {
@@ -211,7 +176,8 @@ pub(super) fn moe_forward(
     let daux = pass
         .moe_losses
         .as_ref()
-        .map(|sink| balancing_losses(moe, &logits, pass, sink));
+        .map(|sink| balancing_losses(moe, m.router, &logits, pass, sink))
+        .transpose()?;
     let acts = MoeActs {
         routing,
         experts,
@@ -243,70 +209,6 @@ fn add_gated(out: &mut [f32], s: &[f32], gate: Option<&[f32]>, h: usize) {
 
 fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
-}
-
-/// The layer's balancing losses over `logits: [rows, E]` (added to `sink`) and their
-/// gradient wrt the logits times `sink.scale`.
-fn balancing_losses(
-    moe: &MoeConfig,
-    logits: &[f32],
-    pass: &Pass<'_>,
-    sink: &MoeLossSink,
-) -> Vec<f32> {
-    let e = moe.num_experts();
-    let mut layer = MoeLosses {
-        layers: 1,
-        ..MoeLosses::default()
-    };
-    // Each loss at coefficient 1 (the logged value), its gradient then times the coefficient.
-    let (raw, mut d) = match moe.load_balancing_type {
-        LoadBalancing::AuxLoss => {
-            let (loss, d) = aux_loss(&moe.router, logits, 1.0);
-            (f64::from(loss), d)
-        }
-        LoadBalancing::SeqAuxLoss => seq_aux_loss(moe, logits, pass.seq, pass.micro_batch),
-        LoadBalancing::None => (0.0, vec![0f32; logits.len()]),
-    };
-    layer.load_balancing_loss = raw;
-    let aux_scale = moe.aux_loss_coeff * sink.scale;
-    d.iter_mut().for_each(|d| *d *= aux_scale);
-    if let Some(zc) = moe.z_loss_coeff {
-        let (loss, dz) = z_loss(logits, e, 1.0);
-        layer.z_loss = f64::from(loss);
-        let z_scale = zc * sink.scale;
-        d.iter_mut().zip(dz).for_each(|(d, z)| *d += z_scale * z);
-    }
-    sink.losses
-        .lock()
-        .expect("no MoE layer panics holding the sink")
-        .add(&layer);
-    d
-}
-
-/// Megatron's `seq_aux_loss` at coefficient 1 over `logits: [s·b, E]` in `[s, b]` row order:
-/// the aux loss of each sequence's `s` rows, averaged over the `b` sequences; the loss and its
-/// gradient.
-fn seq_aux_loss(moe: &MoeConfig, logits: &[f32], s: usize, b: usize) -> (f64, Vec<f32>) {
-    let e = moe.num_experts();
-    let mut d = vec![0f32; logits.len()];
-    let mut total = 0f64;
-    for j in 0..b {
-        let rows: Vec<usize> = (0..s).map(|i| i * b + j).collect();
-        let seq: Vec<f32> = rows
-            .iter()
-            .flat_map(|&r| &logits[r * e..(r + 1) * e])
-            .copied()
-            .collect();
-        let (loss, ds) = aux_loss(&moe.router, &seq, 1.0);
-        total += f64::from(loss) / b as f64;
-        for (&r, g) in rows.iter().zip(ds.chunks_exact(e)) {
-            d[r * e..(r + 1) * e]
-                .iter_mut()
-                .zip(g)
-                .for_each(|(d, g)| *d = g / b as f32);
-        }
-    }
-    (total, d)
 }
 
 /// [`moe_forward`]'s backward from `dout: [local rows, h]` to the gradient of its input
@@ -418,89 +320,4 @@ fn shared_gate_backward(
         matmul_weight(&dz, w.weight_ref(), dx, rows, 1, h, true);
     }
     dshared
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::{MoeConfig, RouterConfig, ScoreFunction};
-
-    fn config() -> MoeConfig {
-        MoeConfig {
-            router: RouterConfig {
-                num_experts: 4,
-                topk: 2,
-                score_function: ScoreFunction::Softmax,
-                pre_softmax: false,
-                groups: None,
-                scaling_factor: None,
-            },
-            moe_ffn_hidden_size: 8,
-            layer_pattern: vec![true],
-            shared_expert_intermediate_size: None,
-            shared_expert_gate: false,
-            load_balancing_type: LoadBalancing::SeqAuxLoss,
-            aux_loss_coeff: 1.0,
-            z_loss_coeff: None,
-            capacity: None,
-            token_dispatcher: Default::default(),
-            expert_bias_update_rate: None,
-        }
-    }
-
-    /// Megatron's `sequence_load_balancing_loss_func` written out: per sequence `j` of `b`
-    /// (rows `i·b + j`), `Σ_e (c_je · E / (s·k)) · mean_i p_ije`, averaged over the sequences.
-    #[test]
-    fn seq_aux_loss_is_megatrons_per_sequence_loss() {
-        let (s, b, e, k) = (5, 3, 4, 2);
-        let logits: Vec<f32> = (0..s * b * e)
-            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
-            .collect();
-        let (loss, grad) = seq_aux_loss(&config(), &logits, s, b);
-        let mut want = 0f64;
-        for j in 0..b {
-            let mut counts = vec![0f64; e];
-            let mut mean_p = vec![0f64; e];
-            for i in 0..s {
-                let z = &logits[(i * b + j) * e..][..e];
-                let m = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let ex: Vec<f64> = z.iter().map(|v| f64::from(v - m).exp()).collect();
-                let sum: f64 = ex.iter().sum();
-                let p: Vec<f64> = ex.iter().map(|v| v / sum).collect();
-                let mut order: Vec<usize> = (0..e).collect();
-                order.sort_by(|&x, &y| p[y].total_cmp(&p[x]).then(x.cmp(&y)));
-                for &x in &order[..k] {
-                    counts[x] += 1.0;
-                }
-                for x in 0..e {
-                    mean_p[x] += p[x] / s as f64;
-                }
-            }
-            let seq: f64 = (0..e)
-                .map(|x| counts[x] * e as f64 / (s * k) as f64 * mean_p[x])
-                .sum();
-            want += seq / b as f64;
-        }
-        assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
-        // One sequence is the plain aux loss.
-        let (one, _) = seq_aux_loss(&config(), &logits[..s * e], s, 1);
-        let (plain, _) = aux_loss(&config().router, &logits[..s * e], 1.0);
-        assert!((one - f64::from(plain)).abs() < 1e-6);
-        // Finite differences of the gradient.
-        let h = 1e-3f32;
-        for at in [0, 7, 29, s * b * e - 1] {
-            let mut plus = logits.clone();
-            plus[at] += h;
-            let mut minus = logits.clone();
-            minus[at] -= h;
-            let numeric = (seq_aux_loss(&config(), &plus, s, b).0
-                - seq_aux_loss(&config(), &minus, s, b).0)
-                / (2.0 * f64::from(h));
-            assert!(
-                (numeric - f64::from(grad[at])).abs() < 1e-3,
-                "d/dz[{at}]: {numeric} vs {}",
-                grad[at]
-            );
-        }
-    }
 }

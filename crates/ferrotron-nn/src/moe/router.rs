@@ -300,10 +300,16 @@ impl RouterConfig {
 /// Megatron's `compute_routing_scores_for_aux_loss`). `T` is every token the loss covers;
 /// under tensor or context parallelism Megatron sums `T` and `c` over those groups first.
 pub fn aux_loss(cfg: &RouterConfig, logits: &[f32], coeff: f32) -> (f32, Vec<f32>) {
-    let (e, k) = (cfg.num_experts, cfg.topk);
-    let t = logits.len() / e;
-    let probs: Vec<Vec<f32>> = logits
-        .chunks_exact(e)
+    let counts = aux_loss_counts(cfg, logits);
+    let t = (logits.len() / cfg.num_experts) as f64;
+    switch_load_balancing_loss(cfg, logits, &counts, t, coeff)
+}
+
+/// The scores the balancing losses read (`[T]` rows of `[E]`): the softmax over all
+/// experts, or the sigmoid scores normalised per token.
+fn aux_loss_scores(cfg: &RouterConfig, logits: &[f32]) -> Vec<Vec<f32>> {
+    logits
+        .chunks_exact(cfg.num_experts)
         .map(|z| match cfg.score_function {
             ScoreFunction::Softmax => softmax(z),
             ScoreFunction::Sigmoid => {
@@ -312,12 +318,37 @@ pub fn aux_loss(cfg: &RouterConfig, logits: &[f32], coeff: f32) -> (f32, Vec<f32
                 s.iter().map(|s| s / sum).collect()
             }
         })
-        .collect();
-    let mut counts = vec![0f64; e];
-    for p in &probs {
-        best(p, k).into_iter().for_each(|x| counts[x] += 1.0);
+        .collect()
+}
+
+/// `c_e` of [`aux_loss`] over the `[T, E]` `logits`: the tokens whose top-k of the loss's
+/// scores holds expert `e` (Megatron's `routing_map_for_aux_loss` summed over the tokens).
+pub fn aux_loss_counts(cfg: &RouterConfig, logits: &[f32]) -> Vec<f64> {
+    let mut counts = vec![0f64; cfg.num_experts];
+    for p in aux_loss_scores(cfg, logits) {
+        best(&p, cfg.topk)
+            .into_iter()
+            .for_each(|x| counts[x] += 1.0);
     }
-    let scale = f64::from(coeff) * e as f64 / (k as f64 * (t * t) as f64);
+    counts
+}
+
+/// Megatron's `switch_load_balancing_loss_func` over this rank's `[T, E]` `logits` with the
+/// expert counts `tokens_per_expert` and token total `total_tokens` of the level the loss is
+/// taken at (the micro-batch for [`aux_loss`]; the global batch, averaged over the
+/// micro-batches so far, for `global_aux_loss`): `coeff · E / (k · total²) · Σ_e (Σ_t p_te) ·
+/// c_e`, and its gradient wrt the logits (the counts constant).
+pub fn switch_load_balancing_loss(
+    cfg: &RouterConfig,
+    logits: &[f32],
+    tokens_per_expert: &[f64],
+    total_tokens: f64,
+    coeff: f32,
+) -> (f32, Vec<f32>) {
+    let (e, k) = (cfg.num_experts, cfg.topk);
+    let probs = aux_loss_scores(cfg, logits);
+    let counts = tokens_per_expert;
+    let scale = f64::from(coeff) * e as f64 / (k as f64 * total_tokens * total_tokens);
     // d loss / d p_te = scale · c_e
     let g: Vec<f32> = counts.iter().map(|c| (scale * c) as f32).collect();
     let mut loss = 0f64;
@@ -329,7 +360,7 @@ pub fn aux_loss(cfg: &RouterConfig, logits: &[f32], coeff: f32) -> (f32, Vec<f32
     {
         loss += p
             .iter()
-            .zip(&counts)
+            .zip(counts)
             .map(|(p, c)| *p as f64 * c)
             .sum::<f64>()
             * scale;

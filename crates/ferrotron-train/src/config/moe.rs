@@ -63,7 +63,9 @@ section! {
         /// Scale the shared expert's output by `sigmoid(x·w)` (Qwen2-MoE). Default: false.
         /// Unset with `model.load`. Megatron: `--moe-shared-expert-gate` (model config).
         moe_shared_expert_gate: Option<bool> = None,
-        /// "aux_loss" (per layer and micro-batch), "seq_aux_loss" (per sequence) or "none".
+        /// "aux_loss" (per layer and micro-batch), "seq_aux_loss" (per sequence),
+        /// "global_aux_loss" (with the global batch's expert counts: summed over the
+        /// data-parallel ranks, averaged over the step's micro-batches) or "none".
         /// Default: "aux_loss" (a loaded model: "aux_loss" if its config.json sets
         /// `output_router_logits`, else "none"). Megatron: `--moe-router-load-balancing-type`.
         moe_router_load_balancing_type: Option<String> = None,
@@ -235,6 +237,9 @@ pub(super) fn moe_settings(
     }
 }
 
+/// `moe_router_load_balancing_type`'s values.
+const LOAD_BALANCING: [&str; 4] = ["aux_loss", "seq_aux_loss", "global_aux_loss", "none"];
+
 /// The routing and loss options, each bad value a problem naming its key.
 fn options(s: &MoeSection, p: &mut Vec<String>) -> MoeOptions {
     let mut pick = |key: &str, v: &Option<String>, names: &[&str]| -> Option<usize> {
@@ -260,9 +265,9 @@ fn options(s: &MoeSection, p: &mut Vec<String>) -> MoeOptions {
     let load_balancing_type = pick(
         "moe_router_load_balancing_type",
         &s.moe_router_load_balancing_type,
-        &["aux_loss", "seq_aux_loss", "none"],
+        &LOAD_BALANCING,
     )
-    .and_then(|i| LoadBalancing::from_name(["aux_loss", "seq_aux_loss", "none"][i]));
+    .and_then(|i| LoadBalancing::from_name(LOAD_BALANCING[i]));
     let drop_policy = pick(
         "moe_token_drop_policy",
         &s.moe_token_drop_policy,

@@ -176,8 +176,10 @@ impl Trainer {
     /// `overlap_param_gather`, launched to arrive during the next forward; the schedule
     /// advances one iteration. Returns the outcome and the time waited for the gather.
     pub(super) fn update(&mut self, lr: f64) -> Result<(StepOutcome, Duration)> {
-        // The expert biases move on the step's routed-token counts summed over the
-        // data-parallel ranks (Megatron's `_update_router_expert_bias`, every step).
+        // The step's global_aux_loss counts are done with; the expert biases move on the
+        // step's routed-token counts summed over the data-parallel ranks (Megatron's
+        // `_update_router_expert_bias`, every step).
+        self.model.reset_global_aux();
         let dp = &self.dp;
         self.model.update_expert_bias(|counts| {
             dp.sum(counts)

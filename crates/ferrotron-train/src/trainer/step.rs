@@ -96,6 +96,20 @@ impl Trainer {
         }
         let dtype = options.precision.param_dtype();
         let stored = model.dtype();
+        let global_aux = model.config().moe.as_ref().is_some_and(|m| {
+            m.load_balancing_type == ferrotron_model::LoadBalancing::GlobalAuxLoss
+        });
+        let mut model = model;
+        if global_aux && dp.size() > 1 {
+            // A duplicate of the data-parallel group: the forward's all-reduces of the
+            // global_aux_loss counts never meet the progress threads' collectives.
+            let dup = dp
+                .comm()
+                .split(Some(0), dp.rank())
+                .map_err(super::data_parallel::comm_err)?
+                .ok_or_else(|| TrainError::Comm("duplicating the data-parallel group".into()))?;
+            model.set_global_aux_group(dup);
+        }
         if model.has_expert_bias() && stored != ferrotron_tensor::DType::F32 {
             return Err(TrainError::Config(format!(
                 "moe_router_enable_expert_bias needs f32 weights: the expert bias moves by the \
