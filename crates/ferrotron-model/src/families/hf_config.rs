@@ -1,7 +1,7 @@
+use super::hf_rope::rope_settings;
 use super::schema::{Biases, KvHeads, activation_from_hf};
 use crate::config::{ActivationFunc, OutputHead, field_error};
 use crate::{ModelError, ModelFamily, Result, TransformerConfig};
-use ferrotron_tensor::ops::{RopeScaling, YarnScaling};
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -247,89 +247,6 @@ fn family_of(obj: &Map<String, Value>) -> Result<(ModelFamily, OutputHead)> {
     }
 }
 
-fn rope_settings(obj: &Map<String, Value>) -> Result<(f32, RopeScaling)> {
-    let (params, prefix) = match obj.get("rope_parameters") {
-        Some(Value::Object(p)) => (Some(p), "rope_parameters"),
-        Some(Value::Null) | None => match obj.get("rope_scaling") {
-            Some(Value::Object(p)) => (Some(p), "rope_scaling"),
-            Some(Value::Null) | None => (None, "rope_scaling"),
-            Some(_) => return Err(field_error("rope_scaling", "expected an object or null")),
-        },
-        Some(_) => return Err(field_error("rope_parameters", "expected an object")),
-    };
-    let theta = match params.and_then(|p| p.get("rope_theta")) {
-        Some(v) => v
-            .as_f64()
-            .ok_or_else(|| field_error("rope_parameters.rope_theta", "expected a number"))?,
-        None => opt_f64(obj, "rope_theta")?.unwrap_or(10000.0),
-    };
-    let Some(p) = params else {
-        return Ok((theta as f32, RopeScaling::None));
-    };
-    let field = |name: &str| format!("{prefix}.{name}");
-    let kind = p
-        .get("rope_type")
-        .or_else(|| p.get("type"))
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
-    let num = |name: &str| -> Result<f32> {
-        p.get(name)
-            .and_then(|v| v.as_f64())
-            .map(|v| v as f32)
-            .ok_or_else(|| field_error(&field(name), "missing or not a number"))
-    };
-    let scaling = match kind {
-        "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear {
-            factor: num("factor")?,
-        },
-        "llama3" => RopeScaling::Llama3 {
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
-        },
-        "yarn" => {
-            let opt = |name: &str| -> Result<Option<f32>> {
-                match p.get(name) {
-                    None | Some(Value::Null) => Ok(None),
-                    Some(v) => v
-                        .as_f64()
-                        .map(|v| Some(v as f32))
-                        .ok_or_else(|| field_error(&field(name), "expected a number or null")),
-                }
-            };
-            let truncate = match p.get("truncate") {
-                None | Some(Value::Null) => true,
-                Some(v) => v
-                    .as_bool()
-                    .ok_or_else(|| field_error(&field("truncate"), "expected a boolean"))?,
-            };
-            // transformers: `beta_fast or 32`, `beta_slow or 1` (0 falls back too).
-            let beta = |name: &str, default: f32| {
-                Ok::<f32, ModelError>(opt(name)?.filter(|b| *b != 0.0).unwrap_or(default))
-            };
-            RopeScaling::Yarn(YarnScaling {
-                factor: num("factor")?,
-                original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
-                beta_fast: beta("beta_fast", 32.0)?,
-                beta_slow: beta("beta_slow", 1.0)?,
-                mscale: opt("mscale")?,
-                mscale_all_dim: opt("mscale_all_dim")?,
-                attention_factor: opt("attention_factor")?,
-                truncate,
-            })
-        }
-        other => {
-            return Err(field_error(
-                &field("rope_type"),
-                format!("`{other}` is not supported (default, linear, llama3, yarn)"),
-            ));
-        }
-    };
-    Ok((theta as f32, scaling))
-}
-
 fn sliding_window(
     obj: &Map<String, Value>,
     family: ModelFamily,
@@ -415,6 +332,7 @@ pub(super) fn opt_str<'a>(obj: &'a Map<String, Value>, key: &str) -> Result<Opti
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ferrotron_tensor::ops::RopeScaling;
     use serde_json::json;
 
     fn base() -> Value {

@@ -3,11 +3,11 @@
 //! into `q_proj`/`k_proj`/`v_proj` per query group, `linear_fc1` into `gate_proj`/`up_proj`), as
 //! Pai-Megatron-Patch's `mcore2hf` converters and transformers' `save_pretrained` lay them out.
 
+use super::hf_rope::{legacy_rope_scaling, rope_json};
 use super::schema::{Biases, ConfigSchema, KvHeads, activation_from_hf, activation_to_hf};
 use super::{HfModelInfo, parse_hf_config};
 use crate::config::field_error;
 use crate::{GptModel, ModelError, ModelFamily, PositionEmbedding, Result, TransformerConfig};
-use ferrotron_tensor::ops::RopeScaling;
 use ferrotron_tensor::{DType, TensorView};
 use serde_json::{Map, Value, json};
 use std::ops::Range;
@@ -320,73 +320,12 @@ fn kept_fields(orig: &Value, family: ModelFamily) -> Result<Map<String, Value>> 
 }
 
 /// The shortest decimal that parses back to `x` (f32 `Display` is round-trip shortest).
-fn finite_f32(field: &str, x: f32) -> Result<Value> {
+pub(super) fn finite_f32(field: &str, x: f32) -> Result<Value> {
     if !x.is_finite() {
         return Err(field_error(field, format!("{x} is not a finite number")));
     }
     let shortest: f64 = x.to_string().parse().unwrap_or(f64::from(x));
     Ok(json!(shortest))
-}
-
-/// transformers 5.x `rope_parameters` (`modeling_rope_utils.RopeParameters`).
-fn rope_json(c: &TransformerConfig) -> Result<Value> {
-    let theta = finite_f32("rotary_base", c.rotary_base)?;
-    let f = |name: &str, x: f32| finite_f32(&format!("rope_scaling.{name}"), x);
-    Ok(match c.rope_scaling {
-        RopeScaling::None => json!({"rope_type": "default", "rope_theta": theta}),
-        RopeScaling::Linear { factor } => {
-            json!({"rope_type": "linear", "rope_theta": theta, "factor": f("factor", factor)?})
-        }
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => json!({
-            "rope_type": "llama3",
-            "rope_theta": theta,
-            "factor": f("factor", factor)?,
-            "low_freq_factor": f("low_freq_factor", low_freq_factor)?,
-            "high_freq_factor": f("high_freq_factor", high_freq_factor)?,
-            "original_max_position_embeddings": original_max_position_embeddings,
-        }),
-        RopeScaling::Yarn(y) => {
-            let mut rope = json!({
-                "rope_type": "yarn",
-                "rope_theta": theta,
-                "factor": f("factor", y.factor)?,
-                "original_max_position_embeddings": y.original_max_position_embeddings,
-                "beta_fast": f("beta_fast", y.beta_fast)?,
-                "beta_slow": f("beta_slow", y.beta_slow)?,
-            });
-            let optional = [
-                ("mscale", y.mscale),
-                ("mscale_all_dim", y.mscale_all_dim),
-                ("attention_factor", y.attention_factor),
-            ];
-            for (name, v) in optional {
-                if let Some(v) = v {
-                    rope[name] = f(name, v)?;
-                }
-            }
-            if !y.truncate {
-                rope["truncate"] = json!(false);
-            }
-            rope
-        }
-    })
-}
-
-/// transformers 4.x `rope_scaling`: `null` for default rope, else the parameters without theta.
-fn legacy_rope_scaling(rope: &Value) -> Value {
-    if rope["rope_type"] == "default" {
-        return Value::Null;
-    }
-    let mut r = rope.clone();
-    if let Some(o) = r.as_object_mut() {
-        o.remove("rope_theta");
-    }
-    r
 }
 
 /// One HF tensor of a model, computed on demand by [`HfTensor::values`]: its rows are row

@@ -6,6 +6,7 @@ mod hf_config;
 mod hf_deepseek;
 mod hf_export;
 mod hf_moe;
+mod hf_rope;
 mod hf_safetensors;
 mod hf_weights;
 mod mapping;

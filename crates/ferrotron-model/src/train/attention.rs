@@ -4,7 +4,8 @@
 
 use super::backward::{linear_backward, trainable};
 use super::core_attention::{CoreAttnOut, KeysValues, attention_dims, attention_precision};
-use super::forward::{LayerActs, Pass, QkNormActs};
+use super::forward::Pass;
+use super::layer_acts::{LayerActs, QkNormActs};
 use super::memory::Ledger;
 use super::mla::{MlaActs, mla_qkv_backward, mla_qkv_forward};
 use super::norm::NormLayer;

@@ -5,7 +5,8 @@
 //! backward is done.
 
 use super::attention::attention_backward;
-use super::forward::{Activations, LayerActs, Pass, Saved, usize_bytes};
+use super::forward::{Activations, Pass, Saved, usize_bytes};
+use super::layer_acts::LayerActs;
 use super::lora::lora_backward;
 use super::memory::Ledger;
 use super::mlp::mlp_backward;

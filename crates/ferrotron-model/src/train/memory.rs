@@ -11,7 +11,7 @@
 //! a layer the forward runs only to pass its output on).
 
 use super::core_attention::CoreAttnOut;
-use super::forward::LayerActs;
+use super::layer_acts::LayerActs;
 use super::mlp::MlpActs;
 use super::norm::NormStats;
 use super::recompute::{Keep, Run};

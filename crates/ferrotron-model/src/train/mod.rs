@@ -37,6 +37,7 @@ pub(crate) mod core_attention;
 mod dpo;
 mod experts;
 pub(crate) mod forward;
+mod layer_acts;
 mod lora;
 mod loss;
 pub mod memory;

@@ -9,7 +9,7 @@ use super::forward::Pass;
 use crate::config::LoadBalancing;
 use crate::module::ParamId;
 use crate::{MoeConfig, Result};
-use ferrotron_nn::moe::router::{aux_loss, aux_loss_counts, switch_load_balancing_loss, z_loss};
+use ferrotron_nn::moe::losses::{aux_loss, aux_loss_counts, switch_load_balancing_loss, z_loss};
 
 /// The balancing losses of a pass's MoE layers, summed over the layers, each **divided by
 /// its coefficient** (what Megatron's `save_to_aux_losses_tracker` records and logs: about 1

@@ -1,4 +1,5 @@
 use super::*;
+use crate::moe::losses::{aux_loss, z_loss};
 
 fn logits(t: usize, e: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
