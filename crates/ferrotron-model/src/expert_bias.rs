@@ -110,15 +110,15 @@ impl GptModel {
         &mut self,
         reduce: impl FnOnce(&mut [f64]) -> Result<()>,
     ) -> Result<()> {
-        let biases = self.expert_biases();
-        let Some(rate) = self
+        let Some((rate, e)) = self
             .config()
             .moe
             .as_ref()
-            .and_then(|m| m.expert_bias_update_rate)
+            .and_then(|m| Some((m.expert_bias_update_rate?, m.num_experts())))
         else {
             return Ok(());
         };
+        let biases = self.expert_biases();
         if biases.is_empty() {
             return Ok(());
         }
@@ -129,7 +129,6 @@ impl GptModel {
                 self.dtype()
             )));
         }
-        let e = self.config().moe.as_ref().map_or(0, |m| m.num_experts());
         let mut counts = self.expert_load.take();
         let mut flat: Vec<f64> = biases
             .iter()

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use ferrotron_comm::{Collectives, Communicator};
 
-use crate::module::{ExpertShard, LayerMlp, ModelLayout};
+use crate::module::{ExpertShard, ModelLayout};
 use crate::param_table::dense;
 use crate::{GptModel, ModelError, Result};
 use ferrotron_tensor::Tensor;
@@ -82,7 +82,7 @@ impl GptModel {
         part.experts = Some(ep.shard());
         let padded = self.tp.as_ref().map_or(c.vocab_size, |t| t.padded_vocab);
         let layout = ModelLayout::new(c, padded, &part);
-        let experts: Vec<usize> = expert_stacks(self.layout()).collect();
+        let experts: Vec<usize> = self.layout().expert_stacks().collect();
         let held = ep.shard().experts(e);
         // The same declarations in the same order; only the expert stacks hold fewer rows.
         let params = layout
@@ -126,7 +126,7 @@ impl GptModel {
         let Some(ep) = &self.ep else {
             return Ok(local);
         };
-        let experts: Vec<usize> = expert_stacks(self.layout()).collect();
+        let experts: Vec<usize> = self.layout().expert_stacks().collect();
         local
             .into_iter()
             .enumerate()
@@ -152,14 +152,6 @@ impl GptModel {
     /// reduced over the expert-data-parallel group, and each expert-parallel rank holds
     /// other experts.
     pub fn is_expert_param(&self, i: usize) -> bool {
-        expert_stacks(self.layout()).any(|x| x == i)
+        self.layout().expert_stacks().any(|x| x == i)
     }
-}
-
-/// Table indices of every MoE layer's `experts.linear_fc1` and `experts.linear_fc2`.
-fn expert_stacks(layout: &ModelLayout) -> impl Iterator<Item = usize> + '_ {
-    layout.layers.iter().flat_map(|l| match l.mlp {
-        LayerMlp::Moe(m) => vec![m.experts_fc1.index(), m.experts_fc2.index()],
-        LayerMlp::Dense(_) => Vec::new(),
-    })
 }

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 mod common;
-use common::{ferrotron, tiny_corpus as corpus};
+use common::{tiny_corpus as corpus, train_config};
 
 fn config(dir: &Path, prefix: &Path, out: &str, iters: u64) -> PathBuf {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
@@ -36,34 +36,23 @@ fn losses(dir: &Path, out: &str) -> Vec<(String, u64, f64)> {
     common::metrics_losses(&dir.join(out))
 }
 
-fn train(cfg: &Path, extra: &[&str]) {
-    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = ferrotron(&args);
-    assert!(
-        o.status.success(),
-        "train failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 #[test]
 fn exit_and_resume_matches_an_uninterrupted_run() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = corpus(tmp.path());
     let full = config(tmp.path(), &prefix, "full", 6);
-    train(&full, &[]);
+    train_config(&full, &[]);
     let want = losses(tmp.path(), "full");
     assert_eq!(want.iter().filter(|l| l.0 == "train").count(), 6);
     assert_eq!(want.iter().filter(|l| l.0 == "valid").count(), 3);
 
     let split = config(tmp.path(), &prefix, "split", 6);
-    train(&split, &["--set", "training.exit_interval=4"]);
+    train_config(&split, &["--set", "training.exit_interval=4"]);
     let ckpt = tmp.path().join("split-ckpt");
     let tracker = std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap();
     assert_eq!(tracker.trim(), "4");
     let load = format!("checkpoint.load={:?}", ckpt.to_str().unwrap());
-    train(&split, &["--set", &load]);
+    train_config(&split, &["--set", &load]);
     let got = losses(tmp.path(), "split");
     assert_eq!(got, want, "resumed run differs from the uninterrupted one");
 }
@@ -112,7 +101,7 @@ fn kill_9_never_breaks_the_latest_checkpoint() {
     eprintln!("latest checkpoint after the kills: iteration {last}");
     assert!(last > 0, "no checkpoint was saved before the kills");
     // The latest checkpoint resumes: one more iteration from it.
-    train(
+    train_config(
         &cfg,
         &[
             "--set",

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{ferrotron, metrics_losses, text, tiny_corpus};
+use common::{ferrotron, metrics_losses, text, tiny_corpus, train_config};
 
 fn config(dir: &Path, prefix: &Path, out: &str) -> PathBuf {
     config_of("tiny-mixtral", dir, prefix, out)
@@ -41,15 +41,6 @@ fn config_of(model: &str, dir: &Path, prefix: &Path, out: &str) -> PathBuf {
     )
     .unwrap();
     cfg
-}
-
-fn train(cfg: &Path, extra: &[&str]) -> String {
-    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = ferrotron(&args);
-    let (out, err) = text(&o);
-    assert!(o.status.success(), "train {extra:?} failed: {err}");
-    out + &err
 }
 
 /// `(iteration, load_balancing_loss, z_loss)` of every training line of `metrics.jsonl`.
@@ -97,7 +88,7 @@ fn assert_same_run(label: &str, dir: &Path, got: &str, want: &str) {
 fn expert_parallel_runs_match_one_rank_and_convert_back() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
-    let log = train(&config(tmp.path(), &prefix, "single"), &[]);
+    let log = train_config(&config(tmp.path(), &prefix, "single"), &[]);
     assert!(log.contains("| load_balancing_loss: "), "{log}");
     assert!(log.contains("| z_loss: "), "{log}");
     let metrics = moe_metrics(&tmp.path().join("single"));
@@ -108,7 +99,7 @@ fn expert_parallel_runs_match_one_rank_and_convert_back() {
             .all(|m| (0.5..4.0).contains(&m.1) && m.2 > 0.0),
         "{metrics:?}"
     );
-    train(
+    train_config(
         &config(tmp.path(), &prefix, "ep2"),
         &[
             "--set",
@@ -135,7 +126,7 @@ fn deepseek_v2_trains_under_tp_sp_and_ep_and_converts_back() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
     let cfg = |out: &str| config_of("tiny-deepseek-v2", tmp.path(), &prefix, out);
-    let log = train(&cfg("ds-single"), &[]);
+    let log = train_config(&cfg("ds-single"), &[]);
     assert!(log.contains("| load_balancing_loss: "), "{log}");
     let set = |kv: &'static str| ["--set", kv];
     let tp: Vec<&str> = [
@@ -143,14 +134,14 @@ fn deepseek_v2_trains_under_tp_sp_and_ep_and_converts_back() {
         set("parallel.sequence_parallel=true"),
     ]
     .concat();
-    train(&cfg("ds-tp2"), &tp);
+    train_config(&cfg("ds-tp2"), &tp);
     assert_same_run("deepseek tp2 sp", tmp.path(), "ds-tp2", "ds-single");
     let ep: Vec<&str> = [
         set("parallel.data_parallel_size=2"),
         set("parallel.expert_model_parallel_size=2"),
     ]
     .concat();
-    train(&cfg("ds-ep2"), &ep);
+    train_config(&cfg("ds-ep2"), &ep);
     assert_same_run("deepseek ep2 x dp2", tmp.path(), "ds-ep2", "ds-single");
     // tp 2 x ep 2 over dp 2 with whole experts (expert_tensor_parallel_size 1).
     let etp1 = [
@@ -159,7 +150,7 @@ fn deepseek_v2_trains_under_tp_sp_and_ep_and_converts_back() {
         set("parallel.expert_tensor_parallel_size=1").to_vec(),
     ]
     .concat();
-    train(&cfg("ds-etp1"), &etp1);
+    train_config(&cfg("ds-etp1"), &etp1);
     assert_same_run(
         "deepseek tp2 x ep2 etp1",
         tmp.path(),
@@ -258,7 +249,7 @@ tensorboard = false
         ),
     )
     .unwrap();
-    let log = train(&cfg, &[]);
+    let log = train_config(&cfg, &[]);
     assert!(log.contains("| load_balancing_loss: "), "{log}");
     let losses: Vec<f64> = metrics_losses(&out)
         .into_iter()
@@ -378,7 +369,7 @@ fn exported_validation_of(model: &str, dir: &Path, prefix: &Path, run: &str) -> 
     let load = format!("model.load={:?}", hf.to_str().unwrap());
     let valid_run = format!("{run}-hf-valid");
     let cfg = config_of(model, dir, prefix, &valid_run);
-    train(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
+    train_config(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
     metrics_losses(&dir.join(valid_run))
         .into_iter()
         .find(|l| l.0 == "valid")
@@ -393,7 +384,7 @@ fn exported_validation_of(model: &str, dir: &Path, prefix: &Path, run: &str) -> 
 fn mpirun_expert_parallel_4_matches_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
-    train(&config(tmp.path(), &prefix, "single"), &[]);
+    train_config(&config(tmp.path(), &prefix, "single"), &[]);
     let cfg = config(tmp.path(), &prefix, "mpi-ep4");
     let o = common::mpirun_train(4, &cfg, &["--set", "parallel.expert_model_parallel_size=4"]);
     assert!(o.status.success(), "mpirun failed: {}", text(&o).1);

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 mod common;
 #[cfg(feature = "mpi")]
 use common::mpirun_train;
-use common::{ferrotron, metrics_losses, tiny_corpus};
+use common::{ferrotron, metrics_losses, tiny_corpus, train_config};
 
 fn config(dir: &Path, prefix: &Path, out: &str) -> PathBuf {
     config_saving(dir, prefix, out, true)
@@ -49,15 +49,6 @@ fn config_saving(dir: &Path, prefix: &Path, out: &str, save: bool) -> PathBuf {
     cfg
 }
 
-fn train(cfg: &Path, extra: &[&str]) -> String {
-    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let o = ferrotron(&args);
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "train {extra:?} failed: {err}");
-    err
-}
-
 /// `checkpoint.export_hf=<dir/name>` and that directory.
 fn export_to(dir: &Path, name: &str) -> (String, PathBuf) {
     let out = dir.join(name);
@@ -72,7 +63,7 @@ fn export_to(dir: &Path, name: &str) -> (String, PathBuf) {
 fn validate_export(dir: &Path, prefix: &Path, export: &Path, out: &str) -> Vec<(String, u64, f64)> {
     let load = format!("model.load={:?}", export.to_str().unwrap());
     let cfg = config_saving(dir, prefix, out, false);
-    train(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
+    train_config(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
     metrics_losses(&dir.join(out))
 }
 
@@ -89,7 +80,7 @@ fn assert_same_losses(label: &str, got: &[(String, u64, f64)], want: &[(String, 
 fn dp2_in_process_matches_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
-    train(&config(tmp.path(), &prefix, "single"), &[]);
+    train_config(&config(tmp.path(), &prefix, "single"), &[]);
     let want = metrics_losses(&tmp.path().join("single"));
     assert_eq!(
         want.iter().filter(|l| l.0 == "valid").count(),
@@ -97,7 +88,7 @@ fn dp2_in_process_matches_one_rank() {
         "{want:?}"
     );
 
-    let err = train(
+    let err = train_config(
         &config(tmp.path(), &prefix, "dp2"),
         &["--set", "parallel.data_parallel_size=2"],
     );
@@ -120,13 +111,13 @@ fn dp2_in_process_matches_one_rank() {
         "--set",
         "checkpoint.save_interval=2",
     ];
-    train(
+    train_config(
         &zero,
         &[&dp2_zero[..], &["--set", "training.exit_interval=4"]].concat(),
     );
     let ckpt = tmp.path().join("zero1-ckpt");
     let load = format!("checkpoint.load={:?}", ckpt.to_str().unwrap());
-    train(&zero, &["--set", &load]);
+    train_config(&zero, &["--set", &load]);
     assert_same_losses(
         "dp2 zero1 + resume on 1 rank",
         &metrics_losses(&tmp.path().join("zero1")),
@@ -139,13 +130,13 @@ fn tp2_x_dp2_in_process_matches_one_rank_and_exports_the_full_model() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
     let (set_single, single_export) = export_to(tmp.path(), "single-export");
-    train(
+    train_config(
         &config(tmp.path(), &prefix, "single"),
         &["--set", &set_single],
     );
     let want = metrics_losses(&tmp.path().join("single"));
     let (set_tp, tp_export) = export_to(tmp.path(), "tp-export");
-    let err = train(
+    let err = train_config(
         &config(tmp.path(), &prefix, "tp2dp2"),
         &[
             "--set",
@@ -183,13 +174,13 @@ fn pipeline_parallel_in_process_matches_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
     let (set_single, single_export) = export_to(tmp.path(), "single-export");
-    train(
+    train_config(
         &config_saving(tmp.path(), &prefix, "single", false),
         &["--set", &set_single],
     );
     let want = metrics_losses(&tmp.path().join("single"));
     let pp2 = ["--set", "parallel.pipeline_model_parallel_size=2"];
-    train(&config_saving(tmp.path(), &prefix, "pp2", false), &pp2);
+    train_config(&config_saving(tmp.path(), &prefix, "pp2", false), &pp2);
     assert_same_losses("pp2", &metrics_losses(&tmp.path().join("pp2")), &want);
     // tp2 x pp2, stopped at 4 with a checkpoint, resumed under pp2 with an export
     let cfg = config(tmp.path(), &prefix, "tp2pp2");
@@ -198,14 +189,14 @@ fn pipeline_parallel_in_process_matches_one_rank() {
         &["--set", "parallel.tensor_model_parallel_size=2"],
     ]
     .concat();
-    train(
+    train_config(
         &cfg,
         &[&tp2pp2[..], &["--set", "training.exit_interval=4"]].concat(),
     );
     let ckpt = tmp.path().join("tp2pp2-ckpt");
     let load = format!("checkpoint.load={:?}", ckpt.to_str().unwrap());
     let (set_pp, pp_export) = export_to(tmp.path(), "pp-export");
-    train(
+    train_config(
         &cfg,
         &[&pp2[..], &["--set", &load, "--set", &set_pp]].concat(),
     );
@@ -237,7 +228,7 @@ fn interleaved_pipeline_in_process_matches_one_rank() {
         std::fs::write(&cfg, text.replace(load, model)).unwrap();
         cfg
     };
-    train(&from_scratch("single"), &[]);
+    train_config(&from_scratch("single"), &[]);
     let want = metrics_losses(&tmp.path().join("single"));
     let vp2 = [
         "--set",
@@ -245,7 +236,7 @@ fn interleaved_pipeline_in_process_matches_one_rank() {
         "--set",
         "parallel.virtual_pipeline_model_parallel_size=2",
     ];
-    train(&from_scratch("vp2"), &vp2);
+    train_config(&from_scratch("vp2"), &vp2);
     assert_same_losses("pp2 vp2", &metrics_losses(&tmp.path().join("vp2")), &want);
     // 3 micro-batches per step cannot be interleaved over 2 stages
     let o = ferrotron(
@@ -306,7 +297,7 @@ fn bad_parallel_settings_are_named() {
 fn mpirun_layouts_match_one_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let prefix = tiny_corpus(tmp.path());
-    train(&config(tmp.path(), &prefix, "single"), &[]);
+    train_config(&config(tmp.path(), &prefix, "single"), &[]);
     let want = metrics_losses(&tmp.path().join("single"));
     let layouts: [(&str, usize, &[&str]); 4] = [
         ("mpi-dp2", 2, &[]),
@@ -458,13 +449,13 @@ fn converted_checkpoints_train_and_convert_back() {
     );
 
     let (set_single, single_export) = export_to(tmp.path(), "single-export");
-    train(
+    train_config(
         &config(tmp.path(), &prefix, "single"),
         &["--set", &set_single],
     );
     let want = metrics_losses(&tmp.path().join("single"));
     let load = format!("model.load={ckpt_s:?}");
-    train(
+    train_config(
         &config_saving(tmp.path(), &prefix, "from-ckpt", false),
         &[
             "--set",
@@ -490,7 +481,7 @@ fn converted_checkpoints_train_and_convert_back() {
     ]);
     assert!(out.contains("in 1 files"), "{out}");
     let load = format!("model.load={:?}", resharded.to_str().unwrap());
-    train(
+    train_config(
         &config_saving(tmp.path(), &prefix, "from-resharded", false),
         &["--set", &load],
     );

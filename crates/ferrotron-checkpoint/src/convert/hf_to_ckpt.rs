@@ -179,16 +179,17 @@ pub(super) fn plan_layout(
         t,
     );
     let mapping = param_mapping(&config, padded).map_err(|e| err(origin, e.to_string()))?;
-    // Each expert-parallel rank's declarations: its experts' rows, split or whole over tp.
+    // Each expert-parallel rank's layout: its experts' rows, split or whole over tp.
     let ep = opts.expert_model_parallel_size;
-    let ep_decls: Vec<Vec<ParamDecl>> = (0..ep)
+    let ep_layouts: Vec<ModelLayout> = (0..ep)
         .map(|rank| {
             let mut part = ModelPart::whole(config.num_layers);
             part.experts = (ep > 1).then_some(ExpertShard { rank, size: ep });
             part.expert_tp = opts.expert_tensor_parallel;
-            ModelLayout::new(&config, padded, &part).into_decls()
+            ModelLayout::new(&config, padded, &part)
         })
         .collect();
+    let experts: Vec<usize> = ep_layouts[0].expert_stacks().collect();
     let (mut missing, mut shape_mismatches) = (Vec::new(), Vec::new());
     let mut params = Vec::with_capacity(mapping.len());
     let mut files = Vec::new();
@@ -198,10 +199,9 @@ pub(super) fn plan_layout(
             .find(|&s| m.on_stage(s, p, &stages[s]))
             .expect("every parameter has a stage");
         // An expert stack: each expert-parallel rank's rows; anything else: rank 0's.
-        let expert = ep_decls[0][i].shape != m.shape || ep_decls[0][i].split != m.split;
-        let ranks = if expert { 0..ep } else { 0..1 };
+        let ranks = if experts.contains(&i) { 0..ep } else { 0..1 };
         let shards = ranks
-            .flat_map(|e| plan_shards(&ep_decls[e][i], t, stage, e, &mut files))
+            .flat_map(|e| plan_shards(&ep_layouts[e].decls()[i], t, stage, e, &mut files))
             .collect();
         params.push(PlannedParam {
             mapping: m,

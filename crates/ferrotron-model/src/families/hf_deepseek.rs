@@ -13,6 +13,7 @@
 //! `seq_aux_loss` (DeepSeek's `seq_aux`) would use.
 
 use super::hf_config::{opt_bool, opt_f64, opt_str, opt_usize, req_usize};
+use super::hf_export::finite_f32;
 use crate::config::field_error;
 use crate::{
     ExpertGroups, GroupScore, LoadBalancing, MlaConfig, MoeConfig, Result, RouterConfig,
@@ -125,7 +126,11 @@ pub(super) fn insert_deepseek_fields(
             "every layer has multi-latent attention",
         );
     };
-    let mut fields = json!({
+    let first_dense = match &c.moe {
+        Some(moe) => moe.layer_pattern.iter().take_while(|m| !**m).count(),
+        None => c.num_layers,
+    };
+    let fields = json!({
         "q_lora_rank": mla.q_lora_rank,
         "kv_lora_rank": mla.kv_lora_rank,
         "qk_nope_head_dim": mla.qk_head_dim,
@@ -133,20 +138,24 @@ pub(super) fn insert_deepseek_fields(
         "v_head_dim": mla.v_head_dim,
         "qk_head_dim": mla.query_head_dim(),
         "head_dim": mla.qk_pos_emb_head_dim,
-        "first_k_dense_replace": c.num_layers,
+        "first_k_dense_replace": first_dense,
     });
-    if let Some(moe) = &c.moe {
-        insert_moe(&mut fields, moe, c)?;
-    }
     if let Value::Object(fields) = fields {
         obj.extend(fields);
     }
-    Ok(())
+    match &c.moe {
+        Some(moe) => insert_moe(obj, moe, first_dense, arch),
+        None => Ok(()),
+    }
 }
 
-/// DeepSeek-V2's MoE keys of `moe` into `fields`.
-fn insert_moe(fields: &mut Value, moe: &MoeConfig, c: &TransformerConfig) -> Result<()> {
-    let arch = c.family.hf_architecture();
+/// DeepSeek-V2's MoE keys of `moe` (its first `first_dense` layers dense) into `obj`.
+fn insert_moe(
+    obj: &mut Map<String, Value>,
+    moe: &MoeConfig,
+    first_dense: usize,
+    arch: &str,
+) -> Result<()> {
     let bad = |field: &str, why: &str| Err(field_error(field, format!("{arch}: {why}")));
     let r = &moe.router;
     let max_groups = r.groups.is_none_or(|g| g.score == GroupScore::Max);
@@ -170,7 +179,6 @@ fn insert_moe(fields: &mut Value, moe: &MoeConfig, c: &TransformerConfig) -> Res
     if moe.shared_expert_gate {
         return bad("moe_shared_expert_gate", "the shared experts are ungated");
     }
-    let first_dense = moe.layer_pattern.iter().take_while(|m| !**m).count();
     if moe.layer_pattern[first_dense..].contains(&false) {
         return bad(
             "moe_layer_freq",
@@ -185,23 +193,22 @@ fn insert_moe(fields: &mut Value, moe: &MoeConfig, c: &TransformerConfig) -> Res
         ),
         None => ("greedy", Value::Null, Value::Null),
     };
-    let f32_json = |x: f32| json!(x.to_string().parse::<f64>().unwrap_or(f64::from(x)));
-    let moe_fields = json!({
+    let scale = r.scaling_factor.unwrap_or(1.0);
+    let fields = json!({
         "n_routed_experts": r.num_experts,
         "num_experts_per_tok": r.topk,
         "moe_intermediate_size": f,
         "n_shared_experts": shared,
-        "first_k_dense_replace": first_dense,
         "topk_method": method,
         "n_group": n_group,
         "topk_group": topk_group,
-        "routed_scaling_factor": f32_json(r.scaling_factor.unwrap_or(1.0)),
+        "routed_scaling_factor": finite_f32("moe_router_topk_scaling_factor", scale)?,
         "norm_topk_prob": false,
-        "aux_loss_alpha": f32_json(moe.aux_loss_coeff),
+        "aux_loss_alpha": finite_f32("moe_aux_loss_coeff", moe.aux_loss_coeff)?,
         "output_router_logits": moe.load_balancing_type != LoadBalancing::None,
     });
-    if let (Value::Object(fields), Value::Object(moe_fields)) = (fields, moe_fields) {
-        fields.extend(moe_fields);
+    if let Value::Object(fields) = fields {
+        obj.extend(fields);
     }
     Ok(())
 }

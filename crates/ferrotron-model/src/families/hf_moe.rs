@@ -188,8 +188,8 @@ pub(super) fn insert_moe_fields(obj: &mut Map<String, Value>, c: &TransformerCon
     if let (Some((key, _)), Some(width)) = (k.shared_expert, moe.shared_expert_intermediate_size) {
         obj.insert(key.into(), json!(width));
     }
-    let coef: f64 = moe.aux_loss_coeff.to_string().parse().unwrap_or(0.0);
-    obj.insert("router_aux_loss_coef".into(), json!(coef));
+    let coef = super::hf_export::finite_f32("moe_aux_loss_coeff", moe.aux_loss_coeff)?;
+    obj.insert("router_aux_loss_coef".into(), coef);
     let balanced = moe.load_balancing_type != LoadBalancing::None;
     obj.insert("output_router_logits".into(), json!(balanced));
     if c.family == ModelFamily::Qwen2Moe {

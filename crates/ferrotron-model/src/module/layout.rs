@@ -189,19 +189,29 @@ impl ModelLayout {
             .collect()
     }
 
-    /// Replicated parameters whose gradient each tensor-parallel rank computes a part of
-    /// (from its own heads' share), even without sequence parallelism: multi-latent
-    /// attention's down projections and latent norms. [`crate::GptModel::finalize_grads`]
-    /// sums them over the group.
+    /// Replicated parameters whose gradient each tensor-parallel rank computes a part of,
+    /// even without sequence parallelism: multi-latent attention's down projections and
+    /// latent norms (from the rank's heads), and routed experts held whole
+    /// ([`super::ExpertTensorParallel::Whole`]: from the rank's share of the rows).
+    /// [`crate::GptModel::finalize_grads`] sums them over the group.
     pub fn partial_grad_params(&self) -> Vec<usize> {
-        self.layers
-            .iter()
-            .flat_map(|l| match &l.self_attention {
-                super::LayerAttention::MultiLatent(m) => m.replicated_params(),
-                super::LayerAttention::SelfAttention(_) => Vec::new(),
-            })
-            .map(|id| id.0)
-            .collect()
+        let latents = self.layers.iter().flat_map(|l| match &l.self_attention {
+            super::LayerAttention::MultiLatent(m) => m.replicated_params(),
+            super::LayerAttention::SelfAttention(_) => Vec::new(),
+        });
+        let whole_experts = self
+            .expert_stacks()
+            .filter(|&i| self.decls[i].split == crate::TpSplit::Replicated);
+        latents.map(|id| id.0).chain(whole_experts).collect()
+    }
+
+    /// Table indices of every MoE layer's routed-expert stacks (`experts.linear_fc1`, then
+    /// `experts.linear_fc2`), in layer order.
+    pub fn expert_stacks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers.iter().flat_map(|l| match l.mlp {
+            super::LayerMlp::Moe(m) => vec![m.experts_fc1.index(), m.experts_fc2.index()],
+            super::LayerMlp::Dense(_) => Vec::new(),
+        })
     }
 
     /// Parameter count, the embedding counted once when tied.

@@ -271,11 +271,7 @@ impl GptModel {
         summed.extend(self.layout().partial_grad_params());
         for (i, (g, d)) in grads.iter_mut().zip(self.layout().decls()).enumerate() {
             // Frozen parameters have empty slices (and the same on every rank).
-            // Whole experts run over each rank's share of the rows.
-            let whole_experts =
-                tp.experts == ExpertTensorParallel::Whole && self.is_expert_param(i);
-            let partial =
-                sp || d.role == ParamRole::Adapter || whole_experts || summed.contains(&i);
+            let partial = sp || d.role == ParamRole::Adapter || summed.contains(&i);
             if d.split == TpSplit::Replicated && partial && !g.is_empty() {
                 comm.all_reduce(g, ferrotron_comm::ReduceOp::Sum)
                     .map_err(|e| ModelError::Comm(format!("tensor-parallel grads: {e}")))?;

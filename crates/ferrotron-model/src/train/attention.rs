@@ -2,6 +2,8 @@
 //! rope (or multi-latent attention's projections, [`super::mla`]), core attention and the
 //! row-parallel `linear_proj`, and its backward beside it.
 
+use std::borrow::Cow;
+
 use super::backward::{linear_backward, trainable};
 use super::core_attention::{CoreAttnOut, KeysValues, attention_dims, attention_precision};
 use super::forward::Pass;
@@ -165,17 +167,18 @@ fn value_heads(ctx: Kept, pass: &Pass<'_>) -> Kept {
     Kept::new(out, pass.narrow)
 }
 
-/// The inverse of [`value_heads`]: `[rows, a, dv]` zero-padded to `[rows, a, d]`.
-fn padded_heads(x: &[f32], pass: &Pass<'_>) -> Buffer<f32> {
+/// The inverse of [`value_heads`]: `[rows, a, dv]` zero-padded to `[rows, a, d]` (`x` itself
+/// when nothing is padded).
+fn padded_heads<'x>(x: Cow<'x, [f32]>, pass: &Pass<'_>) -> Cow<'x, [f32]> {
     let (d, dv) = (pass.c.kv_channels, pass.c.value_head_dim());
     if d == dv {
-        return Buffer::from_host(x.to_vec());
+        return x;
     }
-    let mut out = Buffer::zeros(pass.device, x.len() / dv * d);
-    for (o, head) in out.host_mut().chunks_exact_mut(d).zip(x.chunks_exact(dv)) {
+    let mut out = vec![0f32; x.len() / dv * d];
+    for (o, head) in out.chunks_exact_mut(d).zip(x.chunks_exact(dv)) {
         o[..dv].copy_from_slice(head);
     }
-    out
+    Cow::Owned(out)
 }
 
 /// Attention's backward from `dout` (gradient of `linear_proj`'s output, local rows) to the
@@ -195,11 +198,10 @@ pub(super) fn attention_backward(
     if let Some(db) = proj.bias.and_then(|b| trainable(grads, b)) {
         add_bias_backward(dout, db);
     }
-    let input = la.attn_in.operand();
     match (&layer.self_attention, &la.attn.mla) {
         (LayerAttention::SelfAttention(sa), _) => qkv_backward(sa, la, pass, dqkv, grads),
         (LayerAttention::MultiLatent(m), Some(acts)) => {
-            mla_qkv_backward(m, acts, pass, input, dqkv, grads)
+            mla_qkv_backward(m, acts, pass, la.attn_in.operand(), dqkv, grads)
         }
         (LayerAttention::MultiLatent(_), None) => {
             unreachable!("multi-latent attention keeps its latents")
@@ -279,20 +281,20 @@ fn core_attention_and_proj_backward(
             &recomputed
         }
     };
-    let ctx = padded_heads(&core.ctx.f32(), pass);
+    let ctx = padded_heads(core.ctx.f32(), pass);
     let mut dctx = Buffer::zeros(dev, rows * a * c.value_head_dim());
     let proj = layer.self_attention.linear_proj().without_bias();
     linear_backward(pass, proj, core.ctx.operand(), dres, dctx.host_mut(), grads);
-    let dctx = padded_heads(dctx.host(), pass);
+    let dctx = padded_heads(Cow::Borrowed(dctx.host()), pass);
     let mut dq = Buffer::zeros(dev, rows * a * d);
     let mut dk = Buffer::zeros(dev, rows * g * d);
     let mut dv = Buffer::zeros(dev, rows * g * d);
     let (dims, mask) = attention_dims(pass);
-    let (ctx, dctx, lse) = (ctx.host(), dctx.host(), core.lse.host());
+    let lse = core.lse.host();
     let (dqs, dks, dvs) = (dq.host_mut(), dk.host_mut(), dv.host_mut());
     let precision = attention_precision(pass);
     core_attention_backward(
-        &q, &k, &v, ctx, dctx, lse, dqs, dks, dvs, dims, mask, precision,
+        &q, &k, &v, &ctx, &dctx, lse, dqs, dks, dvs, dims, mask, precision,
     );
     if attn.core_attn.is_none() {
         ledger.release(core.bytes());

@@ -19,7 +19,7 @@ use super::backward::linear_backward;
 use super::forward::Pass;
 use super::norm::{NormLayer, NormStats};
 use super::stored::{Kept, Stored};
-use crate::module::{MlaQuery, MlaSelfAttention, Norm};
+use crate::module::{LinearParams, MlaQuery, MlaSelfAttention, Norm};
 use crate::{MlaConfig, Result};
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm_bf16::Operand;
@@ -78,11 +78,21 @@ fn latent_norm<'m>(pass: &Pass<'m>, norm: Norm) -> NormLayer<'m> {
     NormLayer::new(pass.model, norm).with_eps(LATENT_NORM_EPS)
 }
 
-/// A latent `x: [rows, width]` through its norm: the kept activations.
-fn latent_forward(pass: &Pass<'_>, norm: Norm, x: Buffer<f32>, width: usize) -> Result<LatentActs> {
+/// `up(norm(x))` of a latent `x: [rows, width]`: the kept activations and the up
+/// projection's output `[rows, out]` ([`latent_backward`] is its backward).
+fn latent_forward(
+    pass: &Pass<'_>,
+    (norm, up): (Norm, LinearParams),
+    x: Buffer<f32>,
+    width: usize,
+    out: usize,
+) -> Result<(LatentActs, Buffer<f32>)> {
     let (normed, stats) = latent_norm(pass, norm).forward(x.host(), width)?;
-    let normed = Kept::new(normed, pass.narrow).stored;
-    Ok(LatentActs { x, stats, normed })
+    let normed = Kept::new(normed, pass.narrow);
+    let mut y = Buffer::zeros(pass.device, x.len() / width * out);
+    pass.linear(up).forward(normed.values(), y.host_mut());
+    let normed = normed.stored;
+    Ok((LatentActs { x, stats, normed }, y))
 }
 
 /// `input: [rows, h]` (all rows) → `q, k, v: [rows, a, D]` after rope (and the query scale),
@@ -112,8 +122,8 @@ pub(super) fn mla_qkv_forward(
         } => {
             let r = mla.q_lora_rank.expect("a query latent has a rank");
             let latent = project(linear_q_down_proj, input, r);
-            let latent = latent_forward(pass, q_layernorm, latent, r)?;
-            let q = project(linear_q_up_proj, &latent.normed.f32(), a * (dn + dr));
+            let norm_up = (q_layernorm, linear_q_up_proj);
+            let (latent, q) = latent_forward(pass, norm_up, latent, r, a * (dn + dr))?;
             (q, Some(latent))
         }
     };
@@ -131,8 +141,8 @@ pub(super) fn mla_qkv_forward(
         p.copy_from_slice(&row[width..]);
     }
     drop(kv_a);
-    let kv_latent = latent_forward(pass, m.kv_layernorm, latent, width)?;
-    let kv = project(m.linear_kv_up_proj, &kv_latent.normed.f32(), a * (dn + dv));
+    let norm_up = (m.kv_layernorm, m.linear_kv_up_proj);
+    let (kv_latent, kv) = latent_forward(pass, norm_up, latent, width, a * (dn + dv))?;
     let rope = pass.rope.expect("multi-latent attention uses rope");
     let mut q_pe = Buffer::zeros(dev, rows * a * dr);
     for (pe, head) in q_pe
@@ -324,7 +334,7 @@ pub(super) fn mla_qkv_backward(
 fn latent_backward(
     pass: &Pass<'_>,
     norm: Norm,
-    up: crate::module::LinearParams,
+    up: LinearParams,
     acts: &LatentActs,
     width: usize,
     dy: &[f32],

@@ -258,7 +258,7 @@ impl Trainer {
         })?;
         for &i in &buffers {
             let key = format!("{MODEL}{}", params[i].name);
-            let numel = self.model.param_table().view(i).shape().iter().product();
+            let numel = self.model.param_table().numel(i);
             let values = self.read_local(&reader, &key, i, 0..numel)?;
             self.model
                 .load_parameters_with(&[i], |_| std::borrow::Cow::Borrowed(&values))?;

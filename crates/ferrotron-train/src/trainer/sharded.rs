@@ -68,7 +68,7 @@ impl Trainer {
                 }
                 // The gradient buffer holds no elements of a frozen parameter.
                 let numel = match buffer {
-                    true => self.model.param_table().view(i).shape().iter().product(),
+                    true => self.model.param_table().numel(i),
                     false => p.numel,
                 };
                 self.plan(&mut planned, MODEL, &p.name, i, 0..numel, 0);

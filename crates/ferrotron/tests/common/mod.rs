@@ -113,6 +113,16 @@ pub fn train(dir: &Path, toml: &str) -> String {
     out
 }
 
+/// `ferrotron train --config CFG EXTRA...`; returns stdout and stderr after asserting success.
+pub fn train_config(cfg: &Path, extra: &[&str]) -> String {
+    let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let o = ferrotron(&args);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "train {extra:?} failed: {err}");
+    out + &err
+}
+
 /// The `lm loss` of every training log line of `out`.
 pub fn train_losses(out: &str) -> Vec<f64> {
     out.lines()
