@@ -51,6 +51,8 @@ pub struct GptModel {
     pub(crate) stage: Option<StageInfo>,
     /// Set on an expert-parallel shard.
     pub(crate) ep: Option<crate::ExpertParallel>,
+    /// Set on a context-parallel rank (`crate::context_parallel`).
+    pub(crate) cp: Option<ferrotron_nn::ContextParallel>,
     /// The LoRA adapters take part in the passes (PEFT's `disable_adapter()` turns this off
     /// for a DPO reference forward); true when built.
     adapters_enabled: bool,
@@ -209,6 +211,7 @@ impl GptModel {
             tp,
             stage,
             ep: None,
+            cp: None,
             adapters_enabled: true,
             expert_load: Default::default(),
             global_aux: Default::default(),

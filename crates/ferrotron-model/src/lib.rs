@@ -7,6 +7,7 @@
 //! stages, and `families/` mapping HuggingFace configs and weight names onto them.
 
 mod config;
+mod context_parallel;
 mod error;
 mod expert_bias;
 mod expert_parallel;

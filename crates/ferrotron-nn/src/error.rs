@@ -13,8 +13,9 @@ pub enum NnError {
     /// A run-time input (not a parameter) is malformed, e.g. document starts of packed rows.
     #[error("{field}: {reason}")]
     BadInput { field: String, reason: String },
-    /// A tensor-parallel collective failed (often: another rank failed first).
-    #[error("tensor parallel communication: {0}")]
+    /// A collective of tensor, context or expert parallelism failed (often: another rank
+    /// failed first); the message names which.
+    #[error("communication: {0}")]
     Comm(String),
     /// A tensor-level error (dtype, index out of range, ...).
     #[error(transparent)]

@@ -342,6 +342,7 @@ impl Case {
             groups,
             head_dim,
             q_offset,
+            ..
         } = self.dims;
         format!(
             "sq={sq} skv={skv} b={batch} a={heads} g={groups} d={head_dim} off={q_offset} \
@@ -399,6 +400,7 @@ fn dims(
         groups,
         head_dim,
         q_offset,
+        kv_offset: 0,
     }
 }
 

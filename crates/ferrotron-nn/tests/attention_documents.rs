@@ -245,6 +245,7 @@ fn document_starts_follow_megatron_eod_rule() {
             groups: 1,
             head_dim: 1,
             q_offset: 0,
+            kv_offset: 0,
         },
         tokens,
         window: None,
@@ -311,6 +312,7 @@ fn documents_with_a_query_offset_are_rejected() {
         groups: 1,
         head_dim: 1,
         q_offset: 1,
+        kv_offset: 0,
     };
     let starts = [0, 0];
     let mask = AttentionMask {
@@ -332,6 +334,7 @@ fn small_packed_case_matches_finite_differences() {
         groups: 2,
         head_dim: 6,
         q_offset: 0,
+        kv_offset: 0,
     };
     let tokens = packed_tokens(9, &[&[2, 5], &[3]]);
     for window in [None, Some(2)] {
@@ -382,6 +385,7 @@ fn multi_block_case(window: Option<usize>) -> Case {
             groups: 2,
             head_dim: 20,
             q_offset: 0,
+            kv_offset: 0,
         },
         tokens: packed_tokens(150, &[&[40, 63, 127], &[0, 100, 101, 149]]),
         window,
@@ -419,6 +423,7 @@ fn packed_row_equals_documents_run_alone() {
                     skv: n,
                     batch: 1,
                     q_offset: 0,
+                    kv_offset: 0,
                     ..case.dims
                 };
                 let mask = AttentionMask {

@@ -19,6 +19,7 @@ fn reference(
         groups: g,
         head_dim: d,
         q_offset,
+        ..
     } = dims;
     let mut out = vec![0f32; q.len()];
     for t in 0..sq {
@@ -69,6 +70,7 @@ fn matches_reference_with_gqa_window_and_offset() {
         groups: 2,
         head_dim: 5,
         q_offset: 4,
+        kv_offset: 0,
     };
     let make = |n: usize, s: f32| (0..n).map(|i| (i as f32 * s).sin()).collect::<Vec<_>>();
     let q = make(3 * 2 * 4 * 5, 0.7);

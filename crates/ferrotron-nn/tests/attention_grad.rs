@@ -228,6 +228,7 @@ fn small_case_matches_finite_differences() {
         groups: 2,
         head_dim: 6,
         q_offset: 4,
+        kv_offset: 0,
     };
     for window in [None, Some(3)] {
         let mask = AttentionMask {
@@ -304,6 +305,7 @@ fn multi_block_case_matches_f64_reference() {
         groups: 2,
         head_dim: 20,
         q_offset: 13,
+        kv_offset: 0,
     };
     check_against_reference(dims, &[None, Some(70), Some(5)], 22);
 }
@@ -320,6 +322,7 @@ fn multi_head_wide_case_matches_f64_reference() {
         groups: 3,
         head_dim: 80,
         q_offset: 0,
+        kv_offset: 0,
     };
     check_against_reference(dims, &[None, Some(33)], 24);
 }
@@ -367,6 +370,7 @@ fn backward_is_bitwise_deterministic_across_thread_counts() {
         groups: 3,
         head_dim: 32,
         q_offset: 0,
+        kv_offset: 0,
     };
     let mask = AttentionMask {
         sliding_window: Some(40),
@@ -436,6 +440,7 @@ fn bf16_products_match_the_rounded_f64_reference() {
                 groups: 2,
                 head_dim: 32,
                 q_offset: 13,
+                kv_offset: 0,
             },
             Some(70),
         ),
@@ -448,6 +453,7 @@ fn bf16_products_match_the_rounded_f64_reference() {
                 groups: 2,
                 head_dim: 64,
                 q_offset: 0,
+                kv_offset: 0,
             },
             None,
         ),
@@ -463,6 +469,7 @@ fn bf16_products_match_the_rounded_f64_reference() {
                 groups: 1,
                 head_dim: 80,
                 q_offset: 13,
+                kv_offset: 0,
             },
             Some(33),
         ),

@@ -6,19 +6,20 @@
 //!
 //! The order is Megatron's and the model's: pipeline stage first (the layers of this rank's
 //! stage, or of its model chunks under the interleaved schedule), then the tensor-parallel
-//! shard of that stage. The data-parallel and context-parallel ranks of a slice hold the
-//! same weights, so they do not enter here.
+//! shard of that stage, then its experts' share. The data-parallel and context-parallel
+//! ranks of a slice hold the same weights; a context-parallel rank's slice also carries its
+//! group, over which core attention runs.
 
 use ferrotron_comm::ProcessGroups;
 use ferrotron_model::module::ExpertTensorParallel;
 use ferrotron_model::{ExpertParallel, GptModel, ModelError, stage_layers, virtual_stage_layers};
-use ferrotron_nn::TensorParallel;
+use ferrotron_nn::{ContextParallel, CpCommType, TensorParallel};
 use std::borrow::Cow;
 use std::ops::Range;
 
 /// The model-layout settings of a run beyond the sizes of its process grid (Megatron's
 /// `--sequence-parallel`, `--make-vocab-size-divisible-by`,
-/// `--decoder-first-pipeline-num-layers`).
+/// `--decoder-first-pipeline-num-layers`, `--cp-comm-type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ParallelizeOptions {
     /// Split norms and residuals along the sequence over the tensor-parallel ranks
@@ -35,6 +36,9 @@ pub struct ParallelizeOptions {
     /// How tensor parallelism holds the routed experts
     /// (`parallel.expert_tensor_parallel_size`: tp splits them, 1 keeps them whole).
     pub expert_tensor_parallel: ExpertTensorParallel,
+    /// How core attention exchanges keys and values over the context-parallel group
+    /// (`parallel.cp_comm_type`); used when `context_parallel_size > 1`.
+    pub cp_comm_type: CpCommType,
 }
 
 impl Default for ParallelizeOptions {
@@ -45,6 +49,7 @@ impl Default for ParallelizeOptions {
             make_vocab_size_divisible_by: 128,
             decoder_first_pipeline_num_layers: None,
             expert_tensor_parallel: ExpertTensorParallel::Split,
+            cp_comm_type: CpCommType::P2p,
         }
     }
 }
@@ -77,7 +82,10 @@ pub struct ParallelizeError {
 ///   `make_vocab_size_divisible_by · t`, the routed experts' widths split or whole as
 ///   `expert_tensor_parallel` says; with `sequence_parallel` the activations between
 ///   the tensor-parallel regions are split along `s`.
-/// - Neither: `full` itself (no copy when it is owned).
+/// - Context parallelism (`context_parallel_size > 1`): the slice runs its training passes
+///   over `groups.context` ([`GptModel::set_context_parallel`], keys and values exchanged
+///   as `cp_comm_type` says).
+/// - None of these: `full` itself (no copy when it is owned).
 ///
 /// A borrowed `full` is never copied whole when it is split (a stage copies its layers,
 /// a shard its part of every parameter), so many in-process ranks can slice one model.
@@ -131,15 +139,26 @@ pub fn parallelize(
     } else {
         staged
     };
-    if state.expert_model_parallel_size() == 1 {
-        return Ok(sharded.into_owned());
+    let mut model = if state.expert_model_parallel_size() == 1 {
+        sharded.into_owned()
+    } else {
+        sharded
+            .expert_parallel_shard(ExpertParallel::new(groups.expert.clone()))
+            .map_err(|error| ParallelizeError {
+                key: "expert_model_parallel_size",
+                error,
+            })?
+    };
+    if state.config().context_parallel_size > 1 {
+        let cp = ContextParallel::new(groups.context.clone(), options.cp_comm_type);
+        model
+            .set_context_parallel(cp)
+            .map_err(|error| ParallelizeError {
+                key: "context_parallel_size",
+                error,
+            })?;
     }
-    sharded
-        .expert_parallel_shard(ExpertParallel::new(groups.expert.clone()))
-        .map_err(|error| ParallelizeError {
-            key: "expert_model_parallel_size",
-            error,
-        })
+    Ok(model)
 }
 
 /// The global layer ranges of stage `stage`'s model chunks (one without interleaving) and

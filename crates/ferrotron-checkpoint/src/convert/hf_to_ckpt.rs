@@ -443,6 +443,7 @@ pub(super) fn write_layout(
             ExpertTensorParallel::Split => None,
             ExpertTensorParallel::Whole => Some(1),
         },
+        context_parallel_size: 1,
     };
     writer.commit(0, layout, content)?;
     write_tracker(root.path(), 0)?;

@@ -60,6 +60,10 @@ pub struct ParallelLayout {
     /// `expert_tensor_parallel_size`; absent: the tensor-parallel size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_tensor_parallel_size: Option<usize>,
+    /// `context_parallel_size` (1 when absent): its ranks hold the same weights, and with the
+    /// distributed optimizer shard the optimizer state over data x context.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub context_parallel_size: usize,
 }
 
 fn one() -> usize {
@@ -77,6 +81,7 @@ impl ParallelLayout {
         pipeline_model_parallel_size: 1,
         data_parallel_size: 1,
         expert_model_parallel_size: 1,
+        context_parallel_size: 1,
         expert_tensor_parallel_size: None,
     };
 

@@ -74,7 +74,7 @@ pub(super) fn attention_forward(
     };
     let [q, k, v] = [q, k, v].map(|t| Kept::new(t, pass.narrow));
     let (ctx, lse) = match kv {
-        KeysValues::Fresh => CoreAttnOut::compute(q.values(), k.values(), v.values(), pass),
+        KeysValues::Fresh => CoreAttnOut::compute(q.values(), k.values(), v.values(), pass)?,
         KeysValues::Cached { cache, layer } => {
             CoreAttnOut::compute_cached(q.values(), k.values(), v.values(), cache, layer, pass)
         }
@@ -192,7 +192,7 @@ pub(super) fn attention_backward(
     ledger: &mut Ledger,
 ) -> Result<Buffer<f32>> {
     let dy = row_parallel_output_grad(pass.tp, dout)?;
-    let dqkv = core_attention_and_proj_backward(layer, la, pass, &dy, grads, ledger);
+    let dqkv = core_attention_and_proj_backward(layer, la, pass, &dy, grads, ledger)?;
     drop(dy);
     let proj = layer.self_attention.linear_proj();
     if let Some(db) = proj.bias.and_then(|b| trainable(grads, b)) {
@@ -253,6 +253,9 @@ fn qkv_backward(
 /// (`[rows, a, d]`, `[rows, g, d]`, `[rows, g, d]`, still rotated) for `dres` the gradient of
 /// the projection's output over all rows. Core
 /// attention's output is recomputed when the layer did not keep it, and freed on return.
+///
+/// # Errors
+/// A failed context-parallel exchange.
 fn core_attention_and_proj_backward(
     layer: &TransformerLayer,
     la: &LayerActs,
@@ -260,7 +263,7 @@ fn core_attention_and_proj_backward(
     dres: &[f32],
     grads: &mut [&mut [f32]],
     ledger: &mut Ledger,
-) -> [Buffer<f32>; 3] {
+) -> Result<[Buffer<f32>; 3]> {
     let c = pass.c;
     let dev = pass.device;
     let (a, g, d) = (c.num_attention_heads, c.num_query_groups, c.kv_channels);
@@ -272,7 +275,7 @@ fn core_attention_and_proj_backward(
         Some(kept) => kept,
         None => {
             // Rounded as the forward rounded it: the same values as a kept output.
-            let (ctx, lse) = CoreAttnOut::compute(&q, &k, &v, pass);
+            let (ctx, lse) = CoreAttnOut::compute(&q, &k, &v, pass)?;
             recomputed = CoreAttnOut {
                 ctx: value_heads(ctx, pass).stored,
                 lse,
@@ -293,11 +296,17 @@ fn core_attention_and_proj_backward(
     let lse = core.lse.host();
     let (dqs, dks, dvs) = (dq.host_mut(), dk.host_mut(), dv.host_mut());
     let precision = attention_precision(pass);
-    core_attention_backward(
-        &q, &k, &v, &ctx, &dctx, lse, dqs, dks, dvs, dims, mask, precision,
-    );
+    match pass.cp {
+        Some(cp) => {
+            let (io, grads) = ([&q[..], &k, &v], [dqs, dks, dvs]);
+            cp.attention_backward(io, &ctx, &dctx, lse, grads, dims, mask, precision)?;
+        }
+        None => core_attention_backward(
+            &q, &k, &v, &ctx, &dctx, lse, dqs, dks, dvs, dims, mask, precision,
+        ),
+    }
     if attn.core_attn.is_none() {
         ledger.release(core.bytes());
     }
-    [dq, dk, dv]
+    Ok([dq, dk, dv])
 }

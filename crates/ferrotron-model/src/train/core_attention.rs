@@ -4,7 +4,7 @@
 
 use super::forward::Pass;
 use super::stored::{Kept, Stored, element_bytes};
-use crate::{KvCache, PagedKvCache, RaggedBatch, TransformerConfig};
+use crate::{KvCache, PagedKvCache, RaggedBatch, Result, TransformerConfig};
 use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, AttentionPrecision, PagedKv, PagedQuery, core_attention,
     core_attention_forward_train, paged_decode_attention,
@@ -43,16 +43,29 @@ pub(crate) struct CoreAttnOut {
 impl CoreAttnOut {
     /// Flash-style causal attention of `q: [rows, a, d]` (after rope) over `k, v: [rows, g, d]`:
     /// the output (kept through [`Kept`], which rounds it under `pass.narrow`, by the forward
-    /// and by a recompute alike) and the log-sum-exp.
-    pub(crate) fn compute(q: &[f32], k: &[f32], v: &[f32], pass: &Pass<'_>) -> (Kept, Buffer<f32>) {
+    /// and by a recompute alike) and the log-sum-exp. On a context-parallel rank the keys
+    /// and values of the rest of the sequence come over its group ([`Pass::cp`]).
+    ///
+    /// # Errors
+    /// A failed context-parallel exchange.
+    pub(crate) fn compute(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        pass: &Pass<'_>,
+    ) -> Result<(Kept, Buffer<f32>)> {
         let c = pass.c;
         let rows = pass.positions.len();
         let mut ctx = Buffer::zeros(pass.device, rows * c.num_attention_heads * c.kv_channels);
         let mut lse = Buffer::zeros(pass.device, rows * c.num_attention_heads);
         let (dims, mask) = attention_dims(pass);
         let (o, l) = (ctx.host_mut(), lse.host_mut());
-        core_attention_forward_train(q, k, v, o, l, dims, mask, attention_precision(pass));
-        (Kept::new(ctx, pass.narrow), lse)
+        let precision = attention_precision(pass);
+        match pass.cp {
+            Some(cp) => cp.attention_forward(q, k, v, o, l, dims, mask, precision)?,
+            None => core_attention_forward_train(q, k, v, o, l, dims, mask, precision),
+        }
+        Ok((Kept::new(ctx, pass.narrow), lse))
     }
 
     /// [`CoreAttnOut::compute`] after the cached tokens: appends `k, v` (this pass's
@@ -133,6 +146,7 @@ impl CoreAttnOut {
                 groups: g,
                 head_dim: d,
                 q_offset: s.context_len,
+                kv_offset: 0,
             };
             let mut lse = vec![0f32; s.num_tokens * a];
             let (q, o) = (
@@ -191,6 +205,7 @@ pub(crate) fn attention_dims<'b>(pass: &Pass<'b>) -> (AttentionDims, AttentionMa
             groups: c.num_query_groups,
             head_dim: c.kv_channels,
             q_offset: 0,
+            kv_offset: 0,
         },
         AttentionMask {
             sliding_window: c.sliding_window,

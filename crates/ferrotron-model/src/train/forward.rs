@@ -22,8 +22,8 @@ use crate::lora::LoraWeights;
 use crate::module::{LinearParams, Norm, TransformerLayer};
 use crate::pipeline_stage::ChunkPart;
 use crate::{GptModel, Result, TpInfo, TransformerConfig};
-use ferrotron_nn::Linear;
 use ferrotron_nn::attention::DocumentStarts;
+use ferrotron_nn::{ContextParallel, Linear};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{RopeTable, add_inplace};
 use ferrotron_tensor::{Buffer, DType, Device};
@@ -48,6 +48,9 @@ pub(crate) struct Pass<'a> {
     pub documents: Option<DocumentStarts<'a>>,
     /// The tensor-parallel group of a model shard (`None`: a full model).
     pub tp: Option<&'a TpInfo>,
+    /// The context-parallel group of a training pass over a rank's share of the sequence
+    /// (`None`: the whole sequence; always for generation).
+    pub cp: Option<&'a ContextParallel>,
     /// Keep activations in bf16 (the model trains in bf16; see [`super::stored`]).
     pub narrow: bool,
     /// Where the activations live (the model's device).
@@ -85,6 +88,7 @@ impl<'a> Pass<'a> {
             micro_batch: batch.micro_batch,
             documents,
             tp,
+            cp: model.context_parallel(),
             narrow: model.activation_dtype() == DType::BF16,
             device: model.device(),
             adapter_rows: Vec::new(),
@@ -111,6 +115,7 @@ impl<'a> Pass<'a> {
             micro_batch: b,
             documents: None,
             tp: model.tp.as_ref(),
+            cp: None,
             narrow: false,
             device: model.device(),
             adapter_rows: Vec::new(),

@@ -234,9 +234,26 @@ impl TrainBatch {
         {
             return bad("loss_mask", m.len());
         }
+        // A context-parallel rank's share keeps the whole sequence's document starts and the
+        // global positions (TrainBatch::context_parallel_share).
+        let cp = model.context_parallel().map_or(1, |cp| cp.size());
+        if cp > 1 && self.position_ids.is_none() {
+            return Err(ModelError::Input(
+                "train batch: a context-parallel rank needs its share of the batch \
+                 (TrainBatch::context_parallel_share), with global position ids"
+                    .into(),
+            ));
+        }
         if let Some(d) = &self.document_starts {
-            if d.len() != n {
-                return bad("document_starts", d.len());
+            if d.len() != n * cp {
+                return Err(ModelError::Input(format!(
+                    "train batch: document_starts has {} entries, expected the whole \
+                     sequence's s·b = {}·{} = {}",
+                    d.len(),
+                    self.seq * cp,
+                    self.micro_batch,
+                    n * cp
+                )));
             }
             DocumentStarts::new(d, self.micro_batch)
                 .map_err(|e| ModelError::Input(format!("train batch: {e}")))?;

@@ -32,7 +32,8 @@ pub struct AttentionMask<'a> {
     /// Window `w` in tokens (query `i` sees keys `i − w < j <= i`); `None`: unbounded.
     pub sliding_window: Option<usize>,
     /// Per-token document starts `[s, b]` of packed rows; `None`: one document per row.
-    /// Only for passes without a KV-cache offset (`q_offset == 0`, so `sq` is `s`).
+    /// Indexed by absolute position: `[sq, b]` for a pass without offsets, the whole
+    /// sequence's starts for the training kernels' blocks at offsets (context parallelism).
     pub documents: Option<DocumentStarts<'a>>,
     /// ALiBi slopes `[a]`, one per query head of this call (a tensor-parallel rank passes the
     /// slice of its own heads, e.g. `&alibi_slopes(total)[rank·a..][..a]`): query head `h` at
@@ -93,6 +94,10 @@ pub struct AttentionDims {
     pub head_dim: usize,
     /// Position of the first query token (the KV-cache length before this step).
     pub q_offset: usize,
+    /// Position of the first key/value token: `k, v` hold positions `kv_offset..kv_offset +
+    /// skv` (the masks compare absolute positions). Non-zero only for the training kernels'
+    /// blocks of a longer sequence (context parallelism's chunks); 0 everywhere else.
+    pub kv_offset: usize,
 }
 
 /// `out = softmax(q·kᵀ/√d + alibi + mask)·v` per sequence and head (`alibi` only with
@@ -115,6 +120,10 @@ pub fn core_attention(
 ) {
     check_dims(q, k, v, &dims, &mask);
     assert!(out.len() == q.len(), "attention: out is not [sq, b, a, d]");
+    assert!(
+        dims.kv_offset == 0,
+        "attention: the inference kernel reads keys from position 0"
+    );
     let AttentionDims {
         batch: b,
         heads: a,
@@ -326,8 +335,8 @@ pub fn paged_decode_attention(
 }
 
 /// Shape checks shared by the inference and training kernels (caller bugs panic with the
-/// offending dims): `q`, `k`, `v` against `dims`, document starts against `[sq, b]` with no
-/// query offset, and ALiBi slopes against `[a]`.
+/// offending dims): `q`, `k`, `v` against `dims` (keys reaching the last query or all before
+/// the first), document starts covering every position, and ALiBi slopes against `[a]`.
 pub(super) fn check_dims(
     q: &[f32],
     k: &[f32],
@@ -343,9 +352,17 @@ pub(super) fn check_dims(
         groups: g,
         head_dim: d,
         q_offset,
+        kv_offset,
     } = *dims;
+    // The keys reach the last query, or all precede the first one (a block of a longer
+    // sequence's keys).
+    let (q_end, kv_end) = (q_offset + sq, kv_offset + skv);
     assert!(
-        g > 0 && d > 0 && a % g == 0 && q_offset + sq <= skv,
+        g > 0
+            && d > 0
+            && a % g == 0
+            && kv_offset <= q_offset
+            && (q_end <= kv_end || kv_end <= q_offset),
         "attention: bad dims {dims:?}"
     );
     assert!(
@@ -358,10 +375,11 @@ pub(super) fn check_dims(
         "attention: k/v shorter than [skv, b, g, d]"
     );
     if let Some(docs) = mask.documents {
+        // Indexed by absolute position: every query and key position.
         assert!(
-            q_offset == 0 && docs.batch() == b && docs.seq_len() == sq,
-            "attention: doc_starts are [{}, {}], need [sq, b] = [{sq}, {b}] and q_offset 0 \
-             (got {q_offset})",
+            docs.batch() == b && docs.seq_len() >= q_end.max(kv_end),
+            "attention: doc_starts are [{}, {}], need b = {b} and every position of the \
+             queries ({q_offset}..{q_end}) and keys ({kv_offset}..{kv_end})",
             docs.seq_len(),
             docs.batch()
         );

@@ -131,8 +131,10 @@ pub(super) struct Scratch {
 
 /// Up to [`RQ`] query rows of one `(batch j, group gh)`: the rows `i0..i0 + n` of the list
 /// `(t, head in group)` for `t >= t0`, with their global row indices `(t·b + j)·a + h`,
-/// visible keys `lo..hi` and, with ALiBi (`alibi`), their slopes and query positions. Padding
-/// rows (`r >= n`) repeat row 0 and see no key.
+/// visible keys `lo..hi` (indices into `k, v`: positions minus [`AttentionDims::kv_offset`];
+/// empty, `lo == hi`, when a row sees none of them) and, with ALiBi (`alibi`), their slopes
+/// and query positions (relative to `kv_offset`). Padding rows (`r >= n`) repeat row 0 and
+/// see no key.
 pub(super) struct Tile {
     pub(super) row: [usize; RQ],
     pub(super) lo: [usize; RQ],
@@ -163,13 +165,16 @@ impl Tile {
             slope: [0.0; RQ],
             q_pos: [0; RQ],
         };
+        let (k0, k1) = (dims.kv_offset, dims.kv_offset + dims.skv);
         for r in 0..n {
             let (t, h) = (t0 + (i0 + r) / hpg, gh * hpg + (i0 + r) % hpg);
             let q_pos = dims.q_offset + t;
             let keys = mask.key_range(q_pos, j);
+            let (lo, hi) = (keys.start.max(k0), keys.end.min(k1));
             tile.row[r] = (t * b + j) * a + h;
-            (tile.lo[r], tile.hi[r]) = (keys.start, keys.end);
-            tile.q_pos[r] = q_pos;
+            (tile.lo[r], tile.hi[r]) = if lo < hi { (lo - k0, hi - k0) } else { (0, 0) };
+            // Causal: a query at or past the keys' start (kv_offset <= q_offset).
+            tile.q_pos[r] = q_pos - k0;
             tile.slope[r] = mask.alibi_slopes.map_or(0.0, |s| s[h]);
         }
         for r in n..RQ {
@@ -178,10 +183,15 @@ impl Tile {
         tile
     }
 
-    /// Keys visible to any row of the tile.
+    /// Keys visible to any row of the tile (rows that see none do not count).
     pub(super) fn keys(&self) -> std::ops::Range<usize> {
-        self.lo[..self.n].iter().copied().min().unwrap_or(0)
-            ..self.hi[..self.n].iter().copied().max().unwrap_or(0)
+        let seen = || (0..self.n).filter(|&r| self.lo[r] < self.hi[r]);
+        seen().map(|r| self.lo[r]).min().unwrap_or(0)..seen().map(|r| self.hi[r]).max().unwrap_or(0)
+    }
+
+    /// Whether row `r` sees at least one key.
+    pub(super) fn sees_keys(&self, r: usize) -> bool {
+        r < self.n && self.lo[r] < self.hi[r]
     }
 
     /// Scaled scores `s·scale` (plus the ALiBi bias of row `r`, if any) of keys `p0..p0 + KB`

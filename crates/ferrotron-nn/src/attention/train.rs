@@ -88,12 +88,17 @@ multiversion! {
                         tile.scores(r, s, scale, p0, &mut scores[r * width + p0 - b0..][..KB]);
                     }
                 }
-                // Softmax numerators in place over the tile's keys; padding rows become 0.
+                // Softmax numerators in place over the tile's keys; padding rows, and rows that
+                // see no key of this call (a block of a longer sequence's keys: output 0,
+                // log-sum-exp -inf), become 0.
                 let mut inv = [0f32; RQ];
                 for r in 0..RQ {
                     let s = &mut scores[r * width + keys.start - b0..][..keys.len()];
-                    if r >= tile.n {
+                    if !tile.sees_keys(r) {
                         s.fill(0.0);
+                        if r < tile.n {
+                            lse[tile.row[r] - row0] = f32::NEG_INFINITY;
+                        }
                         continue;
                     }
                     let (max, sum) = exp_in_place_normalizer(s);
@@ -323,14 +328,15 @@ multiversion! {
         dims: &AttentionDims,
         mask: AttentionMask,
     ) {
-        let AttentionDims { sq, heads: a, groups: g, head_dim: d, q_offset, .. } = *dims;
+        let AttentionDims { sq, heads: a, groups: g, head_dim: d, q_offset, kv_offset, .. } = *dims;
         let (nk, hpg) = (dk.len() / d, a / g);
         dk.fill(0.0);
         dv.fill(0.0);
-        // Queries at positions `p0..=last_pos` may see the block (window and document bounds
+        // Queries at positions `key..=last_pos` may see the block (window and document bounds
         // of its last key); the masks inside the tiles do the rest.
-        let last_pos = mask.last_query(p0 + nk - 1, jg / g);
-        let first_t = p0.saturating_sub(q_offset);
+        let key = kv_offset + p0;
+        let last_pos = mask.last_query(key + nk - 1, jg / g);
+        let first_t = key.saturating_sub(q_offset);
         let end_t = last_pos.checked_sub(q_offset).map_or(0, |t| sq.min(t.saturating_add(1)));
         let paired_rows = match io.ops {
             Operands::Bf16 { rows, .. } => rows.as_ref(),

@@ -38,7 +38,7 @@ impl AgActs {
 }
 
 fn comm_err(e: impl std::fmt::Display) -> NnError {
-    NnError::Comm(e.to_string())
+    NnError::Comm(format!("expert parallel: {e}"))
 }
 
 /// Every rank's `local` (equal lengths), concatenated in rank order.

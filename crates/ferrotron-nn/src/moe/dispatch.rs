@@ -68,7 +68,7 @@ pub struct EpGrads {
 }
 
 fn comm_err(e: impl std::fmt::Display) -> NnError {
-    NnError::Comm(e.to_string())
+    NnError::Comm(format!("expert parallel: {e}"))
 }
 
 impl Exchange {

@@ -97,5 +97,5 @@ impl TensorParallel {
 }
 
 pub(crate) fn comm_err(e: ferrotron_comm::CommError) -> NnError {
-    NnError::Comm(e.to_string())
+    NnError::Comm(format!("tensor parallel: {e}"))
 }

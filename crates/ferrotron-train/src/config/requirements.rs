@@ -5,6 +5,7 @@
 
 use super::sections::RawConfig;
 use super::types::{LrDecayStyle, ModelSource};
+use ferrotron_nn::CpCommType;
 
 /// Every set key this build cannot honour yet, as `not supported yet: <key> (why)` problems.
 pub(super) fn unsupported(r: &RawConfig, lr_decay_style: LrDecayStyle, p: &mut Vec<String>) {
@@ -16,12 +17,6 @@ pub(super) fn unsupported(r: &RawConfig, lr_decay_style: LrDecayStyle, p: &mut V
         no("optimizer.lr_decay_style = \"WSD\"", "no WSD schedule");
     }
     let par = &r.parallel;
-    if par.context_parallel_size > 1 {
-        no(
-            "parallel.context_parallel_size",
-            "data, tensor, pipeline and expert parallelism run so far",
-        );
-    }
     if par.overlap_grad_reduce && par.pipeline_model_parallel_size > 1 {
         no(
             "parallel.overlap_grad_reduce with pipeline_model_parallel_size > 1",
@@ -58,4 +53,50 @@ pub(super) fn run_requirements(
     if t.skip_train && (t.eval_iters == 0 || t.eval_interval == 0 || split[1] <= 0.0) {
         p.push(SKIP_TRAIN_WITHOUT_VALIDATION.to_string());
     }
+}
+
+/// `parallel.cp_comm_type` by Megatron's names, and what context parallelism needs across
+/// sections: `model.seq_length` splitting into `2·cp` chunks, a language-model dataset
+/// (DPO's and reward models' per-sequence sums are not split yet) and a dense model built
+/// here (`[moe]` layers' balancing losses would count one rank's tokens; a loaded MoE model
+/// is refused when the model is sliced).
+pub(super) fn context_parallel(
+    r: &RawConfig,
+    seq_length: usize,
+    p: &mut Vec<String>,
+) -> CpCommType {
+    let par = &r.parallel;
+    let Some(comm_type) = CpCommType::from_name(&par.cp_comm_type) else {
+        p.push(format!(
+            "parallel.cp_comm_type: `{}` is not one of p2p, all_gather, a2a",
+            par.cp_comm_type
+        ));
+        return CpCommType::P2p;
+    };
+    let cp = par.context_parallel_size;
+    if cp <= 1 {
+        return comm_type;
+    }
+    if !seq_length.is_multiple_of(2 * cp) {
+        p.push(format!(
+            "model.seq_length ({seq_length}) must divide by 2 x parallel.context_parallel_size \
+             = {} (each rank holds two equal chunks)",
+            2 * cp
+        ));
+    }
+    if matches!(r.data.dataset_type.as_str(), "dpo" | "reward") {
+        p.push(format!(
+            "not supported yet: parallel.context_parallel_size > 1 with data.dataset_type = \
+             \"{}\" (per-sequence sums would span the context-parallel ranks)",
+            r.data.dataset_type
+        ));
+    }
+    if r.moe.num_experts.is_some() {
+        p.push(
+            "not supported yet: parallel.context_parallel_size > 1 with MoE layers (their \
+             balancing losses count one rank's tokens)"
+                .to_string(),
+        );
+    }
+    comm_type
 }

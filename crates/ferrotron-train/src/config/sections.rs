@@ -270,8 +270,15 @@ section! {
         /// Megatron: `--virtual-pipeline-model-parallel-size`.
         virtual_pipeline_model_parallel_size: Option<usize> = None,
         /// Ranks splitting the sequence in attention. Default: 1.
-        /// Megatron: `--context-parallel-size`.
+        /// Megatron: `--context-parallel-size`. Each rank holds two of the sequence's 2 x cp
+        /// chunks (load-balanced under the causal mask); seq_length must divide by 2 x cp.
         context_parallel_size: usize = 1,
+        /// How attention reaches the other context-parallel ranks' keys and values: "p2p"
+        /// (a ring, each transfer overlapped with a block's compute), "all_gather" (the whole
+        /// sequence's keys and values gathered once) or "a2a" (all-to-all to a head split,
+        /// DeepSpeed-Ulysses: the heads and query groups per tensor-parallel rank must divide
+        /// by cp). Default: "p2p". Megatron: `--cp-comm-type`.
+        cp_comm_type: String = "p2p".to_string(),
         /// Ranks splitting the experts of MoE layers. Default: 1.
         /// Megatron: `--expert-model-parallel-size`.
         expert_model_parallel_size: usize = 1,

@@ -149,6 +149,8 @@ pub struct RunConfig {
     pub moe: super::MoeSettings,
     /// `[mla]`: multi-latent attention of a model built from `[model]`.
     pub mla: Option<super::MlaSettings>,
+    /// `parallel.cp_comm_type`.
+    pub cp_comm_type: ferrotron_nn::CpCommType,
 }
 
 impl RunConfig {

@@ -57,6 +57,7 @@ impl RunConfig {
         checkpoint(&r.checkpoint, &mut p);
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
+        let cp_comm_type = requirements::context_parallel(&r, seq_length, &mut p);
         requirements::unsupported(&r, schedule.lr_decay_style, &mut p);
         if !p.is_empty() {
             return Err(ConfigError { problems: p });
@@ -83,6 +84,7 @@ impl RunConfig {
             reward,
             moe,
             mla,
+            cp_comm_type,
         })
     }
 }

@@ -323,9 +323,13 @@ fn build_trainer(
             Some(1) if par.tensor_model_parallel_size > 1 => ExpertTensorParallel::Whole,
             _ => ExpertTensorParallel::Split,
         },
+        cp_comm_type: rc.cp_comm_type,
     };
     let model = parallelize(Cow::Owned(model), groups, &layout)?;
-    let mut dp = DataParallel::new(groups.data.clone(), par.use_distributed_optimizer);
+    // Gradients (and the distributed optimizer's shards) span data x context parallelism
+    // (Megatron's `get_data_parallel_group(with_context_parallel=True)`).
+    let group = groups.data_context.clone();
+    let mut dp = DataParallel::new(group, par.use_distributed_optimizer);
     if par.overlap_grad_reduce {
         dp = dp.with_overlap_grad_reduce()?;
     }
@@ -353,9 +357,8 @@ fn loaders(
     data: RunData,
     has_valid: bool,
 ) -> Result<(DataLoader, Option<DataLoader>), RunError> {
-    let dp = trainer.data_parallel();
     let mbs = rc.resolved.training.micro_batch_size * rc.rows_per_sample();
-    let (dp_rank, dp_size) = (dp.rank(), dp.size());
+    let (dp_rank, dp_size) = trainer.data_shard();
     let config = |prefetch, consumed: u64| {
         let mut c = LoaderConfig::new(mbs, dp_rank, dp_size, consumed as usize);
         c.prefetch = prefetch;

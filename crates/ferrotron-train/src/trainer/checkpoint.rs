@@ -186,7 +186,8 @@ impl Trainer {
     /// The layout this trainer runs under.
     pub(super) fn parallel_layout(&self) -> ParallelLayout {
         ParallelLayout {
-            data_parallel_size: self.dp.size(),
+            data_parallel_size: self.data_shard().1,
+            context_parallel_size: self.context_parallel_size(),
             tensor_model_parallel_size: self.model.tensor_parallel().map_or(1, |t| t.group.size()),
             pipeline_model_parallel_size: self.pp.as_ref().map_or(1, |p| p.stages()),
             expert_model_parallel_size: self.model.expert_parallel().map_or(1, |e| e.shard().size),

@@ -86,7 +86,9 @@ impl Trainer {
 
     /// A loader micro-batch as the model's `[s, b]` [`TrainBatch`]; position ids are kept
     /// only when some row's are not `0..s`, document starts only when some row holds more
-    /// than one segment (packed SFT samples, Megatron's `reset_attention_mask`).
+    /// than one segment (packed SFT samples, Megatron's `reset_attention_mask`). On a
+    /// context-parallel rank, its share of the sequence
+    /// ([`TrainBatch::context_parallel_share`]).
     pub(super) fn to_train_batch(&self, mb: &MicroBatch) -> Result<TrainBatch> {
         let (b, s) = (mb.micro_batch_size, mb.seq_length);
         if b != self.options.micro_batch_size {
@@ -123,6 +125,9 @@ impl Trainer {
         if mb.segment_ids.len() == n {
             batch.set_segments(&mb.segment_ids);
         }
-        Ok(batch)
+        match self.model.context_parallel() {
+            Some(cp) => Ok(batch.context_parallel_share(cp)?),
+            None => Ok(batch),
+        }
     }
 }

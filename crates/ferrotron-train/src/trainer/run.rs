@@ -308,7 +308,7 @@ impl Trainer {
     fn evaluate_counted(&mut self, batches: &[MicroBatch]) -> Result<(f64, Option<DpoStats>)> {
         let out = self.evaluate_with_dpo(batches)?;
         let local: u64 = batches.iter().map(|b| b.micro_batch_size as u64).sum();
-        self.consumed_valid_samples += local * self.dp.size() as u64;
+        self.consumed_valid_samples += local * self.data_shard().1 as u64;
         Ok(out)
     }
 }

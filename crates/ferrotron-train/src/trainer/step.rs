@@ -87,12 +87,21 @@ impl Trainer {
         dp: DataParallel,
     ) -> Result<Trainer> {
         options.validate()?;
-        if options.data_parallel_size != dp.size() {
+        let cp = model.context_parallel().map_or(1, |cp| cp.size());
+        if options.data_parallel_size * cp != dp.size() {
             return Err(TrainError::Config(format!(
-                "data_parallel_size is {}, the data-parallel group has {} ranks",
+                "data_parallel_size {} x context_parallel_size {cp}: the gradient group has {} \
+                 ranks",
                 options.data_parallel_size,
                 dp.size()
             )));
+        }
+        if cp > 1 && (options.dpo.is_some() || options.reward.is_some()) {
+            return Err(TrainError::Config(
+                "not supported yet: context parallelism with DPO or a reward model (their \
+                 per-sequence sums span the context-parallel ranks)"
+                    .into(),
+            ));
         }
         let dtype = options.precision.param_dtype();
         let stored = model.dtype();
@@ -181,6 +190,20 @@ impl Trainer {
     /// The data-parallel group.
     pub fn data_parallel(&self) -> &DataParallel {
         &self.dp
+    }
+
+    /// This rank's place among the ranks that read different data: (data-parallel rank,
+    /// data-parallel size). The gradient group ([`Trainer::data_parallel`]) also holds the
+    /// context-parallel ranks, which read the same micro-batches and keep their share of
+    /// the sequence; in Megatron's order (`tp-cp-dp-pp`) its rank is `cp + C·dp`.
+    pub fn data_shard(&self) -> (usize, usize) {
+        let c = self.context_parallel_size();
+        (self.dp.rank() / c, self.dp.size() / c)
+    }
+
+    /// `context_parallel_size` of the model this trainer runs (1 without).
+    pub fn context_parallel_size(&self) -> usize {
+        self.model.context_parallel().map_or(1, |cp| cp.size())
     }
 
     /// Runs this trainer's model (a pipeline stage) as stage `pp.stage()` of a pipeline:

@@ -51,10 +51,20 @@ pub type Run = (Vec<f64>, Vec<(String, Vec<f32>)>);
 
 /// (losses, final params) of `iters` steps from iteration `from`.
 pub fn train(t: &mut Trainer, from: usize, iters: usize) -> Run {
-    let dp = t.data_parallel();
-    let (rank, size) = (dp.rank(), dp.size());
+    train_on(t, from, iters, rank_batches)
+}
+
+/// [`train`] over the micro-batches `batches(iteration, data-parallel rank, size)` gives
+/// (the context-parallel ranks of a data-parallel rank read the same ones).
+pub fn train_on(
+    t: &mut Trainer,
+    from: usize,
+    iters: usize,
+    batches: impl Fn(usize, usize, usize) -> Vec<MicroBatch>,
+) -> Run {
+    let (rank, size) = t.data_shard();
     let losses = (from..from + iters)
-        .map(|it| t.train_step(&rank_batches(it, rank, size)).unwrap().loss)
+        .map(|it| t.train_step(&batches(it, rank, size)).unwrap().loss)
         .collect();
     t.finish_param_gather().unwrap();
     (losses, params(t))
@@ -141,6 +151,10 @@ pub struct Layout {
     pub ep: usize,
     /// `expert_tensor_parallel_size` 1: the experts whole on every tensor-parallel rank.
     pub whole_experts: bool,
+    /// `context_parallel_size` (0 or 1: none).
+    pub cp: usize,
+    /// `cp_comm_type` when `cp > 1`.
+    pub cp_comm_type: ferrotron_nn::CpCommType,
 }
 
 impl Layout {
@@ -159,7 +173,7 @@ impl Layout {
             pipeline_model_parallel_size: pp,
             virtual_pipeline_model_parallel_size: (vp > 1).then_some(vp),
             expert_model_parallel_size: self.ep.max(1),
-            ..ParallelConfig::default()
+            context_parallel_size: self.cp.max(1),
         };
         let state = ParallelState::new(world, comm.world_rank(), config).unwrap();
         let dp = state.data_parallel_size();
@@ -171,11 +185,13 @@ impl Layout {
             } else {
                 ferrotron_model::module::ExpertTensorParallel::Split
             },
+            cp_comm_type: self.cp_comm_type,
             ..ParallelizeOptions::default()
         };
         let shard = parallelize(Cow::Owned(full), &groups, &layout)
             .map_err(|e| TrainError::Config(e.to_string()))?;
-        let mut group = DataParallel::new(groups.data.clone(), self.distributed)
+        // Gradients over data x context parallelism, as `ferrotron train` reduces them.
+        let mut group = DataParallel::new(groups.data_context.clone(), self.distributed)
             .with_expert_parallel(groups.expert_data.clone(), groups.expert.clone())?;
         if self.overlap {
             group = group.with_overlap_grad_reduce()?;
