@@ -5,6 +5,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+# One clean build: incremental caches would about double target/ on disk (a CI machine's
+# disk can be small) and speed nothing up.
+export CARGO_INCREMENTAL=0
 
 need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)

@@ -85,10 +85,11 @@ impl ParallelLayout {
         expert_tensor_parallel_size: None,
     };
 
-    /// Ranks in the grid: `tp · pp · dp` (Megatron's `world_size`).
+    /// Ranks in the grid: `tp · pp · cp · dp` (Megatron's `world_size`).
     pub fn world_size(&self) -> usize {
         self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
+            * self.context_parallel_size
             * self.data_parallel_size
     }
 }

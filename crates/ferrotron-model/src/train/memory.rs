@@ -184,6 +184,8 @@ impl TransformerConfig {
     ///
     /// Activations are saved in f32 here; [`TransformerConfig::activation_memory_in`] gives
     /// the bf16 training pass's ([`GptModel::activation_dtype`](crate::GptModel::activation_dtype)).
+    /// A context-parallel rank saves the activations of its share: pass `seq / cp` (its
+    /// attention's exchange buffers are transient and not counted).
     ///
     /// # Errors
     /// An invalid config ([`TransformerConfig::validate`]), a zero `micro_batch` or `seq`, MoE
