@@ -14,15 +14,21 @@
 # overlap_grad_reduce + overlap_param_gather),
 # tp3 (SmolLM2-135M's 9 heads / 3 query groups split over 3, not 2), tp3xdp2, pp2,
 # pp2vp3 (interleaved 1F1B, 3 model chunks of 5 layers per stage), pp2xdp2,
-# tp2 / tp2-sp / tp2xdp2 (models whose heads and groups divide by 2), mpi-dp2
-# (needs a build with --features mpi and OpenMPI). Options: --model DIR (default
-# .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8), --mbs N (2),
-# --out DIR (default target/bench-parallel).
+# tp2 / tp2-sp / tp2xdp2 (models whose heads and groups divide by 2), cp2 / cp4 (context
+# parallel, p2p ring; cp2-ag / cp2-a2a: all_gather / a2a), mpi-dp2 and mpi-cpN (N
+# processes of context parallelism N: the peak RSS is then per rank; mpi-cp1 is the single
+# rank as a process) (mpi layouts need a build with --features mpi and OpenMPI). Options:
+# --model DIR (default .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8),
+# --mbs N (2), --recompute full|selective|none (training.recompute_granularity; full is
+# uniform, one layer per group; default none), --out DIR (default target/bench-parallel).
+#
+# Long context (issue 17): bash scripts/bench-parallel.sh --data PREFIX --seq 8192 --gbs 1
+#   --mbs 1 --iters 2 --recompute full --layouts mpi-cp1,mpi-cp2,mpi-cp4
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 model="$root/.cache/smollm2-hf" data="" layouts="single,dp2,dp2-overlap,dp2-zero1,tp3,pp2,pp2xdp2,mpi-dp2"
-iters=6 seq=512 gbs=8 mbs=2 out="$root/target/bench-parallel"
+iters=6 seq=512 gbs=8 mbs=2 recompute=none out="$root/target/bench-parallel"
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) model="$2"; shift ;;
@@ -32,8 +38,9 @@ while [ $# -gt 0 ]; do
     --seq) seq="$2"; shift ;;
     --gbs) gbs="$2"; shift ;;
     --mbs) mbs="$2"; shift ;;
+    --recompute) recompute="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "bench-parallel.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -41,6 +48,12 @@ done
 [ -n "$data" ] || { echo "bench-parallel.sh: --data PREFIX (a .bin/.idx corpus) is required" >&2; exit 2; }
 [ -f "$data.idx" ] || { echo "bench-parallel.sh: $data.idx not found" >&2; exit 2; }
 [ -f "$model/config.json" ] || { echo "bench-parallel.sh: $model has no config.json" >&2; exit 2; }
+case "$recompute" in
+  full) recompute_toml=$'recompute_granularity = "full"\nrecompute_method = "uniform"\nrecompute_num_layers = 1' ;;
+  selective) recompute_toml='recompute_granularity = "selective"' ;;
+  none) recompute_toml="" ;;
+  *) echo "bench-parallel.sh: --recompute is full, selective or none" >&2; exit 2 ;;
+esac
 features=""
 if command -v mpirun >/dev/null; then features="--features mpi"; fi
 cargo build --release --quiet -p ferrotron $features
@@ -63,7 +76,12 @@ layout_sets() {
     pp2xdp2) echo "--set parallel.pipeline_model_parallel_size=2 --set parallel.data_parallel_size=2" ;;
     tp2-sp) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.sequence_parallel=true" ;;
     tp2xdp2) echo "--set parallel.tensor_model_parallel_size=2 --set parallel.data_parallel_size=2" ;;
+    cp2) echo "--set parallel.context_parallel_size=2" ;;
+    cp2-ag) echo "--set parallel.context_parallel_size=2 --set parallel.cp_comm_type=all_gather" ;;
+    cp2-a2a) echo "--set parallel.context_parallel_size=2 --set parallel.cp_comm_type=a2a" ;;
+    cp4) echo "--set parallel.context_parallel_size=4" ;;
     mpi-dp2) echo "" ;;
+    mpi-cp*) echo "--set parallel.context_parallel_size=${1#mpi-cp}" ;;
     *) echo "bench-parallel.sh: unknown layout $1" >&2; exit 2 ;;
   esac
 }
@@ -86,6 +104,7 @@ global_batch_size = $gbs
 train_iters = $iters
 log_interval = 1
 eval_iters = 0
+$recompute_toml
 [optimizer]
 lr = 1e-4
 min_lr = 1e-5
@@ -98,6 +117,12 @@ TOML
   if [ "$l" = mpi-dp2 ]; then
     /usr/bin/time -v mpirun --oversubscribe --allow-run-as-root -np 2 "$bin" train \
       --dist-backend mpi --config "$dir/run.toml" > "$dir/stdout" 2> "$dir/stderr"
+  elif [[ "$l" == mpi-cp* ]]; then
+    # GNU time around each process: one peak RSS per rank (the largest is printed). No core
+    # binding: OpenMPI binds each of up to 2 processes to one core, which would leave a
+    # single rank's second thread on the first's core.
+    mpirun --oversubscribe --allow-run-as-root --bind-to none -np "${l#mpi-cp}" /usr/bin/time -v "$bin" train \
+      --dist-backend mpi --config "$dir/run.toml" $(layout_sets "$l") > "$dir/stdout" 2> "$dir/stderr"
   else
     /usr/bin/time -v "$bin" train --config "$dir/run.toml" $(layout_sets "$l") \
       > "$dir/stdout" 2> "$dir/stderr"

@@ -51,6 +51,10 @@ pub enum OptimError {
     /// Imported state that does not fit the object it is loaded into.
     #[error("cannot import state: {0}")]
     State(String),
+    /// The optimizer-state offload: its directory (named) is missing, not writable or too
+    /// small, or reading / writing its file failed.
+    #[error("optimizer offload: {0}")]
+    Offload(String),
 }
 
 /// Result alias for this crate.

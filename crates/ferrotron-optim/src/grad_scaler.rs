@@ -217,21 +217,8 @@ pub struct GradScalerState {
 impl Stateful for GradScaler {
     type Meta = GradScalerState;
 
-    fn export_state(&self) -> StateDict<GradScalerState> {
-        StateDict::meta_only(match self {
-            GradScaler::Constant(s) => GradScalerState {
-                kind: "constant".into(),
-                scale: *s,
-                growth_tracker: 0,
-                hysteresis_tracker: 0,
-            },
-            GradScaler::Dynamic(d) => GradScalerState {
-                kind: "dynamic".into(),
-                scale: d.scale,
-                growth_tracker: d.growth_tracker,
-                hysteresis_tracker: d.hysteresis_tracker,
-            },
-        })
+    fn export_state(&self) -> Result<StateDict<GradScalerState>> {
+        Ok(StateDict::meta_only(self.state()))
     }
 
     /// Loads scale and trackers (Megatron `load_state_dict`); the settings stay this run's.
@@ -252,6 +239,26 @@ impl Stateful for GradScaler {
                 "checkpoint has a {} loss scaler, this run uses another kind",
                 s.kind
             ))),
+        }
+    }
+}
+
+impl GradScaler {
+    /// The scaler's scalars (its whole checkpoint state).
+    pub fn state(&self) -> GradScalerState {
+        match self {
+            GradScaler::Constant(s) => GradScalerState {
+                kind: "constant".into(),
+                scale: *s,
+                growth_tracker: 0,
+                hysteresis_tracker: 0,
+            },
+            GradScaler::Dynamic(d) => GradScalerState {
+                kind: "dynamic".into(),
+                scale: d.scale,
+                growth_tracker: d.growth_tracker,
+                hysteresis_tracker: d.hysteresis_tracker,
+            },
         }
     }
 }

@@ -44,6 +44,7 @@ mod buffer;
 pub mod clip;
 mod error;
 mod grad_scaler;
+pub mod offload;
 mod optimizer;
 mod optimizer_state;
 mod scheduler;

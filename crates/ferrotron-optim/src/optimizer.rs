@@ -24,6 +24,7 @@ use crate::buffer::ParamAndGradBuffer;
 use crate::clip;
 use crate::error::{OptimError, Result, config_err};
 use crate::grad_scaler::{DynamicGradScalerConfig, GradScaler};
+use crate::offload::OffloadConfig;
 
 /// Training precision (Megatron `--bf16` / `--fp16` / neither).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,6 +70,9 @@ pub struct OptimizerConfig {
     pub loss_scale: Option<f32>,
     /// fp16 dynamic loss-scaler settings.
     pub dynamic_loss_scale: DynamicGradScalerConfig,
+    /// Where the optimizer state lives (RAM, or chunks offloaded to a directory).
+    #[serde(default)]
+    pub offload: OffloadConfig,
 }
 
 impl OptimizerConfig {
@@ -80,6 +84,7 @@ impl OptimizerConfig {
             clip_grad: 1.0,
             loss_scale: None,
             dynamic_loss_scale: DynamicGradScalerConfig::default(),
+            offload: OffloadConfig::default(),
         }
     }
 
@@ -89,6 +94,7 @@ impl OptimizerConfig {
     /// [`OptimError::Config`] naming the field.
     pub fn validate(&self) -> Result<()> {
         self.adam.validate()?;
+        self.offload.validate()?;
         if !(self.clip_grad >= 0.0) {
             return Err(config_err(format!(
                 "clip_grad must be >= 0 (0 disables clipping), got {}",
@@ -146,7 +152,7 @@ pub struct StepOutcome {
 }
 
 /// AdamW with mixed precision, loss scaling and clipping over one [`ParamAndGradBuffer`].
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Optimizer {
     pub(crate) config: OptimizerConfig,
     pub(crate) adam: AdamW,
@@ -191,7 +197,7 @@ impl Optimizer {
             _ => None,
         };
         Ok(Optimizer {
-            adam: AdamW::new_sharded(config.adam, buffer, owned)?,
+            adam: AdamW::new_offloaded(config.adam, buffer, owned, &config.offload)?,
             config,
             scaler,
             skipped_iterations: 0,
@@ -223,8 +229,11 @@ impl Optimizer {
         self.skipped_iterations
     }
     /// Copies the buffer's params into the fp32 master weights (after loading weights).
-    pub fn reload_model_params(&mut self, buffer: &ParamAndGradBuffer) {
-        self.adam.reload_model_params(buffer);
+    ///
+    /// # Errors
+    /// [`OptimError::Offload`] when writing offloaded state fails.
+    pub fn reload_model_params(&mut self, buffer: &ParamAndGradBuffer) -> Result<()> {
+        self.adam.reload_model_params(buffer)
     }
 
     /// Local sum of squared grads over the owned ranges, leaving out params flagged

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::adamw::{AdamW, AdamWConfig, ParamHyper};
 use crate::error::{OptimError, Result};
-use crate::grad_scaler::GradScalerState;
+use crate::grad_scaler::{GradScaler, GradScalerState};
 use crate::optimizer::{Optimizer, Precision};
 use crate::shard::OwnedRanges;
 use crate::state::{StateArray, StateDict, Stateful};
@@ -40,21 +40,15 @@ pub struct AdamWMeta {
 impl Stateful for AdamW {
     type Meta = AdamWMeta;
 
-    fn export_state(&self) -> StateDict<AdamWMeta> {
-        let mut state = StateDict::meta_only(AdamWMeta {
-            config: self.config,
-            step: self.step,
-            owned: self.owned.clone(),
-            has_master: self.master.is_some(),
-            hyper: self.hyper.clone(),
-        });
+    fn export_state(&self) -> Result<StateDict<AdamWMeta>> {
+        let mut state = StateDict::meta_only(self.meta());
         let a = &mut state.arrays;
-        a.insert(EXP_AVG.into(), StateArray::F32(self.exp_avg.clone()));
-        a.insert(EXP_AVG_SQ.into(), StateArray::F32(self.exp_avg_sq.clone()));
-        if let Some(m) = &self.master {
-            a.insert(MASTER.into(), StateArray::F32(m.clone()));
+        a.insert(EXP_AVG.into(), StateArray::F32(self.exp_avg()?));
+        a.insert(EXP_AVG_SQ.into(), StateArray::F32(self.exp_avg_sq()?));
+        if let Some(m) = self.master_weights()? {
+            a.insert(MASTER.into(), StateArray::F32(m));
         }
-        state
+        Ok(state)
     }
 
     fn import_state(&mut self, mut state: StateDict<AdamWMeta>) -> Result<()> {
@@ -65,7 +59,7 @@ impl Stateful for AdamW {
                 self.owned.ranges()
             )));
         }
-        if state.meta.has_master != self.master.is_some() {
+        if state.meta.has_master != self.has_master {
             return Err(OptimError::State(format!(
                 "checkpoint {} fp32 master weights, this run {} (precision changed?)",
                 if state.meta.has_master {
@@ -73,7 +67,7 @@ impl Stateful for AdamW {
                 } else {
                     "has no"
                 },
-                if self.master.is_some() {
+                if self.has_master {
                     "needs them"
                 } else {
                     "does not"
@@ -83,13 +77,39 @@ impl Stateful for AdamW {
         let n = self.owned.local_len();
         let m = state.take_f32(EXP_AVG, n)?;
         let v = state.take_f32(EXP_AVG_SQ, n)?;
-        if self.master.is_some() {
-            self.master = Some(state.take_f32(MASTER, n)?);
-        }
-        self.exp_avg = m;
-        self.exp_avg_sq = v;
+        let master = if self.has_master {
+            Some(state.take_f32(MASTER, n)?)
+        } else {
+            None
+        };
+        self.write_state(&m, &v, master.as_deref())?;
         self.step = state.meta.step;
         Ok(())
+    }
+}
+
+impl AdamWMeta {
+    /// The arrays [`Stateful::export_state`] exports for this state: `exp_avg`,
+    /// `exp_avg_sq` and, with master weights, `master`.
+    pub fn array_names(&self) -> Vec<&'static str> {
+        let mut names = vec![EXP_AVG, EXP_AVG_SQ];
+        if self.has_master {
+            names.push(MASTER);
+        }
+        names
+    }
+}
+
+impl AdamW {
+    /// The scalars and layout of [`Stateful::export_state`] without the arrays.
+    pub fn meta(&self) -> AdamWMeta {
+        AdamWMeta {
+            config: self.config,
+            step: self.step,
+            owned: self.owned.clone(),
+            has_master: self.has_master,
+            hyper: self.hyper.clone(),
+        }
     }
 }
 
@@ -109,17 +129,12 @@ pub struct OptimizerMeta {
 impl Stateful for Optimizer {
     type Meta = OptimizerMeta;
 
-    fn export_state(&self) -> StateDict<OptimizerMeta> {
-        let adam = self.adam.export_state();
-        StateDict {
-            meta: OptimizerMeta {
-                precision: self.config.precision,
-                adam: adam.meta,
-                scaler: self.scaler.as_ref().map(|s| s.export_state().meta),
-                skipped_iterations: self.skipped_iterations,
-            },
+    fn export_state(&self) -> Result<StateDict<OptimizerMeta>> {
+        let adam = self.adam.export_state()?;
+        Ok(StateDict {
+            meta: self.meta_with(adam.meta),
             arrays: adam.arrays,
-        }
+        })
     }
 
     fn import_state(&mut self, state: StateDict<OptimizerMeta>) -> Result<()> {
@@ -142,5 +157,22 @@ impl Stateful for Optimizer {
         }
         self.skipped_iterations = meta.skipped_iterations;
         Ok(())
+    }
+}
+
+impl Optimizer {
+    /// The scalars of [`Stateful::export_state`] without the arrays (no offloaded chunk is
+    /// read).
+    pub fn meta(&self) -> OptimizerMeta {
+        self.meta_with(self.adam.meta())
+    }
+
+    fn meta_with(&self, adam: AdamWMeta) -> OptimizerMeta {
+        OptimizerMeta {
+            precision: self.config.precision,
+            adam,
+            scaler: self.scaler.as_ref().map(GradScaler::state),
+            skipped_iterations: self.skipped_iterations,
+        }
     }
 }

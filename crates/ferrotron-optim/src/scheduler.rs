@@ -355,9 +355,22 @@ fn config_diffs(run: &SchedulerConfig, ckpt: &SchedulerConfig) -> Vec<String> {
 impl Stateful for OptimizerParamScheduler {
     type Meta = SchedulerState;
 
-    fn export_state(&self) -> StateDict<SchedulerState> {
+    fn export_state(&self) -> Result<StateDict<SchedulerState>> {
+        Ok(StateDict::meta_only(self.state()))
+    }
+
+    /// [`import_with`](OptimizerParamScheduler::import_with) and
+    /// [`SchedulerLoadPolicy::RequireMatch`].
+    fn import_state(&mut self, state: StateDict<SchedulerState>) -> Result<()> {
+        self.import_with(state.meta, SchedulerLoadPolicy::RequireMatch)
+    }
+}
+
+impl OptimizerParamScheduler {
+    /// The schedule's scalars (its whole checkpoint state).
+    pub fn state(&self) -> SchedulerState {
         let c = &self.config;
-        StateDict::meta_only(SchedulerState {
+        SchedulerState {
             max_lr: c.lr,
             min_lr: c.min_lr,
             lr_warmup_init: c.lr_warmup_init,
@@ -369,12 +382,6 @@ impl Stateful for OptimizerParamScheduler {
             end_wd: c.weight_decay,
             wd_incr_style: "constant".into(),
             unit: c.unit,
-        })
-    }
-
-    /// [`import_with`](OptimizerParamScheduler::import_with) and
-    /// [`SchedulerLoadPolicy::RequireMatch`].
-    fn import_state(&mut self, state: StateDict<SchedulerState>) -> Result<()> {
-        self.import_with(state.meta, SchedulerLoadPolicy::RequireMatch)
+        }
     }
 }

@@ -81,7 +81,10 @@ pub trait Stateful {
     type Meta: Serialize + for<'de> Deserialize<'de> + Clone;
 
     /// Exports the full state (copies the arrays).
-    fn export_state(&self) -> StateDict<Self::Meta>;
+    ///
+    /// # Errors
+    /// Reading state kept outside RAM failed ([`OptimError::Offload`]).
+    fn export_state(&self) -> Result<StateDict<Self::Meta>>;
 
     /// Imports state exported by [`Stateful::export_state`] of an identically configured
     /// object.

@@ -159,7 +159,7 @@ fn fp16_unscales_skips_on_inf_and_counts() {
     assert_eq!(out.loss_scale, s);
     // Unscaling by a power of two is exact, so master weights equal the fp32 run's params.
     assert_eq!(
-        opt.adam().master_weights().unwrap()[..6],
+        opt.adam().master_weights().unwrap().unwrap()[..6],
         *buf32.param_to_f32(id32)
     );
     let want16: Vec<f16> = buf32

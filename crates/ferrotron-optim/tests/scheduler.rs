@@ -157,7 +157,7 @@ fn config_errors_name_the_fields() {
 fn state_round_trip_and_load_policies() {
     let mut s = OptimizerParamScheduler::new(cfg(LrDecayStyle::Cosine)).unwrap();
     s.step(37);
-    let state = s.export_state();
+    let state = s.export_state().unwrap();
     let json = serde_json::to_string(&state.meta).unwrap();
     let meta: SchedulerState = serde_json::from_str(&json).unwrap();
     assert_eq!(meta.wd_incr_style, "constant");

@@ -31,6 +31,7 @@ fn simulated_run() -> Vec<TrainLog> {
             comm_wait_ms: 0.0,
             dpo: None,
             moe: None,
+            offload: None,
         }));
         if it % 10 == 0 {
             logs.push(TrainLog::Valid(EvalLine::new(it, loss(it) + 0.1)));

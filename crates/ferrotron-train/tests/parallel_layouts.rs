@@ -350,7 +350,7 @@ fn data_parallel_size_must_match_the_group() {
     .unwrap_err();
     assert!(
         err.to_string()
-            .contains("data_parallel_size is 1, the data-parallel group has 2 ranks"),
+            .contains("data_parallel_size is 1 (x context_parallel_size 1), the data-parallel group has 2 ranks"),
         "{err}"
     );
 }

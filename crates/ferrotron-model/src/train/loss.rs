@@ -65,6 +65,7 @@ impl GptModel {
             loss_count: count,
             dpo: None,
             moe: Default::default(),
+            activation_peak_bytes: 0,
         })
     }
 

@@ -330,6 +330,10 @@ pub struct LossStats {
     /// The MoE layers' balancing losses (already part of the gradient; not in `loss`), of the
     /// layers this call ran (zero without MoE layers).
     pub moe: MoeLosses,
+    /// Peak bytes the pass held for its backward (saved activations, logits and recomputed
+    /// groups, as the activation ledger counts them) in [`GptModel::forward_backward_with`];
+    /// 0 where not measured (forward-only and pipeline-stage passes).
+    pub activation_peak_bytes: u128,
 }
 
 impl GptModel {
@@ -408,6 +412,7 @@ impl GptModel {
         let mut stats = self.loss_and_logit_grad(batch, &mut acts, loss_scale)?;
         stats.moe = acts.moe_losses;
         self.train_backward(batch, acts, grads, &mut ledger, ready, None)?;
+        stats.activation_peak_bytes = ledger.peak();
         Ok(stats)
     }
 

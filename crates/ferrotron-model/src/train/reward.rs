@@ -162,6 +162,7 @@ impl GptModel {
             loss_count: pairs,
             dpo: Some(stats),
             moe: Default::default(),
+            activation_peak_bytes: 0,
         })
     }
 }

@@ -23,6 +23,8 @@
 //! State (`master`, `exp_avg`, `exp_avg_sq`) is flat f32, laid out like the param buffer but
 //! only over the *owned* ranges: the whole buffer on one rank, or the per-bucket shards a
 //! distributed optimizer (Megatron distrib_optimizer.py) assigns to its data-parallel rank.
+//! It is held in chunks ([`crate::offload`]): all in RAM by default, some or all in the
+//! offload directory's file under an offload policy, updated by the same kernel either way.
 //! [`AdamW::step_range`] updates one flat range; [`AdamW::step`] is `begin_step` + every owned
 //! range. For fp32 params there is no master copy: the param buffer is updated in place.
 
@@ -33,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::buffer::{ParamAndGradBuffer, ParamId, ParamStorage};
 use crate::error::{OptimError, Result, config_err};
+use crate::offload::{ChunkLayout, ChunkStore, OffloadConfig};
 use crate::shard::OwnedRanges;
 
 mod kernel;
@@ -105,15 +108,22 @@ pub struct ParamHyper {
     pub wd_mult: f64,
 }
 
+/// The state arrays of a chunk, in order: `exp_avg`, `exp_avg_sq`, then `master` when the
+/// params are not f32.
+const EXP_AVG: usize = 0;
+const EXP_AVG_SQ: usize = 1;
+const MASTER: usize = 2;
+
 /// AdamW state over the owned ranges of one [`ParamAndGradBuffer`].
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct AdamW {
     pub(crate) config: AdamWConfig,
     pub(crate) owned: OwnedRanges,
-    /// fp32 master weights (None when the params are fp32 themselves), local indexing.
-    pub(crate) master: Option<Vec<f32>>,
-    pub(crate) exp_avg: Vec<f32>,
-    pub(crate) exp_avg_sq: Vec<f32>,
+    /// Moments and (for bf16/f16 params) fp32 master weights, local indexing, in chunks.
+    pub(crate) state: ChunkStore,
+    /// Whether the state holds master weights.
+    pub(crate) has_master: bool,
+    pub(crate) offload: OffloadConfig,
     pub(crate) step: u64,
     pub(crate) hyper: Vec<ParamHyper>,
     /// (flat range, param id) of every param, ascending.
@@ -142,9 +152,26 @@ impl AdamW {
         buffer: &ParamAndGradBuffer,
         owned: Vec<Range<usize>>,
     ) -> Result<Self> {
+        Self::new_offloaded(config, buffer, owned, &OffloadConfig::default())
+    }
+
+    /// [`AdamW::new_sharded`] with the state placed as `offload` says: chunked
+    /// ([`ChunkLayout::plan`] over the owned parts of the parameters), the chunks the policy
+    /// names in the slow tier (for [`OffloadPolicy::Auto`](crate::offload::OffloadPolicy),
+    /// all in RAM until the first [`AdamW::place_chunks`]).
+    ///
+    /// # Errors
+    /// As [`AdamW::new_sharded`]; [`OptimError::Config`] for invalid offload settings,
+    /// [`OptimError::Offload`] for an offload directory that cannot hold the state.
+    pub fn new_offloaded(
+        config: AdamWConfig,
+        buffer: &ParamAndGradBuffer,
+        owned: Vec<Range<usize>>,
+        offload: &OffloadConfig,
+    ) -> Result<Self> {
         config.validate()?;
+        offload.validate()?;
         let owned = OwnedRanges::new(owned, buffer.numel())?;
-        let n = owned.local_len();
         let hyper = buffer
             .params()
             .iter()
@@ -157,22 +184,30 @@ impl AdamW {
                 },
             })
             .collect();
-        let segments = buffer
+        let segments: Vec<_> = buffer
             .buffer_order()
             .iter()
             .map(|&id| (buffer.info(id).range(), id))
             .collect();
+        let has_master = buffer.param_dtype() != DType::F32;
+        let layout = ChunkLayout::plan(&local_pieces(&owned, &segments), offload.chunk_size);
+        let n_chunks = layout.chunks().len();
+        let planes = if has_master { 3 } else { 2 };
+        let mut state = ChunkStore::new(planes, layout, offload.path.as_deref())?;
+        state.place(offload.static_slow_chunks(n_chunks).unwrap_or(0))?;
         let mut adam = AdamW {
             config,
-            master: (buffer.param_dtype() != DType::F32).then(|| vec![0.0; n]),
-            exp_avg: vec![0.0; n],
-            exp_avg_sq: vec![0.0; n],
+            state,
+            has_master,
+            offload: offload.clone(),
             owned,
             step: 0,
             hyper,
             segments,
         };
-        adam.reload_model_params(buffer);
+        adam.reload_model_params(buffer)?;
+        // Moves count from the first step on.
+        adam.state.take_moved_bytes();
         Ok(adam)
     }
 
@@ -184,10 +219,60 @@ impl AdamW {
     pub fn step_count(&self) -> u64 {
         self.step
     }
-    /// Bytes of optimizer state held: the f32 Adam moments and master weights of the owned
-    /// ranges (`12` bytes per owned element with bf16/f16 params, `8` with f32).
+    /// Bytes of optimizer state held in RAM: the f32 Adam moments and master weights of the
+    /// owned ranges (`12` bytes per owned element with bf16/f16 params, `8` with f32),
+    /// less what is offloaded ([`AdamW::offloaded_bytes`]).
     pub fn state_bytes(&self) -> usize {
-        4 * (self.exp_avg.len() + self.exp_avg_sq.len() + self.master.as_ref().map_or(0, Vec::len))
+        self.state.fast_bytes() as usize
+    }
+    /// Bytes of optimizer state in the offload directory.
+    pub fn offloaded_bytes(&self) -> u64 {
+        self.state.slow_bytes()
+    }
+    /// The chunked state (its layout, tiers and I/O counter).
+    pub fn chunks(&self) -> &ChunkStore {
+        &self.state
+    }
+    /// Bytes moved between RAM and the offload directory since the last call.
+    pub fn take_moved_bytes(&mut self) -> u64 {
+        self.state.take_moved_bytes()
+    }
+    /// The offload settings.
+    pub fn offload(&self) -> &OffloadConfig {
+        &self.offload
+    }
+    /// Replaces the placement policy (e.g. the auto policy's budget); moves nothing
+    /// ([`AdamW::place_chunks`] does).
+    pub fn set_offload_policy(&mut self, policy: crate::offload::OffloadPolicy) {
+        self.offload.policy = policy;
+    }
+    /// Puts the first `n_slow` chunks in the offload directory and the rest in RAM (the auto
+    /// policy's move; [`crate::offload::chunks_in_budget`] says how many).
+    ///
+    /// # Errors
+    /// [`OptimError::Offload`] without an offload directory or on an I/O error.
+    pub fn place_chunks(&mut self, n_slow: usize) -> Result<()> {
+        self.state.place(n_slow)
+    }
+
+    /// Overwrites the state arrays (local indexing; `master` exactly when the params are
+    /// not f32, checked by the caller).
+    ///
+    /// # Errors
+    /// [`OptimError::Length`] for arrays of the wrong length, [`OptimError::Offload`] when
+    /// writing offloaded chunks fails.
+    pub(crate) fn write_state(
+        &mut self,
+        m: &[f32],
+        v: &[f32],
+        master: Option<&[f32]>,
+    ) -> Result<()> {
+        self.state.write_plane(EXP_AVG, m)?;
+        self.state.write_plane(EXP_AVG_SQ, v)?;
+        if let Some(master) = master {
+            self.state.write_plane(MASTER, master)?;
+        }
+        Ok(())
     }
 
     /// The owned flat ranges and their local offsets.
@@ -195,16 +280,27 @@ impl AdamW {
         &self.owned
     }
     /// fp32 master weights over the owned ranges (local indexing); `None` for fp32 params.
-    pub fn master_weights(&self) -> Option<&[f32]> {
-        self.master.as_deref()
+    ///
+    /// # Errors
+    /// [`OptimError::Offload`] when reading offloaded chunks fails.
+    pub fn master_weights(&self) -> Result<Option<Vec<f32>>> {
+        self.has_master
+            .then(|| self.state.read_plane(MASTER))
+            .transpose()
     }
     /// First moments over the owned ranges (local indexing).
-    pub fn exp_avg(&self) -> &[f32] {
-        &self.exp_avg
+    ///
+    /// # Errors
+    /// As [`AdamW::master_weights`].
+    pub fn exp_avg(&self) -> Result<Vec<f32>> {
+        self.state.read_plane(EXP_AVG)
     }
     /// Second moments over the owned ranges (local indexing).
-    pub fn exp_avg_sq(&self) -> &[f32] {
-        &self.exp_avg_sq
+    ///
+    /// # Errors
+    /// As [`AdamW::master_weights`].
+    pub fn exp_avg_sq(&self) -> Result<Vec<f32>> {
+        self.state.read_plane(EXP_AVG_SQ)
     }
     /// The lr / wd multipliers of parameter `id`.
     pub fn param_hyper(&self, id: ParamId) -> ParamHyper {
@@ -217,24 +313,45 @@ impl AdamW {
 
     /// Copies the buffer's params into the master weights over the owned ranges (after
     /// loading weights into the buffer; Megatron `reload_model_params`). No-op for fp32.
-    pub fn reload_model_params(&mut self, buffer: &ParamAndGradBuffer) {
-        if let Some(master) = &mut self.master {
-            for (range, local) in self.owned.iter() {
-                let out = &mut master[local..local + range.len()];
-                buffer.param_storage().copy_to_f32(range.clone(), out);
-            }
+    ///
+    /// # Errors
+    /// [`OptimError::Offload`] when writing offloaded chunks fails.
+    pub fn reload_model_params(&mut self, buffer: &ParamAndGradBuffer) -> Result<()> {
+        if !self.has_master {
+            return Ok(());
         }
+        for (range, local) in self.owned.iter() {
+            let at =
+                |sub: &Range<usize>| range.start + sub.start - local..range.start + sub.end - local;
+            self.state
+                .for_each(local..local + range.len(), |sub, mut planes| {
+                    buffer.param_storage().copy_to_f32(at(&sub), planes[MASTER]);
+                    Ok(())
+                })?;
+        }
+        Ok(())
     }
 
     /// Writes the master weights (rounded) into the buffer's params over the owned ranges.
     /// No-op for fp32 params.
-    pub fn copy_master_to_params(&self, buffer: &mut ParamAndGradBuffer) {
-        if let Some(master) = &self.master {
-            let (storage, _) = buffer.data_mut();
-            for (range, local) in self.owned.iter() {
-                storage.set_from_f32(range.clone(), &master[local..local + range.len()]);
-            }
+    ///
+    /// # Errors
+    /// [`OptimError::Offload`] when reading offloaded chunks fails.
+    pub fn copy_master_to_params(&mut self, buffer: &mut ParamAndGradBuffer) -> Result<()> {
+        if !self.has_master {
+            return Ok(());
         }
+        let (storage, _) = buffer.data_mut();
+        for (range, local) in self.owned.iter() {
+            let at =
+                |sub: &Range<usize>| range.start + sub.start - local..range.start + sub.end - local;
+            self.state
+                .for_each(local..local + range.len(), |sub, planes| {
+                    storage.set_from_f32(at(&sub), planes[MASTER]);
+                    Ok(())
+                })?;
+        }
+        Ok(())
     }
 
     /// Starts an optimizer step: increments the step count used for bias correction.
@@ -303,16 +420,47 @@ impl AdamW {
             );
             pieces.push((a - range.start..b - range.start, k));
         }
-        let master = self.master.as_mut().map(|m| &mut m[local.clone()]);
-        let m = &mut self.exp_avg[local.clone()];
-        let v = &mut self.exp_avg_sq[local];
         let (storage, grads) = buffer.data_mut();
-        let g = &grads[range.clone()];
-        match storage {
-            ParamStorage::F32(p) => run(&mut p[range], g, master, m, v, &pieces),
-            ParamStorage::BF16(p) => run(&mut p[range], g, master, m, v, &pieces),
-            ParamStorage::F16(p) => run(&mut p[range], g, master, m, v, &pieces),
-        }
-        Ok(())
+        self.state.for_each(local.clone(), |sub, planes| {
+            // This chunk part's global range and its pieces, relative to it.
+            let off = sub.start - local.start;
+            let global = range.start + off..range.start + off + sub.len();
+            let part: Vec<_> = pieces
+                .iter()
+                .filter(|(r, _)| r.start < off + sub.len() && r.end > off)
+                .map(|(r, k)| (r.start.max(off) - off..r.end.min(off + sub.len()) - off, *k))
+                .collect();
+            let mut planes = planes.into_iter();
+            let (m, v) = (
+                planes.next().expect("exp_avg"),
+                planes.next().expect("exp_avg_sq"),
+            );
+            let master = planes.next();
+            let g = &grads[global.clone()];
+            match storage {
+                ParamStorage::F32(p) => run(&mut p[global], g, master, m, v, &part),
+                ParamStorage::BF16(p) => run(&mut p[global], g, master, m, v, &part),
+                ParamStorage::F16(p) => run(&mut p[global], g, master, m, v, &part),
+            }
+            Ok(())
+        })
     }
+}
+
+/// Lengths of the consecutive pieces of the local index space (the owned ranges, one after
+/// another) cut where a parameter starts or an owned range does: the tensors a chunk
+/// manager packs.
+fn local_pieces(owned: &OwnedRanges, segments: &[(Range<usize>, ParamId)]) -> Vec<usize> {
+    let mut cuts = vec![0, owned.local_len()];
+    for (range, local) in owned.iter() {
+        cuts.push(local);
+        for (seg, _) in segments {
+            if seg.start > range.start && seg.start < range.end {
+                cuts.push(local + seg.start - range.start);
+            }
+        }
+    }
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts.windows(2).map(|w| w[1] - w[0]).collect()
 }

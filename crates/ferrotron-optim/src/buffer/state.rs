@@ -37,13 +37,13 @@ impl Stateful for ParamAndGradBuffer {
 
     /// Exports the layout and the whole param buffer as f32 (exact for bf16/f16). Gradients
     /// are transient (zeroed every iteration) and are not exported.
-    fn export_state(&self) -> StateDict<BufferMeta> {
+    fn export_state(&self) -> Result<StateDict<BufferMeta>> {
         let mut state = StateDict::meta_only(self.meta());
         state.arrays.insert(
             PARAMS_ARRAY.to_string(),
             StateArray::F32(self.storage().to_f32_range(0..self.numel())),
         );
-        state
+        Ok(state)
     }
 
     /// Restores the parameters (rounding to the param dtype) and zeroes the gradients.

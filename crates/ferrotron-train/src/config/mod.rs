@@ -8,6 +8,7 @@
 
 mod mla;
 mod moe;
+mod offload;
 pub(crate) mod requirements;
 mod sections;
 mod training;

@@ -220,6 +220,24 @@ section! {
         adam_eps: f64 = 1e-8,
         /// Global gradient-norm clip (0 disables). Default: 1.0. Megatron: `--clip-grad`.
         clip_grad: f64 = 1.0,
+        /// Where the optimizer state (Adam moments, fp32 master weights) lives, packed in
+        /// chunks: "none" (RAM), "static" (optimizer_offload_fraction of the chunks in files
+        /// under offload_path) or "auto" (as many chunks in RAM as
+        /// offload_memory_budget_gib leaves beside the parameters, gradients and the
+        /// measured activation peak). Training is bit-identical either way. Default: "none".
+        /// Pai-Megatron-Patch: `--optimizer-offload-policy`.
+        optimizer_offload_policy: String = "none".to_string(),
+        /// With "static": the fraction of the chunks offloaded, in [0, 1]. Default: 1.0.
+        /// Megatron: `--optimizer-offload-fraction`.
+        optimizer_offload_fraction: f64 = 1.0,
+        /// Directory of the offloaded chunks' file (removed when the run ends); required
+        /// with an offload policy. Its free space is checked before training.
+        offload_path: Option<PathBuf> = None,
+        /// Elements per chunk and state array. Default: chosen in [2^23, 2^24] for the least
+        /// wasted chunk space.
+        offload_chunk_size: Option<usize> = None,
+        /// With "auto": this rank's memory budget in GiB. Required with "auto".
+        offload_memory_budget_gib: Option<f64> = None,
     }
 }
 

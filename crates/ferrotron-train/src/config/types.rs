@@ -151,6 +151,8 @@ pub struct RunConfig {
     pub mla: Option<super::MlaSettings>,
     /// `parallel.cp_comm_type`.
     pub cp_comm_type: ferrotron_nn::CpCommType,
+    /// `[optimizer]`'s offload keys.
+    pub offload: ferrotron_optim::offload::OffloadConfig,
 }
 
 impl RunConfig {

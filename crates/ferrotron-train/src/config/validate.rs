@@ -58,6 +58,7 @@ impl RunConfig {
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
         let cp_comm_type = requirements::context_parallel(&r, seq_length, &mut p);
+        let offload = super::offload::offload(&r, &mut p);
         requirements::unsupported(&r, schedule.lr_decay_style, &mut p);
         if !p.is_empty() {
             return Err(ConfigError { problems: p });
@@ -85,6 +86,7 @@ impl RunConfig {
             moe,
             mla,
             cp_comm_type,
+            offload,
         })
     }
 }

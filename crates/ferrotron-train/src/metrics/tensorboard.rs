@@ -231,6 +231,7 @@ mod tests {
             comm_wait_ms: 0.0,
             dpo: None,
             moe: None,
+            offload: None,
         }
     }
 

@@ -287,6 +287,7 @@ fn trainer_options(rc: &RunConfig, has_valid_data: bool) -> Result<TrainerOption
         seed: r.training.seed,
         dpo: rc.dpo,
         reward: rc.reward,
+        offload: rc.offload.clone(),
     })
 }
 

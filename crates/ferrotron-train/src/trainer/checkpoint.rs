@@ -294,8 +294,8 @@ impl Trainer {
             consumed_samples: self.consumed_samples,
             consumed_valid_samples: self.consumed_valid_samples,
             seed: self.options.seed,
-            scheduler: self.scheduler.export_state().meta,
-            optimizer: self.optimizer.export_state().meta,
+            scheduler: self.scheduler.state(),
+            optimizer: self.optimizer.meta(),
         }
     }
 
@@ -307,9 +307,14 @@ impl Trainer {
         params: &[ParamInfo],
         state: &TrainerState,
     ) -> Result<()> {
-        let current = self.optimizer.export_state();
-        let owned = current.meta.adam.owned.clone();
-        let names: Vec<String> = current.arrays.keys().cloned().collect();
+        let current = self.optimizer.meta();
+        let owned = current.adam.owned.clone();
+        let names: Vec<String> = current
+            .adam
+            .array_names()
+            .into_iter()
+            .map(String::from)
+            .collect();
         let missing: Vec<String> = names
             .iter()
             .flat_map(|n| {

@@ -1,7 +1,7 @@
 //! The Megatron-style log lines (`training_log` and `evaluate_and_print_results` in
 //! `megatron/training/training.py`) and their JSON form for `metrics.jsonl`.
 
-use super::{DpoMetrics, MoeMetrics};
+use super::{DpoMetrics, MoeMetrics, OffloadStats};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -50,6 +50,10 @@ pub struct LogLine {
     /// model without MoE layers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeMetrics>,
+    /// The offloaded optimizer state after the interval, bytes moved per iteration (`None`,
+    /// and not written, without offloading).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload: Option<OffloadStats>,
 }
 
 /// One validation result (`evaluate_and_print_results`).
@@ -149,6 +153,9 @@ impl fmt::Display for LogLine {
         if let Some(m) = &self.moe {
             m.fmt(f)?;
         }
+        if let Some(o) = &self.offload {
+            o.fmt(f)?;
+        }
         if let Some(s) = self.loss_scale {
             write!(f, " loss scale: {s:.1} |")?;
         }
@@ -232,6 +239,7 @@ mod tests {
             comm_wait_ms: 0.0,
             dpo: None,
             moe: None,
+            offload: None,
         }
     }
 

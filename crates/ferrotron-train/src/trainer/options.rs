@@ -2,6 +2,7 @@
 //! config onto them).
 
 use super::{Result, TrainError};
+use ferrotron_optim::offload::OffloadConfig;
 use ferrotron_optim::{
     AdamWConfig, DynamicGradScalerConfig, LrDecayStyle, OptimizerConfig, Precision, ScheduleUnit,
     SchedulerConfig,
@@ -73,6 +74,8 @@ pub struct TrainerOptions {
     /// A reward model over pairs of rows (`data.dataset_type = "reward"`), as [`Self::dpo`]
     /// counts rows; not with `dpo`.
     pub reward: Option<super::RewardOptions>,
+    /// Where the optimizer state lives (`optimizer.optimizer_offload_policy` and friends).
+    pub offload: OffloadConfig,
 }
 
 impl Default for TrainerOptions {
@@ -106,6 +109,7 @@ impl Default for TrainerOptions {
             dpo: None,
             reward: None,
             seed: 1234,
+            offload: OffloadConfig::default(),
         }
     }
 }
@@ -187,6 +191,7 @@ impl TrainerOptions {
                 .loss_scale
                 .filter(|_| self.precision == Precision::Fp16),
             dynamic_loss_scale: self.dynamic_loss_scale,
+            offload: self.offload.clone(),
             ..OptimizerConfig::new(self.precision)
         }
     }

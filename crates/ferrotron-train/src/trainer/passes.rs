@@ -32,6 +32,9 @@ pub(super) struct Pass {
     /// The MoE layers' balancing losses over this rank's micro-batches (and, in a
     /// pipeline, over its stages).
     pub moe: MoeLosses,
+    /// The largest activation peak of this rank's passes (0 where not measured: pipeline
+    /// stages).
+    pub activation_peak: u128,
 }
 
 impl Trainer {
@@ -100,6 +103,7 @@ impl Trainer {
             gather_wait,
             dpo: sums.dpo,
             moe: sums.moe,
+            activation_peak: 0,
         })
     }
 
@@ -122,6 +126,7 @@ impl Trainer {
         let (mut loss_sum, mut tokens, mut gather_wait) = (0.0, 0, Duration::ZERO);
         let mut dpo: Option<DpoStats> = None;
         let mut moe = MoeLosses::default();
+        let mut activation_peak = 0;
         for (k, batch) in batches.iter().enumerate() {
             let scale = if total > 0.0 {
                 (batch.loss_units() / total) as f32 * loss_scale
@@ -143,6 +148,7 @@ impl Trainer {
                 ready,
             )?;
             gather_wait += waited;
+            activation_peak = activation_peak.max(stats.activation_peak_bytes);
             loss_sum += stats.loss_sum;
             moe.add(&stats.moe);
             if let Some(d) = &stats.dpo {
@@ -165,6 +171,7 @@ impl Trainer {
             gather_wait,
             dpo,
             moe,
+            activation_peak,
         })
     }
 

@@ -58,6 +58,8 @@ struct Interval {
     dpo: Option<DpoStats>,
     /// The MoE losses summed over the interval's advanced iterations.
     moe: Option<super::MoeMetrics>,
+    /// The last step's offload statistics, bytes moved summed over the interval.
+    offload: Option<super::OffloadStats>,
 }
 
 impl Interval {
@@ -65,6 +67,13 @@ impl Interval {
     fn add(&mut self, stats: &StepStats) {
         self.iterations += 1;
         self.tokens += stats.tokens;
+        if let Some(o) = stats.offload {
+            let moved = self.offload.map_or(0, |p| p.moved_bytes);
+            self.offload = Some(super::OffloadStats {
+                moved_bytes: moved + o.moved_bytes,
+                ..o
+            });
+        }
         self.elapsed += stats.elapsed;
         self.comm_wait += stats.comm_wait;
         if stats.skipped {
@@ -253,6 +262,10 @@ impl Trainer {
             comm_wait_ms: acc.comm_wait.as_secs_f64() * 1e3 / acc.iterations as f64,
             dpo: acc.dpo.as_ref().and_then(DpoMetrics::from_sums),
             moe: acc.moe.map(|m| m.mean(acc.advanced)),
+            offload: acc.offload.map(|o| super::OffloadStats {
+                moved_bytes: o.moved_bytes / acc.iterations.max(1),
+                ..o
+            }),
         }
     }
 

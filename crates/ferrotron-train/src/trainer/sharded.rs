@@ -87,7 +87,7 @@ impl Trainer {
         if !writes && !self.dp.use_distributed_optimizer() {
             return Ok(());
         }
-        let optim = self.optimizer.export_state();
+        let optim = self.optimizer.export_state()?;
         let owned = &optim.meta.adam.owned;
         // Per optimizer array: its values and the boxes of its owned parts.
         let mut per_array = Vec::new();

@@ -35,6 +35,8 @@ pub struct StepStats {
     pub moe: Option<super::MoeMetrics>,
     /// Input tokens processed by all ranks (`global_batch_size · seq_length`).
     pub tokens: usize,
+    /// The offloaded optimizer state (`None` without offloading).
+    pub offload: Option<super::OffloadStats>,
     /// Wall time of the step (forward, backward, optimizer, weight copy).
     pub elapsed: Duration,
     /// Time the step waited for data-parallel communication: the gradient reduction (all
@@ -62,6 +64,9 @@ pub struct Trainer {
     pub(super) param_gather: Option<ParamGather>,
     /// DPO's frozen reference model ([`super::DpoReference::FrozenCopy`]).
     pub(super) dpo_reference: Option<GptModel>,
+    /// The largest activation peak of any step so far (the offload auto policy's non-model
+    /// memory).
+    pub(super) non_model_peak: u64,
 }
 
 impl Trainer {
@@ -90,8 +95,8 @@ impl Trainer {
         let cp = model.context_parallel().map_or(1, |cp| cp.size());
         if options.data_parallel_size * cp != dp.size() {
             return Err(TrainError::Config(format!(
-                "data_parallel_size {} x context_parallel_size {cp}: the gradient group has {} \
-                 ranks",
+                "data_parallel_size is {} (x context_parallel_size {cp}), the data-parallel \
+                 group has {} ranks",
                 options.data_parallel_size,
                 dp.size()
             )));
@@ -170,7 +175,7 @@ impl Trainer {
             new_optimizer(&options, buffer, &dp)
         })?;
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
-        Ok(Trainer {
+        let mut trainer = Trainer {
             model,
             options,
             buffer,
@@ -184,7 +189,10 @@ impl Trainer {
             pp: None,
             param_gather: None,
             dpo_reference,
-        })
+            non_model_peak: 0,
+        };
+        trainer.start_offload()?;
+        Ok(trainer)
     }
 
     /// The data-parallel group.
@@ -319,6 +327,7 @@ impl Trainer {
         let [loss_sum, tokens] = sums;
         let lr = self.scheduler.lr();
         let (out, gather_wait) = self.update(lr)?;
+        let offload = self.after_step_offload(pass.activation_peak)?;
         self.iteration += 1;
         self.consumed_samples += self.options.global_batch_size as u64;
         Ok(StepStats {
@@ -331,6 +340,7 @@ impl Trainer {
             dpo,
             moe,
             tokens: tokens as usize,
+            offload,
             elapsed: start.elapsed(),
             comm_wait: pass.comm_wait + pass.gather_wait + gather_wait,
         })

@@ -141,3 +141,57 @@ fn context_parallel_settings_name_their_key() {
         "{p:#?}"
     );
 }
+
+/// The offload keys: the policy by Pai-Megatron-Patch's names, the fraction's range, the
+/// directory and the auto policy's budget, each problem naming its key.
+#[test]
+fn offload_settings_name_their_key() {
+    let dir = data_dir();
+    let base = minimal(dir.path());
+    let path = format!("optimizer.offload_path={:?}", dir.path().to_str().unwrap());
+    let cfg = RunConfig::from_toml_str(
+        &base,
+        &[
+            "optimizer.optimizer_offload_policy=static".into(),
+            "optimizer.optimizer_offload_fraction=0.25".into(),
+            path.clone(),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.offload.policy,
+        ferrotron_optim::offload::OffloadPolicy::Static { fraction: 0.25 }
+    );
+    let p = problems(
+        &base,
+        &[
+            "optimizer.optimizer_offload_policy=static",
+            "optimizer.optimizer_offload_fraction=1.5",
+        ],
+    );
+    assert!(
+        has(
+            &p,
+            "optimizer.optimizer_offload_fraction (1.5) must be in [0, 1]"
+        ),
+        "{p:#?}"
+    );
+    assert!(has(&p, "optimizer.offload_path is required"), "{p:#?}");
+    let p = problems(&base, &["optimizer.optimizer_offload_policy=auto", &path]);
+    assert!(
+        has(&p, "optimizer.offload_memory_budget_gib is required"),
+        "{p:#?}"
+    );
+    let p = problems(
+        &base,
+        &[
+            "optimizer.optimizer_offload_policy=disk",
+            "optimizer.offload_path=\"/nonexistent\"",
+        ],
+    );
+    assert!(has(&p, "`disk` is not one of none, static, auto"), "{p:#?}");
+    assert!(
+        has(&p, "optimizer.offload_path /nonexistent is not a directory"),
+        "{p:#?}"
+    );
+}
