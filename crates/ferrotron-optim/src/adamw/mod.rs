@@ -157,8 +157,8 @@ impl AdamW {
 
     /// [`AdamW::new_sharded`] with the state placed as `offload` says: chunked
     /// ([`ChunkLayout::plan`] over the owned parts of the parameters), the chunks the policy
-    /// names in the slow tier (for [`OffloadPolicy::Auto`](crate::offload::OffloadPolicy),
-    /// all in RAM until the first [`AdamW::place_chunks`]).
+    /// names in the slow tier ([`OffloadConfig::initial_slow_chunks`]; the auto policy's
+    /// placement follows with [`AdamW::place_chunks`]).
     ///
     /// # Errors
     /// As [`AdamW::new_sharded`]; [`OptimError::Config`] for invalid offload settings,
@@ -193,8 +193,8 @@ impl AdamW {
         let layout = ChunkLayout::plan(&local_pieces(&owned, &segments), offload.chunk_size);
         let n_chunks = layout.chunks().len();
         let planes = if has_master { 3 } else { 2 };
-        let mut state = ChunkStore::new(planes, layout, offload.path.as_deref())?;
-        state.place(offload.static_slow_chunks(n_chunks).unwrap_or(0))?;
+        let n_slow = offload.initial_slow_chunks(n_chunks);
+        let state = ChunkStore::new(planes, layout, offload.path.as_deref(), n_slow)?;
         let mut adam = AdamW {
             config,
             state,

@@ -83,14 +83,14 @@ impl OffloadConfig {
         Ok(())
     }
 
-    /// Chunks in the slow tier out of `n` under a static policy (`None` for the others).
-    pub fn static_slow_chunks(&self, n: usize) -> Option<usize> {
+    /// Chunks in the slow tier out of `n` before the first step: none, a static policy's
+    /// fraction (rounded up), or all of them for the auto policy's warmup step (which
+    /// measures the memory the rest of the step needs).
+    pub fn initial_slow_chunks(&self, n: usize) -> usize {
         match self.policy {
-            OffloadPolicy::None => Some(0),
-            OffloadPolicy::Static { fraction } => {
-                Some(((fraction * n as f64).ceil() as usize).min(n))
-            }
-            OffloadPolicy::Auto { .. } => None,
+            OffloadPolicy::None => 0,
+            OffloadPolicy::Static { fraction } => ((fraction * n as f64).ceil() as usize).min(n),
+            OffloadPolicy::Auto { .. } => n,
         }
     }
 }

@@ -78,27 +78,41 @@ pub struct ChunkStore {
 }
 
 impl ChunkStore {
-    /// Every chunk of `layout` in RAM, zeroed, with `planes` arrays; with `dir`, a slow tier
-    /// in that directory (an unnamed file: nothing is left behind).
+    /// The chunks of `layout` with `planes` zeroed arrays each, the first `n_slow` in the
+    /// slow tier (zeros there without passing through RAM) and the rest in RAM; with `dir`,
+    /// a slow tier in that directory (an unnamed file: nothing is left behind).
     ///
     /// # Errors
     /// [`OptimError::Offload`] naming `dir` when it cannot hold the file or its free space is
-    /// below what every chunk offloaded would take.
-    pub fn new(planes: usize, layout: ChunkLayout, dir: Option<&Path>) -> Result<ChunkStore> {
-        let fast = layout
-            .chunks()
-            .iter()
-            .map(|c| Some(vec![0f32; planes * c.len()]))
+    /// below what every chunk offloaded would take, or `n_slow > 0` without `dir`.
+    pub fn new(
+        planes: usize,
+        layout: ChunkLayout,
+        dir: Option<&Path>,
+        n_slow: usize,
+    ) -> Result<ChunkStore> {
+        let fast = (layout.chunks().iter().enumerate())
+            .map(|(k, c)| (k >= n_slow).then(|| vec![0f32; planes * c.len()]))
             .collect();
         let slot_bytes = (layout.chunk_size() * planes * 4) as u64;
         let slow = match dir {
             Some(dir) => {
                 let need = slot_bytes * layout.chunks().len() as u64;
+                let file = open_slow_tier(dir, need)?;
+                // Unwritten slots read as zeros: the slow chunks' initial state.
+                file.set_len(need).map_err(|e| {
+                    OptimError::Offload(format!("offload_path {}: {e}", dir.display()))
+                })?;
                 Some(SlowTier {
-                    file: open_slow_tier(dir, need)?,
+                    file,
                     dir: dir.to_path_buf(),
                     slot_bytes,
                 })
+            }
+            None if n_slow > 0 => {
+                return Err(OptimError::Offload(
+                    "no offload directory for the slow tier".into(),
+                ));
             }
             None => None,
         };

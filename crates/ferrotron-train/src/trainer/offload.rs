@@ -29,12 +29,12 @@ pub struct OffloadStats {
 }
 
 impl Trainer {
-    /// The auto policy's warmup placement (every chunk offloaded) before the first step.
+    /// Checks the auto policy can run (its warmup placement, every chunk offloaded, is the
+    /// optimizer's own).
     ///
     /// # Errors
-    /// Not under pipeline parallelism (its stage passes do not measure their peak yet), or
-    /// an I/O error moving chunks.
-    pub(super) fn start_offload(&mut self) -> Result<()> {
+    /// Not under pipeline parallelism (its stage passes do not measure their peak yet).
+    pub(super) fn check_offload(&self) -> Result<()> {
         if !matches!(
             self.optimizer.adam().offload().policy,
             OffloadPolicy::Auto { .. }
@@ -48,8 +48,7 @@ impl Trainer {
                     .into(),
             ));
         }
-        let chunks = self.optimizer.adam().chunks().layout().chunks().len();
-        Ok(self.optimizer.adam_mut().place_chunks(chunks)?)
+        Ok(())
     }
 
     /// After a step whose passes held at most `activation_peak` bytes: the auto policy's

@@ -191,7 +191,7 @@ impl Trainer {
             dpo_reference,
             non_model_peak: 0,
         };
-        trainer.start_offload()?;
+        trainer.check_offload()?;
         Ok(trainer)
     }
 
