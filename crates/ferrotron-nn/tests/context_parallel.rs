@@ -48,6 +48,20 @@ fn starts(s: usize) -> Vec<u32> {
     out
 }
 
+/// Causal self-attention dims of `s` tokens per sequence, no offsets.
+fn dims(s: usize) -> AttentionDims {
+    AttentionDims {
+        sq: s,
+        skv: s,
+        batch: B,
+        heads: A,
+        groups: G,
+        head_dim: D,
+        q_offset: 0,
+        kv_offset: 0,
+    }
+}
+
 /// This rank's share of `[s, b, heads, d]` rows (Megatron's load-balanced chunks).
 fn share(cp: &ContextParallel, x: &[f32], s: usize) -> Vec<f32> {
     cp.share(x, s, x.len() / s).unwrap()
@@ -72,16 +86,7 @@ fn one_rank(case: Case, docs: &[u32], slopes: &[f32]) -> Full {
         values(s * B * G * D, 3, 1.0),
     );
     let dout = values(q.len(), 4, 1.0);
-    let dims = AttentionDims {
-        sq: s,
-        skv: s,
-        batch: B,
-        heads: A,
-        groups: G,
-        head_dim: D,
-        q_offset: 0,
-        kv_offset: 0,
-    };
+    let dims = dims(s);
     let mask = mask(case, docs, slopes);
     let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; s * B * A]);
     core_attention_forward_train(&q, &k, &v, &mut out, &mut lse, dims, mask, case.precision);
@@ -149,16 +154,7 @@ fn check(case: Case, cp_size: usize, comm_type: CpCommType, label: &str) {
         let cp = ContextParallel::new(Arc::new(comm), comm_type);
         let sl = s / cp_size;
         let [q, k, v, dout] = [&want.q, &want.k, &want.v, &want.dout].map(|x| share(&cp, x, s));
-        let dims = AttentionDims {
-            sq: sl,
-            skv: sl,
-            batch: B,
-            heads: A,
-            groups: G,
-            head_dim: D,
-            q_offset: 0,
-            kv_offset: 0,
-        };
+        let dims = dims(sl);
         let mask = mask(case, &docs, &slopes);
         let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; sl * B * A]);
         cp.attention_forward(&q, &k, &v, &mut out, &mut lse, dims, mask, case.precision)?;
@@ -264,16 +260,7 @@ fn a2a_needs_heads_divisible_by_cp() {
     let err = run_local(4, |comm| {
         let cp = ContextParallel::new(Arc::new(comm), CpCommType::A2a);
         let (sl, case) = (8, causal(32));
-        let dims = AttentionDims {
-            sq: sl,
-            skv: sl,
-            batch: B,
-            heads: A,
-            groups: G,
-            head_dim: D,
-            q_offset: 0,
-            kv_offset: 0,
-        };
+        let dims = dims(sl);
         let (q, kv) = (vec![0f32; sl * B * A * D], vec![0f32; sl * B * G * D]);
         let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; sl * B * A]);
         let mask = mask(case, &[], &[]);

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 mod common;
 #[cfg(feature = "mpi")]
 use common::mpirun_train;
-use common::{ferrotron, metrics_losses, text, tiny_corpus, train_config};
+use common::{assert_same_losses, ferrotron, metrics_losses, text, tiny_corpus, train_config};
 
 /// The run `out` under `dir`: tiny-llama, 32-token rows, 6 iterations with validation every
 /// 2, a checkpoint every 2.
@@ -42,15 +42,6 @@ fn config(dir: &Path, prefix: &Path, out: &str, packed: bool) -> PathBuf {
     )
     .unwrap();
     cfg
-}
-
-fn assert_same_losses(label: &str, got: &[(String, u64, f64)], want: &[(String, u64, f64)]) {
-    assert_eq!(got.len(), want.len(), "{label}: {got:?} vs {want:?}");
-    for (g, w) in got.iter().zip(want) {
-        assert_eq!((&g.0, g.1), (&w.0, w.1), "{label}");
-        let rel = (g.2 - w.2).abs() / w.2;
-        assert!(rel <= 1e-5, "{label}: {g:?} vs {w:?} (rel {rel:.1e})");
-    }
 }
 
 #[test]

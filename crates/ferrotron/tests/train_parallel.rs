@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 mod common;
 #[cfg(feature = "mpi")]
 use common::mpirun_train;
-use common::{ferrotron, metrics_losses, tiny_corpus, train_config};
+use common::{assert_same_losses, ferrotron, metrics_losses, tiny_corpus, train_config};
 
 fn config(dir: &Path, prefix: &Path, out: &str) -> PathBuf {
     config_saving(dir, prefix, out, true)
@@ -65,15 +65,6 @@ fn validate_export(dir: &Path, prefix: &Path, export: &Path, out: &str) -> Vec<(
     let cfg = config_saving(dir, prefix, out, false);
     train_config(&cfg, &["--set", &load, "--set", "training.skip_train=true"]);
     metrics_losses(&dir.join(out))
-}
-
-fn assert_same_losses(label: &str, got: &[(String, u64, f64)], want: &[(String, u64, f64)]) {
-    assert_eq!(got.len(), want.len(), "{label}: {got:?} vs {want:?}");
-    for (g, w) in got.iter().zip(want) {
-        assert_eq!((&g.0, g.1), (&w.0, w.1), "{label}");
-        let rel = (g.2 - w.2).abs() / w.2;
-        assert!(rel <= 1e-5, "{label}: {g:?} vs {w:?} (rel {rel:.1e})");
-    }
 }
 
 #[test]

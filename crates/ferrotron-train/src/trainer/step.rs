@@ -175,7 +175,7 @@ impl Trainer {
             new_optimizer(&options, buffer, &dp)
         })?;
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
-        let mut trainer = Trainer {
+        let trainer = Trainer {
             model,
             options,
             buffer,

@@ -51,6 +51,17 @@ pub fn model_dir() -> &'static Path {
     })
 }
 
+/// Asserts two runs' `metrics.jsonl` losses ([`metrics_losses`]) are the same lines within
+/// 1e-5 relative.
+pub fn assert_same_losses(label: &str, got: &[(String, u64, f64)], want: &[(String, u64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{label}: {got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!((&g.0, g.1), (&w.0, w.1), "{label}");
+        let rel = (g.2 - w.2).abs() / w.2;
+        assert!(rel <= 1e-5, "{label}: {g:?} vs {w:?} (rel {rel:.1e})");
+    }
+}
+
 /// `(kind, iteration, lm_loss)` of every train/valid line of `out_dir/metrics.jsonl`.
 pub fn metrics_losses(out_dir: &Path) -> Vec<(String, u64, f64)> {
     std::fs::read_to_string(out_dir.join("metrics.jsonl"))
