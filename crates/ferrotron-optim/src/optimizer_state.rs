@@ -52,38 +52,12 @@ impl Stateful for AdamW {
     }
 
     fn import_state(&mut self, mut state: StateDict<AdamWMeta>) -> Result<()> {
-        if state.meta.owned != self.owned {
-            return Err(OptimError::State(format!(
-                "optimizer shard differs: checkpoint owns {:?}, this run {:?}",
-                state.meta.owned.ranges(),
-                self.owned.ranges()
-            )));
-        }
-        if state.meta.has_master != self.has_master {
-            return Err(OptimError::State(format!(
-                "checkpoint {} fp32 master weights, this run {} (precision changed?)",
-                if state.meta.has_master {
-                    "has"
-                } else {
-                    "has no"
-                },
-                if self.has_master {
-                    "needs them"
-                } else {
-                    "does not"
-                }
-            )));
-        }
+        self.import_meta(&state.meta)?;
         let n = self.owned.local_len();
-        let m = state.take_f32(EXP_AVG, n)?;
-        let v = state.take_f32(EXP_AVG_SQ, n)?;
-        let master = if self.has_master {
-            Some(state.take_f32(MASTER, n)?)
-        } else {
-            None
-        };
-        self.write_state(&m, &v, master.as_deref())?;
-        self.step = state.meta.step;
+        for name in state.meta.array_names() {
+            let values = state.take_f32(name, n)?;
+            self.write_array(name, &values)?;
+        }
         Ok(())
     }
 }
@@ -101,6 +75,68 @@ impl AdamWMeta {
 }
 
 impl AdamW {
+    /// Checks `meta` fits this state (the same owned ranges, master weights exactly when
+    /// this run has them) and takes its step count; the arrays follow with
+    /// [`AdamW::write_array`] (one at a time: an offloaded state never comes into RAM whole).
+    ///
+    /// # Errors
+    /// [`OptimError::State`] naming what differs.
+    pub fn import_meta(&mut self, meta: &AdamWMeta) -> Result<()> {
+        if meta.owned != self.owned {
+            return Err(OptimError::State(format!(
+                "optimizer shard differs: checkpoint owns {:?}, this run {:?}",
+                meta.owned.ranges(),
+                self.owned.ranges()
+            )));
+        }
+        if meta.has_master != self.has_master {
+            let has = |b: bool| if b { "has" } else { "has no" };
+            let needs = if self.has_master {
+                "needs them"
+            } else {
+                "does not"
+            };
+            return Err(OptimError::State(format!(
+                "checkpoint {} fp32 master weights, this run {needs} (precision changed?)",
+                has(meta.has_master)
+            )));
+        }
+        self.step = meta.step;
+        Ok(())
+    }
+
+    /// Overwrites the array `name` ([`AdamWMeta::array_names`]) with `values` (local
+    /// indexing over the owned ranges).
+    ///
+    /// # Errors
+    /// [`OptimError::State`] for a name this state does not hold, [`OptimError::Length`] for
+    /// the wrong length, [`OptimError::Offload`] when writing offloaded chunks fails.
+    pub fn write_array(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        match name {
+            EXP_AVG => self.write_plane(0, values),
+            EXP_AVG_SQ => self.write_plane(1, values),
+            MASTER if self.has_master => self.write_plane(2, values),
+            other => Err(OptimError::State(format!("no optimizer array `{other}`"))),
+        }
+    }
+
+    /// One array of [`Stateful::export_state`] by its name ([`AdamWMeta::array_names`]),
+    /// alone (the others stay where they are).
+    ///
+    /// # Errors
+    /// [`OptimError::State`] for a name this state does not export, [`OptimError::Offload`]
+    /// when reading offloaded chunks fails.
+    pub fn state_array(&self, name: &str) -> Result<Vec<f32>> {
+        match name {
+            EXP_AVG => self.exp_avg(),
+            EXP_AVG_SQ => self.exp_avg_sq(),
+            MASTER => self
+                .master_weights()?
+                .ok_or_else(|| OptimError::State("no master weights with f32 params".into())),
+            other => Err(OptimError::State(format!("no optimizer array `{other}`"))),
+        }
+    }
+
     /// The scalars and layout of [`Stateful::export_state`] without the arrays.
     pub fn meta(&self) -> AdamWMeta {
         AdamWMeta {
@@ -138,7 +174,22 @@ impl Stateful for Optimizer {
     }
 
     fn import_state(&mut self, state: StateDict<OptimizerMeta>) -> Result<()> {
-        let meta = state.meta;
+        let adam = state.meta.adam.clone();
+        self.import_meta(state.meta)?;
+        self.adam.import_state(StateDict {
+            meta: adam,
+            arrays: state.arrays,
+        })
+    }
+}
+
+impl Optimizer {
+    /// Checks and takes the scalars of a state (precision, loss scaler, skip counter, Adam's
+    /// step: [`AdamW::import_meta`]); the arrays follow with [`AdamW::write_array`].
+    ///
+    /// # Errors
+    /// [`OptimError::State`] naming what differs.
+    pub fn import_meta(&mut self, meta: OptimizerMeta) -> Result<()> {
         if meta.precision != self.config.precision {
             return Err(OptimError::State(format!(
                 "checkpoint precision {:?}, this run {:?}",
@@ -148,19 +199,14 @@ impl Stateful for Optimizer {
         if self.scaler.is_some() != meta.scaler.is_some() {
             return Err(OptimError::State("loss scaler presence differs".into()));
         }
-        self.adam.import_state(StateDict {
-            meta: meta.adam,
-            arrays: state.arrays,
-        })?;
+        self.adam.import_meta(&meta.adam)?;
         if let (Some(s), Some(ss)) = (&mut self.scaler, meta.scaler) {
             s.import_state(StateDict::meta_only(ss))?;
         }
         self.skipped_iterations = meta.skipped_iterations;
         Ok(())
     }
-}
 
-impl Optimizer {
     /// The scalars of [`Stateful::export_state`] without the arrays (no offloaded chunk is
     /// read).
     pub fn meta(&self) -> OptimizerMeta {

@@ -109,3 +109,39 @@ fn zero1_over_dp2_offloads_exactly() {
         assert_same_run(&format!("dp2 zero1 offloaded rank {r}"), run, &reference);
     }
 }
+
+/// A checkpoint of an offloaded optimizer (written and read one state array at a time)
+/// resumes exactly in RAM, and one saved in RAM resumes offloaded.
+#[test]
+fn checkpoints_move_between_offloaded_and_in_ram_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reference, _) = run(OffloadConfig::default(), |_, _| {});
+    let tail = tail_of(&reference);
+    let offloaded = offload(OffloadPolicy::Static { fraction: 1.0 }, dir.path());
+    for (label, save_with, load_with) in [
+        (
+            "offloaded -> RAM",
+            offloaded.clone(),
+            OffloadConfig::default(),
+        ),
+        (
+            "RAM -> offloaded",
+            OffloadConfig::default(),
+            offloaded.clone(),
+        ),
+    ] {
+        let ckpt = dir.path().join(label.replace(' ', "_"));
+        let mut opts = dp_options(1, ITERS);
+        opts.offload = save_with;
+        let mut t = Trainer::new(tiny_model(), opts.clone()).unwrap();
+        train(&mut t, 0, 2);
+        t.save_checkpoint(&ckpt, 0, serde_json::Value::Null)
+            .unwrap();
+        opts.offload = load_with;
+        let mut t = Trainer::new(tiny_model(), opts).unwrap();
+        let iter_dir = ferrotron_checkpoint::dist::iteration_dir(&ckpt, 2);
+        t.load_checkpoint(&iter_dir, ferrotron_train::trainer::LoadMode::Resume)
+            .unwrap();
+        assert_same_run(label, &train(&mut t, 2, 2), &tail);
+    }
+}

@@ -255,24 +255,9 @@ impl AdamW {
         self.state.place(n_slow)
     }
 
-    /// Overwrites the state arrays (local indexing; `master` exactly when the params are
-    /// not f32, checked by the caller).
-    ///
-    /// # Errors
-    /// [`OptimError::Length`] for arrays of the wrong length, [`OptimError::Offload`] when
-    /// writing offloaded chunks fails.
-    pub(crate) fn write_state(
-        &mut self,
-        m: &[f32],
-        v: &[f32],
-        master: Option<&[f32]>,
-    ) -> Result<()> {
-        self.state.write_plane(EXP_AVG, m)?;
-        self.state.write_plane(EXP_AVG_SQ, v)?;
-        if let Some(master) = master {
-            self.state.write_plane(MASTER, master)?;
-        }
-        Ok(())
+    /// Overwrites state array `plane` (0 `exp_avg`, 1 `exp_avg_sq`, 2 `master`).
+    pub(crate) fn write_plane(&mut self, plane: usize, values: &[f32]) -> Result<()> {
+        self.state.write_plane(plane, values)
     }
 
     /// The owned flat ranges and their local offsets.

@@ -28,7 +28,6 @@ use ferrotron_optim::{
 };
 use ferrotron_tensor::DType;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The trainer scalars stored in `metadata.json` `content.trainer`.
@@ -330,15 +329,15 @@ impl Trainer {
                 missing.join(", ")
             )));
         }
-        let values = self.read_optimizer_arrays(reader, &names, &owned)?;
-        let arrays: BTreeMap<String, StateArray> = names
-            .into_iter()
-            .zip(values)
-            .map(|(n, v)| (n, StateArray::F32(v)))
-            .collect();
         let mut meta = state.optimizer.clone();
-        meta.adam.owned = owned;
-        self.optimizer.import_state(StateDict { meta, arrays })?;
+        meta.adam.owned = owned.clone();
+        self.optimizer.import_meta(meta)?;
+        // One array at a time: an offloaded state never comes into RAM whole.
+        for name in names {
+            let values = self.read_optimizer_arrays(reader, std::slice::from_ref(&name), &owned)?;
+            let values = values.into_iter().next().expect("one array read");
+            self.optimizer.adam_mut().write_array(&name, &values)?;
+        }
         Ok(())
     }
 }

@@ -24,7 +24,7 @@ use ferrotron_checkpoint::dist::{
 };
 use ferrotron_comm::{Collectives, Communicator};
 use ferrotron_model::ParamBox;
-use ferrotron_optim::{OwnedRanges, StateArray, Stateful};
+use ferrotron_optim::OwnedRanges;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -87,14 +87,12 @@ impl Trainer {
         if !writes && !self.dp.use_distributed_optimizer() {
             return Ok(());
         }
-        let optim = self.optimizer.export_state()?;
-        let owned = &optim.meta.adam.owned;
-        // Per optimizer array: its values and the boxes of its owned parts.
+        let meta = self.optimizer.meta();
+        let owned = &meta.adam.owned;
+        // Per optimizer array: the boxes of its owned parts; its values are read one array
+        // at a time below (an offloaded state never comes into RAM whole).
         let mut per_array = Vec::new();
-        for (name, array) in &optim.arrays {
-            let StateArray::F32(values) = array else {
-                return Err(ckpt_err(format!("optimizer array {name} is not f32")));
-            };
+        for name in meta.adam.array_names() {
             let prefix = format!("{OPTIM}{name}.");
             let mut planned = Vec::new();
             for (i, p) in infos.iter().enumerate() {
@@ -112,7 +110,7 @@ impl Trainer {
                     self.plan(&mut planned, &prefix, &p.name, i, off..off + len, start);
                 }
             }
-            per_array.push((values, planned));
+            per_array.push((name, planned));
         }
         let specs: Vec<ShardSpec> = per_array
             .iter()
@@ -122,8 +120,9 @@ impl Trainer {
         let mut out = writer
             .open_file(&file, StoredDtype::F32, &specs)
             .map_err(ckpt_err)?;
-        for (values, planned) in &per_array {
-            push_boxes(&mut out, planned, values)?;
+        for (name, planned) in &per_array {
+            let values = self.optimizer.adam().state_array(name)?;
+            push_boxes(&mut out, planned, &values)?;
         }
         out.finish().map_err(ckpt_err)?;
         Ok(())
