@@ -218,7 +218,12 @@ fn layer_groups_run_in_parts_equal_the_whole_model() {
                 dout = model.stage_backward(&batch, s, &mut views, dout).unwrap();
             }
             assert!(dout.is_none());
-            assert_eq!(loss.unwrap(), want_loss, "{name} {recompute:?}");
+            // The same loss statistics; only the whole pass measures its activation peak.
+            let whole = ferrotron_model::LossStats {
+                activation_peak_bytes: 0,
+                ..want_loss
+            };
+            assert_eq!(loss.unwrap(), whole, "{name} {recompute:?}");
             assert_eq!(got, want, "{name} {recompute:?}");
         }
     }
