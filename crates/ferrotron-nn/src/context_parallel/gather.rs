@@ -51,8 +51,7 @@ pub(super) fn forward(
     lse: &mut [f32],
 ) -> Result<()> {
     let [kf, vf] = gather_kv(io, k, v)?;
-    let qn = io.chunk_len(io.dims.heads);
-    let ln = io.n * io.dims.batch * io.dims.heads;
+    let (qn, _, ln) = io.chunk_lens();
     for (qi, &qc) in io.cp.chunks().iter().enumerate() {
         let (o, l) = (&mut out[qi * qn..][..qn], &mut lse[qi * ln..][..ln]);
         let dims = prefix_dims(io, qc);
@@ -70,8 +69,7 @@ pub(super) fn backward(
 ) -> Result<()> {
     let c = io.cp.size();
     let [kf, vf] = gather_kv(io, k, v)?;
-    let (qn, kn) = (io.chunk_len(io.dims.heads), io.chunk_len(io.dims.groups));
-    let ln = io.n * io.dims.batch * io.dims.heads;
+    let (qn, kn, ln) = io.chunk_lens();
     let (mut dkf, mut dvf) = (vec![0f32; kf.len()], vec![0f32; vf.len()]);
     for (qi, &qc) in io.cp.chunks().iter().enumerate() {
         let dims = prefix_dims(io, qc);

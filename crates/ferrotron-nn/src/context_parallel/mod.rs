@@ -263,6 +263,17 @@ impl<'a> Blocks<'a> {
         self.n * self.dims.batch * heads * self.dims.head_dim
     }
 
+    /// Elements of one chunk of the queries, of the keys (or values), and of the
+    /// log-sum-exp.
+    fn chunk_lens(&self) -> (usize, usize, usize) {
+        let d = &self.dims;
+        (
+            self.chunk_len(d.heads),
+            self.chunk_len(d.groups),
+            self.n * d.batch * d.heads,
+        )
+    }
+
     /// Dims of the block of query chunk `qc` against key chunk `kc` (global indices).
     fn block_dims(&self, qc: usize, kc: usize) -> AttentionDims {
         AttentionDims {

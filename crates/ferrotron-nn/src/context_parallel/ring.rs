@@ -38,12 +38,7 @@ pub(super) fn forward(
 ) -> Result<()> {
     let (r, c) = (io.cp.rank(), io.cp.size());
     let comm = io.cp.comm();
-    let (qn, kn, rows) = (
-        io.chunk_len(io.dims.heads),
-        io.chunk_len(io.dims.groups),
-        io.n,
-    );
-    let ln = rows * io.dims.batch * io.dims.heads;
+    let (qn, kn, ln) = io.chunk_lens();
     out.fill(0.0);
     lse.fill(f32::NEG_INFINITY);
     let mut kv = [k, v].concat();
@@ -91,12 +86,7 @@ pub(super) fn backward(
     let (r, c) = (io.cp.rank(), io.cp.size());
     let comm = io.cp.comm();
     let (next, prev) = ((r + 1) % c, (r + c - 1) % c);
-    let (qn, kn, rows) = (
-        io.chunk_len(io.dims.heads),
-        io.chunk_len(io.dims.groups),
-        io.n,
-    );
-    let ln = rows * io.dims.batch * io.dims.heads;
+    let (qn, kn, ln) = io.chunk_lens();
     dq.fill(0.0);
     let mut kv = [k, v].concat();
     // dK then dV of the KV this rank holds, travelling with it.

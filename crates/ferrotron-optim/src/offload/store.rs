@@ -149,12 +149,25 @@ impl ChunkStore {
         self.fast.iter().flatten().map(|c| 4 * c.len() as u64).sum()
     }
 
+    /// Bytes of state in each chunk, in order (whichever tier it is in).
+    pub fn chunk_bytes(&self) -> impl Iterator<Item = u64> + '_ {
+        let planes = self.planes as u64;
+        self.layout
+            .chunks()
+            .iter()
+            .map(move |c| 4 * planes * c.len() as u64)
+    }
+
+    /// Chunks in the slow tier.
+    pub fn slow_chunks(&self) -> usize {
+        self.fast.iter().filter(|c| c.is_none()).count()
+    }
+
     /// Bytes of state in the slow tier.
     pub fn slow_bytes(&self) -> u64 {
-        let len = |k: usize| self.layout.chunks()[k].len() as u64;
-        (0..self.fast.len())
-            .filter(|&k| self.fast[k].is_none())
-            .map(|k| 4 * self.planes as u64 * len(k))
+        (self.chunk_bytes().zip(&self.fast))
+            .filter(|(_, c)| c.is_none())
+            .map(|(b, _)| b)
             .sum()
     }
 

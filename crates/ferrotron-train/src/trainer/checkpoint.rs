@@ -334,8 +334,7 @@ impl Trainer {
         self.optimizer.import_meta(meta)?;
         // One array at a time: an offloaded state never comes into RAM whole.
         for name in names {
-            let values = self.read_optimizer_arrays(reader, std::slice::from_ref(&name), &owned)?;
-            let values = values.into_iter().next().expect("one array read");
+            let values = self.read_optimizer_array(reader, &name, &owned)?;
             self.optimizer.adam_mut().write_array(&name, &values)?;
         }
         Ok(())

@@ -71,24 +71,16 @@ impl Trainer {
             let other = self.model.param_table().storage_bytes() as u64
                 + std::mem::size_of_val(self.buffer.grads()) as u64
                 + self.non_model_peak;
-            let store = adam.chunks();
-            let planes = store.planes() as u64;
-            let bytes: Vec<u64> = (store.layout().chunks().iter())
-                .map(|c| 4 * planes * c.len() as u64)
-                .collect();
+            let bytes: Vec<u64> = adam.chunks().chunk_bytes().collect();
             let slow = chunks_in_budget(&bytes, budget_bytes, other);
             self.optimizer.adam_mut().place_chunks(slow)?;
         }
         let adam = self.optimizer.adam_mut();
         let moved_bytes = adam.take_moved_bytes();
         let store = adam.chunks();
-        let chunks = store.layout().chunks().len();
-        let slow_chunks = (0..chunks)
-            .filter(|&k| store.tier(k) == ferrotron_optim::offload::Tier::Slow)
-            .count();
         Ok(Some(OffloadStats {
-            chunks,
-            slow_chunks,
+            chunks: store.layout().chunks().len(),
+            slow_chunks: store.slow_chunks(),
             offloaded_bytes: store.slow_bytes(),
             moved_bytes,
         }))

@@ -206,29 +206,23 @@ impl Trainer {
             .map_err(ckpt_err)
     }
 
-    /// This rank's optimizer arrays (`names`, each `owned.local_len()` long) read from the
-    /// checkpoint: every owned part of every parameter.
-    pub(super) fn read_optimizer_arrays(
+    /// This rank's local values (its owned parts, local indexing over `owned`) of the
+    /// optimizer array `name`, read from the checkpoint.
+    pub(super) fn read_optimizer_array(
         &self,
         reader: &CheckpointReader,
-        names: &[String],
+        name: &str,
         owned: &OwnedRanges,
-    ) -> Result<Vec<Vec<f32>>> {
-        let infos = self.buffer.params();
-        names
-            .iter()
-            .map(|name| {
-                let mut values = vec![0f32; owned.local_len()];
-                for (i, p) in infos.iter().enumerate() {
-                    let key = format!("{OPTIM}{name}.{}", p.name);
-                    for (off, len, start) in owned_parts(p, owned) {
-                        let part = self.read_local(reader, &key, i, off..off + len)?;
-                        values[start..start + len].copy_from_slice(&part);
-                    }
-                }
-                Ok(values)
-            })
-            .collect()
+    ) -> Result<Vec<f32>> {
+        let mut values = vec![0f32; owned.local_len()];
+        for (i, p) in self.buffer.params().iter().enumerate() {
+            let key = format!("{OPTIM}{name}.{}", p.name);
+            for (off, len, start) in owned_parts(p, owned) {
+                let part = self.read_local(reader, &key, i, off..off + len)?;
+                values[start..start + len].copy_from_slice(&part);
+            }
+        }
+        Ok(values)
     }
 
     /// Sends `mine` (this rank's shard records; `None` on the committing rank, which keeps its
