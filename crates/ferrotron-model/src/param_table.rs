@@ -345,6 +345,12 @@ impl ParamTable {
         Ok(())
     }
 
+    /// Bytes of both storages held in memory ([`Storage::resident_bytes`]: pages a
+    /// ZeRO-3 trainer released are not).
+    pub fn resident_bytes(&self) -> usize {
+        self.storage.as_ref().map_or(0, Storage::resident_bytes) + self.frozen.resident_bytes()
+    }
+
     /// Bytes of the dense values: the trainable storage (padding included; 0 while lent
     /// out) and the frozen one.
     pub fn storage_bytes(&self) -> usize {

@@ -96,6 +96,32 @@ fn shared_embedding_gets_its_own_bucket() {
 }
 
 #[test]
+fn fsdp_units_never_share_a_bucket() {
+    let mut b = ParamAndGradBufferBuilder::new(BufferConfig::new(DType::F32, 2));
+    let unit = |fsdp_unit| ParamFlags {
+        fsdp_unit,
+        ..ParamFlags::default()
+    };
+    b.register("embedding", &[8, 4], unit(0)).unwrap();
+    b.register("layer0.a", &[4, 4], unit(1)).unwrap();
+    b.register("layer0.b", &[4], unit(1)).unwrap();
+    b.register("final_norm", &[4], unit(2)).unwrap();
+    let buf = b.build().unwrap();
+    // Reverse order: the head's unit, then layer 0's two parameters together, then the
+    // embedding; each bucket padded to lcm(2, 128).
+    let members: Vec<Vec<ParamId>> = buf.buckets().iter().map(|b| b.params.clone()).collect();
+    assert_eq!(
+        members,
+        vec![
+            vec![ParamId(3)],
+            vec![ParamId(2), ParamId(1)],
+            vec![ParamId(0)]
+        ]
+    );
+    assert!(buf.buckets().iter().all(|b| b.range().len() % 128 == 0));
+}
+
+#[test]
 fn default_bucket_size_is_megatrons() {
     assert_eq!(default_bucket_size(1), 40_000_000);
     assert_eq!(default_bucket_size(64), 64_000_000);

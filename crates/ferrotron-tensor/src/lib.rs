@@ -17,6 +17,7 @@ pub mod gemm;
 pub mod gemm_bf16;
 pub mod gemv;
 pub mod ops;
+pub mod pages;
 pub mod peak;
 pub mod quant;
 mod storage;

@@ -77,6 +77,39 @@ impl Storage {
         self.view(range).copy_to_f32(out);
     }
 
+    /// The elements as bytes (what parameter collectives move).
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Storage::F32(v) => bytemuck::cast_slice(v),
+            Storage::BF16(v) => bytemuck::cast_slice(v),
+            Storage::F16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// The elements as bytes, mutable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Storage::F32(v) => bytemuck::cast_slice_mut(v),
+            Storage::BF16(v) => bytemuck::cast_slice_mut(v),
+            Storage::F16(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+
+    /// Zeroes the elements in `range` and gives their whole pages back to the operating
+    /// system ([`crate::pages::release`]).
+    ///
+    /// # Panics
+    /// When `range` leaves the storage.
+    pub fn release(&mut self, range: Range<usize>) {
+        let elem = self.dtype().size_in_bytes();
+        crate::pages::release(&mut self.as_bytes_mut()[range.start * elem..range.end * elem]);
+    }
+
+    /// Bytes of the storage held in memory ([`crate::pages::resident_bytes`]).
+    pub fn resident_bytes(&self) -> usize {
+        crate::pages::resident_bytes(self.as_bytes())
+    }
+
     /// Writes f32 values into `range`, rounding to nearest-even for bf16/f16.
     ///
     /// # Panics

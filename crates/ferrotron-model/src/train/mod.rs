@@ -302,8 +302,10 @@ fn to_seq_major<T: Copy>(x: &[T], b: usize, s: usize) -> Vec<T> {
 /// last.
 pub trait GradReady {
     /// `params` (indices in the order of [`GptModel::parameters`]) will not change any more
-    /// in this call; `grads` are all gradients, readable.
-    fn ready(&mut self, params: &[usize], grads: &[&mut [f32]]);
+    /// in this call; `grads` are all gradients. The hook may take their values and zero
+    /// them (ZeRO-2 reduce-scatters them away after each micro-batch); the call goes on
+    /// accumulating into the others.
+    fn ready(&mut self, params: &[usize], grads: &mut [&mut [f32]]);
 }
 
 /// A [`GradReady`] that ignores everything.
@@ -311,7 +313,7 @@ pub trait GradReady {
 pub struct NoGradHook;
 
 impl GradReady for NoGradHook {
-    fn ready(&mut self, _: &[usize], _: &[&mut [f32]]) {}
+    fn ready(&mut self, _: &[usize], _: &mut [&mut [f32]]) {}
 }
 
 /// The loss of one [`GptModel::forward_backward`] call.

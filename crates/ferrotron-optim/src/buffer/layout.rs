@@ -143,6 +143,12 @@ pub struct ParamFlags {
     /// own).
     #[serde(default)]
     pub expert_parallel: bool,
+    /// The FSDP unit of a ZeRO-2/3 layout (Megatron-FSDP's `fsdp_unit_modules`: the
+    /// embedding, a transformer layer, the output head), numbered in model order: a bucket
+    /// never holds two units, so a unit's gradients are reduce-scattered and its parameters
+    /// all-gathered together, bucket by bucket. 0 for every parameter otherwise.
+    #[serde(default)]
+    pub fsdp_unit: u32,
 }
 
 impl ParamFlags {
@@ -280,6 +286,7 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
     let mut param_start = 0usize;
     let mut param_end = 0usize;
     let mut bucket_expert = false;
+    let mut bucket_unit = 0u32;
 
     let order: Vec<usize> = if config.reverse_order {
         (0..params.len()).rev().collect()
@@ -296,8 +303,9 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
             param_start = pad_to(param_start, PARAM_START_ALIGN);
         }
         let own_bucket = pad && flags.shared_embedding;
-        // Expert-parallel parameters and the others never share a bucket.
-        let switch = flags.expert_parallel != bucket_expert;
+        // Expert-parallel parameters and the others never share a bucket, nor do two FSDP
+        // units.
+        let switch = flags.expert_parallel != bucket_expert || flags.fsdp_unit != bucket_unit;
         if (own_bucket || switch) && !bucket_params.is_empty() {
             param_start = close_bucket(
                 &mut buckets,
@@ -308,6 +316,7 @@ pub(crate) fn compute_layout(config: &BufferConfig, params: &[(usize, ParamFlags
             );
         }
         bucket_expert = flags.expert_parallel;
+        bucket_unit = flags.fsdp_unit;
         param_end = param_start + numel;
         placements[id] = (param_start, Some(buckets.len()));
         bucket_params.push(ParamId(id));

@@ -18,20 +18,22 @@
 use std::sync::Arc;
 
 use ferrotron_comm::{AsyncComm, Collectives, CommError, Communicator, ReduceOp, SingleRankComm};
-use ferrotron_optim::{GradStatsReduce, OptimError, ParamAndGradBuffer, ParamStorage};
+use ferrotron_optim::{GradStatsReduce, OptimError, ParamAndGradBuffer};
 use half::bf16;
 
+use super::sharding::ShardingStrategy;
 use super::{Result, TrainError};
 
 /// The data-parallel group of a trainer and how it shards the optimizer.
 #[derive(Clone)]
 pub struct DataParallel {
     comm: Arc<dyn Communicator>,
-    use_distributed_optimizer: bool,
+    /// What the ranks shard: `optim` is Megatron's `use_distributed_optimizer`.
+    sharding: ShardingStrategy,
     /// The group's progress thread, with `overlap_grad_reduce`.
     overlap: Option<Arc<AsyncComm>>,
     /// The parameter gathers' progress thread (on a duplicate group), with
-    /// `overlap_param_gather`.
+    /// `overlap_param_gather` or ZeRO-3.
     param_gather: Option<Arc<AsyncComm>>,
     /// Reduce gradients as bf16 (each rank's contribution rounded once, summed in f32)
     /// instead of f32: half the traffic (Megatron's `grad_reduce_in_fp32 = false`).
@@ -77,7 +79,7 @@ impl std::fmt::Debug for DataParallel {
         f.debug_struct("DataParallel")
             .field("rank", &self.comm.rank())
             .field("size", &self.comm.size())
-            .field("use_distributed_optimizer", &self.use_distributed_optimizer)
+            .field("sharding", &self.sharding)
             .field("overlap_grad_reduce", &self.overlap.is_some())
             .field("overlap_param_gather", &self.param_gather.is_some())
             .finish()
@@ -94,7 +96,7 @@ impl DataParallel {
     pub fn new(comm: Arc<dyn Communicator>, use_distributed_optimizer: bool) -> Self {
         DataParallel {
             comm,
-            use_distributed_optimizer,
+            sharding: ShardingStrategy::from_distributed_optimizer(use_distributed_optimizer),
             overlap: None,
             param_gather: None,
             grad_reduce_in_bf16: false,
@@ -183,6 +185,11 @@ impl DataParallel {
         Ok(self)
     }
 
+    /// Whether gradients are reduced as bf16 (`grad_reduce_in_fp32 = false`).
+    pub(super) fn grad_reduce_in_bf16(&self) -> bool {
+        self.grad_reduce_in_bf16
+    }
+
     /// The progress threads of `overlap_grad_reduce`, if on.
     pub(super) fn overlap_comms(&self) -> Option<BucketComms<'_>> {
         self.bucket_comms(self.overlap.as_deref(), |g| g.overlap.as_deref())
@@ -210,12 +217,27 @@ impl DataParallel {
     /// Without the distributed optimizer, or the duplicate group or its thread could not be
     /// made.
     pub fn with_overlap_param_gather(mut self) -> Result<Self> {
-        if !self.use_distributed_optimizer {
+        if !self.sharding.shards_optimizer() {
             return Err(TrainError::Config(
                 "overlap_param_gather needs use_distributed_optimizer".into(),
             ));
         }
-        if self.size() > 1 {
+        if self.sharding.shards_params() {
+            return Err(TrainError::Config(
+                "overlap_param_gather does not apply to data_parallel_sharding_strategy = \
+                 optim_grads_params, which gathers parameters unit by unit (prefetching)"
+                    .into(),
+            ));
+        }
+        self.start_param_gather_thread()?;
+        self.start_expert_threads()?;
+        Ok(self)
+    }
+
+    /// The parameter gathers' progress thread on a duplicate of the group, unless there is
+    /// one already or the group has one rank. Collective over the group.
+    fn start_param_gather_thread(&mut self) -> Result<()> {
+        if self.size() > 1 && self.param_gather.is_none() {
             let dup = self
                 .comm
                 .split(Some(0), self.rank())
@@ -223,12 +245,51 @@ impl DataParallel {
                 .ok_or_else(|| TrainError::Comm("duplicating the data-parallel group".into()))?;
             self.param_gather = Some(Arc::new(AsyncComm::new(dup).map_err(comm_err)?));
         }
-        self.start_expert_threads()?;
+        Ok(())
+    }
+
+    /// Megatron-FSDP's `data_parallel_sharding_strategy` (see [`ShardingStrategy`]; `optim`
+    /// is `use_distributed_optimizer`). ZeRO-3 gathers parameters on a progress thread of
+    /// its own (over a duplicate of the group), prefetching the next unit. Collective over
+    /// the group.
+    ///
+    /// # Errors
+    /// ZeRO-2/3 under expert parallelism or with `overlap_param_gather` (not supported:
+    /// Megatron-FSDP shards expert parameters over their own group), or the thread could
+    /// not start.
+    pub fn with_sharding_strategy(mut self, sharding: ShardingStrategy) -> Result<Self> {
+        if sharding.shards_grads() && self.experts.is_some() {
+            return Err(TrainError::Config(format!(
+                "not supported yet: data_parallel_sharding_strategy = {sharding} under expert \
+                 parallelism"
+            )));
+        }
+        if sharding.shards_params() && self.param_gather.is_some() {
+            return Err(TrainError::Config(
+                "overlap_param_gather does not apply to data_parallel_sharding_strategy = \
+                 optim_grads_params, which gathers parameters unit by unit (prefetching)"
+                    .into(),
+            ));
+        }
+        self.sharding = sharding;
+        if sharding.shards_params() {
+            self.start_param_gather_thread()?;
+        }
         Ok(self)
+    }
+
+    /// The parameter gathers' progress thread of ZeRO-3 (`None` on a group of one).
+    pub(super) fn unit_gather_comm(&self) -> Option<&AsyncComm> {
+        self.param_gather
+            .as_deref()
+            .filter(|_| self.sharding.shards_params())
     }
 
     /// The progress threads of `overlap_param_gather`, if on.
     pub(super) fn param_gather_comms(&self) -> Option<BucketComms<'_>> {
+        if self.sharding.shards_params() {
+            return None;
+        }
         self.bucket_comms(self.param_gather.as_deref(), |g| g.param_gather.as_deref())
     }
 
@@ -247,9 +308,14 @@ impl DataParallel {
         self.comm.size()
     }
 
-    /// Whether the optimizer state is sharded (ZeRO-1).
+    /// Whether the optimizer state is sharded (ZeRO-1 and up).
     pub fn use_distributed_optimizer(&self) -> bool {
-        self.use_distributed_optimizer
+        self.sharding.shards_optimizer()
+    }
+
+    /// What the ranks shard.
+    pub fn sharding_strategy(&self) -> ShardingStrategy {
+        self.sharding
     }
 
     /// The group.
@@ -285,7 +351,7 @@ impl DataParallel {
             let (params, _) = buffer.data_mut();
             return self
                 .comm
-                .broadcast_bytes(storage_bytes(params), 0)
+                .broadcast_bytes(params.as_bytes_mut(), 0)
                 .map_err(comm_err);
         }
         let buckets: Vec<_> = buffer
@@ -295,7 +361,7 @@ impl DataParallel {
             .collect();
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
-        let bytes = storage_bytes(params);
+        let bytes = params.as_bytes_mut();
         for (r, comm) in buckets {
             comm.broadcast_bytes(&mut bytes[r.start * elem..r.end * elem], 0)
                 .map_err(comm_err)?;
@@ -337,7 +403,7 @@ impl DataParallel {
         comm: &dyn Communicator,
         grads: &mut [T],
     ) -> Result<()> {
-        if self.use_distributed_optimizer {
+        if self.use_distributed_optimizer() {
             comm.reduce_scatter_in_place(grads, ReduceOp::Sum)
         } else {
             comm.all_reduce(grads, ReduceOp::Sum)
@@ -348,7 +414,7 @@ impl DataParallel {
     /// Step 4 (distributed optimizer): every bucket's parameters gathered from the ranks
     /// that own its shards.
     pub(super) fn gather_params(&self, buffer: &mut ParamAndGradBuffer) -> Result<()> {
-        if self.size() == 1 || !self.use_distributed_optimizer {
+        if self.size() == 1 || !self.use_distributed_optimizer() {
             return Ok(());
         }
         let ranges: Vec<_> = buffer
@@ -358,7 +424,7 @@ impl DataParallel {
             .collect();
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
-        let bytes = storage_bytes(params);
+        let bytes = params.as_bytes_mut();
         for (r, comm) in ranges {
             if comm.size() > 1 {
                 comm.all_gather_bytes(&mut bytes[r.start * elem..r.end * elem])
@@ -382,7 +448,7 @@ impl DataParallel {
     /// expert-parallel rank counts them; with the distributed optimizer every rank counts
     /// its own shard of them).
     pub(super) fn skips_expert_replicas(&self, ep_rank: usize) -> bool {
-        self.experts.is_some() && !self.use_distributed_optimizer && ep_rank > 0
+        self.experts.is_some() && !self.use_distributed_optimizer() && ep_rank > 0
     }
 
     /// The optimizer's cross-rank reductions (grad-norm partials, fp16 inf flag): over
@@ -400,10 +466,10 @@ impl DataParallel {
         comms.extend(pipeline.filter(|c| c.size() > 1));
         // Without the distributed optimizer the ranks of an expert-parallel group hold other
         // experts' gradients; with it the data-parallel sum below covers them.
-        if !self.use_distributed_optimizer {
+        if !self.use_distributed_optimizer() {
             comms.extend(self.experts.as_ref().map(|g| &*g.expert));
         }
-        if self.use_distributed_optimizer && self.size() > 1 {
+        if self.use_distributed_optimizer() && self.size() > 1 {
             comms.push(&*self.comm);
         }
         StatsReduce { comms }
@@ -433,14 +499,5 @@ impl GradStatsReduce for StatsReduce<'_> {
     }
     fn all_reduce_max(&mut self, local: f64) -> ferrotron_optim::Result<f64> {
         self.reduce(local, ReduceOp::Max)
-    }
-}
-
-/// The parameter storage as bytes (what the all-gathers move).
-pub(super) fn storage_bytes(params: &mut ParamStorage) -> &mut [u8] {
-    match params {
-        ParamStorage::F32(v) => bytemuck::cast_slice_mut(v),
-        ParamStorage::BF16(v) => bytemuck::cast_slice_mut(v),
-        ParamStorage::F16(v) => bytemuck::cast_slice_mut(v),
     }
 }

@@ -28,16 +28,19 @@ mod dpo;
 mod evaluate;
 mod flops;
 mod full_state;
+mod grad_shards;
 mod log;
 mod moe;
 mod offload;
 mod options;
 mod overlap;
 mod param_gather;
+mod param_shards;
 mod passes;
 mod pipeline_exec;
 mod run;
 mod sharded;
+mod sharding;
 mod step;
 
 pub use checkpoint::{LoadMode, SavePlan, TrainerState};
@@ -51,6 +54,7 @@ pub use offload::OffloadStats;
 pub use options::TrainerOptions;
 pub use pipeline_exec::PipelineParallel;
 pub use run::{TrainObserver, TrainSummary};
+pub use sharding::ShardingStrategy;
 pub use step::{StepStats, Trainer};
 
 use ferrotron_data::DatasetError;

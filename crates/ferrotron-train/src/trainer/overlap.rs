@@ -99,7 +99,7 @@ impl<'a> BucketOverlap<'a> {
 }
 
 impl GradReady for BucketOverlap<'_> {
-    fn ready(&mut self, params: &[usize], grads: &[&mut [f32]]) {
+    fn ready(&mut self, params: &[usize], grads: &mut [&mut [f32]]) {
         for &i in params {
             let (b, range) = match self.params.get(i) {
                 Some(Some(p)) => p.clone(),

@@ -19,7 +19,7 @@ use ferrotron_comm::{AsyncComm, CommHandle};
 use ferrotron_model::GptModel;
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 
-use super::data_parallel::{BucketComms, comm_err, storage_bytes};
+use super::data_parallel::{BucketComms, comm_err};
 use super::step::with_params_in_buffer;
 use super::{Result, TrainError};
 
@@ -47,7 +47,7 @@ impl ParamGather {
         let param_bucket = (0..n).map(|i| buffer.info(ParamId(i)).bucket_id).collect();
         let (params, _) = buffer.data_mut();
         let elem = params.dtype().size_in_bytes();
-        let bytes = storage_bytes(params);
+        let bytes = params.as_bytes_mut();
         let mut pending: Vec<Option<CommHandle<Vec<u8>>>> = ranges.iter().map(|_| None).collect();
         for (b, (r, comm)) in ranges.iter().enumerate().rev() {
             let mut staged = bytes[r.start * elem..r.end * elem].to_vec();
@@ -119,7 +119,7 @@ fn install_bucket(
     with_params_in_buffer(model, buffer, |buffer| {
         let (storage, _) = buffer.data_mut();
         let elem = storage.dtype().size_in_bytes();
-        let dst = &mut storage_bytes(storage)[range.start * elem..range.end * elem];
+        let dst = &mut storage.as_bytes_mut()[range.start * elem..range.end * elem];
         if dst.len() != gathered.len() {
             return Err(TrainError::Comm(format!(
                 "parameter bucket {b}: gathered {} bytes, expected {}",

@@ -4,6 +4,7 @@
 //! all-gather (Megatron's `forward_backward_func`, `finalize_model_grads` and
 //! `optimizer.step` inside `train_step`).
 
+use super::grad_shards::GradShards;
 use super::overlap::BucketOverlap;
 use super::param_gather::ParamGather;
 use super::step::with_params_in_buffer;
@@ -81,8 +82,10 @@ impl Trainer {
     }
 
     /// The pipeline schedule over `batches` (after the last step's parameter all-gathers:
-    /// the pipeline's forwards do not wait per layer), the tied embedding's gradient over
-    /// its two copies, then the data-parallel gradient reduction.
+    /// the pipeline's forwards do not wait per layer; under ZeRO-3 the stage's weights are
+    /// gathered whole for the schedule), the tied embedding's gradient over its two copies,
+    /// then the data-parallel gradient reduction (ZeRO-2/3: each backward's, into the
+    /// shards).
     pub(super) fn pipeline_pass(
         &mut self,
         pp: &PipelineParallel,
@@ -91,15 +94,35 @@ impl Trainer {
         loss_scale: f32,
     ) -> Result<Pass> {
         let gather_wait = self.finish_param_gather()?;
-        let sums = self.run_pipeline(pp, batches, total, loss_scale)?;
+        let dp = self.dp.clone();
+        let mut grad_shards = (dp.sharding_strategy().shards_grads())
+            // Reduced at once: the schedule's backwards are not followed by a wait.
+            .then(|| GradShards::new(&dp, &self.buffer, false));
+        let mut no_hook = NoGradHook;
+        let ready: &mut (dyn GradReady + Send) = match grad_shards.as_mut() {
+            Some(shards) => shards,
+            None => &mut no_hook,
+        };
+        let sums = self.run_pipeline(pp, batches, total, loss_scale, ready)?;
         let tokens = batches.iter().map(|b| b.tokens.len()).sum();
-        self.reduce_shared_embedding_grads(pp)?;
         let wait = Instant::now();
-        self.dp.reduce_grads(&mut self.buffer)?;
+        let comm_wait = match grad_shards {
+            // The tied embedding's sum over its two stages commutes with the reduction.
+            Some(shards) => {
+                let waited = shards.finish(&mut self.buffer, batches.len())?;
+                self.reduce_shared_embedding_grads(pp)?;
+                waited
+            }
+            None => {
+                self.reduce_shared_embedding_grads(pp)?;
+                self.dp.reduce_grads(&mut self.buffer)?;
+                wait.elapsed()
+            }
+        };
         Ok(Pass {
             loss_sum: sums.loss_sum,
             tokens,
-            comm_wait: wait.elapsed(),
+            comm_wait,
             gather_wait,
             dpo: sums.dpo,
             moe: sums.moe,
@@ -110,7 +133,10 @@ impl Trainer {
     /// Forward and backward of each micro-batch in turn, accumulating into the buffer with
     /// `loss_scale · tokens_i / total` (see [`Trainer::train_step`]), then the data-parallel
     /// gradient reduction; with `overlap_grad_reduce` the last micro-batch's backward starts
-    /// each bucket's reduction as its gradients become final.
+    /// each bucket's reduction as its gradients become final. Under ZeRO-2/3 every
+    /// micro-batch's backward reduce-scatters its buckets into this rank's shards
+    /// ([`GradShards`]), and under ZeRO-3 each layer group's parameters are gathered around
+    /// its passes ([`super::param_shards::ParamShards::forward_backward`]).
     pub(super) fn local_pass(
         &mut self,
         batches: &[TrainBatch],
@@ -118,9 +144,14 @@ impl Trainer {
         loss_scale: f32,
     ) -> Result<Pass> {
         let distributed = self.dp.use_distributed_optimizer();
-        let mut overlap = self
-            .dp
+        let dp = &self.dp;
+        let mut grad_shards = dp
+            .sharding_strategy()
+            .shards_grads()
+            .then(|| GradShards::new(dp, &self.buffer, true));
+        let mut overlap = dp
             .overlap_comms()
+            .filter(|_| grad_shards.is_none())
             .map(|c| BucketOverlap::new(c, distributed, &self.buffer));
         let last = batches.len() - 1;
         let (mut loss_sum, mut tokens, mut gather_wait) = (0.0, 0, Duration::ZERO);
@@ -134,19 +165,33 @@ impl Trainer {
                 0.0
             };
             let mut no_hook = NoGradHook;
-            let ready: &mut (dyn GradReady + Send) = match overlap.as_mut() {
-                Some(hook) if k == last => hook,
+            let ready: &mut (dyn GradReady + Send) = match (grad_shards.as_mut(), overlap.as_mut())
+            {
+                (Some(shards), _) => shards,
+                (None, Some(hook)) if k == last => hook,
                 _ => &mut no_hook,
             };
-            let gather = self.param_gather.take();
-            let (stats, waited) = micro_batch_pass(
-                &mut self.model,
-                &mut self.buffer,
-                gather,
-                batch,
-                scale,
-                ready,
-            )?;
+            let (stats, waited) = match self.param_shards.as_mut() {
+                Some(shards) => shards.forward_backward(
+                    dp.unit_gather_comm(),
+                    &mut self.model,
+                    &mut self.buffer,
+                    batch,
+                    scale,
+                    ready,
+                )?,
+                None => micro_batch_pass(
+                    &mut self.model,
+                    &mut self.buffer,
+                    self.param_gather.take(),
+                    batch,
+                    scale,
+                    ready,
+                )?,
+            };
+            if let Some(shards) = grad_shards.as_mut() {
+                shards.end_micro_batch()?;
+            }
             gather_wait += waited;
             activation_peak = activation_peak.max(stats.activation_peak_bytes);
             loss_sum += stats.loss_sum;
@@ -156,9 +201,10 @@ impl Trainer {
             }
             tokens += batch.tokens.len();
         }
-        let comm_wait = match overlap {
-            Some(hook) => hook.finish(&mut self.buffer)?,
-            None => {
+        let comm_wait = match (grad_shards, overlap) {
+            (Some(shards), _) => shards.finish(&mut self.buffer, batches.len())?,
+            (None, Some(hook)) => hook.finish(&mut self.buffer)?,
+            (None, None) => {
                 let wait = Instant::now();
                 self.dp.reduce_grads(&mut self.buffer)?;
                 wait.elapsed()
@@ -200,7 +246,8 @@ impl Trainer {
                 let mut reduce = dp.stats_reduce(tp.as_deref(), pp.as_ref().map(|p| &**p.comm()));
                 let out = optimizer.step_with(buffer, lr, weight_decay, &mut reduce)?;
                 let (mut gather, mut waited) = (None, Duration::ZERO);
-                if out.update_successful {
+                // ZeRO-3 gathers the updated weights unit by unit in the next pass.
+                if out.update_successful && !dp.sharding_strategy().shards_params() {
                     match dp.param_gather_comms() {
                         Some(comm) => gather = Some(ParamGather::launch(comm, buffer)),
                         None => {
@@ -215,6 +262,10 @@ impl Trainer {
         if out.update_successful {
             self.param_gather = gather;
             self.scheduler.step(1);
+            // The other ranks' parts of the weights are stale now.
+            if let Some(shards) = self.param_shards.as_mut() {
+                shards.release_all(&mut self.model)?;
+            }
         }
         Ok((out, gather_wait))
     }

@@ -15,7 +15,8 @@ use std::sync::Arc;
 
 use ferrotron_comm::{Collectives, Communicator, ReduceOp};
 use ferrotron_model::{
-    DpoStats, GptModel, LossStats, MoeLosses, Objective, StageForward, StageLogps, TrainBatch,
+    DpoStats, GptModel, GradReady, LossStats, MoeLosses, Objective, StageForward, StageLogps,
+    TrainBatch,
 };
 
 use super::data_parallel::comm_err;
@@ -193,7 +194,8 @@ fn pairs(batches: &[TrainBatch]) -> bool {
 impl Trainer {
     /// Runs this stage's 1F1B program (interleaved when the stage holds several model
     /// chunks) over `batches` (every stage gets the same micro-batches; only the first reads
-    /// tokens and the last labels), accumulating the stage's gradients. Returns the loss sum
+    /// tokens and the last labels), accumulating the stage's gradients (`ready` hears as
+    /// each backward finishes them). Returns the loss sum
     /// (`Σ mask·CE`) and the pairs' statistics, shared over the pipeline group so every stage
     /// reports them.
     pub(super) fn run_pipeline(
@@ -202,6 +204,7 @@ impl Trainer {
         batches: &[TrainBatch],
         total: f64,
         loss_scale: f32,
+        ready: &mut (dyn GradReady + Send),
     ) -> Result<PipelineSums> {
         let place = pp.rank(self.model.num_chunks());
         let program = if place.vp > 1 {
@@ -255,9 +258,13 @@ impl Trainer {
                     let state = take(&mut states, (mb, chunk), "forward before the backward")?;
                     let mut grads = self.buffer.grad_slices_mut();
                     let dout = douts.remove(&(mb, chunk));
-                    let din = self
-                        .model
-                        .stage_backward(&batches[mb], state, &mut grads, dout)?;
+                    let din = self.model.stage_backward_with(
+                        &batches[mb],
+                        state,
+                        &mut grads,
+                        dout,
+                        ready,
+                    )?;
                     if let Some(d) = din {
                         dins.insert((mb, chunk), d);
                     }

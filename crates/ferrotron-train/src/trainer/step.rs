@@ -5,6 +5,8 @@
 
 use super::data_parallel::DataParallel;
 use super::param_gather::ParamGather;
+use super::param_shards::ParamShards;
+use super::sharding::fsdp_units;
 use super::{Result, TrainError, TrainerOptions};
 use ferrotron_data::MicroBatch;
 use ferrotron_model::GptModel;
@@ -62,6 +64,8 @@ pub struct Trainer {
     pub(super) pp: Option<super::PipelineParallel>,
     /// The last step's parameter all-gathers still in flight (`overlap_param_gather`).
     pub(super) param_gather: Option<ParamGather>,
+    /// ZeRO-3's sharded parameter storage (`optim_grads_params`).
+    pub(super) param_shards: Option<ParamShards>,
     /// DPO's frozen reference model ([`super::DpoReference::FrozenCopy`]).
     pub(super) dpo_reference: Option<GptModel>,
     /// The largest activation peak of any step so far (the offload auto policy's non-model
@@ -148,6 +152,8 @@ impl Trainer {
         // parameters are copies of the first expert-parallel rank's: only it counts them.
         let ep_rank = model.expert_parallel().map_or(0, |e| e.shard().rank);
         let skip_copies = dp.skips_expert_replicas(ep_rank);
+        let sharding = dp.sharding_strategy();
+        let units = sharding.shards_grads().then(|| fsdp_units(&model));
         for (i, p) in model.parameters().into_iter().enumerate() {
             let expert = model.is_expert_param(i);
             let flags = ParamFlags {
@@ -157,6 +163,7 @@ impl Trainer {
                     || (skip_copies && !expert),
                 frozen: p.frozen,
                 expert_parallel: model.expert_parallel().is_some() && expert,
+                fsdp_unit: units.as_ref().map_or(0, |u| u[i]),
                 ..ParamFlags::default()
             };
             builder.register(&p.name, &p.shape, flags)?;
@@ -175,6 +182,15 @@ impl Trainer {
             new_optimizer(&options, buffer, &dp)
         })?;
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
+        // ZeRO-3: from here on a rank holds its shards of the weights only.
+        let param_shards = match sharding.shards_params() {
+            true => {
+                let mut shards = ParamShards::new(&model, &buffer, dp.rank(), dp.size());
+                shards.release_all(&mut model)?;
+                Some(shards)
+            }
+            false => None,
+        };
         let trainer = Trainer {
             model,
             options,
@@ -188,6 +204,7 @@ impl Trainer {
             dp,
             pp: None,
             param_gather: None,
+            param_shards,
             dpo_reference,
             non_model_peak: 0,
         };
@@ -244,6 +261,19 @@ impl Trainer {
     pub fn model_state_bytes(&self) -> usize {
         self.model.param_table().storage_bytes()
             + std::mem::size_of_val(self.buffer.grads())
+            + self.optimizer.adam().state_bytes()
+    }
+
+    /// Bytes of model state this rank holds in memory, measured: the resident pages of the
+    /// parameter storage and of the gradient buffer
+    /// ([`ferrotron_tensor::pages::resident_bytes`]) and the optimizer state. This is where
+    /// ZeRO-2/3 differ from [`Trainer::model_state_bytes`]: their full-size gradient buffer
+    /// and (ZeRO-3) parameter storage hold only this rank's shards between passes, so per
+    /// parameter `2 + (4 + 12)/dp` (ZeRO-2) or `(2 + 4 + 12)/dp` (ZeRO-3) bytes with bf16
+    /// weights, plus up to a page at each shard's ends.
+    pub fn resident_model_state_bytes(&self) -> usize {
+        self.model.param_table().resident_bytes()
+            + ferrotron_tensor::pages::resident_bytes(self.buffer.grads())
             + self.optimizer.adam().state_bytes()
     }
 
@@ -312,7 +342,12 @@ impl Trainer {
         let (batches, total) = self.global_batch(micro_batches)?;
         // fp16: backpropagate the loss times the scaler's scale; the optimizer unscales.
         let loss_scale = self.optimizer.loss_scale();
-        self.buffer.zero_grad();
+        if self.dp.sharding_strategy().shards_grads() {
+            // ZeRO-2/3: zeroed without making the pages resident.
+            ferrotron_tensor::pages::release(self.buffer.grads_mut());
+        } else {
+            self.buffer.zero_grad();
+        }
         let pass = match self.pp.clone() {
             Some(pp) => self.pipeline_pass(&pp, &batches, total, loss_scale)?,
             None => self.local_pass(&batches, total, loss_scale)?,
@@ -354,9 +389,18 @@ impl Trainer {
     /// [`Trainer::gather_model_parameters`] refuse to run without it. Collective over the
     /// data-parallel group. Returns the time spent waiting.
     ///
+    /// Under ZeRO-3 (`optim_grads_params`) it gathers every bucket of the sharded weights
+    /// (the model whole until the next training pass releases them unit by unit); until
+    /// then the model holds zeros outside this rank's shard.
+    ///
     /// # Errors
     /// A failed all-gather.
     pub fn finish_param_gather(&mut self) -> Result<Duration> {
+        if let Some(shards) = self.param_shards.as_mut()
+            && !shards.is_whole()
+        {
+            return shards.gather_all(self.dp.unit_gather_comm(), &mut self.model);
+        }
         match self.param_gather.take() {
             Some(gather) => gather.finish(&mut self.buffer, &mut self.model),
             None => Ok(Duration::ZERO),
@@ -366,6 +410,12 @@ impl Trainer {
     /// Errors while parameter all-gathers are in flight (see
     /// [`Trainer::finish_param_gather`]).
     pub(super) fn require_params_current(&self, what: &str) -> Result<()> {
+        if self.param_shards.as_ref().is_some_and(|s| !s.is_whole()) {
+            return Err(TrainError::Config(format!(
+                "{what}: the parameters are sharded (data_parallel_sharding_strategy = \
+                 optim_grads_params); call finish_param_gather first"
+            )));
+        }
         if self.param_gather.is_some() {
             return Err(TrainError::Config(format!(
                 "{what}: the last step's parameter all-gathers are still in flight \

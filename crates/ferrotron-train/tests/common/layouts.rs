@@ -155,6 +155,9 @@ pub struct Layout {
     pub cp: usize,
     /// `cp_comm_type` when `cp > 1`.
     pub cp_comm_type: ferrotron_nn::CpCommType,
+    /// `data_parallel_sharding_strategy` when not `no_shard` (then it decides over
+    /// `distributed`).
+    pub sharding: ferrotron_train::trainer::ShardingStrategy,
 }
 
 impl Layout {
@@ -193,6 +196,9 @@ impl Layout {
         // Gradients over data x context parallelism, as `ferrotron train` reduces them.
         let mut group = DataParallel::new(groups.data_context.clone(), self.distributed)
             .with_expert_parallel(groups.expert_data.clone(), groups.expert.clone())?;
+        if self.sharding != ferrotron_train::trainer::ShardingStrategy::NoShard {
+            group = group.with_sharding_strategy(self.sharding)?;
+        }
         if self.overlap {
             group = group.with_overlap_grad_reduce()?;
         }

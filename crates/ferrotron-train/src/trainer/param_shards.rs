@@ -1,0 +1,273 @@
+//! ZeRO-3 parameters (Megatron-FSDP's `optim_grads_params`, PyTorch FSDP's `FULL_SHARD`):
+//! between uses a rank holds only its shard of every bucket of the parameter storage — the
+//! shard its optimizer updates — and the rest of the storage's pages are given back to the
+//! system ([`ferrotron_tensor::Storage::release`]; the model's views keep pointing at them,
+//! as FSDP keeps a parameter whose storage it resized to 0).
+//!
+//! A micro-batch runs one layer group ([`GptModel::layer_groups`]) at a time: before a
+//! group's forward its buckets are all-gathered (Megatron-FSDP's pre-forward hook) while the
+//! next group's gathers are already submitted to the progress thread (prefetch), and after
+//! it they are released unless the next group reads them; the backward walks the groups in
+//! reverse, gathering each again (a full-recompute group re-runs its forward inside its own
+//! backward, so it finds its parameters there) and prefetching the one before. A group
+//! reads the buckets of its own parameters, the embedding's on the first group and the
+//! head's on the last (with a tied output layer, the embedding's again). At most two
+//! groups' parameters are whole at a time, as in Megatron-FSDP.
+//!
+//! Outside a training pass the weights are gathered whole by
+//! [`Trainer::finish_param_gather`](super::Trainer::finish_param_gather) (validation,
+//! checkpoints, the end of training); the next pass releases them again as it goes.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use ferrotron_comm::{AsyncComm, CommHandle};
+use ferrotron_model::{GptModel, GradReady, LossStats, MoeLosses, TrainBatch};
+use ferrotron_optim::{ParamAndGradBuffer, ParamId};
+use ferrotron_tensor::Storage;
+
+use super::data_parallel::comm_err;
+use super::{Result, TrainError};
+
+/// Where a bucket's values are.
+enum State {
+    /// Only this rank's shard is held; the rest reads as zeros.
+    Sharded,
+    /// The all-gather is on the progress thread.
+    InFlight(CommHandle<Vec<u8>>),
+    /// The whole bucket holds the current values.
+    Gathered,
+}
+
+/// One bucket of the parameter storage.
+struct Bucket {
+    /// Element range in the storage.
+    range: Range<usize>,
+    /// This rank's shard, elements, absolute.
+    shard: Range<usize>,
+    state: State,
+}
+
+/// The sharded parameter storage of a ZeRO-3 trainer and which buckets each layer group
+/// reads.
+pub(super) struct ParamShards {
+    buckets: Vec<Bucket>,
+    /// [`GptModel::layer_groups`] of the model.
+    groups: Vec<Range<usize>>,
+    /// Per group: the buckets its forward and backward read, ascending.
+    reads: Vec<Vec<usize>>,
+}
+
+impl ParamShards {
+    /// The buckets of `buffer` (laid out with FSDP units, see
+    /// [`super::sharding::fsdp_units`]) sharded over `size` ranks as rank `rank`; every
+    /// bucket starts whole ([`State::Gathered`]: the storage holds the broadcast weights).
+    pub(super) fn new(
+        model: &GptModel,
+        buffer: &ParamAndGradBuffer,
+        rank: usize,
+        size: usize,
+    ) -> ParamShards {
+        let buckets = buffer
+            .buckets()
+            .iter()
+            .map(|b| Bucket {
+                range: b.start..b.end,
+                shard: b.shard_range(rank, size),
+                state: State::Gathered,
+            })
+            .collect();
+        let bucket_of = |i: usize| buffer.info(ParamId(i)).bucket_id;
+        let groups = model.layer_groups();
+        let last = groups.len().saturating_sub(1);
+        let output = model.layout().output_weight().map(|id| id.index());
+        let reads = groups
+            .iter()
+            .enumerate()
+            .map(|(g, layers)| {
+                let mut reads: Vec<usize> = model
+                    .part_params(layers.clone())
+                    .chain(output.filter(|_| g == last))
+                    .filter_map(bucket_of)
+                    .collect();
+                reads.sort_unstable();
+                reads.dedup();
+                reads
+            })
+            .collect();
+        ParamShards {
+            buckets,
+            groups,
+            reads,
+        }
+    }
+
+    /// Whether every bucket holds its current values.
+    pub(super) fn is_whole(&self) -> bool {
+        self.buckets
+            .iter()
+            .all(|b| matches!(b.state, State::Gathered))
+    }
+
+    /// Gathers every bucket (the weights whole in the model). Returns the time waited.
+    ///
+    /// # Errors
+    /// A failed all-gather.
+    pub(super) fn gather_all(
+        &mut self,
+        comm: Option<&AsyncComm>,
+        model: &mut GptModel,
+    ) -> Result<Duration> {
+        let all: Vec<usize> = (0..self.buckets.len()).collect();
+        self.gather(&all, &[], comm, model)
+    }
+
+    /// Releases every bucket but this rank's shards (after an optimizer step, whose update
+    /// the other ranks' parts do not have yet).
+    ///
+    /// # Errors
+    /// The storage is lent out (a bug).
+    pub(super) fn release_all(&mut self, model: &mut GptModel) -> Result<()> {
+        let all: Vec<usize> = (0..self.buckets.len()).collect();
+        self.release(&all, &[], model)
+    }
+
+    /// Makes the buckets `need` whole: submits their gathers and those of `prefetch`
+    /// (where not whole or in flight yet), then waits for `need`'s and writes them into the
+    /// storage. Without a progress thread (one rank) every bucket is whole already. Returns
+    /// the time waited.
+    fn gather(
+        &mut self,
+        need: &[usize],
+        prefetch: &[usize],
+        comm: Option<&AsyncComm>,
+        model: &mut GptModel,
+    ) -> Result<Duration> {
+        let Some(comm) = comm else {
+            return Ok(Duration::ZERO);
+        };
+        with_storage(model, |storage| {
+            for &b in need.iter().chain(prefetch) {
+                self.submit(b, comm, storage);
+            }
+            let start = Instant::now();
+            for &b in need {
+                let bucket = &mut self.buckets[b];
+                if let State::InFlight(handle) =
+                    std::mem::replace(&mut bucket.state, State::Gathered)
+                {
+                    let gathered = handle.wait().map_err(comm_err)?;
+                    let elem = storage.dtype().size_in_bytes();
+                    let r = &bucket.range;
+                    let dst = &mut storage.as_bytes_mut()[r.start * elem..r.end * elem];
+                    if dst.len() != gathered.len() {
+                        return Err(TrainError::Comm(format!(
+                            "parameter bucket {b}: gathered {} bytes, expected {}",
+                            gathered.len(),
+                            dst.len()
+                        )));
+                    }
+                    dst.copy_from_slice(&gathered);
+                }
+            }
+            Ok(start.elapsed())
+        })?
+    }
+
+    /// Submits the all-gather of bucket `b` unless it is whole or in flight: a zeroed
+    /// bucket-sized buffer with this rank's shard in place (never reading the released
+    /// pages).
+    fn submit(&mut self, b: usize, comm: &AsyncComm, storage: &Storage) {
+        let bucket = &mut self.buckets[b];
+        if !matches!(bucket.state, State::Sharded) {
+            return;
+        }
+        let elem = storage.dtype().size_in_bytes();
+        let (r, s) = (&bucket.range, &bucket.shard);
+        let mut staged = vec![0u8; r.len() * elem];
+        staged[(s.start - r.start) * elem..(s.end - r.start) * elem]
+            .copy_from_slice(&storage.as_bytes()[s.start * elem..s.end * elem]);
+        bucket.state =
+            State::InFlight(comm.submit(move |c| c.all_gather_bytes(&mut staged).map(|()| staged)));
+    }
+
+    /// Releases the buckets of `done` that are not in `keep` (all but this rank's shard).
+    fn release(&mut self, done: &[usize], keep: &[usize], model: &mut GptModel) -> Result<()> {
+        with_storage(model, |storage| {
+            for &b in done.iter().filter(|b| !keep.contains(b)) {
+                let bucket = &mut self.buckets[b];
+                if let State::InFlight(handle) =
+                    std::mem::replace(&mut bucket.state, State::Sharded)
+                {
+                    // Its values are not needed; the collective must still complete.
+                    handle.wait().map_err(comm_err)?;
+                }
+                storage.release(bucket.range.start..bucket.shard.start);
+                storage.release(bucket.shard.end..bucket.range.end);
+            }
+            Ok(())
+        })?
+    }
+
+    /// One micro-batch's forward and backward group by group, each group's buckets whole
+    /// only around its passes (see the module doc); the same values as
+    /// [`GptModel::forward_backward_with`]. Returns the loss and the time waited for
+    /// gathers.
+    ///
+    /// # Errors
+    /// A model or communication failure.
+    pub(super) fn forward_backward(
+        &mut self,
+        comm: Option<&AsyncComm>,
+        model: &mut GptModel,
+        buffer: &mut ParamAndGradBuffer,
+        batch: &TrainBatch,
+        scale: f32,
+        ready: &mut (dyn GradReady + Send),
+    ) -> Result<(LossStats, Duration)> {
+        let n = self.groups.len();
+        let (mut states, mut waited) = (Vec::with_capacity(n), Duration::ZERO);
+        let (mut x, mut loss) = (None, None);
+        let mut moe = MoeLosses::default();
+        for g in 0..n {
+            let next = self.reads.get(g + 1).cloned().unwrap_or_default();
+            waited += self.gather(&self.reads[g].clone(), &next, comm, model)?;
+            let mut state = model.part_forward(batch, self.groups[g].clone(), x.take(), scale)?;
+            moe.add(&state.moe_losses());
+            match state.loss() {
+                Some(l) => loss = Some(l),
+                None => x = Some(state.take_output()),
+            }
+            states.push(state);
+            if g + 1 < n {
+                self.release(&self.reads[g].clone(), &next, model)?;
+            }
+        }
+        let mut dout = None;
+        for (g, state) in states.into_iter().enumerate().rev() {
+            let before = g
+                .checked_sub(1)
+                .map(|p| self.reads[p].clone())
+                .unwrap_or_default();
+            waited += self.gather(&self.reads[g].clone(), &before, comm, model)?;
+            let mut grads = buffer.grad_slices_mut();
+            dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
+            self.release(&self.reads[g].clone(), &before, model)?;
+        }
+        let mut loss: LossStats = loss.ok_or_else(|| {
+            TrainError::Config("optim_grads_params: the model computed no loss".into())
+        })?;
+        // Every group's MoE layers, not only the last group's.
+        loss.moe = moe;
+        Ok((loss, waited))
+    }
+}
+
+/// Runs `f` on the model's parameter storage (taken out of its table and put back).
+fn with_storage<R>(model: &mut GptModel, f: impl FnOnce(&mut Storage) -> R) -> Result<R> {
+    let table = model.param_table_mut();
+    let mut storage = table.take_storage()?;
+    let out = f(&mut storage);
+    table.restore_storage(storage)?;
+    Ok(out)
+}
