@@ -91,6 +91,28 @@ fn zero2_and_zero3_match_one_rank() {
     }
 }
 
+/// Interleaved pipelines (pp 2 x vp 2 x tp 2 x dp 2, four layers): ZeRO-2 reduces each
+/// model chunk's buckets as its backward finishes them; ZeRO-3 gathers the stage whole.
+#[test]
+fn zero2_and_zero3_under_interleaved_pipelines_match_one_rank() {
+    let model = || {
+        let config = TransformerConfig::llama(4, 48, 96, 4, 2, 112, 64).unwrap();
+        GptModel::init_random(config, InitConfig::default()).unwrap()
+    };
+    let want = one_rank(model());
+    for sharding in [ZERO2, ZERO3] {
+        let layout = Layout {
+            pp: 2,
+            vp: 2,
+            tp: 2,
+            ..sharded(sharding)
+        };
+        for (r, run) in runs(8, layout, &model).iter().enumerate() {
+            assert_same_run(&format!("{sharding} pp2 vp2 tp2 dp2 rank {r}"), run, &want);
+        }
+    }
+}
+
 /// The tiny model with its output layer tied to the embedding.
 fn tied_model() -> GptModel {
     let mut config = TransformerConfig::llama(2, 48, 96, 4, 2, 112, 64).unwrap();

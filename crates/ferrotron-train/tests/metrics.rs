@@ -29,6 +29,7 @@ fn simulated_run() -> Vec<TrainLog> {
             skipped_iterations: 0,
             nan_iterations: 0,
             comm_wait_ms: 0.0,
+            model_state_bytes: 0,
             dpo: None,
             moe: None,
             offload: None,

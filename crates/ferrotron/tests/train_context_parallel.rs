@@ -5,44 +5,13 @@
 //! `mpirun` processes give the single rank's training and validation losses; a sequence
 //! that does not split into 2·cp chunks is named before training.
 
-use std::path::{Path, PathBuf};
-
 mod common;
 #[cfg(feature = "mpi")]
 use common::mpirun_train;
-use common::{assert_same_losses, ferrotron, metrics_losses, text, tiny_corpus, train_config};
-
-/// The run `out` under `dir`: tiny-llama, 32-token rows, 6 iterations with validation every
-/// 2, a checkpoint every 2.
-fn config(dir: &Path, prefix: &Path, out: &str, packed: bool) -> PathBuf {
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
-    let cfg = dir.join(format!("{out}.toml"));
-    let data_flags = if packed {
-        "reset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true\n"
-    } else {
-        ""
-    };
-    std::fs::write(
-        &cfg,
-        format!(
-            "[model]\nload = {:?}\nseq_length = 32\n\
-             [data]\ndata_path = {:?}\nsplit = \"90,10,0\"\ndata_cache_path = {:?}\n{data_flags}\
-             [training]\nmicro_batch_size = 1\nglobal_batch_size = 4\ntrain_iters = 6\n\
-             log_interval = 1\neval_interval = 2\neval_iters = 1\n\
-             [optimizer]\nlr = 3e-3\nmin_lr = 3e-4\nlr_warmup_iters = 1\n\
-             [parallel]\nddp_bucket_size = 2000\n\
-             [checkpoint]\nsave = {:?}\nsave_interval = 2\n\
-             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
-            model.to_str().unwrap(),
-            prefix.to_str().unwrap(),
-            dir.join("cache").to_str().unwrap(),
-            dir.join(format!("{out}-ckpt")).to_str().unwrap(),
-            dir.join(out).to_str().unwrap(),
-        ),
-    )
-    .unwrap();
-    cfg
-}
+use common::{
+    assert_same_losses, ferrotron, metrics_losses, text, tiny_corpus, tiny_llama_run as config,
+    train_config,
+};
 
 #[test]
 fn context_parallel_in_process_matches_one_rank() {

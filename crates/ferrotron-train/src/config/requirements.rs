@@ -5,6 +5,7 @@
 
 use super::sections::RawConfig;
 use super::types::{LrDecayStyle, ModelSource};
+use crate::trainer::ShardingStrategy;
 use ferrotron_nn::CpCommType;
 
 /// Every set key this build cannot honour yet, as `not supported yet: <key> (why)` problems.
@@ -99,4 +100,44 @@ pub(super) fn context_parallel(
         );
     }
     comm_type
+}
+
+/// `parallel.data_parallel_sharding_strategy` by Megatron-FSDP's names (unset: what
+/// `use_distributed_optimizer` says), and the options it cannot be combined with:
+/// `use_distributed_optimizer = true` with `no_shard`, `overlap_param_gather` with
+/// `optim_grads_params` (which gathers per layer itself) and ZeRO-2/3 under expert
+/// parallelism (not supported yet).
+pub(super) fn sharding_strategy(r: &RawConfig, p: &mut Vec<String>) -> ShardingStrategy {
+    let par = &r.parallel;
+    let default = ShardingStrategy::from_distributed_optimizer(par.use_distributed_optimizer);
+    let Some(name) = &par.data_parallel_sharding_strategy else {
+        return default;
+    };
+    let Some(strategy) = ShardingStrategy::parse(name) else {
+        let names: Vec<&str> = ShardingStrategy::ALL.iter().map(|s| s.name()).collect();
+        p.push(format!(
+            "parallel.data_parallel_sharding_strategy: `{name}` is not one of {}",
+            names.join(", ")
+        ));
+        return default;
+    };
+    let key = format!("parallel.data_parallel_sharding_strategy = \"{strategy}\"");
+    if par.use_distributed_optimizer && !strategy.shards_optimizer() {
+        p.push(format!(
+            "{key} contradicts parallel.use_distributed_optimizer = true (which shards the \
+             optimizer state)"
+        ));
+    }
+    if par.overlap_param_gather && strategy.shards_params() {
+        p.push(format!(
+            "{key} cannot be combined with parallel.overlap_param_gather (it gathers each \
+             layer's weights just before use, prefetching the next)"
+        ));
+    }
+    if strategy.shards_grads() && par.expert_model_parallel_size > 1 {
+        p.push(format!(
+            "not supported yet: {key} with parallel.expert_model_parallel_size > 1"
+        ));
+    }
+    strategy
 }

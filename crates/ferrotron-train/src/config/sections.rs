@@ -314,6 +314,14 @@ section! {
         /// Shard the fp32 master weights and Adam moments over the data-parallel ranks
         /// (ZeRO-1). Default: false. Megatron: `--use-distributed-optimizer`.
         use_distributed_optimizer: bool = false,
+        /// What the data-parallel ranks shard: "no_shard", "optim" (ZeRO-1: the optimizer
+        /// state, as use_distributed_optimizer), "optim_grads" (ZeRO-2: also the gradients,
+        /// reduce-scattered after every micro-batch's backward) or "optim_grads_params"
+        /// (ZeRO-3: also the weights, all-gathered per transformer layer just before its
+        /// forward and backward, the next layer's gather prefetched). Default: unset =
+        /// "optim" with use_distributed_optimizer, else "no_shard". Megatron:
+        /// `--data-parallel-sharding-strategy` (Megatron-FSDP).
+        data_parallel_sharding_strategy: Option<String> = None,
         /// Gradient elements per DDP bucket. Default: unset = max(4e7, 1e6 x dp).
         /// Megatron: `--ddp-bucket-size`.
         ddp_bucket_size: Option<usize> = None,

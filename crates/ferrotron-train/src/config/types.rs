@@ -151,6 +151,9 @@ pub struct RunConfig {
     pub mla: Option<super::MlaSettings>,
     /// `parallel.cp_comm_type`.
     pub cp_comm_type: ferrotron_nn::CpCommType,
+    /// `parallel.data_parallel_sharding_strategy` (or what `use_distributed_optimizer`
+    /// says).
+    pub sharding: crate::trainer::ShardingStrategy,
     /// `[optimizer]`'s offload keys.
     pub offload: ferrotron_optim::offload::OffloadConfig,
 }

@@ -58,6 +58,7 @@ impl RunConfig {
         // Across sections, and what this build cannot run yet.
         requirements::run_requirements(&r, &model, data.split, &mut p);
         let cp_comm_type = requirements::context_parallel(&r, seq_length, &mut p);
+        let sharding = requirements::sharding_strategy(&r, &mut p);
         let offload = super::offload::offload(&r, &mut p);
         requirements::unsupported(&r, schedule.lr_decay_style, &mut p);
         if !p.is_empty() {
@@ -86,6 +87,7 @@ impl RunConfig {
             moe,
             mla,
             cp_comm_type,
+            sharding,
             offload,
         })
     }
@@ -310,7 +312,11 @@ fn validate_parallel(par: &ParallelSection, p: &mut Vec<String>) -> usize {
     if par.ddp_bucket_size == Some(0) {
         p.push("parallel.ddp_bucket_size must be at least 1".to_string());
     }
-    if par.overlap_param_gather && !par.use_distributed_optimizer {
+    let shards_optimizer = par.use_distributed_optimizer
+        || (par.data_parallel_sharding_strategy.as_deref())
+            .and_then(crate::trainer::ShardingStrategy::parse)
+            .is_some_and(|s| s.shards_optimizer());
+    if par.overlap_param_gather && !shards_optimizer {
         p.push(
             "parallel.overlap_param_gather needs parallel.use_distributed_optimizer".to_string(),
         );

@@ -229,6 +229,7 @@ mod tests {
             skipped_iterations: 0,
             nan_iterations: 0,
             comm_wait_ms: 0.0,
+            model_state_bytes: 0,
             dpo: None,
             moe: None,
             offload: None,

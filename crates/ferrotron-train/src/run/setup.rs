@@ -330,7 +330,8 @@ fn build_trainer(
     // Gradients (and the distributed optimizer's shards) span data x context parallelism
     // (Megatron's `get_data_parallel_group(with_context_parallel=True)`).
     let group = groups.data_context.clone();
-    let mut dp = DataParallel::new(group, par.use_distributed_optimizer);
+    let mut dp = DataParallel::new(group, par.use_distributed_optimizer)
+        .with_sharding_strategy(rc.sharding)?;
     if par.overlap_grad_reduce {
         dp = dp.with_overlap_grad_reduce()?;
     }

@@ -126,6 +126,13 @@ impl DataParallel {
         if expert.size() == 1 {
             return Ok(self);
         }
+        if self.sharding.shards_grads() {
+            return Err(TrainError::Config(format!(
+                "not supported yet: data_parallel_sharding_strategy = {} under expert \
+                 parallelism",
+                self.sharding
+            )));
+        }
         self.experts = Some(ExpertGroups {
             expert_data,
             expert,
@@ -279,10 +286,8 @@ impl DataParallel {
     }
 
     /// The parameter gathers' progress thread of ZeRO-3 (`None` on a group of one).
-    pub(super) fn unit_gather_comm(&self) -> Option<&AsyncComm> {
-        self.param_gather
-            .as_deref()
-            .filter(|_| self.sharding.shards_params())
+    pub(super) fn unit_gather_comm(&self) -> Option<Arc<AsyncComm>> {
+        (self.param_gather.clone()).filter(|_| self.sharding.shards_params())
     }
 
     /// The progress threads of `overlap_param_gather`, if on.

@@ -42,6 +42,12 @@ pub struct LogLine {
     /// milliseconds (metrics only; 0 on one rank).
     #[serde(default)]
     pub comm_wait_ms: f64,
+    /// Bytes of model state (weights, gradients, optimizer state) this rank holds in memory
+    /// after the interval's last step, measured from the resident pages
+    /// ([`Trainer::resident_model_state_bytes`](super::Trainer::resident_model_state_bytes):
+    /// what ZeRO-2/3 shard shows here). Metrics only.
+    #[serde(default)]
+    pub model_state_bytes: u64,
     /// DPO's metrics over the interval (`None`, and not written, for language modeling);
     /// `lm_loss` is then the DPO loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -237,6 +243,7 @@ mod tests {
             skipped_iterations: 0,
             nan_iterations: 0,
             comm_wait_ms: 0.0,
+            model_state_bytes: 0,
             dpo: None,
             moe: None,
             offload: None,

@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ferrotron_comm::{AsyncComm, CommHandle};
-use ferrotron_model::{GptModel, GradReady, LossStats, MoeLosses, TrainBatch};
+use ferrotron_model::{GptModel, GradReady, LossStats, MoeLosses, StageForward, TrainBatch};
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 use ferrotron_tensor::Storage;
 
@@ -225,26 +225,74 @@ impl ParamShards {
         scale: f32,
         ready: &mut (dyn GradReady + Send),
     ) -> Result<(LossStats, Duration)> {
+        let (forward, mut waited) = self.forward(comm, model, batch, None, scale)?;
+        let mut loss = forward.loss.ok_or_else(|| {
+            TrainError::Config("optim_grads_params: the model computed no loss".into())
+        })?;
+        // Every group's MoE layers, not only the last group's.
+        loss.moe = forward.moe;
+        let (_, w) = self.backward(comm, model, buffer, batch, forward, None, ready)?;
+        waited += w;
+        Ok((loss, waited))
+    }
+
+    /// One micro-batch's forward through the model (a pipeline stage of one chunk), group
+    /// by group, from token ids (`input = None`) or the previous stage's output; each
+    /// group's buckets gathered before it (the next group's prefetched) and released after
+    /// unless the next group reads them. Returns the forward and the time waited.
+    ///
+    /// # Errors
+    /// A model or communication failure.
+    pub(super) fn forward(
+        &mut self,
+        comm: Option<&AsyncComm>,
+        model: &mut GptModel,
+        batch: &TrainBatch,
+        input: Option<Vec<f32>>,
+        scale: f32,
+    ) -> Result<(UnitForward, Duration)> {
         let n = self.groups.len();
-        let (mut states, mut waited) = (Vec::with_capacity(n), Duration::ZERO);
-        let (mut x, mut loss) = (None, None);
-        let mut moe = MoeLosses::default();
+        let mut forward = UnitForward {
+            states: Vec::with_capacity(n),
+            loss: None,
+            moe: MoeLosses::default(),
+        };
+        let (mut x, mut waited) = (input, Duration::ZERO);
         for g in 0..n {
             let next = self.reads.get(g + 1).cloned().unwrap_or_default();
             waited += self.gather(&self.reads[g].clone(), &next, comm, model)?;
             let mut state = model.part_forward(batch, self.groups[g].clone(), x.take(), scale)?;
-            moe.add(&state.moe_losses());
-            match state.loss() {
-                Some(l) => loss = Some(l),
-                None => x = Some(state.take_output()),
-            }
-            states.push(state);
+            forward.moe.add(&state.moe_losses());
+            forward.loss = state.loss();
             if g + 1 < n {
+                x = Some(state.take_output());
                 self.release(&self.reads[g].clone(), &next, model)?;
             }
+            forward.states.push(state);
         }
-        let mut dout = None;
-        for (g, state) in states.into_iter().enumerate().rev() {
+        Ok((forward, waited))
+    }
+
+    /// The backward of a [`ParamShards::forward`]: the groups in reverse, each gathered
+    /// again (the one before prefetched) and released after; accumulates into `buffer`'s
+    /// gradients, telling `ready`. Returns the gradient of the input (`None` on the first
+    /// stage) and the time waited.
+    ///
+    /// # Errors
+    /// A model or communication failure.
+    #[allow(clippy::too_many_arguments)] // the backward's own inputs and where it writes
+    pub(super) fn backward(
+        &mut self,
+        comm: Option<&AsyncComm>,
+        model: &mut GptModel,
+        buffer: &mut ParamAndGradBuffer,
+        batch: &TrainBatch,
+        forward: UnitForward,
+        mut dout: Option<Vec<f32>>,
+        ready: &mut (dyn GradReady + Send),
+    ) -> Result<(Option<Vec<f32>>, Duration)> {
+        let mut waited = Duration::ZERO;
+        for (g, state) in forward.states.into_iter().enumerate().rev() {
             let before = g
                 .checked_sub(1)
                 .map(|p| self.reads[p].clone())
@@ -254,12 +302,38 @@ impl ParamShards {
             dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
             self.release(&self.reads[g].clone(), &before, model)?;
         }
-        let mut loss: LossStats = loss.ok_or_else(|| {
-            TrainError::Config("optim_grads_params: the model computed no loss".into())
-        })?;
-        // Every group's MoE layers, not only the last group's.
-        loss.moe = moe;
-        Ok((loss, waited))
+        Ok((dout, waited))
+    }
+}
+
+/// One micro-batch's forward run group by group ([`ParamShards::forward`]), kept for its
+/// backward.
+pub(super) struct UnitForward {
+    states: Vec<StageForward>,
+    /// The loss (last stage only).
+    loss: Option<LossStats>,
+    /// Every group's MoE balancing losses.
+    moe: MoeLosses,
+}
+
+impl UnitForward {
+    /// The loss (last stage only), without the MoE losses ([`UnitForward::moe_losses`]).
+    pub(super) fn loss(&self) -> Option<LossStats> {
+        self.loss
+    }
+
+    /// The balancing losses of every group's MoE layers.
+    pub(super) fn moe_losses(&self) -> MoeLosses {
+        self.moe
+    }
+
+    /// The output `[local rows, h]` for the next stage (empty on the last stage, and after
+    /// the first call).
+    pub(super) fn take_output(&mut self) -> Vec<f32> {
+        self.states
+            .last_mut()
+            .map(StageForward::take_output)
+            .unwrap_or_default()
     }
 }
 

@@ -82,8 +82,10 @@ impl Trainer {
     }
 
     /// The pipeline schedule over `batches` (after the last step's parameter all-gathers:
-    /// the pipeline's forwards do not wait per layer; under ZeRO-3 the stage's weights are
-    /// gathered whole for the schedule), the tied embedding's gradient over its two copies,
+    /// the pipeline's forwards do not wait per layer; under ZeRO-3 a stage of one model
+    /// chunk gathers its weights layer group by layer group around each pass, an
+    /// interleaved stage whole for the schedule), the tied embedding's gradient over its
+    /// two copies,
     /// then the data-parallel gradient reduction (ZeRO-2/3: each backward's, into the
     /// shards).
     pub(super) fn pipeline_pass(
@@ -93,7 +95,13 @@ impl Trainer {
         total: f64,
         loss_scale: f32,
     ) -> Result<Pass> {
-        let gather_wait = self.finish_param_gather()?;
+        // ZeRO-3 gathers a stage of one model chunk layer group by layer group; the others
+        // whole, before the schedule.
+        let per_group = self.param_shards.is_some() && self.model.num_chunks() == 1;
+        let mut gather_wait = match per_group {
+            true => Duration::ZERO,
+            false => self.finish_param_gather()?,
+        };
         let dp = self.dp.clone();
         let mut grad_shards = (dp.sharding_strategy().shards_grads())
             // Reduced at once: the schedule's backwards are not followed by a wait.
@@ -104,6 +112,7 @@ impl Trainer {
             None => &mut no_hook,
         };
         let sums = self.run_pipeline(pp, batches, total, loss_scale, ready)?;
+        gather_wait += sums.gather_wait;
         let tokens = batches.iter().map(|b| b.tokens.len()).sum();
         let wait = Instant::now();
         let comm_wait = match grad_shards {
@@ -153,6 +162,7 @@ impl Trainer {
             .overlap_comms()
             .filter(|_| grad_shards.is_none())
             .map(|c| BucketOverlap::new(c, distributed, &self.buffer));
+        let gather_comm = dp.unit_gather_comm();
         let last = batches.len() - 1;
         let (mut loss_sum, mut tokens, mut gather_wait) = (0.0, 0, Duration::ZERO);
         let mut dpo: Option<DpoStats> = None;
@@ -173,7 +183,7 @@ impl Trainer {
             };
             let (stats, waited) = match self.param_shards.as_mut() {
                 Some(shards) => shards.forward_backward(
-                    dp.unit_gather_comm(),
+                    gather_comm.as_deref(),
                     &mut self.model,
                     &mut self.buffer,
                     batch,

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ferrotron_comm::{Collectives, Communicator, ReduceOp};
 use ferrotron_model::{
@@ -20,6 +21,7 @@ use ferrotron_model::{
 };
 
 use super::data_parallel::comm_err;
+use super::param_shards::UnitForward;
 use super::{Result, TrainError, Trainer};
 use crate::pipeline::{Action, PipelineRank, interleaved_one_f_one_b, one_f_one_b};
 
@@ -92,6 +94,38 @@ pub(super) struct PipelineSums {
     pub dpo: Option<DpoStats>,
     /// The MoE layers' balancing losses of every stage (each stage adds its own).
     pub moe: MoeLosses,
+    /// Time this stage waited for ZeRO-3's parameter gathers.
+    pub gather_wait: Duration,
+}
+
+/// A model chunk's forward of one micro-batch, kept for its backward: in one piece, or
+/// (ZeRO-3) layer group by layer group with their parameters gathered around each.
+enum ChunkForward {
+    Whole(Box<StageForward>),
+    Units(UnitForward),
+}
+
+impl ChunkForward {
+    fn loss(&self) -> Option<LossStats> {
+        match self {
+            ChunkForward::Whole(s) => s.loss(),
+            ChunkForward::Units(u) => u.loss(),
+        }
+    }
+
+    fn moe_losses(&self) -> MoeLosses {
+        match self {
+            ChunkForward::Whole(s) => s.moe_losses(),
+            ChunkForward::Units(u) => u.moe_losses(),
+        }
+    }
+
+    fn take_output(&mut self) -> Vec<f32> {
+        match self {
+            ChunkForward::Whole(s) => s.take_output(),
+            ChunkForward::Units(u) => u.take_output(),
+        }
+    }
 }
 
 impl PipelineSums {
@@ -129,6 +163,7 @@ impl PipelineSums {
                 z_loss: z,
                 layers: layers as usize,
             },
+            gather_wait: self.gather_wait,
         })
     }
 }
@@ -218,8 +253,9 @@ impl Trainer {
         let mut outputs: Pending<Vec<f32>> = HashMap::new();
         let mut douts: Pending<Vec<f32>> = HashMap::new();
         let mut dins: Pending<Vec<f32>> = HashMap::new();
-        let mut states: Pending<StageForward> = HashMap::new();
+        let mut states: Pending<ChunkForward> = HashMap::new();
         let mut sums = PipelineSums::default();
+        let gather = self.dp.unit_gather_comm();
         for action in program {
             match action {
                 Action::RecvForward { mb, chunk } => {
@@ -235,7 +271,18 @@ impl Trainer {
                         0.0
                     };
                     let input = inputs.remove(&(mb, chunk));
-                    let mut state = self.model.stage_forward(batch, chunk, input, scale)?;
+                    let mut state = match self.param_shards.as_mut() {
+                        Some(shards) if self.model.num_chunks() == 1 => {
+                            let model = &mut self.model;
+                            let (units, waited) =
+                                shards.forward(gather.as_deref(), model, batch, input, scale)?;
+                            sums.gather_wait += waited;
+                            ChunkForward::Units(units)
+                        }
+                        _ => ChunkForward::Whole(Box::new(
+                            self.model.stage_forward(batch, chunk, input, scale)?,
+                        )),
+                    };
                     sums.moe.add(&state.moe_losses());
                     match state.loss() {
                         Some(loss) => sums.add(&loss),
@@ -256,15 +303,34 @@ impl Trainer {
                 }
                 Action::Backward { mb, chunk } => {
                     let state = take(&mut states, (mb, chunk), "forward before the backward")?;
-                    let mut grads = self.buffer.grad_slices_mut();
                     let dout = douts.remove(&(mb, chunk));
-                    let din = self.model.stage_backward_with(
-                        &batches[mb],
-                        state,
-                        &mut grads,
-                        dout,
-                        ready,
-                    )?;
+                    let batch = &batches[mb];
+                    let din = match (state, self.param_shards.as_mut()) {
+                        (ChunkForward::Units(units), Some(shards)) => {
+                            let (model, buffer) = (&mut self.model, &mut self.buffer);
+                            let (din, waited) = shards.backward(
+                                gather.as_deref(),
+                                model,
+                                buffer,
+                                batch,
+                                units,
+                                dout,
+                                ready,
+                            )?;
+                            sums.gather_wait += waited;
+                            din
+                        }
+                        (ChunkForward::Whole(state), _) => {
+                            let mut grads = self.buffer.grad_slices_mut();
+                            (self.model)
+                                .stage_backward_with(batch, *state, &mut grads, dout, ready)?
+                        }
+                        (ChunkForward::Units(_), None) => {
+                            return Err(TrainError::Config(
+                                "a layer-group forward without sharded parameters".into(),
+                            ));
+                        }
+                    };
                     if let Some(d) = din {
                         dins.insert((mb, chunk), d);
                     }

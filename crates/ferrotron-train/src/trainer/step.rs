@@ -399,7 +399,8 @@ impl Trainer {
         if let Some(shards) = self.param_shards.as_mut()
             && !shards.is_whole()
         {
-            return shards.gather_all(self.dp.unit_gather_comm(), &mut self.model);
+            let comm = self.dp.unit_gather_comm();
+            return shards.gather_all(comm.as_deref(), &mut self.model);
         }
         match self.param_gather.take() {
             Some(gather) => gather.finish(&mut self.buffer, &mut self.model),

@@ -165,3 +165,35 @@ pub fn mpirun_train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Outp
         .output()
         .expect("timeout and mpirun (openmpi-bin)")
 }
+
+/// The run `out` under `dir`: tiny-llama, 32-token rows, 6 iterations with validation every
+/// 2, a checkpoint every 2.
+pub fn tiny_llama_run(dir: &Path, prefix: &Path, out: &str, packed: bool) -> PathBuf {
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama");
+    let cfg = dir.join(format!("{out}.toml"));
+    let data_flags = if packed {
+        "reset_attention_mask = true\nreset_position_ids = true\neod_mask_loss = true\n"
+    } else {
+        ""
+    };
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nload = {:?}\nseq_length = 32\n\
+             [data]\ndata_path = {:?}\nsplit = \"90,10,0\"\ndata_cache_path = {:?}\n{data_flags}\
+             [training]\nmicro_batch_size = 1\nglobal_batch_size = 4\ntrain_iters = 6\n\
+             log_interval = 1\neval_interval = 2\neval_iters = 1\n\
+             [optimizer]\nlr = 3e-3\nmin_lr = 3e-4\nlr_warmup_iters = 1\n\
+             [parallel]\nddp_bucket_size = 2000\n\
+             [checkpoint]\nsave = {:?}\nsave_interval = 2\n\
+             [logging]\noutput_dir = {:?}\ntensorboard = false\n",
+            model.to_str().unwrap(),
+            prefix.to_str().unwrap(),
+            dir.join("cache").to_str().unwrap(),
+            dir.join(format!("{out}-ckpt")).to_str().unwrap(),
+            dir.join(out).to_str().unwrap(),
+        ),
+    )
+    .unwrap();
+    cfg
+}

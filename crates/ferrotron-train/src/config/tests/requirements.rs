@@ -195,3 +195,52 @@ fn offload_settings_name_their_key() {
         "{p:#?}"
     );
 }
+
+/// The sharding strategy by Megatron-FSDP's names (unset: what use_distributed_optimizer
+/// says), and the options it contradicts, each naming its keys.
+#[test]
+fn sharding_strategy_names_its_key() {
+    use crate::trainer::ShardingStrategy;
+    let dir = data_dir();
+    let base = minimal(dir.path());
+    let strategy = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        RunConfig::from_toml_str(&base, &sets).unwrap().sharding
+    };
+    assert_eq!(strategy(&[]), ShardingStrategy::NoShard);
+    let zero1 = ["parallel.use_distributed_optimizer=true"];
+    assert_eq!(strategy(&zero1), ShardingStrategy::Optim);
+    let zero3 = ["parallel.data_parallel_sharding_strategy=optim_grads_params"];
+    assert_eq!(strategy(&zero3), ShardingStrategy::OptimGradsParams);
+    let p = problems(&base, &["parallel.data_parallel_sharding_strategy=zero3"]);
+    let want = "parallel.data_parallel_sharding_strategy: `zero3` is not one of no_shard, \
+                optim, optim_grads, optim_grads_params";
+    assert!(has(&p, want), "{p:#?}");
+    let p = problems(
+        &base,
+        &[
+            "parallel.data_parallel_sharding_strategy=no_shard",
+            "parallel.use_distributed_optimizer=true",
+        ],
+    );
+    assert!(
+        has(&p, "contradicts parallel.use_distributed_optimizer"),
+        "{p:#?}"
+    );
+    let p = problems(
+        &base,
+        &[
+            "parallel.data_parallel_sharding_strategy=optim_grads_params",
+            "parallel.overlap_param_gather=true",
+        ],
+    );
+    let want = "parallel.data_parallel_sharding_strategy = \"optim_grads_params\" cannot be \
+                combined with parallel.overlap_param_gather";
+    assert!(has(&p, want), "{p:#?}");
+    // ZeRO-2 gathers the updated weights after the step as ZeRO-1 does: overlap allowed.
+    let zero2 = [
+        "parallel.data_parallel_sharding_strategy=optim_grads",
+        "parallel.overlap_param_gather=true",
+    ];
+    assert_eq!(strategy(&zero2), ShardingStrategy::OptimGrads);
+}
