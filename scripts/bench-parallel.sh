@@ -15,9 +15,13 @@
 # tp3 (SmolLM2-135M's 9 heads / 3 query groups split over 3, not 2), tp3xdp2, pp2,
 # pp2vp3 (interleaved 1F1B, 3 model chunks of 5 layers per stage), pp2xdp2,
 # tp2 / tp2-sp / tp2xdp2 (models whose heads and groups divide by 2), cp2 / cp4 (context
-# parallel, p2p ring; cp2-ag / cp2-a2a: all_gather / a2a), mpi-dp2 and mpi-cpN (N
+# parallel, p2p ring; cp2-ag / cp2-a2a: all_gather / a2a), mpi-dp2, mpi-cpN (N
 # processes of context parallelism N: the peak RSS is then per rank; mpi-cp1 is the single
-# rank as a process) (mpi layouts need a build with --features mpi and OpenMPI). Options:
+# rank as a process) and mpi-dp2-zero1/2/3 (2 processes, data_parallel_sharding_strategy
+# optim / optim_grads / optim_grads_params; -overlap: + overlap_grad_reduce; peak RSS per
+# rank) (mpi layouts need a build
+# with --features mpi and OpenMPI). "state GiB" is the model state rank 0 holds in memory
+# after the last step (resident pages of weights and gradients + optimizer state). Options:
 # --model DIR (default .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8),
 # --mbs N (2), --recompute full|selective|none (training.recompute_granularity; full is
 # uniform, one layer per group; default none), --out DIR (default target/bench-parallel).
@@ -40,7 +44,7 @@ while [ $# -gt 0 ]; do
     --mbs) mbs="$2"; shift ;;
     --recompute) recompute="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "bench-parallel.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -81,12 +85,17 @@ layout_sets() {
     cp2-a2a) echo "--set parallel.context_parallel_size=2 --set parallel.cp_comm_type=a2a" ;;
     cp4) echo "--set parallel.context_parallel_size=4" ;;
     mpi-dp2) echo "" ;;
+    mpi-dp2-zero1) echo "--set parallel.data_parallel_sharding_strategy=optim" ;;
+    mpi-dp2-zero2) echo "--set parallel.data_parallel_sharding_strategy=optim_grads" ;;
+    mpi-dp2-zero3) echo "--set parallel.data_parallel_sharding_strategy=optim_grads_params" ;;
+    mpi-dp2-zero2-overlap) echo "--set parallel.data_parallel_sharding_strategy=optim_grads --set parallel.overlap_grad_reduce=true" ;;
+    mpi-dp2-zero3-overlap) echo "--set parallel.data_parallel_sharding_strategy=optim_grads_params --set parallel.overlap_grad_reduce=true" ;;
     mpi-cp*) echo "--set parallel.context_parallel_size=${1#mpi-cp}" ;;
     *) echo "bench-parallel.sh: unknown layout $1" >&2; exit 2 ;;
   esac
 }
 
-printf '%-18s %9s %6s %9s %9s  %s\n' layout "tok/s" ratio "peak GiB" "wait ms" "losses"
+printf '%-18s %9s %6s %9s %9s %9s  %s\n' layout "tok/s" ratio "peak GiB" "state GiB" "wait ms" "losses"
 base=""
 IFS=',' read -r -a list <<< "$layouts"
 for l in "${list[@]}"; do
@@ -117,11 +126,12 @@ TOML
   if [ "$l" = mpi-dp2 ]; then
     /usr/bin/time -v mpirun --oversubscribe --allow-run-as-root -np 2 "$bin" train \
       --dist-backend mpi --config "$dir/run.toml" > "$dir/stdout" 2> "$dir/stderr"
-  elif [[ "$l" == mpi-cp* ]]; then
+  elif [[ "$l" == mpi-cp* || "$l" == mpi-dp2-* ]]; then
     # GNU time around each process: one peak RSS per rank (the largest is printed). No core
     # binding: OpenMPI binds each of up to 2 processes to one core, which would leave a
     # single rank's second thread on the first's core.
-    mpirun --oversubscribe --allow-run-as-root --bind-to none -np "${l#mpi-cp}" /usr/bin/time -v "$bin" train \
+    np=2; [[ "$l" == mpi-cp* ]] && np="${l#mpi-cp}"
+    mpirun --oversubscribe --allow-run-as-root --bind-to none -np "$np" /usr/bin/time -v "$bin" train \
       --dist-backend mpi --config "$dir/run.toml" $(layout_sets "$l") > "$dir/stdout" 2> "$dir/stderr"
   else
     /usr/bin/time -v "$bin" train --config "$dir/run.toml" $(layout_sets "$l") \
@@ -136,7 +146,8 @@ med = statistics.median(tps)
 rss = max(int(m) for m in re.findall(r"Maximum resident set size \(kbytes\): (\d+)", open(f"{d}/stderr").read())) / 2**20
 ratio = f"{med / float(base):.2f}" if base else "1.00"
 wait = statistics.median([r.get("comm_wait_ms", 0.0) for r in rows[1:]] or [0.0])
-print(f"{layout:<18} {med:9.1f} {ratio:>6} {rss:9.2f} {wait:9.1f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
+state = rows[-1].get("model_state_bytes", 0) / 2**30
+print(f"{layout:<18} {med:9.1f} {ratio:>6} {rss:9.2f} {state:9.2f} {wait:9.1f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
 PY
   if [ -z "$base" ]; then
     base=$(python3 -c "import json,statistics;r=[json.loads(l) for l in open('$dir/metrics.jsonl') if '\"train\"' in l];t=[x['tokens_per_second'] for x in r[1:]] or [r[0]['tokens_per_second']];print(statistics.median(t))")

@@ -61,13 +61,16 @@ impl TrainBatch {
     /// sequence's (`[s, b]`: attention masks compare global positions). The result's `seq`
     /// is `s / C`.
     ///
+    /// DPO batches keep their targets (the rows are the same; the model sums each row's
+    /// log-probs over the group).
+    ///
     /// # Errors
-    /// [`ModelError::Input`] when `s` does not split into `2·C` chunks, or for pairwise
-    /// objectives (DPO, reward models: their per-sequence sums would need the other ranks').
+    /// [`ModelError::Input`] when `s` does not split into `2·C` chunks, or for reward-model
+    /// batches (a row's reward token lies on one rank).
     pub fn context_parallel_share(&self, cp: &ContextParallel) -> Result<TrainBatch> {
-        if self.objective != Objective::LanguageModel {
+        if matches!(self.objective, Objective::Reward(_)) {
             return Err(ModelError::Input(
-                "not supported yet: context parallelism with DPO or reward-model batches".into(),
+                "not supported yet: context parallelism with reward-model batches".into(),
             ));
         }
         let (s, b) = (self.seq, self.micro_batch);
@@ -96,7 +99,7 @@ impl TrainBatch {
             document_starts: self.document_starts.clone(),
             micro_batch: b,
             seq: s / cp.size(),
-            objective: Objective::LanguageModel,
+            objective: self.objective.clone(),
             dropout_keys: self.dropout_keys.clone(),
         })
     }

@@ -51,8 +51,9 @@ fn zero2_and_zero3_match_one_rank() {
     };
     for sharding in [ZERO2, ZERO3] {
         let base = sharded(sharding);
-        let layouts: [(&str, usize, Layout, &(dyn Fn() -> GptModel + Sync)); 8] = [
+        let layouts: [(&str, usize, Layout, &(dyn Fn() -> GptModel + Sync)); 9] = [
             ("dp2", 2, base, &tiny_model),
+            ("tp2 dp1", 2, Layout { tp: 2, ..base }, &tiny_model),
             ("dp4", 4, base, &tiny_model),
             (
                 "dp2 overlap_grad_reduce",
@@ -88,6 +89,21 @@ fn zero2_and_zero3_match_one_rank() {
                 assert_same_run(&format!("{sharding} {name} rank {r}"), run, &want);
             }
         }
+    }
+}
+
+/// ZeRO-2 gathers the updated weights after the step as ZeRO-1 does, so
+/// `overlap_param_gather` applies: the gathers land during the next forward.
+#[test]
+fn zero2_with_overlap_param_gather_matches_one_rank() {
+    let want = single_rank(ITERS);
+    let layout = Layout {
+        overlap: true,
+        overlap_params: true,
+        ..sharded(ZERO2)
+    };
+    for (r, run) in runs(2, layout, &tiny_model).iter().enumerate() {
+        assert_same_run(&format!("zero2 overlap_param_gather rank {r}"), run, &want);
     }
 }
 

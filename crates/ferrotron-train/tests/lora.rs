@@ -217,8 +217,9 @@ fn dpo_options(reference: DpoReference) -> ferrotron_train::trainer::TrainerOpti
 }
 
 /// DPO with LoRA (the reference: adapters disabled, its log-probs through the pipeline under
-/// pp): every layout gives the single rank's losses and adapters; fresh adapters start at ln 2
-/// and a frozen copy as the reference gives the same run.
+/// pp, summed over the context-parallel ranks under cp): every layout gives the single rank's
+/// losses and adapters; fresh adapters start at ln 2 and a frozen copy as the reference gives
+/// the same run.
 #[test]
 fn dpo_layouts_match_one_rank() {
     let reference_run = |model: GptModel, reference| {
@@ -272,6 +273,23 @@ fn dpo_layouts_match_one_rank() {
             Layout {
                 tp: 2,
                 pp: 2,
+                ..Layout::default()
+            },
+        ),
+        (
+            "cp2",
+            2,
+            Layout {
+                cp: 2,
+                ..Layout::default()
+            },
+        ),
+        (
+            "cp2 dp2 zero3",
+            4,
+            Layout {
+                cp: 2,
+                sharding: ferrotron_train::trainer::ShardingStrategy::OptimGradsParams,
                 ..Layout::default()
             },
         ),

@@ -146,6 +146,19 @@ fn row_logps(losses: &[f32], b: usize) -> Vec<f64> {
 }
 
 impl GptModel {
+    /// [`row_logps`] of the whole sequences: on a context-parallel rank, which holds two of
+    /// each row's `2·cp` chunks, the sums of every rank's share (all-reduced over the group).
+    fn sequence_sums(&self, losses: &[f32], b: usize) -> Result<Vec<f64>> {
+        let mut logps = row_logps(losses, b);
+        if let Some(cp) = &self.cp {
+            use ferrotron_comm::Collectives;
+            cp.comm()
+                .all_reduce(&mut logps, ferrotron_comm::ReduceOp::Sum)
+                .map_err(|e| ModelError::Comm(e.to_string()))?;
+        }
+        Ok(logps)
+    }
+
     /// The summed log-prob of each row's masked tokens `[b]` (`Σ_t mask·log p(label_t)`):
     /// the training forward without a backward. Whole models and tensor-parallel shards.
     ///
@@ -185,7 +198,9 @@ impl GptModel {
         }
         let rows = batch.tokens.len();
         let losses = self.token_losses(batch, acts.dlogits.host_mut(), &vec![0.0; rows])?;
-        Ok(StageLogps::Logps(row_logps(&losses, batch.micro_batch)))
+        Ok(StageLogps::Logps(
+            self.sequence_sums(&losses, batch.micro_batch)?,
+        ))
     }
 
     /// DPO's loss over the pairs of `batch` (see the module doc), replacing the logits in
@@ -200,14 +215,18 @@ impl GptModel {
         let (b, rows) = (batch.micro_batch, batch.tokens.len());
         let dlogits = acts.dlogits.host_mut();
         let losses = self.token_losses(batch, dlogits, &vec![1.0; rows])?;
-        let logps = row_logps(&losses, b);
+        let logps = self.sequence_sums(&losses, b)?;
         let (beta, eps) = (targets.beta, targets.label_smoothing);
         let reference = &targets.reference_logps;
         let mut stats = DpoStats::default();
         let mut loss_sum = 0.0;
         let mut weights = vec![0f32; b];
-        // The gradient of `loss_scale ·` the mean over the pairs.
-        let scale = loss_scale as f64 / (b / 2) as f64;
+        // The gradient of `loss_scale ·` the mean over the pairs. Under context parallelism
+        // every rank of the group counts the pairs (the loss units summed over data x
+        // context are `cp` times the pairs, so `loss_scale` is `1/cp` of the pairs' share)
+        // while each token's gradient comes from one rank: it takes the whole weight.
+        let cp = self.cp.as_ref().map_or(1, |cp| cp.size());
+        let scale = loss_scale as f64 * cp as f64 / (b / 2) as f64;
         for k in 0..b / 2 {
             let (c, r) = (2 * k, 2 * k + 1);
             let (chosen, rejected) = (logps[c] - reference[c], logps[r] - reference[r]);

@@ -57,8 +57,8 @@ pub(super) fn run_requirements(
 }
 
 /// `parallel.cp_comm_type` by Megatron's names, and what context parallelism needs across
-/// sections: `model.seq_length` splitting into `2·cp` chunks, a language-model dataset
-/// (DPO's and reward models' per-sequence sums are not split yet) and a dense model built
+/// sections: `model.seq_length` splitting into `2·cp` chunks, a dataset other than a reward
+/// model's (whose reward token lies on one rank) and a dense model built
 /// here (`[moe]` layers' balancing losses would count one rank's tokens; a loaded MoE model
 /// is refused when the model is sliced).
 pub(super) fn context_parallel(
@@ -85,12 +85,12 @@ pub(super) fn context_parallel(
             2 * cp
         ));
     }
-    if matches!(r.data.dataset_type.as_str(), "dpo" | "reward") {
-        p.push(format!(
+    if r.data.dataset_type == "reward" {
+        p.push(
             "not supported yet: parallel.context_parallel_size > 1 with data.dataset_type = \
-             \"{}\" (per-sequence sums would span the context-parallel ranks)",
-            r.data.dataset_type
-        ));
+             \"reward\" (a row's reward token lies on one context-parallel rank)"
+                .to_string(),
+        );
     }
     if r.moe.num_experts.is_some() {
         p.push(

@@ -14,6 +14,10 @@
 //!    only its shards (fp32 master weights and Adam moments exist for `1/d` of the buffer),
 //!    with the grad-norm partials and the fp16 inf flag reduced over the group;
 //! 4. distributed optimizer: each bucket's parameters are all-gathered from their owners.
+//!
+//! ZeRO-2/3 ([`ShardingStrategy`]) move step 2 into every micro-batch's backward
+//! (`grad_shards.rs`) and, for ZeRO-3, step 4 into the next passes, layer by layer
+//! (`param_shards.rs`).
 
 use std::sync::Arc;
 

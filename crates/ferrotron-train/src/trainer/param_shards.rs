@@ -21,7 +21,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use ferrotron_comm::{AsyncComm, CommHandle};
+use ferrotron_comm::{AsyncComm, CommHandle, Communicator};
 use ferrotron_model::{GptModel, GradReady, LossStats, MoeLosses, StageForward, TrainBatch};
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 use ferrotron_tensor::Storage;
@@ -109,17 +109,36 @@ impl ParamShards {
             .all(|b| matches!(b.state, State::Gathered))
     }
 
-    /// Gathers every bucket (the weights whole in the model). Returns the time waited.
+    /// Gathers every bucket (the weights whole in the model): those in flight from their
+    /// thread, the others in place over `comm` (the data-parallel group; no staging copy).
+    /// Returns the time it took.
     ///
     /// # Errors
     /// A failed all-gather.
     pub(super) fn gather_all(
         &mut self,
-        comm: Option<&AsyncComm>,
+        thread: Option<&AsyncComm>,
+        comm: &dyn Communicator,
         model: &mut GptModel,
     ) -> Result<Duration> {
-        let all: Vec<usize> = (0..self.buckets.len()).collect();
-        self.gather(&all, &[], comm, model)
+        let start = Instant::now();
+        let in_flight: Vec<usize> = (0..self.buckets.len())
+            .filter(|&b| matches!(self.buckets[b].state, State::InFlight(_)))
+            .collect();
+        self.gather(&in_flight, &[], thread, model)?;
+        with_storage(model, |storage| {
+            let elem = storage.dtype().size_in_bytes();
+            for bucket in &mut self.buckets {
+                if matches!(bucket.state, State::Sharded) && comm.size() > 1 {
+                    let r = &bucket.range;
+                    let bytes = &mut storage.as_bytes_mut()[r.start * elem..r.end * elem];
+                    comm.all_gather_bytes(bytes).map_err(comm_err)?;
+                }
+                bucket.state = State::Gathered;
+            }
+            Ok::<(), TrainError>(())
+        })??;
+        Ok(start.elapsed())
     }
 
     /// Releases every bucket but this rank's shards (after an optimizer step, whose update
@@ -144,6 +163,10 @@ impl ParamShards {
         model: &mut GptModel,
     ) -> Result<Duration> {
         let Some(comm) = comm else {
+            // One rank: its shard is the whole bucket.
+            for &b in need {
+                self.buckets[b].state = State::Gathered;
+            }
             return Ok(Duration::ZERO);
         };
         with_storage(model, |storage| {

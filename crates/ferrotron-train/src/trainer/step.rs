@@ -105,10 +105,10 @@ impl Trainer {
                 dp.size()
             )));
         }
-        if cp > 1 && (options.dpo.is_some() || options.reward.is_some()) {
+        if cp > 1 && options.reward.is_some() {
             return Err(TrainError::Config(
-                "not supported yet: context parallelism with DPO or a reward model (their \
-                 per-sequence sums span the context-parallel ranks)"
+                "not supported yet: context parallelism with a reward model (a row's reward \
+                 token lies on one context-parallel rank)"
                     .into(),
             ));
         }
@@ -277,7 +277,9 @@ impl Trainer {
             + self.optimizer.adam().state_bytes()
     }
 
-    /// The model with the weights of the last successful step.
+    /// The model with the weights of the last successful step (with `overlap_param_gather`
+    /// or ZeRO-3, after [`Trainer::finish_param_gather`]; before it, outside this rank's
+    /// shard, the previous weights or zeros).
     pub fn model(&self) -> &GptModel {
         &self.model
     }
@@ -313,7 +315,8 @@ impl Trainer {
     }
 
     /// Parameter `i` (order of `model.parameters()`) widened to f32 (exact) when the
-    /// parameters are bf16/f16; a tensor-parallel shard's local part.
+    /// parameters are bf16/f16; a tensor-parallel shard's local part. Current after
+    /// [`Trainer::finish_param_gather`] (see [`Trainer::model`]).
     ///
     /// # Panics
     /// `i` beyond the parameters.
@@ -399,8 +402,9 @@ impl Trainer {
         if let Some(shards) = self.param_shards.as_mut()
             && !shards.is_whole()
         {
-            let comm = self.dp.unit_gather_comm();
-            return shards.gather_all(comm.as_deref(), &mut self.model);
+            let thread = self.dp.unit_gather_comm();
+            let comm = self.dp.comm().clone();
+            return shards.gather_all(thread.as_deref(), &*comm, &mut self.model);
         }
         match self.param_gather.take() {
             Some(gather) => gather.finish(&mut self.buffer, &mut self.model),
