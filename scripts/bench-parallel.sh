@@ -20,8 +20,10 @@
 # rank as a process) and mpi-dp2-zero1/2/3 (2 processes, data_parallel_sharding_strategy
 # optim / optim_grads / optim_grads_params; -overlap: + overlap_grad_reduce; peak RSS per
 # rank) (mpi layouts need a build
-# with --features mpi and OpenMPI). "state GiB" is the model state rank 0 holds in memory
-# after the last step (resident pages of weights and gradients + optimizer state). Options:
+# with --features mpi and OpenMPI). "step GiB" is rank 0's process peak RSS up to its last
+# log line (before the end of the run, which gathers ZeRO-3's weights whole), "state GiB"
+# the model state it holds in memory after the last step (resident pages of weights and
+# gradients + optimizer state). Options:
 # --model DIR (default .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8),
 # --mbs N (2), --recompute full|selective|none (training.recompute_granularity; full is
 # uniform, one layer per group; default none), --out DIR (default target/bench-parallel).
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
     --mbs) mbs="$2"; shift ;;
     --recompute) recompute="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "bench-parallel.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -95,7 +97,7 @@ layout_sets() {
   esac
 }
 
-printf '%-18s %9s %6s %9s %9s %9s  %s\n' layout "tok/s" ratio "peak GiB" "state GiB" "wait ms" "losses"
+printf '%-18s %9s %6s %9s %9s %9s %9s  %s\n' layout "tok/s" ratio "peak GiB" "step GiB" "state GiB" "wait ms" "losses"
 base=""
 IFS=',' read -r -a list <<< "$layouts"
 for l in "${list[@]}"; do
@@ -147,7 +149,8 @@ rss = max(int(m) for m in re.findall(r"Maximum resident set size \(kbytes\): (\d
 ratio = f"{med / float(base):.2f}" if base else "1.00"
 wait = statistics.median([r.get("comm_wait_ms", 0.0) for r in rows[1:]] or [0.0])
 state = rows[-1].get("model_state_bytes", 0) / 2**30
-print(f"{layout:<18} {med:9.1f} {ratio:>6} {rss:9.2f} {state:9.2f} {wait:9.1f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
+step = rows[-1].get("peak_rss_bytes", 0) / 2**30
+print(f"{layout:<18} {med:9.1f} {ratio:>6} {rss:9.2f} {step:9.2f} {state:9.2f} {wait:9.1f}  " + " ".join(f"{r['lm_loss']:.5f}" for r in rows))
 PY
   if [ -z "$base" ]; then
     base=$(python3 -c "import json,statistics;r=[json.loads(l) for l in open('$dir/metrics.jsonl') if '\"train\"' in l];t=[x['tokens_per_second'] for x in r[1:]] or [r[0]['tokens_per_second']];print(statistics.median(t))")

@@ -105,6 +105,15 @@ pub fn resident_bytes<T>(values: &[T]) -> usize {
     len
 }
 
+/// The largest resident set this process has had so far (`VmHWM` of `/proc/self/status`),
+/// in bytes; `None` where it cannot be read.
+pub fn peak_resident_set_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +140,16 @@ mod tests {
             // Written again, the pages come back.
             v[lo..hi].fill(2.0);
             assert_eq!(resident_bytes(&v), n * 4);
+        }
+    }
+
+    #[test]
+    fn the_peak_resident_set_covers_what_is_resident_now() {
+        let v = vec![1u8; 64 * page_size()];
+        if let Some(peak) = peak_resident_set_bytes() {
+            assert!(peak >= resident_bytes(&v) as u64);
+        } else {
+            assert!(!cfg!(target_os = "linux"), "VmHWM unreadable on Linux");
         }
     }
 

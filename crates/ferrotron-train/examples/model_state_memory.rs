@@ -16,12 +16,19 @@
 //! allocations, and the formula; plus the peak live bytes per rank during the step and the
 //! process's `VmRSS`.
 //!
+//! ZeRO-2/3 (`--data-parallel-sharding-strategy optim_grads | optim_grads_params`) keep
+//! full-size gradient and parameter buffers whose pages they give back to the system, so
+//! the heap count does not see what they save: `resident_bytes_per_param_per_rank` measures
+//! the resident pages ([`Trainer::resident_model_state_bytes`]) against Megatron-FSDP's
+//! formula, `2 + (4 + 12)/dp` and `(2 + 4 + 12)/dp` with bf16 params.
+//!
 //! With `--lora-rank R` the model trains LoRA adapters (rank R, alpha R, on all four linear
 //! layers) and its frozen base holds only its weights: the formula is then
 //! `frozen · param_bytes + trainable · (param_bytes + 4 + optimizer/dp)`.
 //!
 //! `cargo run --release -p ferrotron-train --example model_state_memory -- MODEL_DIR \
 //!   --precision bf16 --data-parallel-size 2 --use-distributed-optimizer [--lora-rank 16]`
+//! (or `--data-parallel-sharding-strategy optim_grads_params`)
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Parser;
@@ -31,7 +38,7 @@ use ferrotron_model::families::load_hf_model;
 use ferrotron_model::{InitConfig, LoraConfig};
 use ferrotron_optim::Precision;
 use ferrotron_tensor::DType;
-use ferrotron_train::trainer::{DataParallel, Trainer, TrainerOptions};
+use ferrotron_train::trainer::{DataParallel, ShardingStrategy, Trainer, TrainerOptions};
 use serde_json::json;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::PathBuf;
@@ -89,6 +96,11 @@ struct Args {
     /// Shard the master weights and Adam moments over the ranks (ZeRO-1).
     #[arg(long)]
     use_distributed_optimizer: bool,
+    /// What the ranks shard: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2) or
+    /// optim_grads_params (ZeRO-3). Default: optim with --use-distributed-optimizer, else
+    /// no_shard.
+    #[arg(long, value_parser = parse_strategy)]
+    data_parallel_sharding_strategy: Option<ShardingStrategy>,
     /// Tokens per sequence of the one training step (one sequence per rank).
     #[arg(long, default_value_t = 64)]
     seq: usize,
@@ -113,9 +125,12 @@ fn run(a: &Args) -> Result<()> {
     if dp == 0 || a.seq == 0 {
         bail!("--data-parallel-size and --seq must be >= 1");
     }
-    let (precision, sharded) = (a.precision, a.use_distributed_optimizer);
+    let precision = a.precision;
+    let strategy = (a.data_parallel_sharding_strategy).unwrap_or(
+        ShardingStrategy::from_distributed_optimizer(a.use_distributed_optimizer),
+    );
     let dtype = precision.param_dtype();
-    let trained = megatron_bytes_per_param(dtype, if sharded { dp } else { 1 });
+    let trained = megatron_bytes_per_param(dtype, strategy, dp);
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
     let trainers = run_local(dp, |comm| -> Result<Trainer> {
@@ -142,7 +157,7 @@ fn run(a: &Args) -> Result<()> {
             precision,
             ..TrainerOptions::default()
         };
-        let group = DataParallel::new(Arc::new(comm), sharded);
+        let group = DataParallel::new(Arc::new(comm), false).with_sharding_strategy(strategy)?;
         let mut trainer = Trainer::new_data_parallel(model, options, group)?;
         let s = a.seq;
         let tokens: Vec<u32> = (0..=s as u64).map(|i| (i * 7919 % vocab) as u32).collect();
@@ -173,15 +188,19 @@ fn run(a: &Args) -> Result<()> {
     let formula = formula_bytes / numel as f64;
     let per_param = |bytes: usize| bytes as f64 / (dp * numel) as f64;
     let counted: usize = trainers.iter().map(Trainer::model_state_bytes).sum();
+    let resident: usize = (trainers.iter())
+        .map(Trainer::resident_model_state_bytes)
+        .sum();
     let line = json!({
         "mode": dtype.to_string(),
         "data_parallel_size": dp,
-        "use_distributed_optimizer": sharded,
+        "data_parallel_sharding_strategy": strategy.name(),
         "parameters": numel,
         "lora_rank": a.lora_rank,
         "trainable_parameters": trainable,
         "measured_bytes_per_param_per_rank": round(per_param(live)),
         "counted_bytes_per_param_per_rank": round(per_param(counted)),
+        "resident_bytes_per_param_per_rank": round(per_param(resident)),
         "formula_bytes_per_param": round(formula),
         "measured_mib_per_rank": round(live as f64 / dp as f64 / (1 << 20) as f64),
         "peak_live_mib_per_rank": round(peak as f64 / dp as f64 / (1 << 20) as f64),
@@ -191,17 +210,26 @@ fn run(a: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Megatron-Core's model state per parameter and rank: params in `dtype` and f32 grads on
-/// every rank; Adam's two f32 moments, plus f32 master weights when the params are 16-bit,
-/// divided over the `shards` ranks of the distributed optimizer.
-fn megatron_bytes_per_param(dtype: DType, shards: usize) -> f64 {
-    let param = dtype.size_in_bytes();
-    let optimizer = 8 + if param < 4 { 4 } else { 0 };
-    (param + 4) as f64 + optimizer as f64 / shards as f64
+/// Megatron-Core's model state per parameter and rank: params in `dtype`, f32 grads, Adam's
+/// two f32 moments plus f32 master weights when the params are 16-bit; what `strategy`
+/// shards divided over the `dp` ranks.
+fn megatron_bytes_per_param(dtype: DType, strategy: ShardingStrategy, dp: usize) -> f64 {
+    let param = dtype.size_in_bytes() as f64;
+    let optimizer = (8 + if param < 4.0 { 4 } else { 0 }) as f64;
+    let over = |sharded: bool| if sharded { dp as f64 } else { 1.0 };
+    param / over(strategy.shards_params())
+        + 4.0 / over(strategy.shards_grads())
+        + optimizer / over(strategy.shards_optimizer())
 }
 
 fn parse_precision(name: &str) -> Result<Precision, String> {
     Precision::parse(name).ok_or_else(|| format!("`{name}`: expected fp32, bf16 or fp16"))
+}
+
+fn parse_strategy(name: &str) -> Result<ShardingStrategy, String> {
+    ShardingStrategy::parse(name).ok_or_else(|| {
+        format!("`{name}`: expected no_shard, optim, optim_grads or optim_grads_params")
+    })
 }
 
 fn round(x: f64) -> f64 {

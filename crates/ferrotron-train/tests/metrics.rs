@@ -30,6 +30,7 @@ fn simulated_run() -> Vec<TrainLog> {
             nan_iterations: 0,
             comm_wait_ms: 0.0,
             model_state_bytes: 0,
+            peak_rss_bytes: None,
             dpo: None,
             moe: None,
             offload: None,

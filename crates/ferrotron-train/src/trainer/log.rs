@@ -48,6 +48,11 @@ pub struct LogLine {
     /// what ZeRO-2/3 shard shows here). Metrics only.
     #[serde(default)]
     pub model_state_bytes: u64,
+    /// The largest resident set of this process so far (`VmHWM`), bytes: with one rank per
+    /// process, the rank's peak memory up to this line. Metrics only; `None` where the
+    /// system does not tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
     /// DPO's metrics over the interval (`None`, and not written, for language modeling);
     /// `lm_loss` is then the DPO loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -244,6 +249,7 @@ mod tests {
             nan_iterations: 0,
             comm_wait_ms: 0.0,
             model_state_bytes: 0,
+            peak_rss_bytes: None,
             dpo: None,
             moe: None,
             offload: None,

@@ -261,6 +261,7 @@ impl Trainer {
             nan_iterations: acc.nan,
             comm_wait_ms: acc.comm_wait.as_secs_f64() * 1e3 / acc.iterations as f64,
             model_state_bytes: self.resident_model_state_bytes() as u64,
+            peak_rss_bytes: ferrotron_tensor::pages::peak_resident_set_bytes(),
             dpo: acc.dpo.as_ref().and_then(DpoMetrics::from_sums),
             moe: acc.moe.map(|m| m.mean(acc.advanced)),
             offload: acc.offload.map(|o| super::OffloadStats {

@@ -257,7 +257,9 @@ impl Trainer {
     /// the f32 gradient buffer (4) and the optimizer state (Adam moments and fp32 master
     /// weights: 12 per owned element with 16-bit params, 8 in fp32). Megatron's formula:
     /// `6 + 12/dp` bytes per parameter with bf16 params, fp32 grads and the distributed
-    /// optimizer (`18` without it; `16` in fp32); buffer padding adds a little.
+    /// optimizer (`18` without it; `16` in fp32); buffer padding adds a little. ZeRO-2/3
+    /// keep full-size buffers whose pages they release: what they hold is
+    /// [`Trainer::resident_model_state_bytes`].
     pub fn model_state_bytes(&self) -> usize {
         self.model.param_table().storage_bytes()
             + std::mem::size_of_val(self.buffer.grads())
