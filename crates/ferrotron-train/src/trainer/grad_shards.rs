@@ -16,26 +16,20 @@ use std::time::{Duration, Instant};
 
 use ferrotron_comm::{AsyncComm, Collectives, CommHandle, Communicator, ReduceOp};
 use ferrotron_model::GradReady;
-use ferrotron_optim::{ParamAndGradBuffer, ParamId};
+use ferrotron_optim::ParamAndGradBuffer;
 use ferrotron_tensor::pages;
 use half::bf16;
 
+use super::bucket_staging::BucketStaging;
 use super::data_parallel::{DataParallel, comm_err};
 use super::{Result, TrainError};
 
-/// One bucket of the ZeRO-2 reduction.
-struct Bucket {
-    range: Range<usize>,
+/// Where a bucket's shard goes.
+struct Shard {
     /// This rank's shard of the bucket, relative to its start.
-    shard: Range<usize>,
+    within: Range<usize>,
     /// Where the shard starts in the accumulator.
     local_start: usize,
-    /// Parameters of the bucket; reports left in this micro-batch.
-    params: usize,
-    waiting_for: usize,
-    /// Backwards that finished the bucket so far.
-    completed: usize,
-    staging: Vec<f32>,
 }
 
 /// The gradient shards of one step and the per-micro-batch [`GradReady`] hook that fills
@@ -46,9 +40,9 @@ pub(super) struct GradShards<'a> {
     thread: Option<&'a AsyncComm>,
     /// Reduce as bf16 (`grad_reduce_in_fp32 = false`; not on the progress thread).
     narrow: bool,
-    buckets: Vec<Bucket>,
-    /// Per parameter: its bucket and flat range (`None` for a frozen one).
-    params: Vec<Option<(usize, Range<usize>)>>,
+    staging: BucketStaging,
+    /// Per bucket: this rank's shard of it.
+    shards: Vec<Shard>,
     /// The shards this rank owns, bucket after bucket (the optimizer's local order).
     accum: Vec<f32>,
     /// Reductions in flight on the progress thread: (bucket, handle).
@@ -65,35 +59,17 @@ impl<'a> GradShards<'a> {
     pub(super) fn new(dp: &'a DataParallel, buffer: &ParamAndGradBuffer, overlap: bool) -> Self {
         let (rank, size) = (dp.rank(), dp.size());
         let mut local = 0;
-        let mut buckets: Vec<Bucket> = buffer
-            .buckets()
-            .iter()
+        let shards = (buffer.buckets().iter())
             .map(|b| {
                 let shard = b.shard_range(rank, size);
-                let bucket = Bucket {
-                    range: b.start..b.end,
-                    shard: shard.start - b.start..shard.end - b.start,
-                    local_start: local,
-                    params: 0,
-                    waiting_for: 0,
-                    completed: 0,
-                    staging: Vec::new(),
-                };
+                let within = shard.start - b.start..shard.end - b.start;
                 local += shard.len();
-                bucket
+                Shard {
+                    local_start: local - shard.len(),
+                    within,
+                }
             })
             .collect();
-        let params = (0..buffer.params().len())
-            .map(|i| {
-                let info = buffer.info(ParamId(i));
-                let bucket = info.bucket_id?;
-                buckets[bucket].params += 1;
-                Some((bucket, info.range()))
-            })
-            .collect();
-        for b in &mut buckets {
-            b.waiting_for = b.params;
-        }
         let thread = (dp.overlap_comms())
             .filter(|_| overlap && !buffer.buckets().is_empty())
             .map(|c| c.of(&buffer.buckets()[0]));
@@ -101,8 +77,8 @@ impl<'a> GradShards<'a> {
             comm: &**dp.comm(),
             thread,
             narrow: dp.grad_reduce_in_bf16(),
-            buckets,
-            params,
+            staging: BucketStaging::new(buffer),
+            shards,
             accum: vec![0.0; local],
             pending: Vec::new(),
             waited: Duration::ZERO,
@@ -139,41 +115,37 @@ impl<'a> GradShards<'a> {
         micro_batches: usize,
     ) -> Result<Duration> {
         self.end_micro_batch()?;
-        if let Some((b, bucket)) =
-            (self.buckets.iter().enumerate()).find(|(_, bucket)| bucket.completed != micro_batches)
-        {
+        if let Some((b, done, waiting)) = self.staging.incomplete(micro_batches) {
             return Err(TrainError::Comm(format!(
-                "gradient bucket {b}: finished by {} of {micro_batches} backwards ({} of its \
-                 parameters never reported ready)",
-                bucket.completed,
-                bucket.params - bucket.waiting_for
+                "gradient bucket {b}: finished by {done} of {micro_batches} backwards \
+                 ({waiting} parameters did not report in the last)"
             )));
         }
         let grads = buffer.grads_mut();
-        for b in &self.buckets {
-            let shard = b.range.start + b.shard.start..b.range.start + b.shard.end;
+        for (b, shard) in self.shards.iter().enumerate() {
+            let range = self.staging.range(b);
+            let within = range.start + shard.within.start..range.start + shard.within.end;
             // Zeros already; released again for the pages the per-parameter releases kept
             // at parameter boundaries.
-            pages::release(&mut grads[b.range.start..shard.start]);
-            pages::release(&mut grads[shard.end..b.range.end]);
-            let local = b.local_start..b.local_start + shard.len();
-            grads[shard].copy_from_slice(&self.accum[local]);
+            pages::release(&mut grads[range.start..within.start]);
+            pages::release(&mut grads[within.end..range.end]);
+            let local = shard.local_start..shard.local_start + within.len();
+            grads[within].copy_from_slice(&self.accum[local]);
         }
         Ok(self.waited)
     }
 
     /// Adds the reduced bucket `b` (its shard part) into the accumulator.
     fn accumulate(&mut self, b: usize, reduced: &[f32]) {
-        let bucket = &self.buckets[b];
-        let local = &mut self.accum[bucket.local_start..bucket.local_start + bucket.shard.len()];
-        for (a, r) in local.iter_mut().zip(&reduced[bucket.shard.clone()]) {
+        let shard = &self.shards[b];
+        let local = &mut self.accum[shard.local_start..shard.local_start + shard.within.len()];
+        for (a, r) in local.iter_mut().zip(&reduced[shard.within.clone()]) {
             *a += r;
         }
     }
 
     /// Reduce-scatters the staged bucket `b` (now, or on the progress thread).
-    fn reduce(&mut self, b: usize) -> std::result::Result<(), String> {
-        let mut staged = std::mem::take(&mut self.buckets[b].staging);
+    fn reduce(&mut self, b: usize, mut staged: Vec<f32>) -> std::result::Result<(), String> {
         if let Some(thread) = self.thread {
             self.pending
                 .push((b, thread.reduce_scatter_in_place(staged, ReduceOp::Sum)));
@@ -185,8 +157,8 @@ impl<'a> GradShards<'a> {
             self.comm
                 .reduce_scatter_in_place(&mut narrow, ReduceOp::Sum)
                 .map_err(|e| e.to_string())?;
-            let shard = self.buckets[b].shard.clone();
-            for (g, n) in staged[shard.clone()].iter_mut().zip(&narrow[shard]) {
+            let within = self.shards[b].within.clone();
+            for (g, n) in staged[within.clone()].iter_mut().zip(&narrow[within]) {
                 *g = n.to_f32();
             }
         } else {
@@ -203,29 +175,20 @@ impl<'a> GradShards<'a> {
 impl GradReady for GradShards<'_> {
     fn ready(&mut self, params: &[usize], grads: &mut [&mut [f32]]) {
         for &i in params {
-            let (b, range) = match self.params.get(i) {
-                Some(Some(p)) => p.clone(),
-                Some(None) => continue, // frozen: no gradient
-                None => {
-                    self.error = Some(format!("parameter {i} is not in the gradient buffer"));
-                    continue;
-                }
-            };
-            let bucket = &mut self.buckets[b];
-            if bucket.staging.is_empty() {
-                bucket.staging = vec![0f32; bucket.range.len()];
+            let staged = self.staging.stage(i, grads);
+            if staged.is_ok()
+                && let Some(grad) = grads.get_mut(i)
+            {
+                // Copied out: the buffer's memory for it goes back until the next backward.
+                pages::release(grad);
             }
-            let at = range.start - bucket.range.start;
-            bucket.staging[at..at + range.len()].copy_from_slice(grads[i]);
-            pages::release(grads[i]);
-            bucket.waiting_for -= 1;
-            if bucket.waiting_for == 0 {
-                // Ready for the next micro-batch (or model chunk) to fill again.
-                bucket.waiting_for = bucket.params;
-                bucket.completed += 1;
-                if let Err(e) = self.reduce(b) {
-                    self.error.get_or_insert(e);
-                }
+            let result = match staged {
+                Ok(Some((b, staged))) => self.reduce(b, staged),
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                self.error.get_or_insert(e);
             }
         }
     }

@@ -9,32 +9,25 @@
 //! (output layer, last decoder layers) is ready first. The copy costs one pass over the
 //! gradients; the reduction itself then leaves the compute threads.
 
-use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ferrotron_comm::{AsyncComm, CommHandle, ReduceOp};
 use ferrotron_model::GradReady;
-use ferrotron_optim::{ParamAndGradBuffer, ParamId};
+use ferrotron_optim::ParamAndGradBuffer;
 
+use super::bucket_staging::BucketStaging;
 use super::data_parallel::{BucketComms, comm_err};
 use super::{Result, TrainError};
-
-struct Bucket<'a> {
-    /// The progress thread of the group reducing it.
-    comm: &'a AsyncComm,
-    range: Range<usize>,
-    waiting_for: usize,
-    staging: Vec<f32>,
-    pending: Option<CommHandle<Vec<f32>>>,
-}
 
 /// The per-step state of overlapped gradient reduction; a [`GradReady`] hook for
 /// [`GptModel::forward_backward_with`](ferrotron_model::GptModel::forward_backward_with).
 pub(super) struct BucketOverlap<'a> {
     distributed: bool,
-    buckets: Vec<Bucket<'a>>,
-    /// Per parameter: its bucket and flat range (`None` for a frozen one).
-    params: Vec<Option<(usize, Range<usize>)>>,
+    /// Per bucket: the progress thread of the group reducing it.
+    comms: Vec<&'a AsyncComm>,
+    staging: BucketStaging,
+    /// Per bucket: its reduction, once submitted.
+    pending: Vec<Option<CommHandle<Vec<f32>>>>,
     error: Option<String>,
 }
 
@@ -47,29 +40,11 @@ impl<'a> BucketOverlap<'a> {
         distributed: bool,
         buffer: &ParamAndGradBuffer,
     ) -> Self {
-        let mut buckets: Vec<Bucket> = buffer
-            .buckets()
-            .iter()
-            .map(|b| Bucket {
-                comm: comms.of(b),
-                range: b.start..b.end,
-                waiting_for: 0,
-                staging: Vec::new(),
-                pending: None,
-            })
-            .collect();
-        let params = (0..buffer.params().len())
-            .map(|i| {
-                let info = buffer.info(ParamId(i));
-                let bucket = info.bucket_id?;
-                buckets[bucket].waiting_for += 1;
-                Some((bucket, info.range()))
-            })
-            .collect();
         BucketOverlap {
             distributed,
-            buckets,
-            params,
+            comms: buffer.buckets().iter().map(|b| comms.of(b)).collect(),
+            staging: BucketStaging::new(buffer),
+            pending: buffer.buckets().iter().map(|_| None).collect(),
             error: None,
         }
     }
@@ -83,14 +58,15 @@ impl<'a> BucketOverlap<'a> {
         if let Some(e) = self.error {
             return Err(TrainError::Comm(e));
         }
+        if let Some((b, _, waiting)) = self.staging.incomplete(1) {
+            return Err(TrainError::Comm(format!(
+                "gradient bucket {b}: {waiting} parameters never reported ready"
+            )));
+        }
         let start = Instant::now();
-        for (b, bucket) in self.buckets.into_iter().enumerate() {
-            let Some(pending) = bucket.pending else {
-                return Err(TrainError::Comm(format!(
-                    "gradient bucket {b}: {} parameters never reported ready",
-                    bucket.waiting_for
-                )));
-            };
+        for (b, pending) in self.pending.into_iter().enumerate() {
+            let pending = pending
+                .ok_or_else(|| TrainError::Comm(format!("gradient bucket {b}: never reduced")))?;
             let reduced = pending.wait().map_err(comm_err)?;
             buffer.bucket_grads_mut(b).copy_from_slice(&reduced);
         }
@@ -101,28 +77,17 @@ impl<'a> BucketOverlap<'a> {
 impl GradReady for BucketOverlap<'_> {
     fn ready(&mut self, params: &[usize], grads: &mut [&mut [f32]]) {
         for &i in params {
-            let (b, range) = match self.params.get(i) {
-                Some(Some(p)) => p.clone(),
-                Some(None) => continue, // frozen: no gradient
-                None => {
-                    self.error = Some(format!("parameter {i} is not in the gradient buffer"));
-                    continue;
+            match self.staging.stage(i, grads) {
+                Ok(Some((b, staged))) => {
+                    let comm = self.comms[b];
+                    self.pending[b] = Some(if self.distributed {
+                        comm.reduce_scatter_in_place(staged, ReduceOp::Sum)
+                    } else {
+                        comm.all_reduce(staged, ReduceOp::Sum)
+                    });
                 }
-            };
-            let bucket = &mut self.buckets[b];
-            if bucket.staging.is_empty() {
-                bucket.staging = vec![0f32; bucket.range.len()];
-            }
-            let at = range.start - bucket.range.start;
-            bucket.staging[at..at + range.len()].copy_from_slice(grads[i]);
-            bucket.waiting_for -= 1;
-            if bucket.waiting_for == 0 {
-                let staged = std::mem::take(&mut bucket.staging);
-                bucket.pending = Some(if self.distributed {
-                    bucket.comm.reduce_scatter_in_place(staged, ReduceOp::Sum)
-                } else {
-                    bucket.comm.all_reduce(staged, ReduceOp::Sum)
-                });
+                Ok(None) => {}
+                Err(e) => self.error = Some(e),
             }
         }
     }
