@@ -22,10 +22,11 @@
 use std::sync::Arc;
 
 use ferrotron_comm::{AsyncComm, Collectives, CommError, Communicator, ReduceOp, SingleRankComm};
-use ferrotron_optim::{GradStatsReduce, OptimError, ParamAndGradBuffer};
+use ferrotron_optim::ParamAndGradBuffer;
 use half::bf16;
 
 use super::sharding::ShardingStrategy;
+use super::stats_reduce::StatsReduce;
 use super::{Result, TrainError};
 
 /// The data-parallel group of a trainer and how it shards the optimizer.
@@ -481,32 +482,6 @@ impl DataParallel {
         if self.use_distributed_optimizer() && self.size() > 1 {
             comms.push(&*self.comm);
         }
-        StatsReduce { comms }
-    }
-}
-
-/// [`GradStatsReduce`] over the groups whose ranks hold different parts of the gradients.
-pub(super) struct StatsReduce<'a> {
-    comms: Vec<&'a dyn Communicator>,
-}
-
-impl StatsReduce<'_> {
-    fn reduce(&self, local: f64, op: ReduceOp) -> ferrotron_optim::Result<f64> {
-        let mut value = local;
-        for c in &self.comms {
-            value = c
-                .all_reduce_scalar(value, op)
-                .map_err(|e| OptimError::Comm(e.to_string()))?;
-        }
-        Ok(value)
-    }
-}
-
-impl GradStatsReduce for StatsReduce<'_> {
-    fn all_reduce_sum(&mut self, local: f64) -> ferrotron_optim::Result<f64> {
-        self.reduce(local, ReduceOp::Sum)
-    }
-    fn all_reduce_max(&mut self, local: f64) -> ferrotron_optim::Result<f64> {
-        self.reduce(local, ReduceOp::Max)
+        StatsReduce::new(comms)
     }
 }

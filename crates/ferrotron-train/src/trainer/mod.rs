@@ -42,6 +42,7 @@ mod pipeline_exec;
 mod run;
 mod sharded;
 mod sharding;
+mod stats_reduce;
 mod step;
 
 pub use checkpoint::{LoadMode, SavePlan, TrainerState};

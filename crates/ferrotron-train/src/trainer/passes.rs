@@ -153,11 +153,11 @@ impl Trainer {
         loss_scale: f32,
     ) -> Result<Pass> {
         let distributed = self.dp.use_distributed_optimizer();
-        let dp = &self.dp;
+        let dp = self.dp.clone();
         let mut grad_shards = dp
             .sharding_strategy()
             .shards_grads()
-            .then(|| GradShards::new(dp, &self.buffer, true));
+            .then(|| GradShards::new(&dp, &self.buffer, true));
         let mut overlap = dp
             .overlap_comms()
             .filter(|_| grad_shards.is_none())
@@ -181,24 +181,8 @@ impl Trainer {
                 (None, Some(hook)) if k == last => hook,
                 _ => &mut no_hook,
             };
-            let (stats, waited) = match self.param_shards.as_mut() {
-                Some(shards) => shards.forward_backward(
-                    gather_comm.as_deref(),
-                    &mut self.model,
-                    &mut self.buffer,
-                    batch,
-                    scale,
-                    ready,
-                )?,
-                None => micro_batch_pass(
-                    &mut self.model,
-                    &mut self.buffer,
-                    self.param_gather.take(),
-                    batch,
-                    scale,
-                    ready,
-                )?,
-            };
+            let (stats, waited) =
+                self.micro_batch_pass(gather_comm.as_deref(), batch, scale, ready)?;
             if let Some(shards) = grad_shards.as_mut() {
                 shards.end_micro_batch()?;
             }
@@ -278,6 +262,26 @@ impl Trainer {
             }
         }
         Ok((out, gather_wait))
+    }
+}
+
+impl Trainer {
+    /// One micro-batch's forward and backward into the buffer's gradients: under ZeRO-3
+    /// layer group by layer group with their parameters gathered around each (on `gather`,
+    /// the progress thread; none on one rank), else [`micro_batch_pass`]. Returns the loss
+    /// and the time spent waiting for parameters.
+    fn micro_batch_pass(
+        &mut self,
+        gather: Option<&ferrotron_comm::AsyncComm>,
+        batch: &TrainBatch,
+        scale: f32,
+        ready: &mut (dyn GradReady + Send),
+    ) -> Result<(LossStats, Duration)> {
+        let (model, buffer) = (&mut self.model, &mut self.buffer);
+        match self.param_shards.as_mut() {
+            Some(shards) => shards.forward_backward(gather, model, buffer, batch, scale, ready),
+            None => micro_batch_pass(model, buffer, self.param_gather.take(), batch, scale, ready),
+        }
     }
 }
 

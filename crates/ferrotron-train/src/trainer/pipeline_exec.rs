@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferrotron_comm::{Collectives, Communicator, ReduceOp};
+use ferrotron_comm::{AsyncComm, Collectives, Communicator, ReduceOp};
 use ferrotron_model::{
     DpoStats, GptModel, GradReady, LossStats, MoeLosses, Objective, StageForward, StageLogps,
     TrainBatch,
@@ -271,18 +271,9 @@ impl Trainer {
                         0.0
                     };
                     let input = inputs.remove(&(mb, chunk));
-                    let mut state = match self.param_shards.as_mut() {
-                        Some(shards) if self.model.num_chunks() == 1 => {
-                            let model = &mut self.model;
-                            let (units, waited) =
-                                shards.forward(gather.as_deref(), model, batch, input, scale)?;
-                            sums.gather_wait += waited;
-                            ChunkForward::Units(units)
-                        }
-                        _ => ChunkForward::Whole(Box::new(
-                            self.model.stage_forward(batch, chunk, input, scale)?,
-                        )),
-                    };
+                    let wait = &mut sums.gather_wait;
+                    let mut state =
+                        self.chunk_forward(batch, chunk, input, scale, gather.as_deref(), wait)?;
                     sums.moe.add(&state.moe_losses());
                     match state.loss() {
                         Some(loss) => sums.add(&loss),
@@ -305,32 +296,9 @@ impl Trainer {
                     let state = take(&mut states, (mb, chunk), "forward before the backward")?;
                     let dout = douts.remove(&(mb, chunk));
                     let batch = &batches[mb];
-                    let din = match (state, self.param_shards.as_mut()) {
-                        (ChunkForward::Units(units), Some(shards)) => {
-                            let (model, buffer) = (&mut self.model, &mut self.buffer);
-                            let (din, waited) = shards.backward(
-                                gather.as_deref(),
-                                model,
-                                buffer,
-                                batch,
-                                units,
-                                dout,
-                                ready,
-                            )?;
-                            sums.gather_wait += waited;
-                            din
-                        }
-                        (ChunkForward::Whole(state), _) => {
-                            let mut grads = self.buffer.grad_slices_mut();
-                            (self.model)
-                                .stage_backward_with(batch, *state, &mut grads, dout, ready)?
-                        }
-                        (ChunkForward::Units(_), None) => {
-                            return Err(TrainError::Config(
-                                "a layer-group forward without sharded parameters".into(),
-                            ));
-                        }
-                    };
+                    let wait = &mut sums.gather_wait;
+                    let din =
+                        self.chunk_backward(batch, state, dout, gather.as_deref(), ready, wait)?;
                     if let Some(d) = din {
                         dins.insert((mb, chunk), d);
                     }
@@ -342,6 +310,58 @@ impl Trainer {
             }
         }
         sums.shared(comm.as_ref(), pairs(batches))
+    }
+
+    /// A model chunk's forward of one micro-batch: layer group by layer group with ZeRO-3
+    /// on a stage of one chunk (adding the time waited for gathers to `waited`), else whole.
+    fn chunk_forward(
+        &mut self,
+        batch: &TrainBatch,
+        chunk: usize,
+        input: Option<Vec<f32>>,
+        scale: f32,
+        gather: Option<&AsyncComm>,
+        waited: &mut Duration,
+    ) -> Result<ChunkForward> {
+        Ok(match self.param_shards.as_mut() {
+            Some(shards) if self.model.num_chunks() == 1 => {
+                let (units, w) = shards.forward(gather, &mut self.model, batch, input, scale)?;
+                *waited += w;
+                ChunkForward::Units(units)
+            }
+            _ => ChunkForward::Whole(Box::new(
+                self.model.stage_forward(batch, chunk, input, scale)?,
+            )),
+        })
+    }
+
+    /// The backward of a [`Trainer::chunk_forward`] from `dout` (none on the last virtual
+    /// stage), into the buffer's gradients, telling `ready`; returns the input's gradient
+    /// (none on the first virtual stage).
+    fn chunk_backward(
+        &mut self,
+        batch: &TrainBatch,
+        state: ChunkForward,
+        dout: Option<Vec<f32>>,
+        gather: Option<&AsyncComm>,
+        ready: &mut (dyn GradReady + Send),
+        waited: &mut Duration,
+    ) -> Result<Option<Vec<f32>>> {
+        match (state, self.param_shards.as_mut()) {
+            (ChunkForward::Units(units), Some(shards)) => {
+                let (model, buffer) = (&mut self.model, &mut self.buffer);
+                let (din, w) = shards.backward(gather, model, buffer, batch, units, dout, ready)?;
+                *waited += w;
+                Ok(din)
+            }
+            (ChunkForward::Whole(state), _) => {
+                let mut grads = self.buffer.grad_slices_mut();
+                Ok((self.model).stage_backward_with(batch, *state, &mut grads, dout, ready)?)
+            }
+            (ChunkForward::Units(_), None) => Err(TrainError::Config(
+                "a layer-group forward without sharded parameters".into(),
+            )),
+        }
     }
 
     /// Forward-only loss sum of `batches` through the pipeline (validation, [`forward_only`]):
