@@ -47,31 +47,6 @@ fn family_layouts_match_one_rank(name: &str, tensor_parallel: bool) {
     }
 }
 
-/// `run` with the key rows of every `linear_qkv.bias` zeroed. A key bias adds the same
-/// `q·b_k` to every score of a query, which the softmax cancels: its true gradient is 0, so
-/// what the backward computes is rounding noise, which Adam scales up to updates of
-/// `lr`-size that differ with any change of summation order. Every other value is compared.
-fn without_key_bias(run: &Run, name: &str) -> Run {
-    let config = fixture(name).config().clone();
-    let (g, d) = (config.num_query_groups, config.kv_channels);
-    let stride = (config.heads_per_group() + 2) * d;
-    let q_rows = config.heads_per_group() * d;
-    let params = run
-        .1
-        .iter()
-        .map(|(n, v)| {
-            let mut v = v.clone();
-            if n.ends_with("linear_qkv.bias") {
-                for gi in 0..g {
-                    v[gi * stride + q_rows..][..d].fill(0.0);
-                }
-            }
-            (n.clone(), v)
-        })
-        .collect();
-    (run.0.clone(), params)
-}
-
 #[test]
 fn olmo() {
     family_layouts_match_one_rank("tiny-olmo", true);

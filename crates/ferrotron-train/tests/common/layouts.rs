@@ -269,3 +269,28 @@ pub fn assert_resumes(
 pub fn tail_of(run: &Run) -> Run {
     (run.0[2..].to_vec(), run.1.clone())
 }
+
+/// `run` with the key rows of every `linear_qkv.bias` zeroed. A key bias adds the same
+/// `q·b_k` to every score of a query, which the softmax cancels: its true gradient is 0, so
+/// what the backward computes is rounding noise, which Adam scales up to updates of
+/// `lr`-size that differ with any change of summation order. Every other value is compared.
+pub fn without_key_bias(run: &Run, name: &str) -> Run {
+    let config = super::fixture(name).config().clone();
+    let (g, d) = (config.num_query_groups, config.kv_channels);
+    let stride = (config.heads_per_group() + 2) * d;
+    let q_rows = config.heads_per_group() * d;
+    let params = run
+        .1
+        .iter()
+        .map(|(n, v)| {
+            let mut v = v.clone();
+            if n.ends_with("linear_qkv.bias") {
+                for gi in 0..g {
+                    v[gi * stride + q_rows..][..d].fill(0.0);
+                }
+            }
+            (n.clone(), v)
+        })
+        .collect();
+    (run.0.clone(), params)
+}
