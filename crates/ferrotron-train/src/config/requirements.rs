@@ -104,21 +104,30 @@ pub(super) fn context_parallel(
 
 /// `parallel.data_parallel_sharding_strategy` by Megatron-FSDP's names (unset: what
 /// `use_distributed_optimizer` says), and the options it cannot be combined with:
-/// `use_distributed_optimizer = true` with `no_shard`, `overlap_param_gather` with
+/// `overlap_param_gather` without a sharded optimizer, `use_distributed_optimizer = true`
+/// with `no_shard`, `overlap_param_gather` with
 /// `optim_grads_params` (which gathers per layer itself) and ZeRO-2/3 under expert
 /// parallelism (not supported yet).
 pub(super) fn sharding_strategy(r: &RawConfig, p: &mut Vec<String>) -> ShardingStrategy {
     let par = &r.parallel;
     let default = ShardingStrategy::from_distributed_optimizer(par.use_distributed_optimizer);
-    let Some(name) = &par.data_parallel_sharding_strategy else {
-        return default;
+    let strategy = match &par.data_parallel_sharding_strategy {
+        None => None,
+        Some(name) => ShardingStrategy::parse(name).or_else(|| {
+            let names: Vec<&str> = ShardingStrategy::ALL.iter().map(|s| s.name()).collect();
+            p.push(format!(
+                "parallel.data_parallel_sharding_strategy: `{name}` is not one of {}",
+                names.join(", ")
+            ));
+            None
+        }),
     };
-    let Some(strategy) = ShardingStrategy::parse(name) else {
-        let names: Vec<&str> = ShardingStrategy::ALL.iter().map(|s| s.name()).collect();
-        p.push(format!(
-            "parallel.data_parallel_sharding_strategy: `{name}` is not one of {}",
-            names.join(", ")
-        ));
+    if par.overlap_param_gather && !strategy.unwrap_or(default).shards_optimizer() {
+        p.push(
+            "parallel.overlap_param_gather needs parallel.use_distributed_optimizer".to_string(),
+        );
+    }
+    let Some(strategy) = strategy else {
         return default;
     };
     let key = format!("parallel.data_parallel_sharding_strategy = \"{strategy}\"");

@@ -312,15 +312,6 @@ fn validate_parallel(par: &ParallelSection, p: &mut Vec<String>) -> usize {
     if par.ddp_bucket_size == Some(0) {
         p.push("parallel.ddp_bucket_size must be at least 1".to_string());
     }
-    let shards_optimizer = par.use_distributed_optimizer
-        || (par.data_parallel_sharding_strategy.as_deref())
-            .and_then(crate::trainer::ShardingStrategy::parse)
-            .is_some_and(|s| s.shards_optimizer());
-    if par.overlap_param_gather && !shards_optimizer {
-        p.push(
-            "parallel.overlap_param_gather needs parallel.use_distributed_optimizer".to_string(),
-        );
-    }
     if !par.grad_reduce_in_fp32 && par.overlap_grad_reduce {
         p.push(
             "parallel.grad_reduce_in_fp32 = false cannot be combined with overlap_grad_reduce \

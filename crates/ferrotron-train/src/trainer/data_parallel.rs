@@ -235,11 +235,7 @@ impl DataParallel {
             ));
         }
         if self.sharding.shards_params() {
-            return Err(TrainError::Config(
-                "overlap_param_gather does not apply to data_parallel_sharding_strategy = \
-                 optim_grads_params, which gathers parameters unit by unit (prefetching)"
-                    .into(),
-            ));
+            return Err(zero3_with_overlap_param_gather());
         }
         self.start_param_gather_thread()?;
         self.start_expert_threads()?;
@@ -277,11 +273,7 @@ impl DataParallel {
             )));
         }
         if sharding.shards_params() && self.param_gather.is_some() {
-            return Err(TrainError::Config(
-                "overlap_param_gather does not apply to data_parallel_sharding_strategy = \
-                 optim_grads_params, which gathers parameters unit by unit (prefetching)"
-                    .into(),
-            ));
+            return Err(zero3_with_overlap_param_gather());
         }
         self.sharding = sharding;
         if sharding.shards_params() {
@@ -395,11 +387,7 @@ impl DataParallel {
             let narrow = self.grad_reduce_in_bf16 && !bucket.expert_parallel;
             let grads = buffer.bucket_grads_mut(b);
             if narrow {
-                let mut narrow: Vec<bf16> = grads.iter().map(|&g| bf16::from_f32(g)).collect();
-                self.reduce_bucket(&*comm, &mut narrow)?;
-                for (g, n) in grads.iter_mut().zip(&narrow) {
-                    *g = n.to_f32();
-                }
+                through_bf16(grads, |narrow| self.reduce_bucket(&*comm, narrow))?;
             } else {
                 self.reduce_bucket(&*comm, grads)?;
             }
@@ -484,4 +472,30 @@ impl DataParallel {
         }
         StatsReduce::new(comms)
     }
+}
+
+/// ZeRO-3 with `overlap_param_gather`: the error.
+fn zero3_with_overlap_param_gather() -> TrainError {
+    TrainError::Config(
+        "overlap_param_gather does not apply to data_parallel_sharding_strategy = \
+         optim_grads_params, which gathers parameters unit by unit (prefetching)"
+            .into(),
+    )
+}
+
+/// Megatron's `grad_reduce_in_fp32 = false`: `grads` rounded to bf16 once, `reduce` run on
+/// the narrow copy (the collective sums in f32 and rounds once), the result widened back.
+///
+/// # Errors
+/// What `reduce` returns.
+pub(super) fn through_bf16<E>(
+    grads: &mut [f32],
+    reduce: impl FnOnce(&mut [bf16]) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let mut narrow: Vec<bf16> = grads.iter().map(|&g| bf16::from_f32(g)).collect();
+    reduce(&mut narrow)?;
+    for (g, n) in grads.iter_mut().zip(&narrow) {
+        *g = n.to_f32();
+    }
+    Ok(())
 }

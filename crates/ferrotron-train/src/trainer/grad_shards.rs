@@ -18,10 +18,9 @@ use ferrotron_comm::{AsyncComm, Collectives, CommHandle, Communicator, ReduceOp}
 use ferrotron_model::GradReady;
 use ferrotron_optim::ParamAndGradBuffer;
 use ferrotron_tensor::pages;
-use half::bf16;
 
 use super::bucket_staging::BucketStaging;
-use super::data_parallel::{DataParallel, comm_err};
+use super::data_parallel::{DataParallel, comm_err, through_bf16};
 use super::{Result, TrainError};
 
 /// Where a bucket's shard goes.
@@ -152,20 +151,15 @@ impl<'a> GradShards<'a> {
             return Ok(());
         }
         let start = Instant::now();
-        if self.narrow {
-            let mut narrow: Vec<bf16> = staged.iter().map(|&g| bf16::from_f32(g)).collect();
-            self.comm
-                .reduce_scatter_in_place(&mut narrow, ReduceOp::Sum)
-                .map_err(|e| e.to_string())?;
-            let within = self.shards[b].within.clone();
-            for (g, n) in staged[within.clone()].iter_mut().zip(&narrow[within]) {
-                *g = n.to_f32();
-            }
+        let comm = self.comm;
+        let reduced = if self.narrow {
+            through_bf16(&mut staged, |n| {
+                comm.reduce_scatter_in_place(n, ReduceOp::Sum)
+            })
         } else {
-            self.comm
-                .reduce_scatter_in_place(&mut staged, ReduceOp::Sum)
-                .map_err(|e| e.to_string())?;
-        }
+            comm.reduce_scatter_in_place(&mut staged, ReduceOp::Sum)
+        };
+        reduced.map_err(|e| e.to_string())?;
         self.waited += start.elapsed();
         self.accumulate(b, &staged);
         Ok(())

@@ -118,16 +118,29 @@ fn install_bucket(
     let range = buffer.buckets()[b].start..buffer.buckets()[b].end;
     with_params_in_buffer(model, buffer, |buffer| {
         let (storage, _) = buffer.data_mut();
-        let elem = storage.dtype().size_in_bytes();
-        let dst = &mut storage.as_bytes_mut()[range.start * elem..range.end * elem];
-        if dst.len() != gathered.len() {
-            return Err(TrainError::Comm(format!(
-                "parameter bucket {b}: gathered {} bytes, expected {}",
-                gathered.len(),
-                dst.len()
-            )));
-        }
-        dst.copy_from_slice(gathered);
-        Ok(())
+        install_gathered(storage, b, range, gathered)
     })
+}
+
+/// Writes bucket `b`'s all-gathered bytes over its element `range` of `storage`.
+///
+/// # Errors
+/// A gather of another size than the range (a bug).
+pub(super) fn install_gathered(
+    storage: &mut ferrotron_tensor::Storage,
+    b: usize,
+    range: Range<usize>,
+    gathered: &[u8],
+) -> Result<()> {
+    let elem = storage.dtype().size_in_bytes();
+    let dst = &mut storage.as_bytes_mut()[range.start * elem..range.end * elem];
+    if dst.len() != gathered.len() {
+        return Err(TrainError::Comm(format!(
+            "parameter bucket {b}: gathered {} bytes, expected {}",
+            gathered.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(gathered);
+    Ok(())
 }

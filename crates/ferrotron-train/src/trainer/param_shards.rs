@@ -27,6 +27,7 @@ use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 use ferrotron_tensor::Storage;
 
 use super::data_parallel::comm_err;
+use super::param_gather::install_gathered;
 use super::{Result, TrainError};
 
 /// Where a bucket's values are.
@@ -180,17 +181,7 @@ impl ParamShards {
                     std::mem::replace(&mut bucket.state, State::Gathered)
                 {
                     let gathered = handle.wait().map_err(comm_err)?;
-                    let elem = storage.dtype().size_in_bytes();
-                    let r = &bucket.range;
-                    let dst = &mut storage.as_bytes_mut()[r.start * elem..r.end * elem];
-                    if dst.len() != gathered.len() {
-                        return Err(TrainError::Comm(format!(
-                            "parameter bucket {b}: gathered {} bytes, expected {}",
-                            gathered.len(),
-                            dst.len()
-                        )));
-                    }
-                    dst.copy_from_slice(&gathered);
+                    install_gathered(storage, b, bucket.range.clone(), &gathered)?;
                 }
             }
             Ok(start.elapsed())
