@@ -7,6 +7,8 @@
 
 use crate::train::{Objective, TrainBatch};
 use crate::{GptModel, ModelError, Result};
+use ferrotron_nn::attention::DocumentStarts;
+use ferrotron_nn::context_parallel::SequenceSplit;
 use ferrotron_nn::{ContextParallel, CpCommType};
 
 impl GptModel {
@@ -55,8 +57,9 @@ impl GptModel {
 
 impl TrainBatch {
     /// This context-parallel rank's share of the batch: tokens, labels, loss mask and
-    /// position ids cut into `2·C` chunks along `s`, the rank's two (`r` and `2C − 1 − r`)
-    /// kept ([`ContextParallel::share`]); positions are always given (the global ones,
+    /// position ids cut into `2·C` chunks along `s` — per document when the batch has
+    /// document starts — the rank's two (`r` and `2C − 1 − r`) of each kept
+    /// ([`ContextParallel::split`]); positions are always given (the global ones,
     /// `0..s` sliced when the batch had none), and the document starts stay the **whole**
     /// sequence's (`[s, b]`: attention masks compare global positions). The result's `seq`
     /// is `s / C`.
@@ -78,24 +81,30 @@ impl TrainBatch {
             Some(p) => p.clone(),
             None => (0..s).flat_map(|t| std::iter::repeat_n(t, b)).collect(),
         };
-        let share = |what: &str, err: ferrotron_nn::NnError| {
+        let input = |what: &str, err: ferrotron_nn::NnError| {
             ModelError::Input(format!("train batch: {what}: {err}"))
         };
+        let documents = match &self.document_starts {
+            Some(d) => Some(DocumentStarts::new(d, b).map_err(|e| input("document_starts", e))?),
+            None => None,
+        };
+        let split = cp
+            .split(s, b, documents)
+            .map_err(|e| input("sequence", e))?;
+        fn share<T: Copy>(split: &SequenceSplit, r: usize, what: &str, x: &[T]) -> Result<Vec<T>> {
+            split
+                .share(r, x, 1)
+                .map_err(|e| ModelError::Input(format!("train batch: {what}: {e}")))
+        }
+        let r = cp.rank();
         Ok(TrainBatch {
-            tokens: cp
-                .share(&self.tokens, s, b)
-                .map_err(|e| share("tokens", e))?,
-            labels: cp
-                .share(&self.labels, s, b)
-                .map_err(|e| share("labels", e))?,
+            tokens: share(&split, r, "tokens", &self.tokens)?,
+            labels: share(&split, r, "labels", &self.labels)?,
             loss_mask: match &self.loss_mask {
-                Some(m) => Some(cp.share(m, s, b).map_err(|e| share("loss_mask", e))?),
+                Some(m) => Some(share(&split, r, "loss_mask", m)?),
                 None => None,
             },
-            position_ids: Some(
-                cp.share(&positions, s, b)
-                    .map_err(|e| share("position_ids", e))?,
-            ),
+            position_ids: Some(share(&split, r, "position_ids", &positions)?),
             document_starts: self.document_starts.clone(),
             micro_batch: b,
             seq: s / cp.size(),

@@ -27,14 +27,25 @@ const D: usize = 8;
 struct Case {
     seq: usize,
     documents: bool,
+    /// Many documents shorter than `2·C` (with `documents`).
+    short_documents: bool,
     window: Option<usize>,
     alibi: bool,
     precision: AttentionPrecision,
 }
 
-/// `[s, b]` document starts: sequence 0 splits at 5 and 2s/3, sequence 1 at s/2 + 1.
-fn starts(s: usize) -> Vec<u32> {
-    let cuts = [vec![5, 2 * s / 3], vec![s / 2 + 1]];
+/// `[s, b]` document starts: sequence 0 splits at 5 and 2s/3, sequence 1 at s/2 + 1; with
+/// `short`, sequence 0 is documents of 1, 2, ..., 7, 1, 2, ... tokens (most shorter than
+/// `2·C` at cp 4: ranks hold nothing of some).
+fn starts(s: usize, short: bool) -> Vec<u32> {
+    let short_cuts = (1..=7).cycle().scan(0, |at, n| {
+        *at += n;
+        Some(*at)
+    });
+    let cuts = match short {
+        false => [vec![5, 2 * s / 3], vec![s / 2 + 1]],
+        true => [short_cuts.take_while(|&c| c < s).collect(), vec![s / 2 + 1]],
+    };
     let mut out = vec![0u32; s * B];
     for (j, cuts) in cuts.iter().enumerate() {
         let mut start = 0;
@@ -62,9 +73,11 @@ fn dims(s: usize) -> AttentionDims {
     }
 }
 
-/// This rank's share of `[s, b, heads, d]` rows (Megatron's load-balanced chunks).
-fn share(cp: &ContextParallel, x: &[f32], s: usize) -> Vec<f32> {
-    cp.share(x, s, x.len() / s).unwrap()
+/// This rank's share of `[s, b, heads, d]` rows (Megatron's load-balanced chunks, per
+/// document with `docs`).
+fn share(cp: &ContextParallel, x: &[f32], s: usize, docs: Option<DocumentStarts>) -> Vec<f32> {
+    let split = cp.split(s, B, docs).unwrap();
+    split.share(cp.rank(), x, x.len() / (s * B)).unwrap()
 }
 
 struct Full {
@@ -143,7 +156,7 @@ fn assert_near(what: &str, got: &[f32], want: &[f32], tol: f32) {
 
 fn check(case: Case, cp_size: usize, comm_type: CpCommType, label: &str) {
     let s = case.seq;
-    let docs = starts(s);
+    let docs = starts(s, case.short_documents);
     let slopes = alibi_slopes(A);
     let want = one_rank(case, &docs, &slopes);
     let tol = match case.precision {
@@ -153,9 +166,10 @@ fn check(case: Case, cp_size: usize, comm_type: CpCommType, label: &str) {
     run_local(cp_size, |comm| {
         let cp = ContextParallel::new(Arc::new(comm), comm_type);
         let sl = s / cp_size;
-        let [q, k, v, dout] = [&want.q, &want.k, &want.v, &want.dout].map(|x| share(&cp, x, s));
-        let dims = dims(sl);
         let mask = mask(case, &docs, &slopes);
+        let share = |x: &[f32]| share(&cp, x, s, mask.documents);
+        let [q, k, v, dout] = [&want.q, &want.k, &want.v, &want.dout].map(|x| share(x));
+        let dims = dims(sl);
         let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; sl * B * A]);
         cp.attention_forward(&q, &k, &v, &mut out, &mut lse, dims, mask, case.precision)?;
         let (mut dq, mut dk, mut dv) = (
@@ -176,10 +190,10 @@ fn check(case: Case, cp_size: usize, comm_type: CpCommType, label: &str) {
         )?;
         let r = cp.rank();
         let at = |what: &str| format!("{label} cp{cp_size} {} rank {r} {what}", comm_type.name());
-        assert_near(&at("out"), &out, &share(&cp, &want.out, s), tol);
-        assert_near(&at("dq"), &dq, &share(&cp, &want.dq, s), tol);
-        assert_near(&at("dk"), &dk, &share(&cp, &want.dk, s), tol);
-        assert_near(&at("dv"), &dv, &share(&cp, &want.dv, s), tol);
+        assert_near(&at("out"), &out, &share(&want.out), tol);
+        assert_near(&at("dq"), &dq, &share(&want.dq), tol);
+        assert_near(&at("dk"), &dk, &share(&want.dk), tol);
+        assert_near(&at("dv"), &dv, &share(&want.dv), tol);
         Ok::<_, ferrotron_nn::NnError>(())
     })
     .unwrap_or_else(|e| panic!("{label}: {e}"));
@@ -191,6 +205,7 @@ fn causal(seq: usize) -> Case {
     Case {
         seq,
         documents: false,
+        short_documents: false,
         window: None,
         alibi: false,
         precision: AttentionPrecision::F32,
@@ -227,6 +242,14 @@ fn masks_equal_one_rank() {
             },
         ),
         (
+            "short documents",
+            Case {
+                documents: true,
+                short_documents: true,
+                ..causal(96)
+            },
+        ),
+        (
             "alibi + documents",
             Case {
                 alibi: true,
@@ -240,6 +263,7 @@ fn masks_equal_one_rank() {
             check(case, 2, t, label);
         }
         check(case, 4, CpCommType::P2p, label);
+        check(case, 4, CpCommType::AllGather, label);
     }
 }
 

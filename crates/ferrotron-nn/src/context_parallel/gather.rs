@@ -1,47 +1,41 @@
 //! `all_gather` context parallelism (TE's `AttnFuncWithCPAndKVAllGather`): every rank
-//! all-gathers the whole sequence's keys and values, each of its query chunks attends to the
-//! keys up to its own end in one call (no partial results to merge), and the backward
-//! reduce-scatters the whole sequence's dK/dV back to the chunks' owners.
+//! all-gathers the whole sequence's keys and values, each of its query runs attends to the
+//! keys of its document up to its own end in one call (no partial results to merge), and the
+//! backward reduce-scatters the whole sequence's dK/dV back to the runs' owners.
 
-use super::{Blocks, add, chunk, chunks_of, comm_err};
+use super::{Blocks, Run, comm_err};
 use crate::Result;
-use crate::attention::{AttentionDims, core_attention_backward, core_attention_forward_train};
+use crate::attention::{core_attention_backward, core_attention_forward_train};
 use ferrotron_comm::{Collectives, ReduceOp};
 
 /// The whole sequence's `[S, b, g, d]` keys and values, in position order, from every rank's
-/// two chunks.
+/// runs.
 fn gather_kv(io: &Blocks, k: &[f32], v: &[f32]) -> Result<[Vec<f32>; 2]> {
-    let c = io.cp.size();
-    let kn = io.chunk_len(io.dims.groups);
+    let (c, wk) = (io.cp.size(), io.width(io.dims.groups));
     let local = [k, v].concat();
     let mut all = vec![0f32; local.len() * c];
     io.cp
         .comm()
         .all_gather(&local, &mut all)
         .map_err(comm_err)?;
-    // Rank p's part: [k chunk p, k chunk 2C-1-p, v chunk p, v chunk 2C-1-p].
-    let mut full = [vec![0f32; 2 * c * kn], vec![0f32; 2 * c * kn]];
+    // Rank p's part: [its k, its v].
+    let mut full = [vec![0f32; c * k.len()], vec![0f32; c * k.len()]];
     for p in 0..c {
         let part = &all[p * local.len()..][..local.len()];
         for (which, dst) in full.iter_mut().enumerate() {
-            for (li, &chunk) in chunks_of(p, c).iter().enumerate() {
-                let src = &part[(which * 2 + li) * kn..][..kn];
-                dst[chunk * kn..][..kn].copy_from_slice(src);
+            let src = &part[which * k.len()..][..k.len()];
+            for run in io.split.runs(p) {
+                let rows = io.take(src, wk, run, run.local_tokens());
+                io.put(dst, wk, run, run.positions(), &rows);
             }
         }
     }
     Ok(full)
 }
 
-/// Dims of query chunk `qc` (global index) against the keys `0..(qc + 1)·n`.
-fn prefix_dims(io: &Blocks, qc: usize) -> AttentionDims {
-    AttentionDims {
-        sq: io.n,
-        skv: (qc + 1) * io.n,
-        q_offset: qc * io.n,
-        kv_offset: 0,
-        ..io.dims
-    }
+/// The positions of the keys query run `run` sees: its document up to its own end.
+fn key_positions(run: &Run) -> std::ops::Range<usize> {
+    run.document..run.start + run.len
 }
 
 pub(super) fn forward(
@@ -51,12 +45,29 @@ pub(super) fn forward(
     lse: &mut [f32],
 ) -> Result<()> {
     let [kf, vf] = gather_kv(io, k, v)?;
-    let (qn, _, ln) = io.chunk_lens();
-    for (qi, &qc) in io.cp.chunks().iter().enumerate() {
-        let (o, l) = (&mut out[qi * qn..][..qn], &mut lse[qi * ln..][..ln]);
-        let dims = prefix_dims(io, qc);
-        let qs = &q[qi * qn..][..qn];
-        core_attention_forward_train(qs, &kf, &vf, o, l, dims, io.mask, io.precision);
+    let (a, wq, wk) = (
+        io.dims.heads,
+        io.width(io.dims.heads),
+        io.width(io.dims.groups),
+    );
+    for run in io.split.runs(io.cp.rank()) {
+        let keys = key_positions(run);
+        let qx = io.take(q, wq, run, run.local_tokens());
+        let [kx, vx] = [&kf, &vf].map(|x| io.take(x, wk, run, keys.clone()));
+        let (mut o, mut l) = (vec![0f32; qx.len()], vec![0f32; qx.len() / wq * a]);
+        let dims = io.block_dims(run, keys.start, keys.len());
+        core_attention_forward_train(
+            &qx,
+            &kx,
+            &vx,
+            &mut o,
+            &mut l,
+            dims,
+            io.block_mask(),
+            io.precision,
+        );
+        io.put(out, wq, run, run.local_tokens(), &o);
+        io.put(lse, a, run, run.local_tokens(), &l);
     }
     Ok(())
 }
@@ -69,37 +80,49 @@ pub(super) fn backward(
 ) -> Result<()> {
     let c = io.cp.size();
     let [kf, vf] = gather_kv(io, k, v)?;
-    let (qn, kn, ln) = io.chunk_lens();
+    let (a, wq, wk) = (
+        io.dims.heads,
+        io.width(io.dims.heads),
+        io.width(io.dims.groups),
+    );
     let (mut dkf, mut dvf) = (vec![0f32; kf.len()], vec![0f32; vf.len()]);
-    for (qi, &qc) in io.cp.chunks().iter().enumerate() {
-        let dims = prefix_dims(io, qc);
-        let prefix = (qc + 1) * kn;
-        let (mut bk, mut bv) = (vec![0f32; prefix], vec![0f32; prefix]);
+    for run in io.split.runs(io.cp.rank()) {
+        let keys = key_positions(run);
+        let [qx, ox, dox] = [q, out, dout].map(|x| io.take(x, wq, run, run.local_tokens()));
+        let lx = io.take(lse, a, run, run.local_tokens());
+        let [kx, vx] = [&kf, &vf].map(|x| io.take(x, wk, run, keys.clone()));
+        let (mut bq, mut bk, mut bv) = (
+            vec![0f32; qx.len()],
+            vec![0f32; kx.len()],
+            vec![0f32; vx.len()],
+        );
         core_attention_backward(
-            chunk(q, qn, qi),
-            &kf,
-            &vf,
-            chunk(out, qn, qi),
-            chunk(dout, qn, qi),
-            chunk(lse, ln, qi),
-            &mut dq[qi * qn..][..qn],
+            &qx,
+            &kx,
+            &vx,
+            &ox,
+            &dox,
+            &lx,
+            &mut bq,
             &mut bk,
             &mut bv,
-            dims,
-            io.mask,
+            io.block_dims(run, keys.start, keys.len()),
+            io.block_mask(),
             io.precision,
         );
-        add(&mut dkf[..prefix], &bk);
-        add(&mut dvf[..prefix], &bv);
+        io.put(dq, wq, run, run.local_tokens(), &bq);
+        io.put_add(&mut dkf, wk, run, keys.clone(), &bk);
+        io.put_add(&mut dvf, wk, run, keys, &bv);
     }
-    // Rank order for the reduce-scatter: rank p's [dk chunks, dv chunks] in its local order.
-    let part = 4 * kn;
+    // Rank order for the reduce-scatter: rank p's [dk, dv] in its local layout.
+    let part = 2 * k.len();
     let mut send = vec![0f32; c * part];
     for p in 0..c {
         for (which, full) in [&dkf, &dvf].into_iter().enumerate() {
-            for (li, &chunk) in chunks_of(p, c).iter().enumerate() {
-                let dst = &mut send[p * part + (which * 2 + li) * kn..][..kn];
-                dst.copy_from_slice(&full[chunk * kn..][..kn]);
+            let dst = &mut send[p * part + which * k.len()..][..k.len()];
+            for run in io.split.runs(p) {
+                let rows = io.take(full, wk, run, run.positions());
+                io.put(dst, wk, run, run.local_tokens(), &rows);
             }
         }
     }
@@ -108,7 +131,7 @@ pub(super) fn backward(
         .comm()
         .reduce_scatter(&send, &mut mine, ReduceOp::Sum)
         .map_err(comm_err)?;
-    dk.copy_from_slice(&mine[..2 * kn]);
-    dv.copy_from_slice(&mine[2 * kn..]);
+    dk.copy_from_slice(&mine[..k.len()]);
+    dv.copy_from_slice(&mine[k.len()..]);
     Ok(())
 }

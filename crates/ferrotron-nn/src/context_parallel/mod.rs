@@ -2,18 +2,19 @@
 //! context-parallel group (Megatron-Core's `--context-parallel-size` with Transformer
 //! Engine's `attn_forward_func_with_cp`, `transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py`).
 //!
-//! **Load-balanced split.** The sequence of `S` tokens is cut into `2·C` chunks of
-//! `n = S / (2C)` tokens; rank `r` holds chunks `r` and `2C − 1 − r` (for `C = 2`: rank 0
-//! holds 0 and 3, rank 1 holds 1 and 2), so every rank does the same causal work
-//! (Megatron's `get_batch_on_this_cp_rank`). Every per-token input is split this way
-//! ([`ContextParallel::share`]); positions stay global, so rotary embeddings, sliding windows,
-//! packed documents and ALiBi see absolute positions.
+//! **Load-balanced split** ([`SequenceSplit`], `split.rs`). The sequence of `S` tokens is cut
+//! into `2·C` chunks of `n = S / (2C)` tokens; rank `r` holds chunks `r` and `2C − 1 − r`
+//! (for `C = 2`: rank 0 holds 0 and 3, rank 1 holds 1 and 2), so every rank does the same
+//! causal work (Megatron's `get_batch_on_this_cp_rank`). Packed rows (document starts given)
+//! are split **per document** the same way (Megatron's THD path). Every per-token input is
+//! split this way ([`SequenceSplit::share`]); positions stay global, so rotary embeddings,
+//! sliding windows and ALiBi see absolute positions.
 //!
 //! **Core attention** ([`ContextParallel::attention_forward`] / `_backward`): q, k, v are this
-//! rank's `[2n, b, heads, d]` (its two chunks in order); the keys and values of the other
-//! chunks come by [`CpCommType`]:
-//! - `p2p` (`ring.rs`): the KV chunks travel around the ring, the next transfer in flight
-//!   while the current block computes; each (query chunk, key chunk) block gives a partial
+//! rank's `[S/C, b, heads, d]` (its runs in order); the keys and values of the other ranks
+//! come by [`CpCommType`]:
+//! - `p2p` (`ring.rs`): the KV travels around the ring, the next transfer in flight while the
+//!   current blocks compute; each (query run, key run) block of one document gives a partial
 //!   output and log-sum-exp merged exactly ([`merge_partial`]); the backward passes dK/dV
 //!   around the ring;
 //! - `all_gather` (`gather.rs`): the whole sequence's K/V gathered once, dK/dV
@@ -25,13 +26,18 @@
 
 mod gather;
 mod ring;
+mod split;
 mod ulysses;
 
+pub use split::{Run, SequenceSplit};
+
+use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::Arc;
 
 use ferrotron_comm::Communicator;
 
-use crate::attention::{AttentionDims, AttentionMask, AttentionPrecision};
+use crate::attention::{AttentionDims, AttentionMask, AttentionPrecision, DocumentStarts};
 use crate::{NnError, Result};
 
 /// How the keys and values of the other chunks reach a rank (Megatron's `--cp-comm-type`).
@@ -108,62 +114,28 @@ impl ContextParallel {
         &self.comm
     }
 
-    /// The global chunk indices this rank holds, in local order: `[r, 2C − 1 − r]`.
-    pub fn chunks(&self) -> [usize; 2] {
-        chunks_of(self.rank(), self.size())
-    }
-
-    /// Tokens per sequence on this rank for a sequence of `seq` tokens: `seq / C`.
+    /// How a micro-batch of `seq` positions and `batch` rows splits over the group: by
+    /// documents when `documents` (the whole sequence's `[seq, batch]` starts) are given,
+    /// else by chunks ([`SequenceSplit`]).
     ///
     /// # Errors
     /// [`NnError::BadInput`] naming `seq_length` when `seq` does not divide by `2·C`.
-    pub fn local_seq(&self, seq: usize) -> Result<usize> {
-        let c = self.size();
-        if !seq.is_multiple_of(2 * c) {
-            return Err(NnError::BadInput {
-                field: "seq_length".into(),
-                reason: format!(
-                    "{seq} tokens do not split into 2 x context_parallel_size = {} equal chunks",
-                    2 * c
-                ),
-            });
-        }
-        Ok(seq / c)
+    pub fn split(
+        &self,
+        seq: usize,
+        batch: usize,
+        documents: Option<DocumentStarts>,
+    ) -> Result<SequenceSplit> {
+        SequenceSplit::new(seq, batch, self.size(), documents)
     }
 
-    /// This rank's share of a per-token array `x: [seq, width]` (`width` values per token,
-    /// e.g. the micro-batch `b` of an `[s, b]` array): its two chunks, `[seq / C, width]`.
-    ///
-    /// # Errors
-    /// As [`ContextParallel::local_seq`], or `x` not `seq · width` long.
-    pub fn share<T: Copy>(&self, x: &[T], seq: usize, width: usize) -> Result<Vec<T>> {
-        let n = self.local_seq(seq)? / 2;
-        if x.len() != seq * width {
-            return Err(NnError::BadInput {
-                field: "context-parallel share".into(),
-                reason: format!("{} values are not [{seq}, {width}]", x.len()),
-            });
-        }
-        Ok(self
-            .chunks()
-            .iter()
-            .flat_map(|&c| x[c * n * width..(c + 1) * n * width].iter().copied())
-            .collect())
-    }
-
-    /// Global position of local token `t` of a rank holding `local_seq` tokens per
-    /// sequence.
-    pub fn global_position(&self, t: usize, local_seq: usize) -> usize {
-        let n = local_seq / 2;
-        self.chunks()[t / n] * n + t % n
-    }
-
-    /// Core attention over the context-parallel sequence: `out: [2n, b, a, d]` and `lse`
-    /// (this rank's queries' softmax statistic; `[2n, b, a]` for `p2p` / `all_gather`, the
+    /// Core attention over the context-parallel sequence: `out: [S/C, b, a, d]` and `lse`
+    /// (this rank's queries' softmax statistic; `[S/C, b, a]` for `p2p` / `all_gather`, the
     /// head-split `[S, b, a/C]` for `a2a` — only the backward reads it) from this rank's
-    /// `q: [2n, b, a, d]`, `k, v: [2n, b, g, d]` (after rope). `dims` are the local ones
-    /// (`sq = skv = 2n`, no offsets); `mask.documents`, when set, are the **whole**
-    /// sequence's `[S, b]` starts.
+    /// `q: [S/C, b, a, d]`, `k, v: [S/C, b, g, d]` (after rope, split as
+    /// [`ContextParallel::split`] says). `dims` are the local ones (`sq = skv = S/C`, no
+    /// offsets); `mask.documents`, when set, are the **whole** sequence's `[S, b]` starts (and
+    /// the split is by documents).
     ///
     /// # Errors
     /// [`NnError::Comm`] when an exchange fails; [`NnError::BadInput`] for `a2a` with heads
@@ -188,8 +160,8 @@ impl ContextParallel {
         }
     }
 
-    /// Backward of [`ContextParallel::attention_forward`]: `dq: [2n, b, a, d]`, `dk, dv:
-    /// [2n, b, g, d]` (**overwritten**) from the forward's inputs, `out`, `lse` and `dout`.
+    /// Backward of [`ContextParallel::attention_forward`]: `dq: [S/C, b, a, d]`, `dk, dv:
+    /// [S/C, b, g, d]` (**overwritten**) from the forward's inputs, `out`, `lse` and `dout`.
     ///
     /// # Errors
     /// As the forward.
@@ -215,20 +187,14 @@ impl ContextParallel {
     }
 }
 
-/// Global chunk indices of rank `r` of `c`.
-fn chunks_of(r: usize, c: usize) -> [usize; 2] {
-    [r, 2 * c - 1 - r]
-}
-
-/// What every exchange works with: the group, the local dims, the chunk length `n` and
-/// per-chunk element counts.
+/// What every exchange works with: the group, the local dims, the mask, and every rank's
+/// tokens.
 struct Blocks<'a> {
     cp: &'a ContextParallel,
     dims: AttentionDims,
     mask: AttentionMask<'a>,
     precision: AttentionPrecision,
-    /// Tokens per chunk.
-    n: usize,
+    split: SequenceSplit,
 }
 
 impl<'a> Blocks<'a> {
@@ -242,46 +208,61 @@ impl<'a> Blocks<'a> {
             dims.sq == dims.skv && dims.q_offset == 0 && dims.kv_offset == 0,
             "context-parallel attention takes the local dims ({dims:?})"
         );
-        assert!(dims.sq.is_multiple_of(2), "a rank holds two chunks");
+        let seq = dims.sq * cp.size();
         if let Some(docs) = mask.documents {
             assert!(
-                docs.seq_len() == dims.sq * cp.size(),
+                docs.seq_len() == seq,
                 "context-parallel attention needs the whole sequence's document starts"
             );
         }
+        let split = cp.split(seq, dims.batch, mask.documents)?;
         Ok(Blocks {
             cp,
             dims,
             mask,
             precision,
-            n: dims.sq / 2,
+            split,
         })
     }
 
-    /// Elements of one chunk of rows with `heads` heads.
-    fn chunk_len(&self, heads: usize) -> usize {
-        self.n * self.dims.batch * heads * self.dims.head_dim
+    /// Values per token of a row with `heads` heads.
+    fn width(&self, heads: usize) -> usize {
+        heads * self.dims.head_dim
     }
 
-    /// Elements of one chunk of the queries, of the keys (or values), and of the
-    /// log-sum-exp.
-    fn chunk_lens(&self) -> (usize, usize, usize) {
-        let d = &self.dims;
-        (
-            self.chunk_len(d.heads),
-            self.chunk_len(d.groups),
-            self.n * d.batch * d.heads,
-        )
+    /// Rows `run.rows` of tokens `tokens` of a local or whole-sequence array `x: [s, b, w]`.
+    fn take<'x>(&self, x: &'x [f32], w: usize, run: &Run, tokens: Range<usize>) -> Cow<'x, [f32]> {
+        split::take(x, self.dims.batch, w, &run.rows, tokens)
     }
 
-    /// Dims of the block of query chunk `qc` against key chunk `kc` (global indices).
-    fn block_dims(&self, qc: usize, kc: usize) -> AttentionDims {
+    /// Writes `src` into rows `run.rows` of tokens `tokens` of `x: [s, b, w]`.
+    fn put(&self, x: &mut [f32], w: usize, run: &Run, tokens: Range<usize>, src: &[f32]) {
+        split::put(x, self.dims.batch, w, &run.rows, tokens, src);
+    }
+
+    /// Adds `src` into rows `run.rows` of tokens `tokens` of `x: [s, b, w]`.
+    fn put_add(&self, x: &mut [f32], w: usize, run: &Run, tokens: Range<usize>, src: &[f32]) {
+        split::put_add(x, self.dims.batch, w, &run.rows, tokens, src);
+    }
+
+    /// Dims of query run `q` against `skv` keys from position `kv_offset`.
+    fn block_dims(&self, q: &Run, kv_offset: usize, skv: usize) -> AttentionDims {
         AttentionDims {
-            sq: self.n,
-            skv: self.n,
-            q_offset: qc * self.n,
-            kv_offset: kc * self.n,
+            sq: q.len,
+            skv,
+            batch: q.rows.len(),
+            q_offset: q.start,
+            kv_offset,
             ..self.dims
+        }
+    }
+
+    /// The mask of a block of runs: the blocks of a document split pair runs of one document,
+    /// so only the window and ALiBi remain (they compare absolute positions).
+    fn block_mask(&self) -> AttentionMask<'a> {
+        AttentionMask {
+            documents: None,
+            ..self.mask
         }
     }
 }
@@ -312,16 +293,6 @@ pub fn merge_partial(out_acc: &mut [f32], lse_acc: &mut [f32], out_b: &[f32], ls
         }
         *la = m + sum.ln();
     }
-}
-
-/// Chunk `at` of `x` in chunks of `len` values.
-fn chunk(x: &[f32], len: usize, at: usize) -> &[f32] {
-    &x[at * len..][..len]
-}
-
-/// `acc += x`.
-fn add(acc: &mut [f32], x: &[f32]) {
-    acc.iter_mut().zip(x).for_each(|(a, &b)| *a += b);
 }
 
 /// The communicator's error as this crate's.

@@ -1,11 +1,11 @@
 //! `a2a` context parallelism (DeepSpeed-Ulysses; Megatron's `--cp-comm-type a2a`): an
-//! all-to-all turns each rank's two sequence chunks of all heads into the whole sequence of
+//! all-to-all turns each rank's share of the sequence (all heads) into the whole sequence of
 //! `1/C` of the heads, core attention runs there as on one rank (causal over the whole
 //! sequence, no partial results), and a second all-to-all returns the output to the sequence
 //! split. The backward does the same with the gradients. The log-sum-exp stays head-split
-//! (`[S, b, a/C]`, as many values as the local `[2n, b, a]`).
+//! (`[S, b, a/C]`, as many values as the local `[S/C, b, a]`).
 
-use super::{Blocks, chunks_of, comm_err};
+use super::{Blocks, comm_err};
 use crate::attention::{AttentionDims, core_attention_backward, core_attention_forward_train};
 use crate::{NnError, Result};
 use ferrotron_comm::Collectives;
@@ -24,12 +24,12 @@ fn heads_per_rank(io: &Blocks, heads: usize, what: &str) -> Result<usize> {
     Ok(heads / c)
 }
 
-/// `x: [2n, b, heads, d]` (this rank's chunks, all heads) to `[S, b, heads/C, d]` (the whole
+/// `x: [S/C, b, heads, d]` (this rank's tokens, all heads) to `[S, b, heads/C, d]` (the whole
 /// sequence in position order, this rank's heads).
 fn to_heads(io: &Blocks, x: &[f32], heads: usize, what: &str) -> Result<Vec<f32>> {
-    let (c, b, d, n) = (io.cp.size(), io.dims.batch, io.dims.head_dim, io.n);
+    let (c, b, d) = (io.cp.size(), io.dims.batch, io.dims.head_dim);
     let hc = heads_per_rank(io, heads, what)?;
-    let tokens = 2 * n * b;
+    let tokens = io.dims.sq * b;
     let (row, part) = (hc * d, hc * d * tokens);
     let mut send = vec![0f32; c * part];
     for p in 0..c {
@@ -43,28 +43,30 @@ fn to_heads(io: &Blocks, x: &[f32], heads: usize, what: &str) -> Result<Vec<f32>
         .comm()
         .all_to_all(&send, &mut recv)
         .map_err(comm_err)?;
+    // Rank p's part: its tokens [S/C, b, heads/C, d], placed by its runs.
     let mut full = vec![0f32; recv.len()];
-    let chunk = n * b * row;
     for p in 0..c {
-        for (li, &g) in chunks_of(p, c).iter().enumerate() {
-            let src = &recv[p * part + li * chunk..][..chunk];
-            full[g * chunk..][..chunk].copy_from_slice(src);
+        let src = &recv[p * part..][..part];
+        for run in io.split.runs(p) {
+            let rows = io.take(src, row, run, run.local_tokens());
+            io.put(&mut full, row, run, run.positions(), &rows);
         }
     }
     Ok(full)
 }
 
-/// The inverse of [`to_heads`]: `y: [S, b, heads/C, d]` into `x: [2n, b, heads, d]`.
+/// The inverse of [`to_heads`]: `y: [S, b, heads/C, d]` into `x: [S/C, b, heads, d]`.
 fn to_sequence(io: &Blocks, y: &[f32], heads: usize, x: &mut [f32]) -> Result<()> {
-    let (c, b, d, n) = (io.cp.size(), io.dims.batch, io.dims.head_dim, io.n);
+    let (c, b, d) = (io.cp.size(), io.dims.batch, io.dims.head_dim);
     let hc = heads / c;
-    let tokens = 2 * n * b;
-    let (row, part, chunk) = (hc * d, hc * d * tokens, n * b * hc * d);
+    let tokens = io.dims.sq * b;
+    let (row, part) = (hc * d, hc * d * tokens);
     let mut send = vec![0f32; c * part];
     for p in 0..c {
-        for (li, &g) in chunks_of(p, c).iter().enumerate() {
-            let dst = &mut send[p * part + li * chunk..][..chunk];
-            dst.copy_from_slice(&y[g * chunk..][..chunk]);
+        let dst = &mut send[p * part..][..part];
+        for run in io.split.runs(p) {
+            let rows = io.take(y, row, run, run.positions());
+            io.put(dst, row, run, run.local_tokens(), &rows);
         }
     }
     let mut recv = vec![0f32; send.len()];
