@@ -15,20 +15,12 @@ impl GptModel {
     /// Runs this model's training passes over the context-parallel group `cp` (size > 1).
     ///
     /// # Errors
-    /// [`ModelError::Input`] for what context parallelism does not run yet: MoE layers (their
-    /// balancing losses would count one rank's tokens), and `a2a` with local query heads or
-    /// query groups that do not divide by the group size.
+    /// [`ModelError::Input`] for `a2a` with local query heads or query groups that do not
+    /// divide by the group size.
     pub fn set_context_parallel(&mut self, cp: ContextParallel) -> Result<()> {
         let c = &self.local;
         let size = cp.size();
         let mut problems = Vec::new();
-        if self.config.moe.is_some() {
-            problems.push(
-                "not supported yet: context_parallel_size > 1 with MoE layers (their balancing \
-                 losses count one rank's tokens)"
-                    .to_string(),
-            );
-        }
         if cp.comm_type() == CpCommType::A2a {
             for (what, n) in [
                 ("query heads", c.num_attention_heads),

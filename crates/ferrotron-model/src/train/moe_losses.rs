@@ -8,8 +8,9 @@ use std::sync::Mutex;
 use super::forward::Pass;
 use crate::config::LoadBalancing;
 use crate::module::ParamId;
-use crate::{MoeConfig, Result};
-use ferrotron_nn::moe::losses::{aux_loss, aux_loss_counts, switch_load_balancing_loss, z_loss};
+use crate::{ModelError, MoeConfig, Result};
+use ferrotron_comm::{Collectives, ReduceOp};
+use ferrotron_nn::moe::losses::{aux_loss_counts, switch_load_balancing_loss, z_loss};
 
 /// The balancing losses of a pass's MoE layers, summed over the layers, each **divided by
 /// its coefficient** (what Megatron's `save_to_aux_losses_tracker` records and logs: about 1
@@ -21,8 +22,9 @@ pub struct MoeLosses {
     pub load_balancing_loss: f64,
     /// Σ over MoE layers of the router z-loss over `moe_z_loss_coeff`.
     pub z_loss: f64,
-    /// MoE layers summed.
-    pub layers: usize,
+    /// MoE layers summed, in shares: a context-parallel rank's losses are its part of each
+    /// layer's (they sum to the layer's over the group), so it counts `1/C` per layer.
+    pub layers: f64,
 }
 
 impl MoeLosses {
@@ -62,27 +64,51 @@ pub(super) fn balancing_losses(
     sink: &MoeLossSink,
 ) -> Result<Vec<f32>> {
     let e = moe.num_experts();
+    let c = pass.model.context_parallel().map_or(1, |cp| cp.size());
+    let rows = logits.len() / e;
+    // Under context parallelism a rank holds a share of each sequence: the counts and token
+    // totals the losses take are the group's sums, each rank's loss is the part over its own
+    // rows (the parts sum to one rank's loss; Megatron sums them over TP x CP), and its
+    // gradient scale (its share of the micro-batch's loss units) becomes the micro-batch's.
+    let mut shared = match moe.load_balancing_type {
+        LoadBalancing::AuxLoss => {
+            let mut counts = aux_loss_counts(&moe.router, logits);
+            counts.push(rows as f64);
+            counts
+        }
+        LoadBalancing::SeqAuxLoss => sequence_counts(moe, logits, pass.seq, pass.micro_batch),
+        LoadBalancing::GlobalAuxLoss | LoadBalancing::None => Vec::new(),
+    };
+    shared.push(f64::from(sink.scale));
+    let shared = context_parallel_sum(pass, shared)?;
+    let (&scale, counts) = shared.split_last().expect("the scale is shared");
     let mut layer = MoeLosses {
-        layers: 1,
+        layers: 1.0 / c as f64,
         ..MoeLosses::default()
     };
     // Each loss at coefficient 1 (the logged value), its gradient then times the coefficient.
     let (raw, mut d) = match moe.load_balancing_type {
         LoadBalancing::AuxLoss => {
-            let (loss, d) = aux_loss(&moe.router, logits, 1.0);
+            let (counts, total) = counts.split_at(e);
+            let (loss, d) = switch_load_balancing_loss(&moe.router, logits, counts, total[0], 1.0);
             (f64::from(loss), d)
         }
-        LoadBalancing::SeqAuxLoss => seq_aux_loss(moe, logits, pass.seq, pass.micro_batch),
+        LoadBalancing::SeqAuxLoss => {
+            let total = (pass.seq * c) as f64;
+            seq_aux_loss(moe, logits, pass.micro_batch, counts, total)
+        }
         LoadBalancing::GlobalAuxLoss => global_aux_loss(moe, router, logits, pass, sink)?,
         LoadBalancing::None => (0.0, vec![0f32; logits.len()]),
     };
     layer.load_balancing_loss = raw;
-    let aux_scale = moe.aux_loss_coeff * sink.scale;
+    let scale = scale as f32;
+    let aux_scale = moe.aux_loss_coeff * scale;
     d.iter_mut().for_each(|d| *d *= aux_scale);
     if let Some(zc) = moe.z_loss_coeff {
+        // The mean over this rank's rows, a 1/C part of the mean over the sequence.
         let (loss, dz) = z_loss(logits, e, 1.0);
-        layer.z_loss = f64::from(loss);
-        let z_scale = zc * sink.scale;
+        layer.z_loss = f64::from(loss) / c as f64;
+        let z_scale = zc * scale / c as f32;
         d.iter_mut().zip(dz).for_each(|(d, z)| *d += z_scale * z);
     }
     sink.losses
@@ -92,30 +118,61 @@ pub(super) fn balancing_losses(
     Ok(d)
 }
 
+/// `values` summed over the pass's context-parallel group (as they are without one).
+fn context_parallel_sum(pass: &Pass<'_>, mut values: Vec<f64>) -> Result<Vec<f64>> {
+    if let Some(cp) = pass.model.context_parallel() {
+        cp.comm()
+            .all_reduce(&mut values, ReduceOp::Sum)
+            .map_err(|e| {
+                ModelError::Comm(format!("MoE balancing losses over context parallel: {e}"))
+            })?;
+    }
+    Ok(values)
+}
+
+/// Rows `i·b + j` of sequence `j` of `[s·b, E]` `logits` in `[s, b]` order.
+fn sequence_rows(e: usize, logits: &[f32], b: usize, j: usize) -> Vec<f32> {
+    logits
+        .chunks_exact(e)
+        .skip(j)
+        .step_by(b)
+        .flatten()
+        .copied()
+        .collect()
+}
+
+/// `seq_aux_loss`'s counts `[b, E]`: each sequence's [`aux_loss_counts`].
+fn sequence_counts(moe: &MoeConfig, logits: &[f32], s: usize, b: usize) -> Vec<f64> {
+    let e = moe.num_experts();
+    debug_assert_eq!(logits.len(), s * b * e);
+    (0..b)
+        .flat_map(|j| aux_loss_counts(&moe.router, &sequence_rows(e, logits, b, j)))
+        .collect()
+}
+
 /// Megatron's `seq_aux_loss` at coefficient 1 over `logits: [s·b, E]` in `[s, b]` row order:
-/// the aux loss of each sequence's `s` rows, averaged over the `b` sequences; the loss and its
-/// gradient.
-fn seq_aux_loss(moe: &MoeConfig, logits: &[f32], s: usize, b: usize) -> (f64, Vec<f32>) {
+/// the aux loss of each sequence's rows with that sequence's expert `counts` (`[b, E]`) and
+/// `total` tokens, averaged over the `b` sequences; the loss and its gradient.
+fn seq_aux_loss(
+    moe: &MoeConfig,
+    logits: &[f32],
+    b: usize,
+    counts: &[f64],
+    total: f64,
+) -> (f64, Vec<f32>) {
     let e = moe.num_experts();
     let mut d = vec![0f32; logits.len()];
-    let mut total = 0f64;
-    for j in 0..b {
-        let rows: Vec<usize> = (0..s).map(|i| i * b + j).collect();
-        let seq: Vec<f32> = rows
-            .iter()
-            .flat_map(|&r| &logits[r * e..(r + 1) * e])
-            .copied()
-            .collect();
-        let (loss, ds) = aux_loss(&moe.router, &seq, 1.0);
-        total += f64::from(loss) / b as f64;
-        for (&r, g) in rows.iter().zip(ds.chunks_exact(e)) {
-            d[r * e..(r + 1) * e]
-                .iter_mut()
-                .zip(g)
-                .for_each(|(d, g)| *d = g / b as f32);
+    let mut sum = 0f64;
+    for (j, counts) in counts.chunks_exact(e).enumerate() {
+        let seq = sequence_rows(e, logits, b, j);
+        let (loss, ds) = switch_load_balancing_loss(&moe.router, &seq, counts, total, 1.0);
+        sum += f64::from(loss) / b as f64;
+        let rows = d.chunks_exact_mut(e).skip(j).step_by(b);
+        for (row, g) in rows.zip(ds.chunks_exact(e)) {
+            row.iter_mut().zip(g).for_each(|(d, g)| *d = g / b as f32);
         }
     }
-    (total, d)
+    (sum, d)
 }
 
 /// Megatron's `global_aux_loss` at coefficient 1 (see `global_aux.rs`): this micro-batch's
@@ -155,6 +212,7 @@ fn global_aux_loss(
 mod tests {
     use super::*;
     use crate::config::{RouterConfig, ScoreFunction};
+    use ferrotron_nn::moe::losses::aux_loss;
 
     fn config() -> MoeConfig {
         MoeConfig {
@@ -187,7 +245,11 @@ mod tests {
         let logits: Vec<f32> = (0..s * b * e)
             .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
             .collect();
-        let (loss, grad) = seq_aux_loss(&config(), &logits, s, b);
+        let seq_aux_loss = |logits: &[f32], s: usize, b: usize| {
+            let counts = sequence_counts(&config(), logits, s, b);
+            seq_aux_loss(&config(), logits, b, &counts, s as f64)
+        };
+        let (loss, grad) = seq_aux_loss(&logits, s, b);
         let mut want = 0f64;
         for j in 0..b {
             let mut counts = vec![0f64; e];
@@ -214,7 +276,7 @@ mod tests {
         }
         assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
         // One sequence is the plain aux loss.
-        let (one, _) = seq_aux_loss(&config(), &logits[..s * e], s, 1);
+        let (one, _) = seq_aux_loss(&logits[..s * e], s, 1);
         let (plain, _) = aux_loss(&config().router, &logits[..s * e], 1.0);
         assert!((one - f64::from(plain)).abs() < 1e-6);
         // Finite differences of the gradient.
@@ -224,9 +286,8 @@ mod tests {
             plus[at] += h;
             let mut minus = logits.clone();
             minus[at] -= h;
-            let numeric = (seq_aux_loss(&config(), &plus, s, b).0
-                - seq_aux_loss(&config(), &minus, s, b).0)
-                / (2.0 * f64::from(h));
+            let numeric =
+                (seq_aux_loss(&plus, s, b).0 - seq_aux_loss(&minus, s, b).0) / (2.0 * f64::from(h));
             assert!(
                 (numeric - f64::from(grad[at])).abs() < 1e-3,
                 "d/dz[{at}]: {numeric} vs {}",

@@ -58,9 +58,7 @@ pub(super) fn run_requirements(
 
 /// `parallel.cp_comm_type` by Megatron's names, and what context parallelism needs across
 /// sections: `model.seq_length` splitting into `2·cp` chunks, a dataset other than a reward
-/// model's (whose reward token lies on one rank) and a dense model built
-/// here (`[moe]` layers' balancing losses would count one rank's tokens; a loaded MoE model
-/// is refused when the model is sliced).
+/// model's (whose reward token lies on one rank).
 pub(super) fn context_parallel(
     r: &RawConfig,
     seq_length: usize,
@@ -89,13 +87,6 @@ pub(super) fn context_parallel(
         p.push(
             "not supported yet: parallel.context_parallel_size > 1 with data.dataset_type = \
              \"reward\" (a row's reward token lies on one context-parallel rank)"
-                .to_string(),
-        );
-    }
-    if r.moe.num_experts.is_some() {
-        p.push(
-            "not supported yet: parallel.context_parallel_size > 1 with MoE layers (their \
-             balancing losses count one rank's tokens)"
                 .to_string(),
         );
     }

@@ -72,7 +72,7 @@ impl Trainer {
         let Some(moe) = &self.model.config().moe else {
             return Ok(None);
         };
-        let mut v = [local.load_balancing_loss, local.z_loss, local.layers as f64];
+        let mut v = [local.load_balancing_loss, local.z_loss, local.layers];
         self.dp.sum(&mut v)?;
         let per = |x: f64| x / v[2].max(1.0);
         Ok(Some(MoeMetrics {

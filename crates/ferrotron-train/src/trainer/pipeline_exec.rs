@@ -145,7 +145,7 @@ impl PipelineSums {
             self.loss_sum,
             moe.load_balancing_loss,
             moe.z_loss,
-            moe.layers as f64,
+            moe.layers,
             dpo[0],
             dpo[1],
             dpo[2],
@@ -161,7 +161,7 @@ impl PipelineSums {
             moe: MoeLosses {
                 load_balancing_loss: lb,
                 z_loss: z,
-                layers: layers as usize,
+                layers,
             },
             gather_wait: self.gather_wait,
         })

@@ -26,6 +26,28 @@ pub fn rank_batches(it: usize, rank: usize, dp: usize) -> Vec<MicroBatch> {
         .collect()
 }
 
+/// [`rank_batches`] with every row packed: documents cut at two row-dependent positions,
+/// positions restarting at each (Megatron's `reset_position_ids` / `reset_attention_mask`).
+pub fn packed_batches(it: usize, rank: usize, size: usize) -> Vec<MicroBatch> {
+    let mut batches = rank_batches(it, rank, size);
+    for mb in &mut batches {
+        let s = mb.seq_length;
+        for j in 0..mb.micro_batch_size {
+            let idx = mb.sample_indices[j];
+            let cuts = [1 + idx % 5, 8 + idx % 6];
+            let (mut segment, mut start) = (0, 0);
+            for t in 0..s {
+                if cuts.contains(&t) {
+                    (segment, start) = (segment + 1, t);
+                }
+                mb.segment_ids[j * s + t] = segment;
+                mb.position_ids[j * s + t] = (t - start) as u32;
+            }
+        }
+    }
+    batches
+}
+
 pub fn dp_options(dp: usize, iters: usize) -> TrainerOptions {
     TrainerOptions {
         data_parallel_size: dp,
