@@ -5,7 +5,7 @@
 //! `get_batch_on_this_cp_rank`). Everything but core attention is per token and runs on the
 //! share as it is; gradients are then summed over data × context parallelism by the trainer.
 
-use crate::train::{Objective, TrainBatch};
+use crate::train::TrainBatch;
 use crate::{GptModel, ModelError, Result};
 use ferrotron_nn::attention::DocumentStarts;
 use ferrotron_nn::context_parallel::SequenceSplit;
@@ -56,18 +56,14 @@ impl TrainBatch {
     /// sequence's (`[s, b]`: attention masks compare global positions). The result's `seq`
     /// is `s / C`.
     ///
-    /// DPO batches keep their targets (the rows are the same; the model sums each row's
-    /// log-probs over the group).
+    /// DPO and reward batches keep their targets (the rows are the same; the model sums each
+    /// row's log-probs over the group, or finds each row's reward token on the rank holding
+    /// it).
     ///
     /// # Errors
-    /// [`ModelError::Input`] when `s` does not split into `2·C` chunks, or for reward-model
-    /// batches (a row's reward token lies on one rank).
+    /// [`ModelError::Input`] when `s` does not split into `2·C` chunks or the document starts
+    /// are malformed.
     pub fn context_parallel_share(&self, cp: &ContextParallel) -> Result<TrainBatch> {
-        if matches!(self.objective, Objective::Reward(_)) {
-            return Err(ModelError::Input(
-                "not supported yet: context parallelism with reward-model batches".into(),
-            ));
-        }
         let (s, b) = (self.seq, self.micro_batch);
         let positions = match &self.position_ids {
             Some(p) => p.clone(),

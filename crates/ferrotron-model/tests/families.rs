@@ -325,7 +325,10 @@ fn check_balancing_losses(name: &str) {
         .iter()
         .filter(|l| matches!(l.mlp, LayerMlp::Moe(_)))
         .count();
-    assert_eq!(stats.moe.layers, moe_layers as f64, "{name}: MoE layers counted");
+    assert_eq!(
+        stats.moe.layers, moe_layers as f64,
+        "{name}: MoE layers counted"
+    );
     let ours = hf_grads(&model, grads);
     let mut checked = 0;
     for key in st.names() {

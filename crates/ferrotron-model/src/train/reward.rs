@@ -12,6 +12,8 @@ use super::dpo::{log_sigmoid, sigmoid};
 use super::forward::Activations;
 use super::{DpoStats, LossStats, TrainBatch};
 use crate::{GptModel, ModelError, OutputHead, Result};
+use ferrotron_comm::{Collectives, ReduceOp};
+use ferrotron_nn::attention::DocumentStarts;
 
 /// A micro-batch of preference pairs for a reward model: rows `2k` (chosen) and `2k + 1`
 /// (rejected); the loss mask marks each row's completion, whose end carries the reward.
@@ -72,6 +74,66 @@ pub(crate) fn reward_positions(batch: &TrainBatch, pad_token_id: Option<u32>) ->
 }
 
 impl GptModel {
+    /// Where each row's reward token lies on this rank: its `[s, b]` index, or `None` where
+    /// another context-parallel rank holds it (the token is then found over the group: the
+    /// last position of the whole row, among every rank's tokens, that is not the pad id).
+    ///
+    /// # Errors
+    /// A failed all-reduce over the context-parallel group.
+    fn reward_tokens(&self, batch: &TrainBatch, pad: Option<u32>) -> Result<Vec<Option<usize>>> {
+        let Some(cp) = &self.cp else {
+            return Ok(reward_positions(batch, pad).into_iter().map(Some).collect());
+        };
+        let (b, s) = (batch.micro_batch, batch.seq);
+        let documents = match &batch.document_starts {
+            Some(d) => {
+                Some(DocumentStarts::new(d, b).map_err(|e| ModelError::Input(e.to_string()))?)
+            }
+            None => None,
+        };
+        let split = (cp.split(s * cp.size(), b, documents))
+            .map_err(|e| ModelError::Input(e.to_string()))?;
+        // Global position of each local [s, b] index.
+        let mut global = vec![0usize; s * b];
+        for run in split.runs(cp.rank()) {
+            for (t, pos) in run.local_tokens().zip(run.positions()) {
+                run.rows.clone().for_each(|j| global[t * b + j] = pos);
+            }
+        }
+        let counts = |i: &usize| pad.is_none_or(|pad| batch.tokens[*i] != pad);
+        let mut last: Vec<f64> = (0..b)
+            .map(|j| {
+                let local = (0..s).map(|t| t * b + j).filter(counts);
+                local.map(|i| global[i] as f64).fold(-1.0, f64::max)
+            })
+            .collect();
+        cp.comm()
+            .all_reduce(&mut last, ReduceOp::Max)
+            .map_err(|e| ModelError::Comm(format!("reward tokens over context parallel: {e}")))?;
+        // No token but padding: HF's argmax reads position 0.
+        Ok((0..b)
+            .map(|j| {
+                let want = last[j].max(0.0) as usize;
+                (0..s).map(|t| t * b + j).find(|&i| global[i] == want)
+            })
+            .collect())
+    }
+
+    /// Each row's reward `[b]` from the scores `[s, b]` at its reward tokens (summed over the
+    /// context-parallel group, where one rank holds each).
+    fn row_rewards(&self, scores: &[f32], tokens: &[Option<usize>]) -> Result<Vec<f64>> {
+        let mut r: Vec<f64> = tokens
+            .iter()
+            .map(|t| t.map_or(0.0, |i| f64::from(scores[i])))
+            .collect();
+        if let Some(cp) = &self.cp {
+            cp.comm()
+                .all_reduce(&mut r, ReduceOp::Sum)
+                .map_err(|e| ModelError::Comm(format!("rewards over context parallel: {e}")))?;
+        }
+        Ok(r)
+    }
+
     /// The reward of each row `[b]` (the score at its reward token, see the module doc, with
     /// the pad id of the batch's [`RewardTargets`], its last position without them): the
     /// training forward without a backward. A whole model with a score head.
@@ -88,15 +150,12 @@ impl GptModel {
             None,
             &mut super::memory::Ledger::default(),
         )?;
-        let scores = acts.dlogits.host();
         let pad = match &batch.objective {
             super::Objective::Reward(t) => t.pad_token_id,
             _ => None,
         };
-        Ok(reward_positions(batch, pad)
-            .iter()
-            .map(|&i| scores[i] as f64)
-            .collect())
+        let tokens = self.reward_tokens(batch, pad)?;
+        self.row_rewards(acts.dlogits.host(), &tokens)
     }
 
     /// A score head on this stage (the last), and the whole model when `whole`.
@@ -129,15 +188,24 @@ impl GptModel {
     ) -> Result<LossStats> {
         self.require_score_head(false)?;
         let b = batch.micro_batch;
-        let positions = reward_positions(batch, targets.pad_token_id);
+        let tokens = self.reward_tokens(batch, targets.pad_token_id)?;
+        let r = self.row_rewards(acts.dlogits.host(), &tokens)?;
         let scores = acts.dlogits.host_mut();
-        let r: Vec<f64> = positions.iter().map(|&i| scores[i] as f64).collect();
         scores.iter_mut().for_each(|x| *x = 0.0);
         let pairs = (b / 2) as f64;
+        // Under context parallelism every rank of the group counts the pairs (`loss_scale` is
+        // `1/cp` of their share, as DPO's) while a reward token's gradient comes from the one
+        // rank holding it: it takes the whole weight.
+        let cp = self.cp.as_ref().map_or(1, |cp| cp.size());
         let (c, scale) = (
             targets.center_rewards_coefficient,
-            loss_scale as f64 / pairs,
+            loss_scale as f64 * cp as f64 / pairs,
         );
+        let mut set = |row: usize, grad: f64| {
+            if let Some(i) = tokens[row] {
+                scores[i] = grad as f32;
+            }
+        };
         let mut stats = DpoStats::default();
         let mut loss_sum = 0.0;
         for k in 0..b / 2 {
@@ -146,8 +214,8 @@ impl GptModel {
             loss_sum += -log_sigmoid(delta) + c * sum * sum;
             // ∂/∂Δ −logσ(Δ) = −σ(−Δ), Δ = r_c − r_r − m; ∂/∂r of c·(r_c + r_r)² = 2c·(r_c + r_r).
             let sig = sigmoid(-delta);
-            scores[positions[2 * k]] = (scale * (-sig + 2.0 * c * sum)) as f32;
-            scores[positions[2 * k + 1]] = (scale * (sig + 2.0 * c * sum)) as f32;
+            set(2 * k, scale * (-sig + 2.0 * c * sum));
+            set(2 * k + 1, scale * (sig + 2.0 * c * sum));
             stats.add(&DpoStats {
                 pairs: 1.0,
                 rewards_chosen: rc,

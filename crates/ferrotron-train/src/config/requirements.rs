@@ -57,8 +57,7 @@ pub(super) fn run_requirements(
 }
 
 /// `parallel.cp_comm_type` by Megatron's names, and what context parallelism needs across
-/// sections: `model.seq_length` splitting into `2·cp` chunks, a dataset other than a reward
-/// model's (whose reward token lies on one rank).
+/// sections: `model.seq_length` splitting into `2·cp` chunks.
 pub(super) fn context_parallel(
     r: &RawConfig,
     seq_length: usize,
@@ -82,13 +81,6 @@ pub(super) fn context_parallel(
              = {} (each rank holds two equal chunks)",
             2 * cp
         ));
-    }
-    if r.data.dataset_type == "reward" {
-        p.push(
-            "not supported yet: parallel.context_parallel_size > 1 with data.dataset_type = \
-             \"reward\" (a row's reward token lies on one context-parallel rank)"
-                .to_string(),
-        );
     }
     comm_type
 }

@@ -170,6 +170,9 @@ impl Trainer {
         };
         let mut v = s.to_array();
         self.dp.sum(&mut v)?;
+        // The context-parallel ranks of a data-parallel rank report the same pairs.
+        let cp = self.model.context_parallel().map_or(1, |cp| cp.size());
+        v.iter_mut().for_each(|x| *x /= cp as f64);
         Ok(Some(DpoStats::from_array(v)))
     }
 }

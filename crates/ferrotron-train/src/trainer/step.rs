@@ -105,13 +105,6 @@ impl Trainer {
                 dp.size()
             )));
         }
-        if cp > 1 && options.reward.is_some() {
-            return Err(TrainError::Config(
-                "not supported yet: context parallelism with a reward model (a row's reward \
-                 token lies on one context-parallel rank)"
-                    .into(),
-            ));
-        }
         let dtype = options.precision.param_dtype();
         let stored = model.dtype();
         let global_aux = model.config().moe.as_ref().is_some_and(|m| {
