@@ -46,7 +46,8 @@ pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{
     ActivationMemory, DpoStats, DpoTargets, ForwardTrace, GradReady, LossStats, MoeLosses,
-    NoGradHook, Objective, ParamInfo, RewardTargets, StageForward, StageLogps, TrainBatch,
+    NoGradHook, Objective, ParamInfo, RewardTargets, StageBackward, StageForward, StageLogps,
+    TrainBatch,
 };
 pub use upcycle::UpcycleOptions;
 pub use vocab::NewToken;

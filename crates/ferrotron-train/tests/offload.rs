@@ -92,6 +92,64 @@ fn the_auto_policy_moves_chunks_with_its_budget() {
     );
 }
 
+/// Under pipeline parallelism the auto policy keeps room for each stage's own activation
+/// peak, with the micro-batches its 1F1B schedule keeps in flight: measured on every stage,
+/// the first stage's (two micro-batches in flight) above what it holds for one; the chunks
+/// follow the budget and training matches one rank.
+#[test]
+fn the_auto_policy_measures_each_pipeline_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut one = Trainer::new(tiny_model(), dp_options(1, ITERS)).unwrap();
+    let reference = train(&mut one, 0, ITERS);
+    let auto = offload(
+        OffloadPolicy::Auto {
+            budget_bytes: 1 << 40,
+        },
+        dir.path(),
+    );
+    let layout = Layout {
+        pp: 2,
+        ..Layout::default()
+    };
+    let runs = run_local(2, |comm| {
+        let edit = |o: &mut ferrotron_train::trainer::TrainerOptions| o.offload = auto.clone();
+        let mut t = layout.trainer_with(comm, ITERS, tiny_model(), edit)?;
+        let (mut losses, mut slow, mut peaks) = (Vec::new(), Vec::new(), Vec::new());
+        for it in 0..ITERS {
+            t.set_offload_budget(if it == 1 { 0 } else { 1 << 40 })?;
+            let stats = t.train_step(&rank_batches(it, 0, 1))?;
+            losses.push(stats.loss);
+            slow.push(stats.offload.expect("offloading").slow_chunks);
+            peaks.push(t.activation_peak_bytes());
+        }
+        Ok::<_, TrainError>(((losses, params(&t)), slow, peaks))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (stage, (run, slow, peaks)) in runs.iter().enumerate() {
+        assert_same_run(&format!("pp2 auto stage {stage}"), run, &reference);
+        assert_eq!(slow[1..], [slow[1], 0, 0], "stage {stage}: {slow:?}");
+        assert!(slow[1] > 0, "stage {stage}: {slow:?}");
+        assert!(peaks.iter().all(|&p| p > 0 && p == peaks[0]), "{peaks:?}");
+    }
+    // One micro-batch per step: nothing else in flight.
+    let single = run_local(2, |comm| {
+        let edit = |o: &mut ferrotron_train::trainer::TrainerOptions| {
+            o.offload = auto.clone();
+            o.global_batch_size = MBS;
+        };
+        let mut t = layout.trainer_with(comm, ITERS, tiny_model(), edit)?;
+        t.train_step(&rank_batches(0, 0, 1)[..1])?;
+        Ok::<_, TrainError>(t.activation_peak_bytes())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        runs[0].2[0] > single[0],
+        "{} vs {}",
+        runs[0].2[0],
+        single[0]
+    );
+}
+
 #[test]
 fn zero1_over_dp2_offloads_exactly() {
     let dir = tempfile::tempdir().unwrap();

@@ -57,7 +57,7 @@ mod trace;
 
 pub use dpo::{DpoStats, DpoTargets, StageLogps};
 pub use reward::RewardTargets;
-pub use stage::StageForward;
+pub use stage::{StageBackward, StageForward};
 pub use trace::ForwardTrace;
 
 pub use memory::ActivationMemory;

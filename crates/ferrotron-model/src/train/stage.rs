@@ -119,10 +119,12 @@ impl GptModel {
         grads: &mut [&mut [f32]],
         dout: Option<Vec<f32>>,
     ) -> Result<Option<Vec<f32>>> {
-        self.stage_backward_with(batch, forward, grads, dout, &mut NoGradHook)
+        let backward = self.stage_backward_with(batch, forward, grads, dout, &mut NoGradHook)?;
+        Ok(backward.input_grad)
     }
 
-    /// [`GptModel::stage_backward`], telling `ready` as parameter gradients become final.
+    /// [`GptModel::stage_backward`], telling `ready` as parameter gradients become final;
+    /// also returns the pass's activation peak.
     ///
     /// # Errors
     /// As [`GptModel::stage_backward`].
@@ -133,13 +135,27 @@ impl GptModel {
         grads: &mut [&mut [f32]],
         dout: Option<Vec<f32>>,
         ready: &mut (dyn GradReady + Send),
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<StageBackward> {
         self.check_grads(batch, grads)?;
         let StageForward {
             acts, mut ledger, ..
         } = forward;
-        self.train_backward(batch, acts, grads, &mut ledger, ready, dout)
+        let input_grad = self.train_backward(batch, acts, grads, &mut ledger, ready, dout)?;
+        Ok(StageBackward {
+            input_grad,
+            activation_peak_bytes: ledger.peak(),
+        })
     }
+}
+
+/// What [`GptModel::stage_backward_with`] gives back.
+pub struct StageBackward {
+    /// The gradient of the chunk's input `[local rows, h]` for the previous virtual stage
+    /// (`None` on the first).
+    pub input_grad: Option<Vec<f32>>,
+    /// The most activation bytes the pass (its forward and this backward) held at once, as
+    /// the activation ledger counts them.
+    pub activation_peak_bytes: u128,
 }
 
 /// One micro-batch's forward on a pipeline stage, kept for its backward
@@ -160,6 +176,16 @@ impl StageForward {
     /// MoE layers). The last stage's [`StageForward::loss`] carries its own too.
     pub fn moe_losses(&self) -> super::MoeLosses {
         self.acts.moe_losses
+    }
+
+    /// Activation bytes this forward holds for its backward (the activation ledger's).
+    pub fn activation_bytes(&self) -> u128 {
+        self.ledger.held()
+    }
+
+    /// The most activation bytes the forward held at once.
+    pub fn activation_peak_bytes(&self) -> u128 {
+        self.ledger.peak()
     }
 
     /// The stage's output `[local rows, h]` for the next stage (empty on the last stage, and

@@ -22,6 +22,7 @@
 //! Packed rows (the loader's `segment_ids`) attend per document. Checkpoints: [`SavePlan`],
 //! [`Trainer::save_checkpoint`], [`Trainer::load_checkpoint`].
 
+mod activation_peak;
 mod bucket_staging;
 mod checkpoint;
 mod data_parallel;

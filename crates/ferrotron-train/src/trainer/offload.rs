@@ -29,28 +29,6 @@ pub struct OffloadStats {
 }
 
 impl Trainer {
-    /// Checks the auto policy can run (its warmup placement, every chunk offloaded, is the
-    /// optimizer's own).
-    ///
-    /// # Errors
-    /// Not under pipeline parallelism (its stage passes do not measure their peak yet).
-    pub(super) fn check_offload(&self) -> Result<()> {
-        if !matches!(
-            self.optimizer.adam().offload().policy,
-            OffloadPolicy::Auto { .. }
-        ) {
-            return Ok(());
-        }
-        if self.pp.is_some() {
-            return Err(TrainError::Config(
-                "not supported yet: optimizer_offload_policy = \"auto\" with pipeline \
-                 parallelism (a stage's passes do not measure their activation peak)"
-                    .into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// After a step whose passes held at most `activation_peak` bytes: the auto policy's
     /// placement for the running peak, then the step's offload statistics (`None` without
     /// offloading).
@@ -84,6 +62,13 @@ impl Trainer {
             offloaded_bytes: store.slow_bytes(),
             moved_bytes,
         }))
+    }
+
+    /// The largest activation peak of any step so far, in bytes: the non-model memory the
+    /// auto policy keeps room for (under pipeline parallelism this stage's, with the
+    /// micro-batches its schedule keeps in flight).
+    pub fn activation_peak_bytes(&self) -> u64 {
+        self.non_model_peak
     }
 
     /// Changes the auto policy's memory budget to `bytes`; the chunks move after the next

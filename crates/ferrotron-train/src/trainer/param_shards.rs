@@ -26,6 +26,7 @@ use ferrotron_model::{GptModel, GradReady, LossStats, MoeLosses, StageForward, T
 use ferrotron_optim::{ParamAndGradBuffer, ParamId};
 use ferrotron_tensor::Storage;
 
+use super::activation_peak::ActivationPeak;
 use super::data_parallel::comm_err;
 use super::param_gather::install_gathered;
 use super::{Result, TrainError};
@@ -239,21 +240,25 @@ impl ParamShards {
         scale: f32,
         ready: &mut (dyn GradReady + Send),
     ) -> Result<(LossStats, Duration)> {
-        let (forward, mut waited) = self.forward(comm, model, batch, None, scale)?;
+        let mut peak = ActivationPeak::default();
+        let (forward, mut waited) = self.forward(comm, model, batch, None, scale, &mut peak)?;
         let mut loss = forward.loss.ok_or_else(|| {
             TrainError::Config("optim_grads_params: the model computed no loss".into())
         })?;
         // Every group's MoE layers, not only the last group's.
         loss.moe = forward.moe;
-        let (_, w) = self.backward(comm, model, buffer, batch, forward, None, ready)?;
+        let io = (None, &mut peak);
+        let (_, w) = self.backward(comm, model, buffer, batch, forward, io, ready)?;
         waited += w;
+        loss.activation_peak_bytes = peak.peak();
         Ok((loss, waited))
     }
 
     /// One micro-batch's forward through the model (a pipeline stage of one chunk), group
     /// by group, from token ids (`input = None`) or the previous stage's output; each
     /// group's buckets gathered before it (the next group's prefetched) and released after
-    /// unless the next group reads them. Returns the forward and the time waited.
+    /// unless the next group reads them; each group's forward joins `peak`. Returns the
+    /// forward and the time waited.
     ///
     /// # Errors
     /// A model or communication failure.
@@ -264,6 +269,7 @@ impl ParamShards {
         batch: &TrainBatch,
         input: Option<Vec<f32>>,
         scale: f32,
+        peak: &mut ActivationPeak,
     ) -> Result<(UnitForward, Duration)> {
         let n = self.groups.len();
         let mut forward = UnitForward {
@@ -276,6 +282,7 @@ impl ParamShards {
             let next = self.reads.get(g + 1).cloned().unwrap_or_default();
             waited += self.gather(&self.reads[g].clone(), &next, comm, model)?;
             let mut state = model.part_forward(batch, self.groups[g].clone(), x.take(), scale)?;
+            peak.forward(&state);
             forward.moe.add(&state.moe_losses());
             forward.loss = state.loss();
             if g + 1 < n {
@@ -289,8 +296,9 @@ impl ParamShards {
 
     /// The backward of a [`ParamShards::forward`]: the groups in reverse, each gathered
     /// again (the one before prefetched) and released after; accumulates into `buffer`'s
-    /// gradients, telling `ready`. Returns the gradient of the input (`None` on the first
-    /// stage) and the time waited.
+    /// gradients from `dout` (none on the last stage), telling `ready`; each group's
+    /// backward joins `peak`. Returns the gradient of the input (`None` on the first stage)
+    /// and the time waited.
     ///
     /// # Errors
     /// A model or communication failure.
@@ -302,7 +310,7 @@ impl ParamShards {
         buffer: &mut ParamAndGradBuffer,
         batch: &TrainBatch,
         forward: UnitForward,
-        mut dout: Option<Vec<f32>>,
+        (mut dout, peak): (Option<Vec<f32>>, &mut ActivationPeak),
         ready: &mut (dyn GradReady + Send),
     ) -> Result<(Option<Vec<f32>>, Duration)> {
         let mut waited = Duration::ZERO;
@@ -313,7 +321,10 @@ impl ParamShards {
                 .unwrap_or_default();
             waited += self.gather(&self.reads[g].clone(), &before, comm, model)?;
             let mut grads = buffer.grad_slices_mut();
-            dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
+            let held = state.activation_bytes();
+            let backward = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
+            peak.backward(held, &backward);
+            dout = backward.input_grad;
             self.release(&self.reads[g].clone(), &before, model)?;
         }
         Ok((dout, waited))

@@ -4,6 +4,7 @@
 //! all-gather (Megatron's `forward_backward_func`, `finalize_model_grads` and
 //! `optimizer.step` inside `train_step`).
 
+use super::activation_peak::ActivationPeak;
 use super::grad_shards::GradShards;
 use super::overlap::BucketOverlap;
 use super::param_gather::ParamGather;
@@ -135,7 +136,7 @@ impl Trainer {
             gather_wait,
             dpo: sums.dpo,
             moe: sums.moe,
-            activation_peak: 0,
+            activation_peak: sums.activation_peak,
         })
     }
 
@@ -321,9 +322,11 @@ fn gated_forward_backward(
     let mut states = Vec::new();
     let (mut x, mut loss) = (None, None);
     let mut moe = MoeLosses::default();
+    let mut peak = ActivationPeak::default();
     for layers in model.layer_groups() {
         gather.install_through(model.part_params(layers.clone()).end, buffer, model)?;
         let mut state = model.part_forward(batch, layers, x.take(), scale)?;
+        peak.forward(&state);
         moe.add(&state.moe_losses());
         match state.loss() {
             Some(l) => loss = Some(l),
@@ -335,12 +338,16 @@ fn gated_forward_backward(
     let mut grads = buffer.grad_slices_mut();
     let mut dout = None;
     for state in states.into_iter().rev() {
-        dout = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
+        let held = state.activation_bytes();
+        let backward = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
+        peak.backward(held, &backward);
+        dout = backward.input_grad;
     }
     let mut loss: LossStats = loss.ok_or_else(|| {
         TrainError::Config("overlap_param_gather: the model computed no loss".into())
     })?;
-    // Every group's MoE layers, not only the last group's.
+    // Every group's MoE layers, not only the last group's; the peak over every group.
     loss.moe = moe;
+    loss.activation_peak_bytes = peak.peak();
     Ok((loss, waited))
 }

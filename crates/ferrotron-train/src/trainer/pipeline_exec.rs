@@ -20,6 +20,7 @@ use ferrotron_model::{
     TrainBatch,
 };
 
+use super::activation_peak::ActivationPeak;
 use super::data_parallel::comm_err;
 use super::param_shards::UnitForward;
 use super::{Result, TrainError, Trainer};
@@ -96,6 +97,8 @@ pub(super) struct PipelineSums {
     pub moe: MoeLosses,
     /// Time this stage waited for ZeRO-3's parameter gathers.
     pub gather_wait: Duration,
+    /// This stage's activation peak over the schedule (its own, not shared).
+    pub activation_peak: u128,
 }
 
 /// A model chunk's forward of one micro-batch, kept for its backward: in one piece, or
@@ -164,6 +167,7 @@ impl PipelineSums {
                 layers,
             },
             gather_wait: self.gather_wait,
+            activation_peak: self.activation_peak,
         })
     }
 }
@@ -255,6 +259,7 @@ impl Trainer {
         let mut dins: Pending<Vec<f32>> = HashMap::new();
         let mut states: Pending<ChunkForward> = HashMap::new();
         let mut sums = PipelineSums::default();
+        let mut peak = ActivationPeak::default();
         let gather = self.dp.unit_gather_comm();
         for action in program {
             match action {
@@ -271,9 +276,8 @@ impl Trainer {
                         0.0
                     };
                     let input = inputs.remove(&(mb, chunk));
-                    let wait = &mut sums.gather_wait;
-                    let mut state =
-                        self.chunk_forward(batch, chunk, input, scale, gather.as_deref(), wait)?;
+                    let io = (gather.as_deref(), &mut sums.gather_wait, &mut peak);
+                    let mut state = self.chunk_forward(batch, chunk, input, scale, io)?;
                     sums.moe.add(&state.moe_losses());
                     match state.loss() {
                         Some(loss) => sums.add(&loss),
@@ -296,9 +300,8 @@ impl Trainer {
                     let state = take(&mut states, (mb, chunk), "forward before the backward")?;
                     let dout = douts.remove(&(mb, chunk));
                     let batch = &batches[mb];
-                    let wait = &mut sums.gather_wait;
-                    let din =
-                        self.chunk_backward(batch, state, dout, gather.as_deref(), ready, wait)?;
+                    let io = (gather.as_deref(), &mut sums.gather_wait, &mut peak);
+                    let din = self.chunk_backward(batch, state, dout, io, ready)?;
                     if let Some(d) = din {
                         dins.insert((mb, chunk), d);
                     }
@@ -309,29 +312,33 @@ impl Trainer {
                 }
             }
         }
+        sums.activation_peak = peak.peak();
         sums.shared(comm.as_ref(), pairs(batches))
     }
 
     /// A model chunk's forward of one micro-batch: layer group by layer group with ZeRO-3
-    /// on a stage of one chunk (adding the time waited for gathers to `waited`), else whole.
+    /// on a stage of one chunk (adding the time waited for gathers to `waited`), else whole;
+    /// kept in `peak`.
     fn chunk_forward(
         &mut self,
         batch: &TrainBatch,
         chunk: usize,
         input: Option<Vec<f32>>,
         scale: f32,
-        gather: Option<&AsyncComm>,
-        waited: &mut Duration,
+        (gather, waited, peak): (Option<&AsyncComm>, &mut Duration, &mut ActivationPeak),
     ) -> Result<ChunkForward> {
         Ok(match self.param_shards.as_mut() {
             Some(shards) if self.model.num_chunks() == 1 => {
-                let (units, w) = shards.forward(gather, &mut self.model, batch, input, scale)?;
+                let model = &mut self.model;
+                let (units, w) = shards.forward(gather, model, batch, input, scale, peak)?;
                 *waited += w;
                 ChunkForward::Units(units)
             }
-            _ => ChunkForward::Whole(Box::new(
-                self.model.stage_forward(batch, chunk, input, scale)?,
-            )),
+            _ => {
+                let state = self.model.stage_forward(batch, chunk, input, scale)?;
+                peak.forward(&state);
+                ChunkForward::Whole(Box::new(state))
+            }
         })
     }
 
@@ -343,20 +350,24 @@ impl Trainer {
         batch: &TrainBatch,
         state: ChunkForward,
         dout: Option<Vec<f32>>,
-        gather: Option<&AsyncComm>,
+        (gather, waited, peak): (Option<&AsyncComm>, &mut Duration, &mut ActivationPeak),
         ready: &mut (dyn GradReady + Send),
-        waited: &mut Duration,
     ) -> Result<Option<Vec<f32>>> {
         match (state, self.param_shards.as_mut()) {
             (ChunkForward::Units(units), Some(shards)) => {
                 let (model, buffer) = (&mut self.model, &mut self.buffer);
-                let (din, w) = shards.backward(gather, model, buffer, batch, units, dout, ready)?;
+                let io = (dout, peak);
+                let (din, w) = shards.backward(gather, model, buffer, batch, units, io, ready)?;
                 *waited += w;
                 Ok(din)
             }
             (ChunkForward::Whole(state), _) => {
                 let mut grads = self.buffer.grad_slices_mut();
-                Ok((self.model).stage_backward_with(batch, *state, &mut grads, dout, ready)?)
+                let held = state.activation_bytes();
+                let backward =
+                    (self.model).stage_backward_with(batch, *state, &mut grads, dout, ready)?;
+                peak.backward(held, &backward);
+                Ok(backward.input_grad)
             }
             (ChunkForward::Units(_), None) => Err(TrainError::Config(
                 "a layer-group forward without sharded parameters".into(),

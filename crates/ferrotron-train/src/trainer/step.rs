@@ -201,7 +201,6 @@ impl Trainer {
             dpo_reference,
             non_model_peak: 0,
         };
-        trainer.check_offload()?;
         Ok(trainer)
     }
 

@@ -191,6 +191,17 @@ impl Layout {
         iters: usize,
         full: ferrotron_model::GptModel,
     ) -> Result<Trainer, TrainError> {
+        self.trainer_with(comm, iters, full, |_| {})
+    }
+
+    /// [`Layout::trainer`] with its options changed by `edit`.
+    pub fn trainer_with(
+        self,
+        comm: LocalComm,
+        iters: usize,
+        full: ferrotron_model::GptModel,
+        edit: impl FnOnce(&mut ferrotron_train::trainer::TrainerOptions),
+    ) -> Result<Trainer, TrainError> {
         let (tp, pp, vp) = (self.tp.max(1), self.pp.max(1), self.vp.max(1));
         let world = comm.world_ranks().len();
         let config = ParallelConfig {
@@ -239,6 +250,7 @@ impl Layout {
                 reference,
             });
         options.reward = self.reward.then_some(REWARD);
+        edit(&mut options);
         let mut t = Trainer::new_data_parallel(shard, options, group)?;
         if pp > 1 {
             let pipeline = PipelineParallel::new(groups.pipeline.clone(), groups.embedding.clone());
