@@ -26,7 +26,9 @@
 # gradients + optimizer state). Options:
 # --model DIR (default .cache/smollm2-hf), --iters N (default 6), --seq N (512), --gbs N (8),
 # --mbs N (2), --recompute full|selective|none (training.recompute_granularity; full is
-# uniform, one layer per group; default none), --out DIR (default target/bench-parallel).
+# uniform, one layer per group; default none), --packed (documents masked and positions
+# reset per document: data.reset_attention_mask / reset_position_ids; context parallelism then
+# splits each document), --out DIR (default target/bench-parallel).
 #
 # Long context (issue 17): bash scripts/bench-parallel.sh --data PREFIX --seq 8192 --gbs 1
 #   --mbs 1 --iters 2 --recompute full --layouts mpi-cp1,mpi-cp2,mpi-cp4
@@ -34,7 +36,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 model="$root/.cache/smollm2-hf" data="" layouts="single,dp2,dp2-overlap,dp2-zero1,tp3,pp2,pp2xdp2,mpi-dp2"
-iters=6 seq=512 gbs=8 mbs=2 recompute=none out="$root/target/bench-parallel"
+iters=6 seq=512 gbs=8 mbs=2 recompute=none packed=false out="$root/target/bench-parallel"
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) model="$2"; shift ;;
@@ -46,7 +48,8 @@ while [ $# -gt 0 ]; do
     --mbs) mbs="$2"; shift ;;
     --recompute) recompute="$2"; shift ;;
     --out) out="$2"; shift ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    --packed) packed=true ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "bench-parallel.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -109,6 +112,8 @@ seq_length = $seq
 [data]
 data_path = "$data"
 split = "969,30,1"
+reset_attention_mask = $packed
+reset_position_ids = $packed
 [training]
 micro_batch_size = $mbs
 global_batch_size = $gbs

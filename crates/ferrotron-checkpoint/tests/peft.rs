@@ -15,7 +15,7 @@ use ferrotron_checkpoint::write_peft_adapter;
 use ferrotron_model::families::load_hf_model;
 use ferrotron_model::lora::LoraWeights;
 use ferrotron_model::module::ParamRole;
-use ferrotron_model::{GptModel, KvCache, LogitsMode, TrainBatch};
+use ferrotron_model::{GptModel, KvCache, LogitsMode, NewTokens, TrainBatch};
 use ferrotron_tensor::DType;
 use ferrotron_tensor::ops::IGNORE_INDEX;
 use safetensors::SafeTensors;
@@ -81,7 +81,7 @@ fn logits_with(model: &GptModel, lora: Option<&LoraWeights>, name: &str) -> Vec<
     let sb: Vec<u32> = (0..s * b).map(|i| ids[(i % b) * s + i / b]).collect();
     let mut cache = KvCache::new(model.config(), b, s).unwrap();
     let out = model
-        .forward_with_lora(&sb, &mut cache, LogitsMode::All, lora)
+        .forward_with_lora(&sb, &mut cache, LogitsMode::All, lora, NewTokens::Any)
         .unwrap();
     let v = model.config().vocab_size;
     let mut bsv = vec![0f32; out.len()];

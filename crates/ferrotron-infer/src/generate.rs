@@ -1,6 +1,6 @@
 use crate::sampler::{Sampler, SamplingError, SamplingParams};
 use ferrotron_model::lora::LoraWeights;
-use ferrotron_model::{GptModel, KvCache, LogitsMode, ModelError};
+use ferrotron_model::{GptModel, KvCache, LogitsMode, ModelError, NewTokens};
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
@@ -82,7 +82,9 @@ pub fn generate(
     let mut generated = Vec::with_capacity(options.max_new_tokens);
     let start = std::time::Instant::now();
     let lora = options.lora.as_deref();
-    let mut logits = model.forward_with_lora(prompt_ids, &mut cache, LogitsMode::Last, lora)?;
+    let prompt = NewTokens::Prompt;
+    let mut logits =
+        model.forward_with_lora(prompt_ids, &mut cache, LogitsMode::Last, lora, prompt)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = std::time::Instant::now();
     let mut stop_reason = StopReason::MaxTokens;
@@ -101,7 +103,9 @@ pub fn generate(
         if generated.len() == options.max_new_tokens || cache.len() == cache.capacity() {
             break;
         }
-        logits = model.forward_with_lora(&[token], &mut cache, LogitsMode::Last, lora)?;
+        let generated = NewTokens::Generated;
+        logits =
+            model.forward_with_lora(&[token], &mut cache, LogitsMode::Last, lora, generated)?;
     }
     Ok(Generation {
         generated_ids: generated,

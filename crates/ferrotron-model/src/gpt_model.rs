@@ -1,27 +1,14 @@
-use crate::lora::LoraWeights;
 use crate::module::{LinearParams, ModelLayout, ModelPart, ParamId, TransformerLayer};
 use crate::param_table::{ParamTable, ParamValue, dense};
-use crate::train::core_attention::KeysValues;
-use crate::train::forward::{Pass, layer_forward};
 use crate::{
-    KvCache, ModelError, PagedKvCache, PositionEmbedding, RaggedBatch, RecomputeGranularity,
-    Result, StageInfo, TpInfo, TransformerConfig,
+    ModelError, PositionEmbedding, RecomputeGranularity, Result, StageInfo, TpInfo,
+    TransformerConfig,
 };
 use ferrotron_nn::attention::alibi_slopes;
 use ferrotron_nn::{Embedding, Linear, LoraAdapter, NnError};
-use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{RopeTable, RotaryLayout};
 use ferrotron_tensor::{DType, Device, Tensor, TensorView};
 use std::borrow::Cow;
-
-/// Which positions get logits from [`GptModel::forward`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitsMode {
-    /// Every token: logits `[s, b, v]`.
-    All,
-    /// Only the last token of each sequence: logits `[b, v]` (generation).
-    Last,
-}
 
 /// A decoder-only transformer (Megatron `GPTModel`): embedding, decoder layers, final norm
 /// and the output layer (the embedding table itself when tied) — the whole model, or one
@@ -360,156 +347,5 @@ impl GptModel {
     /// The ALiBi slopes of this rank's query heads `[a/t]`; `None` under rope.
     pub fn alibi_slopes(&self) -> Option<&[f32]> {
         self.alibi_slopes.as_deref()
-    }
-
-    /// Runs `tokens: [s, b]` (Megatron order: token `t` of sequence `j` at `t·b + j`) after the
-    /// `cache.len()` tokens already cached, appending their keys/values to `cache`.
-    ///
-    /// Returns logits `[s, b, v]` for [`LogitsMode::All`] or `[b, v]` for [`LogitsMode::Last`].
-    /// Errors: token ids `>= v`, a batch size other than the cache's, more tokens than the
-    /// cache holds, or a model that is a shard or stage.
-    pub fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        mode: LogitsMode,
-    ) -> Result<Vec<f32>> {
-        self.forward_with_lora(tokens, cache, mode, None)
-    }
-
-    /// [`GptModel::forward`] with the LoRA adapter `lora` on every row (`None`: the model
-    /// alone): the arithmetic of a served request with that adapter
-    /// ([`RaggedSeq::adapter`](crate::RaggedSeq::adapter)), so a lone request gets the same
-    /// logits bit for bit.
-    ///
-    /// # Errors
-    /// As [`GptModel::forward`], or an adapter made for another base.
-    pub fn forward_with_lora(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        mode: LogitsMode,
-        lora: Option<&LoraWeights>,
-    ) -> Result<Vec<f32>> {
-        if self.tp.is_some() || self.stage.is_some() {
-            return Err(ModelError::Input(
-                "the KV-cached forward runs the whole model (not a shard or a stage)".into(),
-            ));
-        }
-        if let Some(w) = lora {
-            w.check_fits(self)?;
-        }
-        // Run the whole pass on a rayon worker: the many small parallel kernels then start
-        // inline instead of each being injected into the pool from outside (a futex handoff).
-        rayon::scope(|_| self.forward_on_worker(tokens, cache, mode, lora))
-    }
-
-    fn forward_on_worker(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        mode: LogitsMode,
-        lora: Option<&LoraWeights>,
-    ) -> Result<Vec<f32>> {
-        let b = cache.batch();
-        if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
-            return Err(ModelError::Input(format!(
-                "{} tokens do not form whole rows of batch {b}",
-                tokens.len()
-            )));
-        }
-        let s = tokens.len() / b;
-        let start = cache.len();
-        if start + s > cache.capacity() {
-            return Err(ModelError::Input(format!(
-                "{} cached + {s} new tokens exceed the KV cache capacity {}",
-                start,
-                cache.capacity()
-            )));
-        }
-        let mut x = self.embed_forward(tokens)?.0;
-        let positions: Vec<usize> = (start..start + s)
-            .flat_map(|p| std::iter::repeat_n(p, b))
-            .collect();
-        let mut pass = Pass::generation(self, &positions, s, b);
-        pass.adapter_rows = lora.map(|w| (0..s * b, w)).into_iter().collect();
-        for (layer_index, layer) in self.layers().iter().enumerate() {
-            let kv = KeysValues::Cached {
-                cache: &mut *cache,
-                layer: layer_index,
-            };
-            // The activations a backward would need are dropped at once.
-            x = layer_forward(layer, &pass, x, false, kv)?.1;
-        }
-        cache.advance(s);
-        let rows = match mode {
-            LogitsMode::All => 0..s * b,
-            LogitsMode::Last => (s - 1) * b..s * b,
-        };
-        self.logits_of_rows(x.host(), rows)
-    }
-
-    /// Runs a ragged batch (new tokens of several sequences, each after its own cached
-    /// tokens in `cache`; see [`RaggedBatch`]) through the layers, writing the new keys and
-    /// values into the sequences' blocks. Returns logits `[n, v]` of the last
-    /// [`RaggedSeq::num_logits`](crate::RaggedSeq::num_logits) new tokens of each sequence,
-    /// `n` in all, in batch order.
-    ///
-    /// A batch of one sequence computes exactly what [`GptModel::forward`] computes for the
-    /// same tokens (same kernels on the same rows).
-    ///
-    /// # Errors
-    /// A batch [`RaggedBatch::validate`] rejects, a LoRA adapter made for another base, or a
-    /// model that is a shard or stage.
-    pub fn forward_paged(&self, batch: &RaggedBatch, cache: &mut PagedKvCache) -> Result<Vec<f32>> {
-        if self.tp.is_some() || self.stage.is_some() {
-            return Err(ModelError::Input(
-                "the paged forward runs the whole model (not a shard or a stage)".into(),
-            ));
-        }
-        batch.validate(&self.local, cache)?;
-        let adapter_rows = batch.adapter_rows();
-        for (_, w) in &adapter_rows {
-            w.check_fits(self)?;
-        }
-        rayon::scope(|_| {
-            let mut x = self.embed_forward(&batch.tokens)?.0;
-            let positions = batch.positions();
-            let mut pass = Pass::generation(self, &positions, positions.len(), 1);
-            pass.adapter_rows = adapter_rows;
-            for (layer_index, layer) in self.layers().iter().enumerate() {
-                let kv = KeysValues::Paged {
-                    cache: &mut *cache,
-                    layer: layer_index,
-                    batch,
-                };
-                x = layer_forward(layer, &pass, x, false, kv)?.1;
-            }
-            let last_rows = batch
-                .row_ranges()
-                .flat_map(|(r, s)| r.end - s.num_logits..r.end);
-            self.logits_of_rows(x.host(), last_rows)
-        })
-    }
-
-    /// The final norm and the output layer over the rows `rows` of `x: [rows, h]`: logits
-    /// `[n, v]` in the order given.
-    fn logits_of_rows(&self, x: &[f32], rows: impl Iterator<Item = usize>) -> Result<Vec<f32>> {
-        let h = self.local.hidden_size;
-        let hidden: Vec<f32> = rows.flat_map(|r| &x[r * h..(r + 1) * h]).copied().collect();
-        let n = hidden.len() / h;
-        let normed = self.final_norm(&hidden)?.0;
-        let v = self.local.vocab_size;
-        let mut logits = vec![0f32; n * v];
-        matmul_weight_t(
-            normed.host(),
-            self.output_weight()?.weight_ref(),
-            &mut logits,
-            n,
-            v,
-            h,
-            false,
-        );
-        Ok(logits)
     }
 }

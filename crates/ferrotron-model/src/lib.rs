@@ -14,6 +14,7 @@ mod expert_parallel;
 pub mod families;
 mod global_aux;
 mod gpt_model;
+mod inference;
 mod init;
 mod kv_cache;
 pub mod lora;
@@ -35,7 +36,8 @@ pub use config::{
 pub use error::ModelError;
 pub use expert_bias::updated_expert_bias;
 pub use expert_parallel::ExpertParallel;
-pub use gpt_model::{GptModel, LogitsMode};
+pub use gpt_model::GptModel;
+pub use inference::{LogitsMode, NewTokens};
 pub use init::InitConfig;
 pub use kv_cache::KvCache;
 pub use lora::LoraConfig;

@@ -4,7 +4,8 @@
 //! prompt chunks and single decode tokens side by side — through the shared layer forward.
 
 use crate::lora::LoraWeights;
-use crate::{ModelError, Result, TransformerConfig};
+use crate::{ModelError, NewTokens, Result, TransformerConfig};
+use ferrotron_tensor::quant::QuantRows;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -127,6 +128,10 @@ pub struct RaggedSeq {
     /// The LoRA adapter this sequence's rows take (`None`: the base model alone); see
     /// [`crate::lora::LoraWeights`].
     pub adapter: Option<Arc<LoraWeights>>,
+    /// The sequence's prompt length: new tokens at positions before it are prompt tokens,
+    /// the others generated ones ([`crate::NewTokens`]: how quantized weights multiply
+    /// them).
+    pub prompt_len: usize,
 }
 
 /// New tokens of several sequences in one forward (vLLM's flattened batch): `tokens` holds
@@ -154,6 +159,27 @@ impl RaggedBatch {
             *start += s.num_tokens;
             Some((rows, s))
         })
+    }
+
+    /// Each run of rows of prompt tokens and of generated tokens, in order, with the
+    /// quantized kernels' path of its kind ([`crate::NewTokens`]).
+    pub(crate) fn quant_rows(&self) -> Vec<(Range<usize>, QuantRows)> {
+        let mut out: Vec<(Range<usize>, QuantRows)> = Vec::new();
+        for (rows, s) in self.row_ranges() {
+            let prompt = s.prompt_len.saturating_sub(s.context_len).min(rows.len());
+            let parts = [
+                (rows.start..rows.start + prompt, NewTokens::Prompt),
+                (rows.start + prompt..rows.end, NewTokens::Generated),
+            ];
+            for (r, kind) in parts.into_iter().filter(|(r, _)| !r.is_empty()) {
+                let path = kind.quant_rows();
+                match out.last_mut() {
+                    Some((last, p)) if *p == path && last.end == r.start => last.end = r.end,
+                    _ => out.push((r, path)),
+                }
+            }
+        }
+        out
     }
 
     /// The rows that take a LoRA adapter, with their adapter: consecutive sequences of one

@@ -8,7 +8,8 @@
 
 use ferrotron_model::lora::LoraWeights;
 use ferrotron_model::{
-    GptModel, InitConfig, KvCache, LogitsMode, LoraConfig, PagedKvCache, RaggedBatch, RaggedSeq,
+    GptModel, InitConfig, KvCache, LogitsMode, LoraConfig, NewTokens, PagedKvCache, RaggedBatch,
+    RaggedSeq,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,18 +67,27 @@ fn seq(n: usize, ctx: usize, table: Vec<u32>, adapter: Option<&Arc<LoraWeights>>
         num_logits: 1,
         row_by_row: false,
         adapter: adapter.cloned(),
+        // A sequence's first chunk is its prompt, later ones generated tokens.
+        prompt_len: if ctx == 0 { n } else { ctx },
     }
 }
 
-/// Last-row logits of each chunk fed to `model` (with `lora`) through a contiguous cache.
+/// Last-row logits of each chunk fed to `model` (with `lora`) through a contiguous cache: the
+/// first chunk a prompt, the others generated tokens.
 fn solo_with(model: &GptModel, lora: Option<&LoraWeights>, chunks: &[&[u32]]) -> Vec<Vec<f32>> {
     let total = chunks.iter().map(|c| c.len()).sum();
     let mut cache = KvCache::new(model.config(), 1, total).unwrap();
     chunks
         .iter()
-        .map(|c| {
+        .enumerate()
+        .map(|(i, c)| {
+            let new = if i == 0 {
+                NewTokens::Prompt
+            } else {
+                NewTokens::Generated
+            };
             model
-                .forward_with_lora(c, &mut cache, LogitsMode::Last, lora)
+                .forward_with_lora(c, &mut cache, LogitsMode::Last, lora, new)
                 .unwrap()
         })
         .collect()

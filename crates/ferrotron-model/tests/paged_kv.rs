@@ -57,6 +57,7 @@ fn one_sequence_is_bit_identical_to_the_contiguous_cache() {
                     num_logits: 1,
                     row_by_row: false,
                     adapter: None,
+                    prompt_len: 17,
                 }],
             };
             let got = model.forward_paged(&batch, &mut cache).unwrap();
@@ -84,34 +85,39 @@ fn a_ragged_batch_gives_every_sequence_its_solo_logits() {
         // Step 1: a's first 10 tokens, b's 9 (no logits for a: a chunk mid-prompt).
         // Step 2: a's last 3 (a chunk after 10 cached), b decodes 1, d's first 11.
         // Step 3: a decodes 1 (its 13th), b decodes 1, d decodes 1.
-        let seq = |n, ctx, t: &Vec<u32>, logits| RaggedSeq {
+        // Prompts: a's 13 tokens, b's 9, d's 11.
+        let seq = |n, ctx, t: &Vec<u32>, logits, prompt_len| RaggedSeq {
             num_tokens: n,
             context_len: ctx,
             block_table: t.clone(),
             num_logits: usize::from(logits),
             row_by_row: false,
             adapter: None,
+            prompt_len,
         };
         let extra = tokens(c.vocab_size, 4, 3);
         let steps = [
             RaggedBatch {
                 tokens: [&a[..10], &b[..]].concat(),
-                seqs: vec![seq(10, 0, &tables[0], false), seq(9, 0, &tables[1], true)],
+                seqs: vec![
+                    seq(10, 0, &tables[0], false, 13),
+                    seq(9, 0, &tables[1], true, 9),
+                ],
             },
             RaggedBatch {
                 tokens: [&a[10..], &extra[..1], &d[..]].concat(),
                 seqs: vec![
-                    seq(3, 10, &tables[0], true),
-                    seq(1, 9, &tables[1], true),
-                    seq(11, 0, &tables[2], true),
+                    seq(3, 10, &tables[0], true, 13),
+                    seq(1, 9, &tables[1], true, 9),
+                    seq(11, 0, &tables[2], true, 11),
                 ],
             },
             RaggedBatch {
                 tokens: extra.to_vec(),
                 seqs: vec![
-                    seq(1, 13, &tables[0], true),
-                    seq(1, 10, &tables[1], true),
-                    seq(1, 11, &tables[2], true),
+                    seq(1, 13, &tables[0], true, 13),
+                    seq(1, 10, &tables[1], true, 9),
+                    seq(1, 11, &tables[2], true, 11),
                 ],
             },
         ];
@@ -156,6 +162,7 @@ fn bad_batches_are_errors() {
             num_logits: 1,
             row_by_row: false,
             adapter: None,
+            prompt_len: n,
         }],
     };
     let cases = [
@@ -212,6 +219,7 @@ fn row_by_row_tokens_equal_one_decode_step_each() {
                     num_logits: if context_len == 0 { 1 } else { chunk.len() },
                     row_by_row: row_by_row && context_len > 0,
                     adapter: None,
+                    prompt_len: prompt.len(),
                 };
                 let batch = RaggedBatch {
                     tokens: chunk.to_vec(),

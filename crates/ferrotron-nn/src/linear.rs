@@ -1,5 +1,6 @@
 use crate::lora::{LoraAdapter, LoraDropout, TransposedLoraAdapter};
-use ferrotron_tensor::gemm::matmul_weight_t;
+use ferrotron_tensor::gemm::{WeightRef, matmul_weight_t, matmul_weight_t_with};
+use ferrotron_tensor::quant::QuantRows;
 use ferrotron_tensor::{TensorView, ops::add_bias};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -18,6 +19,8 @@ pub struct Linear<'a> {
     lora: Option<LoraAdapter<'a>>,
     /// Adapters of row ranges (serving several adapters in one batch).
     row_lora: Vec<(Range<usize>, TransposedLoraAdapter<'a>)>,
+    /// How a quantized weight multiplies each range of rows (empty: by their number).
+    row_paths: Vec<(Range<usize>, QuantRows)>,
 }
 
 impl<'a> Linear<'a> {
@@ -36,6 +39,7 @@ impl<'a> Linear<'a> {
             bias,
             lora: None,
             row_lora: Vec::new(),
+            row_paths: Vec::new(),
         }
     }
 
@@ -82,6 +86,15 @@ impl<'a> Linear<'a> {
             "row ranges of LoRA adapters are ascending and disjoint"
         );
         self.row_lora = adapters;
+        self
+    }
+
+    /// The layer with a quantized weight multiplying each row range of `paths` by its
+    /// [`QuantRows`] path (a served batch: prompt rows through dequantized tiles, generated
+    /// rows through integer dot products, whatever else the batch holds). The ranges cover
+    /// the input's rows in order (checked in the forward). Other weights ignore them.
+    pub fn with_row_paths(mut self, paths: Vec<(Range<usize>, QuantRows)>) -> Linear<'a> {
+        self.row_paths = paths;
         self
     }
 
@@ -134,7 +147,15 @@ impl<'a> Linear<'a> {
     pub fn forward_without_bias(&self, x: &[f32], y: &mut [f32]) {
         let (n, k) = (self.out_features(), self.in_features());
         let rows = x.len() / k;
-        matmul_weight_t(x, self.weight.weight_ref(), y, rows, n, k, false);
+        let w = self.weight.weight_ref();
+        match w {
+            WeightRef::Quant(_) if !self.row_paths.is_empty() => {
+                for (path, ranges) in paths_by_kind(&self.row_paths, rows) {
+                    matmul_rows(x, w, y, (n, k), &ranges, path);
+                }
+            }
+            _ => matmul_weight_t(x, w, y, rows, n, k, false),
+        }
         if let Some(a) = &self.lora {
             a.apply(x, y);
         }
@@ -155,6 +176,65 @@ impl<'a> Linear<'a> {
         match parts.len() {
             1 => parts.into_iter().for_each(|(a, x, y)| a.apply(x, y)),
             _ => parts.into_par_iter().for_each(|(a, x, y)| a.apply(x, y)),
+        }
+    }
+}
+
+/// The row ranges of each path of `paths` (ascending, covering `0..rows`), each path once,
+/// adjacent ranges merged.
+///
+/// # Panics
+/// When the ranges do not cover `0..rows` in order (a caller bug).
+fn paths_by_kind(
+    paths: &[(Range<usize>, QuantRows)],
+    rows: usize,
+) -> Vec<(QuantRows, Vec<Range<usize>>)> {
+    let mut out: Vec<(QuantRows, Vec<Range<usize>>)> = Vec::new();
+    let mut at = 0;
+    for (r, p) in paths {
+        assert_eq!(r.start, at, "row paths cover the rows in order");
+        at = r.end;
+        match out.iter_mut().find(|(q, _)| q == p) {
+            Some((_, ranges)) => match ranges.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => ranges.push(r.clone()),
+            },
+            None => out.push((*p, vec![r.clone()])),
+        }
+    }
+    assert_eq!(at, rows, "row paths cover the rows in order");
+    out
+}
+
+/// `y[r] = x[r]·wᵀ` for the rows of `ranges` (`x: [rows, k]`, `y: [rows, n]`) on `path`, in
+/// one product: rows of several ranges are gathered first and their results put back.
+fn matmul_rows(
+    x: &[f32],
+    w: WeightRef<'_>,
+    y: &mut [f32],
+    (n, k): (usize, usize),
+    ranges: &[Range<usize>],
+    path: QuantRows,
+) {
+    if let [r] = ranges {
+        let (xs, ys) = (&x[r.start * k..r.end * k], &mut y[r.start * n..r.end * n]);
+        return matmul_weight_t_with(xs, w, ys, (r.len(), n, k), false, path);
+    }
+    let xs: Vec<f32> = ranges
+        .iter()
+        .flat_map(|r| &x[r.start * k..r.end * k])
+        .copied()
+        .collect();
+    let m = xs.len() / k;
+    let mut ys = vec![0f32; m * n];
+    matmul_weight_t_with(&xs, w, &mut ys, (m, n, k), false, path);
+    let mut from = ys.chunks_exact(n);
+    for r in ranges {
+        for (dst, src) in y[r.start * n..r.end * n]
+            .chunks_exact_mut(n)
+            .zip(from.by_ref())
+        {
+            dst.copy_from_slice(src);
         }
     }
 }

@@ -6,7 +6,9 @@
 
 use ferrotron_checkpoint::gguf::{GgufFile, load_gguf_model};
 use ferrotron_model::families::load_hf_model;
-use ferrotron_model::{GptModel, KvCache, LogitsMode};
+use ferrotron_model::{
+    GptModel, KvCache, LogitsMode, NewTokens, PagedKvCache, RaggedBatch, RaggedSeq,
+};
 use ferrotron_tensor::DType;
 use serde_json::Value;
 
@@ -18,6 +20,7 @@ fn main() {
     weights::run(trials![needs [GGUF]:
         quantized_weights_stay_in_their_blocks,
         logits_agree_with_the_dequantized_model,
+        a_request_computes_the_same_in_any_batch,
         perplexity_agrees_with_the_dequantized_model,
         generate_answers_from_the_gguf_file_alone,
         lora_trains_on_the_quantized_base,
@@ -101,6 +104,83 @@ fn logits_agree_with_the_dequantized_model() {
         );
         let argmax = ferrotron_tensor::ops::argmax;
         assert_eq!(argmax(&got), argmax(&want), "pieces of {piece}");
+    }
+}
+
+/// A served request computes what `generate` computes whatever its step holds: its prompt
+/// rows through the dequantized tiles (also a prompt's last rows after a prefix-cache hit),
+/// its generated rows through int8 dot products even beside 23 other decodes (more rows
+/// than [`ferrotron_tensor::quant::INT8_MAX_ROWS`], where the choice by number would take
+/// the tiles): logits bit for bit.
+fn a_request_computes_the_same_in_any_batch() {
+    let loaded = load_gguf_model(&gguf(), DType::F32).unwrap();
+    let model = &loaded.model;
+    let ids = tokenizer_ids(&loaded, GENESIS);
+    let (prompt, generated) = (&ids[..40], &ids[40..43]);
+    let mut cache = KvCache::new(model.config(), 1, 64).unwrap();
+    let mut want = vec![
+        (model)
+            .forward_with_lora(
+                prompt,
+                &mut cache,
+                LogitsMode::Last,
+                None,
+                NewTokens::Prompt,
+            )
+            .unwrap(),
+    ];
+    for &t in generated {
+        let new = NewTokens::Generated;
+        want.push(
+            model
+                .forward_with_lora(&[t], &mut cache, LogitsMode::Last, None, new)
+                .unwrap(),
+        );
+    }
+    // The request in blocks 0..3, 23 others of 2-token prompts in blocks 3.., 16 per block.
+    let others = 23;
+    let mut paged = PagedKvCache::new(model.config(), 16, 3 + others).unwrap();
+    let seq = |num_tokens, context_len, table: Vec<u32>, prompt_len| RaggedSeq {
+        num_tokens,
+        context_len,
+        block_table: table,
+        num_logits: 1,
+        row_by_row: false,
+        adapter: None,
+        prompt_len,
+    };
+    let request = |n, ctx| seq(n, ctx, vec![0, 1, 2], prompt.len());
+    let other = |i: usize, n, ctx| seq(n, ctx, vec![3 + i as u32], 2);
+    // The prompt's first 32 tokens alone, its last 8 beside the others' prompts.
+    let mut step = |tokens: Vec<u32>, seqs| {
+        let batch = RaggedBatch { tokens, seqs };
+        model.forward_paged(&batch, &mut paged).unwrap()
+    };
+    step(prompt[..32].to_vec(), vec![request(32, 0)]);
+    let v = model.config().vocab_size;
+    let mut tokens = prompt[32..].to_vec();
+    let mut seqs = vec![request(8, 32)];
+    for i in 0..others {
+        tokens.extend_from_slice(&ids[100 + 2 * i..102 + 2 * i]);
+        seqs.push(other(i, 2, 0));
+    }
+    let got = step(tokens, seqs);
+    assert!(
+        got[..v] == want[0][..],
+        "the prompt's logits after a cached prefix"
+    );
+    for (k, &t) in generated.iter().enumerate() {
+        let mut tokens = vec![t];
+        let mut seqs = vec![request(1, prompt.len() + k)];
+        for i in 0..others {
+            tokens.push(ids[200 + i]);
+            seqs.push(other(i, 1, 2 + k));
+        }
+        let got = step(tokens, seqs);
+        assert!(
+            got[..v] == want[k + 1][..],
+            "generated token {k} beside {others} decodes"
+        );
     }
 }
 

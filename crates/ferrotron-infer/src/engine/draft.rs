@@ -124,5 +124,6 @@ fn draft_row(seq: &Sequence, num_tokens: usize, context_len: usize, propose: boo
         num_logits: usize::from(propose),
         row_by_row: false,
         adapter: None,
+        prompt_len: seq.prompt_len,
     }
 }

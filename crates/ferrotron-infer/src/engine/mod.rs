@@ -425,6 +425,7 @@ impl Engine {
                 num_logits,
                 row_by_row: !seq.draft.is_empty(),
                 adapter: seq.lora.as_ref().map(|l| l.weights.clone()),
+                prompt_len: seq.prompt_len,
             });
         }
         batch

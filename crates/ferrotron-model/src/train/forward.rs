@@ -26,6 +26,7 @@ use ferrotron_nn::attention::DocumentStarts;
 use ferrotron_nn::{ContextParallel, Linear};
 use ferrotron_tensor::gemm::matmul_weight_t;
 use ferrotron_tensor::ops::{RopeTable, add_inplace};
+use ferrotron_tensor::quant::QuantRows;
 use ferrotron_tensor::{Buffer, DType, Device};
 use std::ops::Range;
 
@@ -64,6 +65,9 @@ pub(crate) struct Pass<'a> {
     /// Where a training pass's MoE layers add their balancing losses, and their gradient's
     /// scale; `None` in generation (no losses).
     pub moe_losses: Option<MoeLossSink>,
+    /// How quantized weights multiply each range of rows (an inference pass's
+    /// [`crate::NewTokens`]; covering every row in order); empty: by their number.
+    pub quant_rows: Vec<(Range<usize>, QuantRows)>,
 }
 
 impl<'a> Pass<'a> {
@@ -94,6 +98,7 @@ impl<'a> Pass<'a> {
             adapter_rows: Vec::new(),
             lora_dropout: PassDropout::new(model, batch),
             moe_losses: None,
+            quant_rows: Vec::new(),
         }
     }
 
@@ -121,6 +126,7 @@ impl<'a> Pass<'a> {
             adapter_rows: Vec::new(),
             lora_dropout: None,
             moe_losses: None,
+            quant_rows: Vec::new(),
         }
     }
 
@@ -177,6 +183,9 @@ impl<'a> Pass<'a> {
         {
             let dropout = d.of_adapter(self.model, a, self.tp, linear.in_features());
             linear = linear.with_lora_dropout(dropout);
+        }
+        if !self.quant_rows.is_empty() {
+            linear = linear.with_row_paths(self.quant_rows.clone());
         }
         if self.adapter_rows.is_empty() {
             return linear;

@@ -5,7 +5,7 @@
 
 use crate::gemm_bf16::{Operand, Operand::Bf16, Operand::F32, bf16_gemm};
 use crate::gemv;
-use crate::quant::{QuantMatrix, quant_matmul, quant_matmul_t};
+use crate::quant::{QuantMatrix, QuantRows, quant_matmul, quant_matmul_t_with};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -148,7 +148,7 @@ pub enum WeightRef<'a> {
     BF16(&'a [bf16]),
     F16(&'a [f16]),
     /// A whole `[n, k]` matrix in ggml block formats (a weight served from GGUF): multiplied
-    /// by [`quant_matmul_t`], never dequantized whole in the products.
+    /// by [`quant_matmul_t`](crate::quant::quant_matmul_t), never dequantized whole in the products.
     Quant(&'a QuantMatrix),
 }
 
@@ -248,7 +248,8 @@ const CONVERT_ROWS: usize = 512;
 /// `y[m, n] = x[m, k] · wᵀ` (or `+=` when `accumulate`) for a weight `w[n, k]` in any storage
 /// dtype. Few rows use the GEMV kernels ([`GEMV_MAX_ROWS_F32`], [`GEMV_MAX_ROWS`]); otherwise f32 weights go straight to GEMM, bf16
 /// weights compute in bf16 ([`bf16_gemm`]: `x` rounded to bf16, f32 sums) and f16 weights are
-/// widened to f32 in blocks of rows first.
+/// widened to f32 in blocks of rows first; quantized weights take [`quant_matmul_t`](crate::quant::quant_matmul_t)'s path by
+/// the number of rows.
 pub fn matmul_weight_t(
     x: &[f32],
     w: WeightRef<'_>,
@@ -258,7 +259,26 @@ pub fn matmul_weight_t(
     k: usize,
     accumulate: bool,
 ) {
+    matmul_weight_t_with(x, w, y, (m, n, k), accumulate, QuantRows::BySize);
+}
+
+/// [`matmul_weight_t`] with a quantized weight's path chosen by `quant` ([`QuantRows`]);
+/// other weights ignore it.
+///
+/// # Panics
+/// As [`matmul_weight_t`].
+pub fn matmul_weight_t_with(
+    x: &[f32],
+    w: WeightRef<'_>,
+    y: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+    quant: QuantRows,
+) {
     assert!(x.len() >= m * k && y.len() >= m * n);
+    if let WeightRef::Quant(w) = w {
+        return quant_matmul_t_with(x, w, y, (m, n, k), accumulate, quant);
+    }
     if m == 0 {
         return;
     }
@@ -267,7 +287,7 @@ pub fn matmul_weight_t(
             WeightRef::F32(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
             WeightRef::BF16(w) => gemv::gemv_bf16(w, &x[..k], &mut y[..n], accumulate),
             WeightRef::F16(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
-            WeightRef::Quant(w) => quant_matmul_t(x, w, y, (m, n, k), accumulate),
+            WeightRef::Quant(_) => unreachable!("quantized weights returned above"),
         }
         return;
     }
@@ -290,8 +310,7 @@ pub fn matmul_weight_t(
             let widen = |rows, out: &mut [f32]| widen_rows(w, rows, k, out);
             dequantized_blocks_t(x, widen, y, (m, n, k), accumulate)
         }
-        // Chooses between its int8 rows and bf16 tiles by `m` itself.
-        WeightRef::Quant(w) => quant_matmul_t(x, w, y, (m, n, k), accumulate),
+        WeightRef::Quant(_) => unreachable!("quantized weights returned above"),
     }
 }
 

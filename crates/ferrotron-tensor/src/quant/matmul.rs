@@ -10,9 +10,24 @@ use rayon::prelude::*;
 /// Weight rows dequantized at a time on the prefill path (a `TILE_ROWS × k` f32 tile).
 const TILE_ROWS: usize = 1024;
 
-/// Most activation rows that take the integer path of [`quant_matmul_t`] (batched decode);
-/// more (prefill) take the bf16 tiles.
+/// Most activation rows that take the integer path of [`quant_matmul_t`] by their number
+/// ([`QuantRows::BySize`]); more (prefill) take the bf16 tiles.
 pub const INT8_MAX_ROWS: usize = 16;
+
+/// Which of [`quant_matmul_t`]'s two paths multiplies the activation rows (llama.cpp's token
+/// generation takes integer dot products, its prompt processing dequantized weights).
+/// A server chooses by what the rows are, not by how many a step holds, so that a request's
+/// arithmetic never depends on what else its step carries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuantRows {
+    /// Up to [`INT8_MAX_ROWS`] rows integer, more through the tiles.
+    #[default]
+    BySize,
+    /// Integer dot products with the rows quantized to int8 per 32 values, however many.
+    Integer,
+    /// Weight rows dequantized in tiles and multiplied in bf16, however few rows.
+    Tiles,
+}
 
 /// Fewest weight rows per rayon task of the integer path.
 const MIN_ROWS_PER_TASK: usize = 16;
@@ -42,14 +57,34 @@ pub fn quant_matmul_t(
     x: &[f32],
     w: &QuantMatrix,
     y: &mut [f32],
+    dims: (usize, usize, usize),
+    accumulate: bool,
+) {
+    quant_matmul_t_with(x, w, y, dims, accumulate, QuantRows::BySize);
+}
+
+/// [`quant_matmul_t`] on the path `path` says.
+///
+/// # Panics
+/// As [`quant_matmul_t`].
+pub fn quant_matmul_t_with(
+    x: &[f32],
+    w: &QuantMatrix,
+    y: &mut [f32],
     (m, n, k): (usize, usize, usize),
     accumulate: bool,
+    path: QuantRows,
 ) {
     assert!(w.rows() == n && w.cols() == k && x.len() >= m * k && y.len() >= m * n);
     if m == 0 || n == 0 {
         return;
     }
-    if m > INT8_MAX_ROWS {
+    let tiles = match path {
+        QuantRows::BySize => m > INT8_MAX_ROWS,
+        QuantRows::Integer => false,
+        QuantRows::Tiles => true,
+    };
+    if tiles {
         bf16_tiles(&x[..m * k], w, y, (m, n, k), accumulate);
         return;
     }

@@ -25,7 +25,7 @@ mod tests;
 
 pub use activation::{Q8Row, Q8Rows, QK8};
 pub use blocks::{QK_K, QuantType, dequantize};
-pub use matmul::{INT8_MAX_ROWS, quant_matmul, quant_matmul_t};
+pub use matmul::{INT8_MAX_ROWS, QuantRows, quant_matmul, quant_matmul_t, quant_matmul_t_with};
 
 use std::ops::Range;
 

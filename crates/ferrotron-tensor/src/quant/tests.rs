@@ -230,6 +230,36 @@ fn a_row_computes_the_same_bits_in_any_batch() {
     }
 }
 
+/// Each path chosen by name computes a row the same in any batch: integer dot products for
+/// more rows than the by-size rule sends there, tiles for a single row; and the by-size rule
+/// is one of the two.
+#[test]
+fn a_named_path_computes_a_row_the_same_in_any_batch() {
+    let (n, k) = (40, 256);
+    let m = INT8_MAX_ROWS + 5;
+    for ty in [QuantType::Q4_0, QuantType::Q8_0, QuantType::Q4_K] {
+        let w = random_matrix(ty, n, k, 11);
+        let x = activations(m * k, 12);
+        for path in [QuantRows::Integer, QuantRows::Tiles] {
+            let mut batch = vec![0f32; m * n];
+            quant_matmul_t_with(&x, &w, &mut batch, (m, n, k), false, path);
+            for i in [0, 3, m - 1] {
+                let mut one = vec![0f32; n];
+                let row = &x[i * k..][..k];
+                quant_matmul_t_with(row, &w, &mut one, (1, n, k), false, path);
+                assert_eq!(one, batch[i * n..][..n], "{ty} {path:?} row {i}");
+            }
+            let by_size = match path {
+                QuantRows::Integer => 1,
+                _ => m,
+            };
+            let mut auto = vec![0f32; by_size * n];
+            quant_matmul_t(&x[..by_size * k], &w, &mut auto, (by_size, n, k), false);
+            assert_eq!(auto, batch[..by_size * n], "{ty} {path:?} by size");
+        }
+    }
+}
+
 #[test]
 fn stacked_rows_keep_their_formats() {
     let k = 256;
