@@ -1,7 +1,8 @@
 //! Expert parallelism (the `alltoall` and `allgather` dispatchers) against all experts on one
 //! rank: at ep 2 and
 //! ep 4 (in-process ranks, each with its own tokens and routing), every rank's output, input
-//! and routing-weight gradients (also with tokens dropped over capacity) equal the one-rank experts' on its tokens, and each rank's
+//! and routing-weight gradients (also with tokens dropped over capacity, and padded to it)
+//! equal the one-rank experts' on its tokens, and each rank's
 //! expert weight gradients equal the one-rank gradients summed over every rank's tokens.
 
 use ferrotron_comm::{Communicator, run_local};
@@ -28,7 +29,12 @@ fn expert_parallel_equals_one_rank() {
         hidden: H,
         ffn: F,
     };
-    for (ep, capacity) in [(2usize, None), (4, None), (2, Some(0.75f32))] {
+    for (ep, capacity, pad) in [
+        (2usize, None, false),
+        (4, None, false),
+        (2, Some(0.75f32), false),
+        (2, Some(0.75), true),
+    ] {
         let tokens = |r: usize| {
             (
                 values(T * H, 10 + r as u64, 2.0),
@@ -39,6 +45,9 @@ fn expert_parallel_equals_one_rank() {
             let mut routing = cfg.route(&values(T * E, 30 + r as u64, 4.0), None).unwrap();
             if let Some(c) = capacity {
                 routing.drop_over_capacity(E, c, DropPolicy::Probs).unwrap();
+                if pad {
+                    routing.pad_to_capacity(E, c).unwrap();
+                }
             }
             routing
         };
@@ -55,7 +64,8 @@ fn expert_parallel_equals_one_rank() {
             want.push((y, g.dx, g.dprobs));
         }
         let local = E / ep;
-        for allgather in [false, true] {
+        // Padded to capacity (Megatron's static shapes): the alltoall dispatcher's.
+        for allgather in [false, true].into_iter().filter(|&a| !(a && pad)) {
             let got = run_local(ep, |c| {
                 let r = c.rank();
                 let ((x, dy), routing) = (tokens(r), route(r));

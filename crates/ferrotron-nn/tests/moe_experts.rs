@@ -164,3 +164,60 @@ fn experts_backward_matches_finite_differences() {
         );
     }
 }
+
+/// Megatron's `moe_pad_expert_input_to_capacity`: every expert computes `min(capacity, T)`
+/// rows (its kept tokens, then other tokens at weight 0), and the output and every gradient
+/// are the unpadded routing's.
+#[test]
+fn padding_to_capacity_changes_no_value() {
+    let (x, fc1, fc2) = (
+        values(T * H, 9, 2.0),
+        values(E * 2 * F * H, 10, 1.0),
+        values(E * H * F, 11, 1.0),
+    );
+    let dy = values(T * H, 12, 2.0);
+    let w = ExpertWeights {
+        fc1: &fc1,
+        fc2: &fc2,
+        hidden: H,
+        ffn: F,
+    };
+    // Capacity ceil(5·2/4 · 1.0) = 3 rows per expert; at 4.0 (10 > T) every token.
+    for (factor, rows) in [(1.0f32, 3), (4.0, T)] {
+        let mut plain = routing();
+        plain
+            .drop_over_capacity(E, factor, DropPolicy::Probs)
+            .unwrap();
+        let mut padded = plain.clone();
+        padded.pad_to_capacity(E, factor).unwrap();
+        assert_eq!(padded.pad_rows(), Some(rows));
+        let (y0, a0) = experts_forward(&x, &plain, &w);
+        let (y1, a1) = experts_forward(&x, &padded, &w);
+        let p = &a1.perm;
+        for e in 0..E {
+            assert_eq!(
+                p.offsets[e + 1] - p.offsets[e],
+                rows,
+                "factor {factor} expert {e}"
+            );
+        }
+        assert!(p.offsets[E] > a0.perm.offsets[E], "padding adds rows");
+        let close = |what: &str, a: &[f32], b: &[f32]| {
+            for (i, (u, v)) in a.iter().zip(b).enumerate() {
+                assert!(
+                    (u - v).abs() <= 1e-6 * v.abs().max(1.0),
+                    "{what}[{i}]: {u} vs {v}"
+                );
+            }
+        };
+        close("y", &y1, &y0);
+        let (g0, g1) = (
+            experts_backward(&plain, &w, &a0, &dy),
+            experts_backward(&padded, &w, &a1, &dy),
+        );
+        close("dx", &g1.dx, &g0.dx);
+        close("dprobs", &g1.dprobs, &g0.dprobs);
+        close("dfc1", &g1.dfc1, &g0.dfc1);
+        close("dfc2", &g1.dfc2, &g0.dfc2);
+    }
+}

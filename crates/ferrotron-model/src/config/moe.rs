@@ -60,6 +60,10 @@ pub struct ExpertCapacity {
     pub factor: f32,
     /// `moe_token_drop_policy`: which tokens an expert over capacity keeps.
     pub drop_policy: DropPolicy,
+    /// `moe_pad_expert_input_to_capacity`: every expert computes `min(capacity, T)` rows,
+    /// padded with weight-0 rows ([`ferrotron_nn::moe::Routing::pad_to_capacity`]): the same
+    /// values, fixed shapes (the `alltoall` dispatcher's exchange too).
+    pub pad_to_capacity: bool,
 }
 
 /// How an expert-parallel rank's tokens reach the experts (Megatron's
@@ -199,6 +203,14 @@ impl MoeConfig {
             return Err(field_error(
                 "moe_expert_capacity_factor",
                 format!("{} must be > 0", c.factor),
+            ));
+        }
+        if self.capacity.is_some_and(|c| c.pad_to_capacity)
+            && self.token_dispatcher == TokenDispatcher::AllGather
+        {
+            return Err(field_error(
+                "moe_pad_expert_input_to_capacity",
+                "pads the alltoall dispatcher's rows: needs moe_token_dispatcher_type \"alltoall\"",
             ));
         }
         Ok(())

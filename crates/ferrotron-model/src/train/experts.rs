@@ -79,7 +79,7 @@ fn row_share(pass: &Pass<'_>, rows: usize) -> Result<Option<Range<usize>>> {
     let (t, r) = (tp.group.size(), tp.group.rank());
     if !rows.is_multiple_of(t) {
         return Err(ModelError::Input(format!(
-            "expert_tensor_parallel_size 1 shares the {rows} rows of a micro-batch over              tensor_model_parallel_size {t} ranks: they must divide evenly"
+            "expert_tensor_parallel_size 1 shares the {rows} rows of a micro-batch over tensor_model_parallel_size {t} ranks: they must divide evenly"
         )));
     }
     let n = rows / t;
@@ -103,6 +103,13 @@ pub(super) fn routed_forward(
     let Some(share) = row_share(pass, x.len() / h)? else {
         return experts_forward_on(pass, m, x, routing);
     };
+    if routing.pad_rows().is_some() {
+        return Err(ModelError::Input(
+            "not supported yet: moe_pad_expert_input_to_capacity with \
+             expert_tensor_parallel_size 1 under tensor parallelism"
+                .into(),
+        ));
+    }
     let rows = share.start * h..share.end * h;
     let (ys, run) = experts_forward_on(pass, m, &x[rows.clone()], &routing.rows(share))?;
     let mut y = vec![0f32; x.len()];

@@ -277,6 +277,7 @@ mod tests {
         c.moe.as_mut().unwrap().capacity = Some(crate::ExpertCapacity {
             factor: 1.0,
             drop_policy: crate::DropPolicy::Probs,
+            pad_to_capacity: false,
         });
         let err = c.activation_memory(2, 8).unwrap_err().to_string();
         assert!(err.contains("moe_expert_capacity_factor"), "{err}");

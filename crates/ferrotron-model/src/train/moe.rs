@@ -136,6 +136,9 @@ pub(super) fn moe_forward(
         routing
             .drop_over_capacity(e, c.factor, c.drop_policy)
             .map_err(nn_error)?;
+        if c.pad_to_capacity {
+            routing.pad_to_capacity(e, c.factor).map_err(nn_error)?;
+        }
     }
     if let (Some(id), Some(sink)) = (m.expert_bias, &pass.moe_losses)
         && sink.counts_expert_load

@@ -32,21 +32,25 @@ impl ExpertWeights<'_> {
 }
 
 /// Rows sorted by expert: `slots[r]` is permuted row `r`'s routing slot (`t·k + j`: token
-/// `t`'s `j`-th expert; dropped slots have no row), expert `e`'s rows are
+/// `t`'s `j`-th expert; dropped slots have no row; padding rows follow), expert `e`'s rows are
 /// `offsets[e]..offsets[e + 1]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Permutation {
-    /// `[R]` (`R = T·k` less the dropped slots).
+    /// `[R]` (`R = T·k` less the dropped slots, plus padding rows): a routing slot, or
+    /// `T·k + t` for a padding row of token `t` (weight 0; [`Routing::pad_to_capacity`]).
     pub slots: Vec<usize>,
     /// `[E + 1]`.
     pub offsets: Vec<usize>,
     /// Experts per token `k`.
     topk: usize,
+    /// Routing slots `T·k`: the first padding code.
+    slot_count: usize,
 }
 
 impl Permutation {
     /// The stable sort by expert of `routing`'s slots ([`Routing::experts`]), leaving out
-    /// the dropped ones.
+    /// the dropped ones; when the routing is padded ([`Routing::pad_to_capacity`]) each
+    /// expert's rows are followed by padding rows of the earliest tokens not routed to it.
     ///
     /// # Panics
     /// When an expert id is not below `num_experts` (the router's output is).
@@ -60,21 +64,29 @@ impl Permutation {
                 .filter(|(_, (_, d))| !**d)
                 .map(|(slot, (&e, _))| (slot, e as usize))
         };
-        let mut offsets = vec![0usize; num_experts + 1];
-        kept().for_each(|(_, e)| offsets[e + 1] += 1);
-        for e in 0..num_experts {
-            offsets[e + 1] += offsets[e];
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); num_experts];
+        kept().for_each(|(slot, e)| by_expert[e].push(slot));
+        let (k, slot_count) = (routing.topk(), routing.experts.len());
+        if let Some(rows) = routing.pad_rows() {
+            for slots in &mut by_expert {
+                let mut has = vec![false; slot_count / k];
+                slots.iter().for_each(|&s| has[s / k] = true);
+                let others = (0..has.len()).filter(|&t| !has[t]);
+                let pad = rows.saturating_sub(slots.len());
+                slots.extend(others.take(pad).map(|t| slot_count + t));
+            }
         }
-        let mut next = offsets.clone();
-        let mut slots = vec![0usize; offsets[num_experts]];
-        for (slot, e) in kept() {
-            slots[next[e]] = slot;
-            next[e] += 1;
+        let mut offsets = vec![0usize];
+        let mut slots = Vec::with_capacity(by_expert.iter().map(Vec::len).sum());
+        for rows in by_expert {
+            slots.extend(rows);
+            offsets.push(slots.len());
         }
         Permutation {
             slots,
             offsets,
-            topk: routing.topk(),
+            topk: k,
+            slot_count,
         }
     }
 
@@ -105,12 +117,21 @@ impl Permutation {
             slots,
             offsets,
             topk,
+            slot_count: experts.len(),
         }
     }
 
     /// The token of permuted row `r`.
     fn token(&self, r: usize) -> usize {
-        self.slots[r] / self.topk
+        match self.slots[r] {
+            s if s < self.slot_count => s / self.topk,
+            pad => pad - self.slot_count,
+        }
+    }
+
+    /// The routing slot of permuted row `r` (`None`: a padding row).
+    fn slot(&self, r: usize) -> Option<usize> {
+        Some(self.slots[r]).filter(|&s| s < self.slot_count)
     }
 
     /// `xp [R, h]`: each row its token's `x [T, h]` row (Megatron's `permute`).
@@ -127,7 +148,10 @@ impl Permutation {
     pub fn unpermute(&self, out: &[f32], probs: &[f32], h: usize) -> Vec<f32> {
         let mut y = vec![0f32; probs.len() / self.topk * h];
         for (r, row) in out.chunks_exact(h).enumerate() {
-            let p = probs[self.slots[r]];
+            let Some(slot) = self.slot(r) else {
+                continue;
+            };
+            let p = probs[slot];
             let yt = &mut y[self.token(r) * h..][..h];
             yt.iter_mut().zip(row).for_each(|(y, o)| *y += p * o);
         }
@@ -151,7 +175,10 @@ impl Permutation {
             .zip(out.chunks_exact(h))
             .enumerate()
         {
-            let (slot, dyt) = (self.slots[r], &dy[self.token(r) * h..][..h]);
+            let Some(slot) = self.slot(r) else {
+                continue;
+            };
+            let dyt = &dy[self.token(r) * h..][..h];
             d.iter_mut()
                 .zip(dyt)
                 .for_each(|(d, g)| *d = probs[slot] * g);

@@ -83,6 +83,9 @@ pub struct Routing {
     /// `pre_softmax`, over the chosen k otherwise, stored at their experts; sigmoid), for the
     /// backward.
     scores: Vec<f32>,
+    /// Rows every expert computes, padded with weight-0 rows of other tokens
+    /// ([`Routing::pad_to_capacity`]); `None`: only the routed ones.
+    pad_rows: Option<usize>,
 }
 
 impl RouterConfig {
@@ -165,6 +168,7 @@ impl RouterConfig {
             dropped: vec![false; t * k],
             topk: k,
             scores: vec![0.0; t * e],
+            pad_rows: None,
         };
         for (i, z) in logits.chunks_exact(e).enumerate() {
             let scores = &mut out.scores[i * e..][..e];
@@ -334,8 +338,13 @@ impl Routing {
         self.topk
     }
 
+    /// Rows every expert computes when padded ([`Routing::pad_to_capacity`]).
+    pub fn pad_rows(&self) -> Option<usize> {
+        self.pad_rows
+    }
+
     /// Tokens `rows` of this routing (their experts, weights, drop flags and scores), for
-    /// running the experts over a share of the tokens routed together.
+    /// running the experts over a share of the tokens routed together (not padded).
     ///
     /// # Panics
     /// `rows` past the routed tokens (a caller bug).
@@ -351,6 +360,7 @@ impl Routing {
             dropped: self.dropped[slots].to_vec(),
             topk: k,
             scores: self.scores[rows.start * e..rows.end * e].to_vec(),
+            pad_rows: None,
         }
     }
 
@@ -373,15 +383,7 @@ impl Routing {
         capacity_factor: f32,
         policy: DropPolicy,
     ) -> Result<usize> {
-        if !(capacity_factor > 0.0 && capacity_factor.is_finite()) {
-            return bad(
-                "moe_expert_capacity_factor",
-                format!("{capacity_factor} must be > 0"),
-            );
-        }
-        let slots = self.experts.len();
-        let capacity = (slots as f64 / num_experts as f64 * f64::from(capacity_factor)).ceil();
-        let capacity = capacity as usize;
+        let capacity = self.capacity(num_experts, capacity_factor)?;
         let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); num_experts];
         for (slot, &x) in self.experts.iter().enumerate() {
             by_expert[x as usize].push(slot);
@@ -399,6 +401,37 @@ impl Routing {
             }
         }
         Ok(dropped)
+    }
+
+    /// Megatron's `get_capacity(T·k, E, capacity_factor)`: `ceil(T·k / E · capacity_factor)`.
+    ///
+    /// # Errors
+    /// [`NnError::BadInput`] naming `moe_expert_capacity_factor` when it is not positive.
+    pub fn capacity(&self, num_experts: usize, capacity_factor: f32) -> Result<usize> {
+        if !(capacity_factor > 0.0 && capacity_factor.is_finite()) {
+            return bad(
+                "moe_expert_capacity_factor",
+                format!("{capacity_factor} must be > 0"),
+            );
+        }
+        let slots = self.experts.len() as f64;
+        Ok((slots / num_experts as f64 * f64::from(capacity_factor)).ceil() as usize)
+    }
+
+    /// Megatron's `moe_pad_expert_input_to_capacity` (after [`Routing::drop_over_capacity`]):
+    /// every expert computes exactly `min(capacity, T)` rows — its kept tokens, then the
+    /// earliest other tokens at weight 0 (Megatron's map becomes the capacity mask, whose
+    /// extra tokens carry probability 0) — so the experts' inputs and the expert-parallel
+    /// exchange have the same shapes every step. The output and every gradient are those of
+    /// the unpadded routing (padded rows weigh 0 and take no routing gradient).
+    ///
+    /// # Errors
+    /// As [`Routing::capacity`].
+    pub fn pad_to_capacity(&mut self, num_experts: usize, capacity_factor: f32) -> Result<()> {
+        let tokens = self.experts.len() / self.topk.max(1);
+        let capacity = self.capacity(num_experts, capacity_factor)?;
+        self.pad_rows = Some(capacity.min(tokens));
+        Ok(())
     }
 }
 

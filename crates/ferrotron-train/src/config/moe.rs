@@ -80,6 +80,10 @@ section! {
         /// Which tokens an expert over capacity keeps: "probs" (highest routing weights) or
         /// "position" (earliest). Default: "probs". Megatron: `--moe-token-drop-policy`.
         moe_token_drop_policy: Option<String> = None,
+        /// Pad every expert's input to its capacity with weight-0 rows (fixed shapes, the
+        /// same values; needs moe_expert_capacity_factor and the alltoall dispatcher).
+        /// Default: false. Megatron: `--moe-pad-expert-input-to-capacity`.
+        moe_pad_expert_input_to_capacity: bool = false,
         /// Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the sigmoid
         /// scores when choosing the experts, moved after every step toward an even load.
         /// Needs moe_router_score_function = "sigmoid" and f32 weights. Default: false.
@@ -295,6 +299,9 @@ fn options(s: &MoeSection, p: &mut Vec<String>) -> MoeOptions {
     if drop_policy.is_some() && s.moe_expert_capacity_factor.is_none() {
         p.push("moe.moe_token_drop_policy needs moe.moe_expert_capacity_factor".into());
     }
+    if s.moe_pad_expert_input_to_capacity && s.moe_expert_capacity_factor.is_none() {
+        p.push("moe.moe_pad_expert_input_to_capacity needs moe.moe_expert_capacity_factor".into());
+    }
     MoeOptions {
         topk: s.moe_router_topk,
         score_function,
@@ -307,6 +314,7 @@ fn options(s: &MoeSection, p: &mut Vec<String>) -> MoeOptions {
         capacity: s.moe_expert_capacity_factor.map(|f| ExpertCapacity {
             factor: f as f32,
             drop_policy: drop_policy.unwrap_or(DropPolicy::Probs),
+            pad_to_capacity: s.moe_pad_expert_input_to_capacity,
         }),
         token_dispatcher,
     }

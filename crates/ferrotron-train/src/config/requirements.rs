@@ -24,6 +24,16 @@ pub(super) fn unsupported(r: &RawConfig, lr_decay_style: LrDecayStyle, p: &mut V
             "the pipeline schedule reduces after its last backward",
         );
     }
+    if r.moe.moe_pad_expert_input_to_capacity
+        && par.expert_tensor_parallel_size == Some(1)
+        && par.tensor_model_parallel_size > 1
+    {
+        no(
+            "moe.moe_pad_expert_input_to_capacity with parallel.expert_tensor_parallel_size = 1 \
+             under tensor parallelism",
+            "whole experts share the rows of a tensor-parallel group unpadded",
+        );
+    }
 }
 
 /// The problem when the EOD flags are set and no end-of-document id can be known.

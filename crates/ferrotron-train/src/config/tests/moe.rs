@@ -63,6 +63,51 @@ fn bad_moe_settings_name_their_key() {
         &[],
     );
     assert!(has(&p, "moe_expert_capacity_factor"), "{p:?}");
+    let p = problems(
+        &with(
+            "num_experts = 4
+moe_pad_expert_input_to_capacity = true",
+        ),
+        &[],
+    );
+    assert!(
+        has(
+            &p,
+            "moe.moe_pad_expert_input_to_capacity needs moe.moe_expert_capacity_factor"
+        ),
+        "{p:?}"
+    );
+    let padded = "num_experts = 4
+moe_expert_capacity_factor = 1.0
+                  moe_pad_expert_input_to_capacity = true";
+    let ok = RunConfig::from_toml_str(&with(padded), &[]);
+    assert!(ok.is_ok(), "{:?}", ok.err());
+    let p = problems(
+        &with(&format!(
+            "{padded}
+moe_token_dispatcher_type = \"allgather\""
+        )),
+        &[],
+    );
+    assert!(has(&p, "moe_pad_expert_input_to_capacity"), "{p:?}");
+    let p = problems(
+        &format!(
+            "{}
+[parallel]
+tensor_model_parallel_size = 2
+expert_tensor_parallel_size = 1
+",
+            with(padded)
+        ),
+        &[],
+    );
+    assert!(
+        has(
+            &p,
+            "not supported yet: moe.moe_pad_expert_input_to_capacity"
+        ),
+        "{p:?}"
+    );
     // With model.load the checkpoint decides the experts.
     let loaded = format!(
         "[model]\nload = \"{}\"\nseq_length = 16\n[data]\ndata_path = \"{}\"\n\
