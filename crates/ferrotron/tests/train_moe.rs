@@ -1,7 +1,8 @@
 //! `ferrotron train` of an MoE model end to end (the tiny Mixtral fixture, a generated
 //! corpus): `[moe]` options on a loaded model turn the balancing losses on, the log line and
 //! `metrics.jsonl` carry `load_balancing_loss` / `z_loss`; expert parallelism 2 over dp 2
-//! in-process and 4 `mpirun` processes (ep 4) give the single rank's training and validation
+//! and over context parallelism 2 in-process and 4 `mpirun` processes (ep 4) give the single
+//! rank's training and validation
 //! losses; the expert-parallel run's checkpoint converts back to an HF Mixtral that validates
 //! as the single rank's does. DeepSeek-V2 (multi-latent attention) the same under tp 2 with
 //! sequence parallelism and ep 2.
@@ -109,6 +110,17 @@ fn expert_parallel_runs_match_one_rank_and_convert_back() {
         ],
     );
     assert_same_run("ep2 x dp2 in-process", tmp.path(), "ep2", "single");
+    // Context parallel 2 with the experts folded over its ranks (ep 2, dp 1).
+    train_config(
+        &config(tmp.path(), &prefix, "cp2-ep2"),
+        &[
+            "--set",
+            "parallel.context_parallel_size=2",
+            "--set",
+            "parallel.expert_model_parallel_size=2",
+        ],
+    );
+    assert_same_run("cp2 x ep2 in-process", tmp.path(), "cp2-ep2", "single");
     // Each run's checkpoint as an HF Mixtral: the two validate alike (the same held-out
     // batches: `skip_train` evaluates the first ones).
     let single = exported_validation(tmp.path(), &prefix, "single");
