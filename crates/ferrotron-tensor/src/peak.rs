@@ -72,6 +72,34 @@ pub fn bf16_dot(kernel: Bf16Kernel) -> Option<Peak> {
     }
 }
 
+/// One core's AVX512-BF16 `vdpbf16ps` FLOP rate over its AVX-512 f32 FMA rate, measured on
+/// the calling thread (best of 3 short rounds each, ~1 ms per round); `None` without
+/// AVX512-BF16. What [`Bf16Kernel::detect`] chooses by.
+pub fn core_bf16_dot_ratio() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {
+            return None;
+        }
+        const SHORT: u64 = 100_000;
+        let rate = |work: &dyn Fn() -> f64| {
+            (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    work() / t.elapsed().as_secs_f64()
+                })
+                .fold(0f64, f64::max)
+        };
+        // SAFETY: AVX-512F and AVX512-BF16 checked above.
+        let dot = rate(&|| unsafe { x86::dpbf16_avx512(SHORT) });
+        // SAFETY: as above.
+        let fma = rate(&|| unsafe { x86::fma_avx512(SHORT) });
+        Some(dot / fma)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
 /// Runs `work` (returning the FLOPs it did) on every thread of the current pool at once,
 /// [`ROUNDS`] times; GFLOP/s of the fastest round.
 fn measure(work: impl Fn() -> f64 + Sync) -> f64 {
@@ -165,5 +193,26 @@ mod tests {
                 );
             }
         });
+    }
+
+    /// The per-core ratio exists exactly where AVX512-BF16 does, and the chosen kernel
+    /// follows it.
+    #[test]
+    fn the_chosen_kernel_follows_the_measured_ratio() {
+        let avx512 = Bf16Kernel::available().contains(&Bf16Kernel::Avx512Bf16);
+        let ratio = core_bf16_dot_ratio();
+        assert_eq!(ratio.is_some(), avx512);
+        let chosen = Bf16Kernel::detect();
+        if let Some(r) = ratio
+            && !Bf16Kernel::available().contains(&Bf16Kernel::Amx)
+        {
+            assert!(r.is_finite() && r > 0.0, "{r}");
+            let fast = r >= crate::gemm_bf16::BF16_DOT_MIN_RATIO;
+            assert_eq!(
+                chosen == Bf16Kernel::Avx512Bf16,
+                fast,
+                "ratio {r}, {chosen:?}"
+            );
+        }
     }
 }

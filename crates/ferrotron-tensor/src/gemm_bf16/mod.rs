@@ -77,14 +77,27 @@ pub enum Bf16Kernel {
 }
 
 impl Bf16Kernel {
-    /// The fastest kernel this CPU and OS support.
+    /// The kernel [`bf16_gemm`] runs: AMX where the CPU and OS allow it; else AVX512-BF16
+    /// where one core's measured `vdpbf16ps` rate is at least [`BF16_DOT_MIN_RATIO`] of its
+    /// f32 FMA rate (Zen 4 measures ~1.8x, some Xeons issue `vdpbf16ps` at half the FMA rate,
+    /// 0.5x, where the widened f32 GEMM is ~1.6x faster); else [`Bf16Kernel::Widened`].
+    /// Chosen once per process ([`crate::peak::core_bf16_dot_ratio`], a few milliseconds).
     pub fn detect() -> Bf16Kernel {
-        Self::available()[0]
+        static CHOSEN: OnceLock<Bf16Kernel> = OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let fast_dot =
+                || crate::peak::core_bf16_dot_ratio().is_some_and(|r| r >= BF16_DOT_MIN_RATIO);
+            Self::available()
+                .iter()
+                .copied()
+                .find(|&k| k != Bf16Kernel::Avx512Bf16 || fast_dot())
+                .unwrap_or(Bf16Kernel::Widened)
+        })
     }
 
-    /// Every kernel this machine can run, fastest first ([`Bf16Kernel::Widened`] always
-    /// last). Detected once per process (CPUID, and Linux's AMX permission request), then
-    /// cached: every GEMM checks its kernel against it.
+    /// Every kernel this machine can run, AMX, then AVX512-BF16, then
+    /// [`Bf16Kernel::Widened`] (always). Detected once per process (CPUID, and Linux's AMX
+    /// permission request), then cached: every GEMM checks its kernel against it.
     pub fn available() -> &'static [Bf16Kernel] {
         static AVAILABLE: OnceLock<Vec<Bf16Kernel>> = OnceLock::new();
         AVAILABLE.get_or_init(Self::detect_all)
@@ -114,6 +127,12 @@ impl Bf16Kernel {
         }
     }
 }
+
+/// The least `vdpbf16ps` FLOP rate, as a fraction of the f32 FMA rate of one core, at which
+/// [`Bf16Kernel::detect`] takes AVX512-BF16 over the widened f32 GEMM. Well away from the
+/// rates seen (0.5 and ~1.8; a core issuing both at one per cycle measures ~1.0), so the
+/// choice does not flip with measurement noise between the processes of one job.
+pub const BF16_DOT_MIN_RATIO: f64 = 0.75;
 
 /// Depth of one packed slice of the reduction dimension.
 const KC: usize = 1024;

@@ -4,7 +4,7 @@ use super::activation::{Q8Row, Q8Rows};
 use super::dot::dot_scalar;
 use super::{QuantMatrix, QuantType};
 use crate::gemm::{Op, dequantized_blocks_n};
-use crate::gemm_bf16::{Operand::F32, bf16_gemm};
+use crate::gemm_bf16::{Bf16Kernel, Operand::F32, bf16_gemm_with};
 use rayon::prelude::*;
 
 /// Weight rows dequantized at a time on the prefill path (a `TILE_ROWS × k` f32 tile).
@@ -14,19 +14,23 @@ const TILE_ROWS: usize = 1024;
 /// ([`QuantRows::BySize`]); more (prefill) take the bf16 tiles.
 pub const INT8_MAX_ROWS: usize = 16;
 
-/// Which of [`quant_matmul_t`]'s two paths multiplies the activation rows (llama.cpp's token
-/// generation takes integer dot products, its prompt processing dequantized weights).
-/// A server chooses by what the rows are, not by how many a step holds, so that a request's
-/// arithmetic never depends on what else its step carries.
+/// How [`quant_matmul_t`] multiplies the activation rows: llama.cpp's token generation
+/// (integer dot products) or its prompt processing. A server chooses by what the rows are,
+/// not by how many a step holds, so that a request's arithmetic never depends on what else
+/// its step carries.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum QuantRows {
-    /// Up to [`INT8_MAX_ROWS`] rows integer, more through the tiles.
+    /// Up to [`INT8_MAX_ROWS`] rows as [`QuantRows::Decode`], more as [`QuantRows::Prefill`].
     #[default]
     BySize,
     /// Integer dot products with the rows quantized to int8 per 32 values, however many.
-    Integer,
-    /// Weight rows dequantized in tiles and multiplied in bf16, however few rows.
-    Tiles,
+    Decode,
+    /// Prompt processing, however few rows: weight rows dequantized in tiles and multiplied
+    /// in bf16; where the CPU's bf16 products are slower than its f32 FMAs
+    /// ([`crate::gemm_bf16::Bf16Kernel::detect`]) a matrix all of Q4_0 takes the integer
+    /// kernel eight weight rows at a time instead (llama.cpp's `ggml_gemm_q4_0_8x8_q8_0`;
+    /// SmolLM2 pp512 837 vs 585 tokens/s on such a Xeon).
+    Prefill,
 }
 
 /// Fewest weight rows per rayon task of the integer path.
@@ -46,10 +50,12 @@ fn rows_per_task(rows: usize) -> usize {
 /// quantized to int8 per 32 values (llama.cpp's `ggml_vec_dot_*`; Q4_0 weight rows eight at
 /// a time where the CPU has AVX512-VNNI, as its `ggml_gemm_q4_0_8x8_q8_0`); each row of `y` is
 /// computed by the same sequence of operations whatever `m` is, so a served request's decode
-/// does not depend on its batch. More rows (prefill) dequantize 1024 weight rows at
-/// a time (exactly, to f32) and multiply them with `x` by the bf16 GEMM (both operands
-/// rounded to bf16, f32 sums: the weights' values lose less than their quantization already
-/// cost, the activations keep more than int8 keeps); the weight is never dequantized whole.
+/// does not depend on its batch. More rows (prefill, [`QuantRows::Prefill`]) dequantize 1024
+/// weight rows at a time (exactly, to f32) and multiply them with `x` by the bf16 GEMM (both
+/// operands rounded to bf16, f32 sums: the weights' values lose less than their quantization
+/// already cost, the activations keep more than int8 keeps) or, where the CPU's bf16 products
+/// are slow, a Q4_0 matrix by the integer kernel; the weight is never dequantized whole. A
+/// row's result never depends on the other rows.
 ///
 /// # Panics
 /// When `w` is not `[n, k]` or a slice is shorter than its shape (caller bugs).
@@ -79,12 +85,12 @@ pub fn quant_matmul_t_with(
     if m == 0 || n == 0 {
         return;
     }
-    let tiles = match path {
+    let prefill = match path {
         QuantRows::BySize => m > INT8_MAX_ROWS,
-        QuantRows::Integer => false,
-        QuantRows::Tiles => true,
+        QuantRows::Decode => false,
+        QuantRows::Prefill => true,
     };
-    if tiles {
+    if prefill && !integer_prefill(w) {
         bf16_tiles(&x[..m * k], w, y, (m, n, k), accumulate);
         return;
     }
@@ -121,6 +127,22 @@ pub fn quant_matmul_t_with(
         .par_iter()
         .zip(outs.par_chunks_mut(m))
         .for_each(|(t, out)| t.run(&xs, out, accumulate, simd));
+}
+
+/// Whether prompt rows of `w` take the integer kernel: every segment in a format the
+/// eight-row kernel takes, on a CPU that has it and whose bf16 products are slow.
+pub(super) fn integer_prefill(w: &QuantMatrix) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::avx512::available()
+            && Bf16Kernel::detect() == Bf16Kernel::Widened
+            && w.segments().iter().all(|s| super::rows8::supports(s.ty()))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = w;
+        false
+    }
 }
 
 /// Weight rows of one format: `data`, `row_bytes` each.
@@ -200,7 +222,21 @@ fn bf16_tiles(
         let rows = TILE_ROWS.min(n - j0);
         let (tile, block) = (&mut tile[..rows * k], &mut block[..m * rows]);
         w.dequantize_rows_par(j0..j0 + rows, tile);
-        bf16_gemm(m, rows, k, F32(x), Op::N, F32(tile), Op::T, block, false);
+        // The first bf16 kernel, not the fastest: its rows never depend on the other rows
+        // (the f32 GEMM's small-m paths do).
+        let kernel = Bf16Kernel::available()[0];
+        bf16_gemm_with(
+            kernel,
+            m,
+            rows,
+            k,
+            F32(x),
+            Op::N,
+            F32(tile),
+            Op::T,
+            block,
+            false,
+        );
         for (y, b) in y.chunks_exact_mut(n).zip(block.chunks_exact(rows)) {
             let y = &mut y[j0..j0 + rows];
             if accumulate {

@@ -9,8 +9,9 @@
 //!   quantize `x` to int8 per 32 values ([`Q8Rows`]) and take integer dot products (`dot.rs`;
 //!   AVX512-VNNI in `avx512.rs`, and for Q4_0 eight weight rows at a time in
 //!   `rows8.rs`, chosen at run time); many rows (prefill) dequantize blocks of weight rows and
-//!   multiply them in bf16 ([`crate::gemm_bf16`]), as llama.cpp's prompt processing multiplies
-//!   int8 activations.
+//!   multiply them in bf16 ([`crate::gemm_bf16`]; f32 where the CPU's bf16 products are slow,
+//!   and there Q4_0 takes the eight-row integer kernel as llama.cpp's prompt processing does).
+//!   [`QuantRows`] names the path instead of the number of rows choosing it.
 
 mod activation;
 #[cfg(target_arch = "x86_64")]

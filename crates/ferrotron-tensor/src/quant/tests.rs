@@ -169,14 +169,16 @@ fn matmul_matches_the_dequantized_weight_on_both_paths() {
         let wf = dequantized(&w);
         for m in [1, 3, 16, 32, 40] {
             let x = activations(m * k, 5 + m as u64);
-            // Few rows multiply the activations quantized to int8; many rows multiply the
-            // activations and the dequantized weights rounded to bf16.
+            // Few rows multiply the activations quantized to int8 (so do many of Q4_0 where
+            // bf16 products are slow); many rows multiply the activations and the dequantized
+            // weights rounded to bf16.
             let bf16 = |v: &[f32]| -> Vec<f32> {
                 v.iter()
                     .map(|&x| half::bf16::from_f32(x).to_f32())
                     .collect()
             };
-            let (x_used, wf) = if m <= INT8_MAX_ROWS {
+            let integer = m <= INT8_MAX_ROWS || super::matmul::integer_prefill(&w);
+            let (x_used, wf) = if integer {
                 let xq = Q8Rows::quantize(&x, m, k);
                 (
                     (0..m).flat_map(|i| xq.dequantized_row(i)).collect(),
@@ -231,8 +233,8 @@ fn a_row_computes_the_same_bits_in_any_batch() {
 }
 
 /// Each path chosen by name computes a row the same in any batch: integer dot products for
-/// more rows than the by-size rule sends there, tiles for a single row; and the by-size rule
-/// is one of the two.
+/// more rows than the by-size rule sends there, the prefill kernels for a single row; and the
+/// by-size rule is one of the two.
 #[test]
 fn a_named_path_computes_a_row_the_same_in_any_batch() {
     let (n, k) = (40, 256);
@@ -240,7 +242,7 @@ fn a_named_path_computes_a_row_the_same_in_any_batch() {
     for ty in [QuantType::Q4_0, QuantType::Q8_0, QuantType::Q4_K] {
         let w = random_matrix(ty, n, k, 11);
         let x = activations(m * k, 12);
-        for path in [QuantRows::Integer, QuantRows::Tiles] {
+        for path in [QuantRows::Decode, QuantRows::Prefill] {
             let mut batch = vec![0f32; m * n];
             quant_matmul_t_with(&x, &w, &mut batch, (m, n, k), false, path);
             for i in [0, 3, m - 1] {
@@ -250,7 +252,7 @@ fn a_named_path_computes_a_row_the_same_in_any_batch() {
                 assert_eq!(one, batch[i * n..][..n], "{ty} {path:?} row {i}");
             }
             let by_size = match path {
-                QuantRows::Integer => 1,
+                QuantRows::Decode => 1,
                 _ => m,
             };
             let mut auto = vec![0f32; by_size * n];
