@@ -80,64 +80,51 @@ impl GptModel {
         lora: Option<&LoraWeights>,
         new: NewTokens,
     ) -> Result<Vec<f32>> {
-        if self.tp.is_some() || self.stage.is_some() {
-            return Err(ModelError::Input(
-                "the KV-cached forward runs the whole model (not a shard or a stage)".into(),
-            ));
-        }
+        self.require_whole("the KV-cached forward runs")?;
         if let Some(w) = lora {
             w.check_fits(self)?;
         }
         // Run the whole pass on a rayon worker: the many small parallel kernels then start
         // inline instead of each being injected into the pool from outside (a futex handoff).
-        rayon::scope(|_| self.forward_on_worker(tokens, cache, mode, lora, new))
-    }
-
-    fn forward_on_worker(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        mode: LogitsMode,
-        lora: Option<&LoraWeights>,
-        new: NewTokens,
-    ) -> Result<Vec<f32>> {
-        let b = cache.batch();
-        if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
-            return Err(ModelError::Input(format!(
-                "{} tokens do not form whole rows of batch {b}",
-                tokens.len()
-            )));
-        }
-        let s = tokens.len() / b;
-        let start = cache.len();
-        if start + s > cache.capacity() {
-            return Err(ModelError::Input(format!(
-                "{} cached + {s} new tokens exceed the KV cache capacity {}",
-                start,
-                cache.capacity()
-            )));
-        }
-        let mut x = self.embed_forward(tokens)?.0;
-        let positions: Vec<usize> = (start..start + s)
-            .flat_map(|p| std::iter::repeat_n(p, b))
-            .collect();
-        let mut pass = Pass::generation(self, &positions, s, b);
-        pass.adapter_rows = lora.map(|w| (0..s * b, w)).into_iter().collect();
-        pass.quant_rows = vec![(0..s * b, new.quant_rows())];
-        for (layer_index, layer) in self.layers().iter().enumerate() {
-            let kv = KeysValues::Cached {
-                cache: &mut *cache,
-                layer: layer_index,
+        rayon::scope(|_| {
+            let b = cache.batch();
+            if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
+                return Err(ModelError::Input(format!(
+                    "{} tokens do not form whole rows of batch {b}",
+                    tokens.len()
+                )));
+            }
+            let s = tokens.len() / b;
+            let start = cache.len();
+            if start + s > cache.capacity() {
+                return Err(ModelError::Input(format!(
+                    "{} cached + {s} new tokens exceed the KV cache capacity {}",
+                    start,
+                    cache.capacity()
+                )));
+            }
+            let mut x = self.embed_forward(tokens)?.0;
+            let positions: Vec<usize> = (start..start + s)
+                .flat_map(|p| std::iter::repeat_n(p, b))
+                .collect();
+            let mut pass = Pass::generation(self, &positions, s, b);
+            pass.adapter_rows = lora.map(|w| (0..s * b, w)).into_iter().collect();
+            pass.quant_rows = vec![(0..s * b, new.quant_rows())];
+            for (layer_index, layer) in self.layers().iter().enumerate() {
+                let kv = KeysValues::Cached {
+                    cache: &mut *cache,
+                    layer: layer_index,
+                };
+                // The activations a backward would need are dropped at once.
+                x = layer_forward(layer, &pass, x, false, kv)?.1;
+            }
+            cache.advance(s);
+            let (rows, quant) = match mode {
+                LogitsMode::All => (0..s * b, new.quant_rows()),
+                LogitsMode::Last => ((s - 1) * b..s * b, QuantRows::Decode),
             };
-            // The activations a backward would need are dropped at once.
-            x = layer_forward(layer, &pass, x, false, kv)?.1;
-        }
-        cache.advance(s);
-        let (rows, quant) = match mode {
-            LogitsMode::All => (0..s * b, new.quant_rows()),
-            LogitsMode::Last => ((s - 1) * b..s * b, QuantRows::Decode),
-        };
-        self.logits_of_rows(x.host(), rows, quant)
+            self.logits_of_rows(x.host(), rows, quant)
+        })
     }
 
     /// Runs a ragged batch (new tokens of several sequences, each after its own cached
@@ -156,11 +143,7 @@ impl GptModel {
     /// A batch [`RaggedBatch::validate`] rejects, a LoRA adapter made for another base, or a
     /// model that is a shard or stage.
     pub fn forward_paged(&self, batch: &RaggedBatch, cache: &mut PagedKvCache) -> Result<Vec<f32>> {
-        if self.tp.is_some() || self.stage.is_some() {
-            return Err(ModelError::Input(
-                "the paged forward runs the whole model (not a shard or a stage)".into(),
-            ));
-        }
+        self.require_whole("the paged forward runs")?;
         batch.validate(&self.local, cache)?;
         let adapter_rows = batch.adapter_rows();
         for (_, w) in &adapter_rows {

@@ -5,7 +5,7 @@
 
 use super::{Blocks, Run, comm_err};
 use crate::Result;
-use crate::attention::{core_attention_backward, core_attention_forward_train};
+use crate::attention::core_attention_forward_train;
 use ferrotron_comm::{Collectives, ReduceOp};
 
 /// The whole sequence's `[S, b, g, d]` keys and values, in position order, from every rank's
@@ -80,36 +80,12 @@ pub(super) fn backward(
 ) -> Result<()> {
     let c = io.cp.size();
     let [kf, vf] = gather_kv(io, k, v)?;
-    let (a, wq, wk) = (
-        io.dims.heads,
-        io.width(io.dims.heads),
-        io.width(io.dims.groups),
-    );
+    let (wq, wk) = (io.width(io.dims.heads), io.width(io.dims.groups));
     let (mut dkf, mut dvf) = (vec![0f32; kf.len()], vec![0f32; vf.len()]);
     for run in io.split.runs(io.cp.rank()) {
         let keys = key_positions(run);
-        let [qx, ox, dox] = [q, out, dout].map(|x| io.take(x, wq, run, run.local_tokens()));
-        let lx = io.take(lse, a, run, run.local_tokens());
-        let [kx, vx] = [&kf, &vf].map(|x| io.take(x, wk, run, keys.clone()));
-        let (mut bq, mut bk, mut bv) = (
-            vec![0f32; qx.len()],
-            vec![0f32; kx.len()],
-            vec![0f32; vx.len()],
-        );
-        core_attention_backward(
-            &qx,
-            &kx,
-            &vx,
-            &ox,
-            &dox,
-            &lx,
-            &mut bq,
-            &mut bk,
-            &mut bv,
-            io.block_dims(run, keys.start, keys.len()),
-            io.block_mask(),
-            io.precision,
-        );
+        let kv = (keys.clone(), keys.start);
+        let [bq, bk, bv] = io.block_backward([q, out, dout, lse], run, [&kf, &vf], kv);
         io.put(dq, wq, run, run.local_tokens(), &bq);
         io.put_add(&mut dkf, wk, run, keys.clone(), &bk);
         io.put_add(&mut dvf, wk, run, keys, &bv);

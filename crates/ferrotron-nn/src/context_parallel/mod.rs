@@ -37,7 +37,9 @@ use std::sync::Arc;
 
 use ferrotron_comm::Communicator;
 
-use crate::attention::{AttentionDims, AttentionMask, AttentionPrecision, DocumentStarts};
+use crate::attention::{
+    AttentionDims, AttentionMask, AttentionPrecision, DocumentStarts, core_attention_backward,
+};
 use crate::{NnError, Result};
 
 /// How the keys and values of the other chunks reach a rank (Megatron's `--cp-comm-type`).
@@ -255,6 +257,43 @@ impl<'a> Blocks<'a> {
             kv_offset,
             ..self.dims
         }
+    }
+
+    /// One block's backward: query run `run` (its rows of this rank's `[q, out, dout, lse]`)
+    /// against the keys and values at tokens `kv_tokens` of `[k, v]` (the run's rows; at
+    /// positions from `kv_start`): the block's `[dq, dk, dv]`.
+    fn block_backward(
+        &self,
+        [q, out, dout, lse]: [&[f32]; 4],
+        run: &Run,
+        [k, v]: [&[f32]; 2],
+        (kv_tokens, kv_start): (Range<usize>, usize),
+    ) -> [Vec<f32>; 3] {
+        let (a, wq, wk) = (
+            self.dims.heads,
+            self.width(self.dims.heads),
+            self.width(self.dims.groups),
+        );
+        let [qx, ox, dox] = [q, out, dout].map(|x| self.take(x, wq, run, run.local_tokens()));
+        let lx = self.take(lse, a, run, run.local_tokens());
+        let [kx, vx] = [k, v].map(|x| self.take(x, wk, run, kv_tokens.clone()));
+        let mut grads = [qx.len(), kx.len(), vx.len()].map(|n| vec![0f32; n]);
+        let [bq, bk, bv] = &mut grads;
+        core_attention_backward(
+            &qx,
+            &kx,
+            &vx,
+            &ox,
+            &dox,
+            &lx,
+            bq,
+            bk,
+            bv,
+            self.block_dims(run, kv_start, kv_tokens.len()),
+            self.block_mask(),
+            self.precision,
+        );
+        grads
     }
 
     /// The mask of a block of runs: the blocks of a document split pair runs of one document,

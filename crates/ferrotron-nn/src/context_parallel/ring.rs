@@ -11,7 +11,7 @@
 
 use super::{Blocks, Run, comm_err, merge_partial};
 use crate::Result;
-use crate::attention::{core_attention_backward, core_attention_forward_train};
+use crate::attention::core_attention_forward_train;
 use ferrotron_comm::Collectives;
 
 /// The (query run, key run) blocks of a step with the KV of rank `src`: indices into this
@@ -134,40 +134,15 @@ pub(super) fn backward(
 /// held now; dQ added into `dq`, dK/dV into the travelling accumulator `dkv` (dK then dV).
 fn block_backward(
     io: &Blocks,
-    [q, out, dout, lse]: [&[f32]; 4],
+    qio: [&[f32]; 4],
     [ks, vs]: [&[f32]; 2],
     qr: &Run,
     kr: &Run,
     dq: &mut [f32],
     dkv: &mut [f32],
 ) {
-    let (a, wq, wk) = (
-        io.dims.heads,
-        io.width(io.dims.heads),
-        io.width(io.dims.groups),
-    );
-    let [qx, ox, dox] = [q, out, dout].map(|x| io.take(x, wq, qr, qr.local_tokens()));
-    let lx = io.take(lse, a, qr, qr.local_tokens());
-    let [kx, vx] = [ks, vs].map(|x| io.take(x, wk, kr, kr.local_tokens()));
-    let (mut bq, mut bk, mut bv) = (
-        vec![0f32; qx.len()],
-        vec![0f32; kx.len()],
-        vec![0f32; vx.len()],
-    );
-    core_attention_backward(
-        &qx,
-        &kx,
-        &vx,
-        &ox,
-        &dox,
-        &lx,
-        &mut bq,
-        &mut bk,
-        &mut bv,
-        io.block_dims(qr, kr.start, kr.len),
-        io.block_mask(),
-        io.precision,
-    );
+    let (wq, wk) = (io.width(io.dims.heads), io.width(io.dims.groups));
+    let [bq, bk, bv] = io.block_backward(qio, qr, [ks, vs], (kr.local_tokens(), kr.start));
     io.put_add(dq, wq, qr, qr.local_tokens(), &bq);
     let (dk, dv) = dkv.split_at_mut(ks.len());
     io.put_add(dk, wk, kr, kr.local_tokens(), &bk);
