@@ -17,7 +17,7 @@ use ferrotron_comm::run_local;
 use ferrotron_data::MicroBatch;
 use ferrotron_model::{GptModel, LoadBalancing};
 use ferrotron_nn::CpCommType;
-use ferrotron_train::trainer::{MoeMetrics, TrainError, Trainer};
+use ferrotron_train::trainer::{TrainError, Trainer};
 
 type Batches = fn(usize, usize, usize) -> Vec<MicroBatch>;
 
@@ -48,19 +48,6 @@ fn expert_bias_mixtral() -> GptModel {
     GptModel::init_random(c, init).unwrap()
 }
 
-/// A run's losses and final parameters, and its per-iteration MoE metrics.
-fn train_moe(t: &mut Trainer, batches: Batches) -> (Run, Vec<MoeMetrics>) {
-    let (rank, size) = t.data_shard();
-    let (mut losses, mut moe) = (Vec::new(), Vec::new());
-    for it in 0..ITERS {
-        let stats = t.train_step(&batches(it, rank, size)).unwrap();
-        losses.push(stats.loss);
-        moe.push(stats.moe.expect("an MoE model reports its losses"));
-    }
-    t.finish_param_gather().unwrap();
-    ((losses, params(t)), moe)
-}
-
 fn cp2(comm_type: CpCommType) -> Layout {
     Layout {
         cp: 2,
@@ -82,13 +69,13 @@ fn assert_layouts(
         ("packed", packed_batches),
     ] {
         let mut one = Trainer::new(model(), dp_options(1, ITERS)).unwrap();
-        let (reference, moe) = train_moe(&mut one, batches);
+        let (reference, moe) = train_moe_on(&mut one, batches);
         let reference = without_key_bias(&reference, fixture);
         for &(layout_name, world, layout) in layouts {
             let label = format!("{name} {kind} {layout_name}");
             let runs = run_local(world, |comm| {
                 let mut t = layout.trainer(comm, ITERS, model())?;
-                Ok::<_, TrainError>(train_moe(&mut t, batches))
+                Ok::<_, TrainError>(train_moe_on(&mut t, batches))
             })
             .unwrap_or_else(|e| panic!("{label}: {e}"));
             for (r, (run, got)) in runs.iter().enumerate() {

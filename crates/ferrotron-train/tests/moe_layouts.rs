@@ -40,16 +40,7 @@ fn with_dispatcher(name: &str, dispatcher: TokenDispatcher) -> GptModel {
 
 /// A run's losses, final parameters and per-iteration MoE metrics.
 fn train_moe(t: &mut Trainer) -> (Run, Vec<MoeMetrics>) {
-    let dp = t.data_parallel();
-    let (rank, size) = (dp.rank(), dp.size());
-    let (mut losses, mut moe) = (Vec::new(), Vec::new());
-    for it in 0..ITERS {
-        let stats = t.train_step(&rank_batches(it, rank, size)).unwrap();
-        losses.push(stats.loss);
-        moe.push(stats.moe.expect("an MoE model reports its losses"));
-    }
-    t.finish_param_gather().unwrap();
-    ((losses, params(t)), moe)
+    train_moe_on(t, rank_batches)
 }
 
 fn moe_layouts_match_one_rank(name: &str, pipeline: bool) {

@@ -236,10 +236,7 @@ pub(super) fn put<T: Copy>(
     tokens: Range<usize>,
     src: &[T],
 ) {
-    let width = rows.len() * w;
-    for (i, t) in tokens.enumerate() {
-        x[(t * b + rows.start) * w..][..width].copy_from_slice(&src[i * width..][..width]);
-    }
+    for_each_row(x, (b, w), rows, tokens, src, |d, s| d.copy_from_slice(s));
 }
 
 /// Adds `src: [tokens, rows, w]` into rows `rows` of tokens `tokens` of `x: [s, b, w]`.
@@ -251,12 +248,27 @@ pub(super) fn put_add(
     tokens: Range<usize>,
     src: &[f32],
 ) {
+    for_each_row(x, (b, w), rows, tokens, src, |d, s| {
+        d.iter_mut().zip(s).for_each(|(a, &v)| *a += v)
+    });
+}
+
+/// `f(destination, source)` for each token's rows `rows` of `x: [s, b, w]` and its part of
+/// `src: [tokens, rows, w]`.
+fn for_each_row<T>(
+    x: &mut [T],
+    (b, w): (usize, usize),
+    rows: &Range<usize>,
+    tokens: Range<usize>,
+    src: &[T],
+    f: impl Fn(&mut [T], &[T]),
+) {
     let width = rows.len() * w;
     for (i, t) in tokens.enumerate() {
-        let dst = &mut x[(t * b + rows.start) * w..][..width];
-        dst.iter_mut()
-            .zip(&src[i * width..][..width])
-            .for_each(|(a, &v)| *a += v);
+        f(
+            &mut x[(t * b + rows.start) * w..][..width],
+            &src[i * width..][..width],
+        );
     }
 }
 

@@ -55,39 +55,23 @@ impl Permutation {
     /// # Panics
     /// When an expert id is not below `num_experts` (the router's output is).
     pub fn new(routing: &Routing, num_experts: usize) -> Permutation {
-        let kept = || {
-            routing
-                .experts
-                .iter()
-                .zip(&routing.dropped)
-                .enumerate()
-                .filter(|(_, (_, d))| !**d)
-                .map(|(slot, (&e, _))| (slot, e as usize))
-        };
-        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); num_experts];
-        kept().for_each(|(slot, e)| by_expert[e].push(slot));
-        let (k, slot_count) = (routing.topk(), routing.experts.len());
+        let (experts, k) = (&routing.experts, routing.topk());
+        assert!(
+            experts.iter().all(|&e| (e as usize) < num_experts),
+            "expert ids below num_experts"
+        );
+        let mut by_expert = kept_by_expert(experts, &routing.dropped, 0..num_experts);
         if let Some(rows) = routing.pad_rows() {
+            let mut has = vec![false; experts.len() / k];
             for slots in &mut by_expert {
-                let mut has = vec![false; slot_count / k];
+                has.fill(false);
                 slots.iter().for_each(|&s| has[s / k] = true);
                 let others = (0..has.len()).filter(|&t| !has[t]);
                 let pad = rows.saturating_sub(slots.len());
-                slots.extend(others.take(pad).map(|t| slot_count + t));
+                slots.extend(others.take(pad).map(|t| experts.len() + t));
             }
         }
-        let mut offsets = vec![0usize];
-        let mut slots = Vec::with_capacity(by_expert.iter().map(Vec::len).sum());
-        for rows in by_expert {
-            slots.extend(rows);
-            offsets.push(slots.len());
-        }
-        Permutation {
-            slots,
-            offsets,
-            topk: k,
-            slot_count,
-        }
+        Permutation::from_groups(by_expert, k, experts.len())
     }
 
     /// The permutation of the slots of `experts` / `dropped` (`[T·k]`, `k` per token) whose
@@ -100,13 +84,12 @@ impl Permutation {
         topk: usize,
         held: std::ops::Range<usize>,
     ) -> Permutation {
-        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); held.len()];
-        for (slot, (&e, &d)) in experts.iter().zip(dropped).enumerate() {
-            let e = e as usize;
-            if !d && held.contains(&e) {
-                by_expert[e - held.start].push(slot);
-            }
-        }
+        let by_expert = kept_by_expert(experts, dropped, held);
+        Permutation::from_groups(by_expert, topk, experts.len())
+    }
+
+    /// Each expert's rows in turn (`by_expert[e]`: its slots or padding codes).
+    fn from_groups(by_expert: Vec<Vec<usize>>, topk: usize, slot_count: usize) -> Permutation {
         let mut offsets = vec![0usize];
         let mut slots = Vec::with_capacity(by_expert.iter().map(Vec::len).sum());
         for rows in by_expert {
@@ -117,7 +100,7 @@ impl Permutation {
             slots,
             offsets,
             topk,
-            slot_count: experts.len(),
+            slot_count,
         }
     }
 
@@ -197,6 +180,23 @@ impl Permutation {
         }
         dx
     }
+}
+
+/// The kept slots of `experts` / `dropped` whose expert lies in `held`, grouped by expert
+/// (relative to `held.start`), in slot order.
+fn kept_by_expert(
+    experts: &[u32],
+    dropped: &[bool],
+    held: std::ops::Range<usize>,
+) -> Vec<Vec<usize>> {
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); held.len()];
+    for (slot, (&e, &d)) in experts.iter().zip(dropped).enumerate() {
+        let e = e as usize;
+        if !d && held.contains(&e) {
+            by_expert[e - held.start].push(slot);
+        }
+    }
+    by_expert
 }
 
 /// What the experts' backward needs, over the `R = T·k` permuted rows.

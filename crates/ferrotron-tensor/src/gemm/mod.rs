@@ -276,9 +276,6 @@ pub fn matmul_weight_t_with(
     quant: QuantRows,
 ) {
     assert!(x.len() >= m * k && y.len() >= m * n);
-    if let WeightRef::Quant(w) = w {
-        return quant_matmul_t_with(x, w, y, (m, n, k), accumulate, quant);
-    }
     if m == 0 {
         return;
     }
@@ -287,7 +284,7 @@ pub fn matmul_weight_t_with(
             WeightRef::F32(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
             WeightRef::BF16(w) => gemv::gemv_bf16(w, &x[..k], &mut y[..n], accumulate),
             WeightRef::F16(w) => gemv::gemv(w, &x[..k], &mut y[..n], accumulate),
-            WeightRef::Quant(_) => unreachable!("quantized weights returned above"),
+            WeightRef::Quant(w) => quant_matmul_t_with(x, w, y, (m, n, k), accumulate, quant),
         }
         return;
     }
@@ -310,7 +307,8 @@ pub fn matmul_weight_t_with(
             let widen = |rows, out: &mut [f32]| widen_rows(w, rows, k, out);
             dequantized_blocks_t(x, widen, y, (m, n, k), accumulate)
         }
-        WeightRef::Quant(_) => unreachable!("quantized weights returned above"),
+        // Chooses between its int8 rows and the prefill kernels by `quant`.
+        WeightRef::Quant(w) => quant_matmul_t_with(x, w, y, (m, n, k), accumulate, quant),
     }
 }
 

@@ -5,7 +5,8 @@
 //! ledger of one whole forward and backward counts it (the auto offload policy's non-model
 //! memory, `trainer/offload.rs`).
 
-use ferrotron_model::{StageBackward, StageForward};
+use super::Result;
+use ferrotron_model::{GptModel, GradReady, StageForward, TrainBatch};
 
 /// Activation bytes held by kept forwards, and the peak so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -20,10 +21,24 @@ impl ActivationPeak {
         self.kept(forward.activation_peak_bytes(), forward.activation_bytes());
     }
 
-    /// The backward of a kept forward that held `held` bytes ([`StageForward::activation_bytes`],
-    /// read before the backward consumed it) ran, with its pass's peak.
-    pub(super) fn backward(&mut self, held: u128, backward: &StageBackward) {
+    /// Runs the backward of the kept `forward` through `model` into `grads` from `dout`
+    /// ([`GptModel::stage_backward_with`], telling `ready`), recording its peak; returns the
+    /// gradient of the forward's input.
+    ///
+    /// # Errors
+    /// What the backward reports.
+    pub(super) fn backward(
+        &mut self,
+        model: &GptModel,
+        batch: &TrainBatch,
+        forward: StageForward,
+        (grads, dout): (&mut [&mut [f32]], Option<Vec<f32>>),
+        ready: &mut (dyn GradReady + Send),
+    ) -> Result<Option<Vec<f32>>> {
+        let held = forward.activation_bytes();
+        let backward = model.stage_backward_with(batch, forward, grads, dout, ready)?;
         self.released(held, backward.activation_peak_bytes);
+        Ok(backward.input_grad)
     }
 
     /// A forward peaking at `peak` bytes ran and keeps `held`.

@@ -321,10 +321,7 @@ impl ParamShards {
                 .unwrap_or_default();
             waited += self.gather(&self.reads[g].clone(), &before, comm, model)?;
             let mut grads = buffer.grad_slices_mut();
-            let held = state.activation_bytes();
-            let backward = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
-            peak.backward(held, &backward);
-            dout = backward.input_grad;
+            dout = peak.backward(model, batch, state, (&mut grads, dout), ready)?;
             self.release(&self.reads[g].clone(), &before, model)?;
         }
         Ok((dout, waited))

@@ -338,10 +338,7 @@ fn gated_forward_backward(
     let mut grads = buffer.grad_slices_mut();
     let mut dout = None;
     for state in states.into_iter().rev() {
-        let held = state.activation_bytes();
-        let backward = model.stage_backward_with(batch, state, &mut grads, dout, ready)?;
-        peak.backward(held, &backward);
-        dout = backward.input_grad;
+        dout = peak.backward(model, batch, state, (&mut grads, dout), ready)?;
     }
     let mut loss: LossStats = loss.ok_or_else(|| {
         TrainError::Config("overlap_param_gather: the model computed no loss".into())

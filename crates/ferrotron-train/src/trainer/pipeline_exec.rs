@@ -363,11 +363,7 @@ impl Trainer {
             }
             (ChunkForward::Whole(state), _) => {
                 let mut grads = self.buffer.grad_slices_mut();
-                let held = state.activation_bytes();
-                let backward =
-                    (self.model).stage_backward_with(batch, *state, &mut grads, dout, ready)?;
-                peak.backward(held, &backward);
-                Ok(backward.input_grad)
+                peak.backward(&self.model, batch, *state, (&mut grads, dout), ready)
             }
             (ChunkForward::Units(_), None) => Err(TrainError::Config(
                 "a layer-group forward without sharded parameters".into(),

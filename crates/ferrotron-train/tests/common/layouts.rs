@@ -92,6 +92,22 @@ pub fn train_on(
     (losses, params(t))
 }
 
+/// [`train_on`] of an MoE model, also returning every iteration's MoE metrics.
+pub fn train_moe_on(
+    t: &mut Trainer,
+    batches: impl Fn(usize, usize, usize) -> Vec<MicroBatch>,
+) -> (Run, Vec<ferrotron_train::trainer::MoeMetrics>) {
+    let (rank, size) = t.data_shard();
+    let (mut losses, mut moe) = (Vec::new(), Vec::new());
+    for it in 0..ITERS {
+        let stats = t.train_step(&batches(it, rank, size)).unwrap();
+        losses.push(stats.loss);
+        moe.push(stats.moe.expect("an MoE model reports its losses"));
+    }
+    t.finish_param_gather().unwrap();
+    ((losses, params(t)), moe)
+}
+
 pub fn single_rank(iters: usize) -> Run {
     let mut t = Trainer::new(tiny_model(), dp_options(1, iters)).unwrap();
     train(&mut t, 0, iters)
