@@ -12,8 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use crate::module::{LayerMlp, ParamId};
-use crate::{GptModel, ModelError, Result};
-use ferrotron_tensor::DType;
+use crate::{GptModel, Result};
 
 /// The routed-token counts of a model's training forwards since the last update, per MoE
 /// layer with an expert bias (keyed by the bias parameter). A clone starts empty.
@@ -103,8 +102,10 @@ impl GptModel {
     /// data-parallel group). Every rank holding the layers calls it (collective through
     /// `reduce`); nothing happens without expert biases.
     ///
+    /// The biases are kept in f32 whatever the weights' dtype (a
+    /// [`crate::ParamHome::Buffer`], as Megatron's fp32 `expert_bias`).
+    ///
     /// # Errors
-    /// A model not stored in f32 (the bias moves by `rate`, Megatron keeps it in fp32), or
     /// `reduce`'s error.
     pub fn update_expert_bias(
         &mut self,
@@ -121,13 +122,6 @@ impl GptModel {
         let biases = self.expert_biases();
         if biases.is_empty() {
             return Ok(());
-        }
-        if self.dtype() != DType::F32 {
-            return Err(ModelError::Input(format!(
-                "moe_router_enable_expert_bias: the expert bias is kept in the weights' dtype, \
-                 {:?}; it needs f32 weights",
-                self.dtype()
-            )));
         }
         let mut counts = self.expert_load.take();
         let mut flat: Vec<f64> = biases

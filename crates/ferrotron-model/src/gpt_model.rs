@@ -101,8 +101,8 @@ fn check_params(layout: &ModelLayout, params: Vec<ParamValue>, t: usize) -> Resu
             )));
         }
     }
-    let frozen: Vec<bool> = (0..decls.len()).map(|i| layout.is_frozen(i)).collect();
-    Ok(ParamTable::packed(params, dtype, &frozen))
+    let homes: Vec<_> = (0..decls.len()).map(|i| layout.home(i)).collect();
+    Ok(ParamTable::packed(params, dtype, &homes))
 }
 
 impl GptModel {

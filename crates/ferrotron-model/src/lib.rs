@@ -43,7 +43,7 @@ pub use kv_cache::KvCache;
 pub use lora::LoraConfig;
 pub use module::{ModelLayout, ParamDecl, ParamId, TransformerLayer};
 pub use paged_kv::{PagedKvCache, RaggedBatch, RaggedSeq};
-pub use param_table::{ParamTable, ParamValue};
+pub use param_table::{ParamHome, ParamTable, ParamValue};
 pub use pipeline_stage::{StageInfo, stage_layers, virtual_stage_layers};
 pub use tensor_parallel::{ParamBox, TpInfo, TpSplit, padded_vocab_size};
 pub use train::{

@@ -1,5 +1,6 @@
 //! [`ParamTable`]: a model's parameter values in ONE flat [`Storage`] of one dtype, each
-//! parameter a row-major range of it (a second one holds the frozen parameters, if any).
+//! parameter a row-major range of it (a second one holds the frozen parameters, if any, and
+//! a third, always f32, the buffers).
 //!
 //! Packed (parameters back to back in table order) when a model is built; re-homed into the
 //! optimizer's flat buffer for training ([`ParamTable::rehome`], the buffer's layout: its
@@ -19,6 +20,11 @@
 //! stay out of `_ParamAndGradBuffer`) live in a second storage that never moves: the
 //! optimizer's buffer holds the trainable ones only, and forward and backward read the
 //! frozen ones while the trainable storage is lent.
+//!
+//! Buffers (Megatron's registered buffers: the MoE router's `expert_bias`) are kept in f32
+//! whatever the weights' dtype, as Megatron keeps `expert_bias` in fp32 under bf16 training
+//! (`megatron/core/transformer/moe/router.py`: `torch.zeros(..., dtype=torch.float32)`): an
+//! update of `rate = 1e-3` must move a bias of 0.5, which bf16 (ulp 2^-8) would round away.
 
 use crate::{ModelError, Result};
 use ferrotron_tensor::gemm::WeightRef;
@@ -58,16 +64,27 @@ impl From<Tensor> for ParamValue {
     }
 }
 
-/// Where one parameter sits: a range of the trainable or the frozen storage, or its own
-/// quantized blocks.
+/// Which of a table's storages holds a dense parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamHome {
+    /// The trainable storage (the table's dtype), lent to the optimizer's buffer.
+    Trainable,
+    /// The frozen storage (the table's dtype; a LoRA model's base), which never moves.
+    Frozen,
+    /// The buffer storage, f32 whatever the table's dtype, which never moves: not trained,
+    /// written by the trainer (see the module doc).
+    Buffer,
+}
+
+/// Where one parameter sits: a range of one of the storages, or its own quantized blocks.
 #[derive(Clone, Debug, PartialEq)]
 struct Slot {
     offset: usize,
     shape: Vec<usize>,
     numel: usize,
-    /// In the frozen storage (which never moves to the optimizer's buffer).
-    frozen: bool,
-    /// Set for a quantized weight, which takes no room in either storage (and is frozen).
+    /// The storage holding it ([`ParamHome::Frozen`] for a quantized weight).
+    home: ParamHome,
+    /// Set for a quantized weight, which takes no room in any storage.
     quant: Option<Arc<QuantMatrix>>,
 }
 
@@ -79,69 +96,88 @@ impl Slot {
 
     /// A dense parameter of the trainable storage.
     fn is_trainable(&self) -> bool {
-        !self.frozen && self.quant.is_none()
+        self.home == ParamHome::Trainable && self.quant.is_none()
     }
 }
 
-/// Parameter values in table order over one flat storage of trainable values and one of
-/// frozen values (see the module doc).
+/// Parameter values in table order over one flat storage of trainable values, one of frozen
+/// values and one of f32 buffers (see the module doc).
 #[derive(Clone, Debug)]
 pub struct ParamTable {
     /// The trainable parameters; `None` while the storage is lent to the optimizer's buffer.
     storage: Option<Storage>,
     /// The frozen parameters (a LoRA model's base), back to back; stays with the table.
     frozen: Storage,
+    /// The buffers, back to back, in f32; stays with the table.
+    buffers: Storage,
     dtype: DType,
     slots: Vec<Slot>,
 }
 
 impl ParamTable {
-    /// The dense `values` converted to `dtype` (round-to-nearest-even when narrowing) and
-    /// packed back to back in order, those flagged in `frozen` (one flag per value) in the
-    /// frozen storage and the rest in the trainable one; quantized values kept as they are
-    /// (frozen whatever their flag).
+    /// The dense `values` packed back to back in order, each in the storage of its home (one
+    /// per value): converted to `dtype` (round-to-nearest-even when narrowing), buffers to
+    /// f32; quantized values kept as they are (frozen whatever their home).
     ///
     /// # Panics
-    /// `frozen` not one flag per value.
-    pub fn packed(values: Vec<ParamValue>, dtype: DType, frozen: &[bool]) -> ParamTable {
-        assert_eq!(values.len(), frozen.len(), "one frozen flag per value");
+    /// `homes` not one per value.
+    pub fn packed(values: Vec<ParamValue>, dtype: DType, homes: &[ParamHome]) -> ParamTable {
+        assert_eq!(values.len(), homes.len(), "one home per value");
         let mut slots = Vec::with_capacity(values.len());
-        let mut ends = [0usize; 2];
-        for (v, &is_frozen) in values.iter().zip(frozen) {
+        let mut ends = [0usize; 3];
+        for (v, &home) in values.iter().zip(homes) {
             let shape = v.shape();
             let numel = shape.iter().product();
             let quantized = matches!(v, ParamValue::Quantized(_));
-            let end = &mut ends[usize::from(is_frozen)];
+            let home = if quantized { ParamHome::Frozen } else { home };
+            let end = &mut ends[home as usize];
             slots.push(Slot {
                 offset: *end,
                 shape,
                 numel,
-                frozen: is_frozen || quantized,
+                home,
                 quant: None,
             });
             if !quantized {
                 *end += numel;
             }
         }
-        let mut storage = Storage::zeros(dtype, ends[0]);
-        let mut frozen = Storage::zeros(dtype, ends[1]);
+        let mut table = ParamTable {
+            storage: Some(Storage::zeros(dtype, ends[ParamHome::Trainable as usize])),
+            frozen: Storage::zeros(dtype, ends[ParamHome::Frozen as usize]),
+            buffers: Storage::zeros(DType::F32, ends[ParamHome::Buffer as usize]),
+            dtype,
+            slots: Vec::new(),
+        };
         // The quantized blocks move into their slots (no copy).
         for (v, slot) in values.into_iter().zip(&mut slots) {
-            let dst = if slot.frozen {
-                &mut frozen
-            } else {
-                &mut storage
-            };
             match v {
-                ParamValue::Dense(t) => write_tensor(dst, slot.range(), &t),
+                ParamValue::Dense(t) => write_tensor(table.home_mut(slot.home), slot.range(), &t),
                 ParamValue::Quantized(q) => slot.quant = Some(Arc::new(q)),
             }
         }
-        ParamTable {
-            storage: Some(storage),
-            frozen,
-            dtype,
-            slots,
+        table.slots = slots;
+        table
+    }
+
+    /// The storage of `home` (the trainable one must not be lent out; see
+    /// [`ParamTable::storage`]).
+    fn home(&self, home: ParamHome) -> &Storage {
+        match home {
+            ParamHome::Trainable => self.storage(),
+            ParamHome::Frozen => &self.frozen,
+            ParamHome::Buffer => &self.buffers,
+        }
+    }
+
+    /// The storage of `home`, to write.
+    fn home_mut(&mut self, home: ParamHome) -> &mut Storage {
+        match home {
+            ParamHome::Trainable => self.storage.as_mut().expect(
+                "parameter values written while the storage is lent to the optimizer buffer",
+            ),
+            ParamHome::Frozen => &mut self.frozen,
+            ParamHome::Buffer => &mut self.buffers,
         }
     }
 
@@ -172,7 +208,7 @@ impl ParamTable {
         self.slots.is_empty()
     }
 
-    /// The storage dtype of every parameter.
+    /// The storage dtype of every parameter but the buffers (f32).
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -201,7 +237,7 @@ impl ParamTable {
             .expect("parameter values read while the storage is lent to the optimizer buffer")
     }
 
-    /// Parameter `i` borrowed in the storage dtype.
+    /// Parameter `i` borrowed in its storage's dtype.
     ///
     /// # Panics
     /// `i >= len()`, or the storage is lent out.
@@ -209,8 +245,7 @@ impl ParamTable {
         let slot = &self.slots[i];
         let data = match &slot.quant {
             Some(q) => WeightRef::Quant(q),
-            None if slot.frozen => self.frozen.view(slot.range()),
-            None => self.storage().view(slot.range()),
+            None => self.home(slot.home).view(slot.range()),
         };
         TensorView::new(&slot.shape, data).expect("a slot's range matches its shape")
     }
@@ -224,7 +259,7 @@ impl ParamTable {
             .sum()
     }
 
-    /// Parameter `i` as f32: borrowed from an f32 table, widened (exactly) otherwise.
+    /// Parameter `i` as f32: borrowed from an f32 storage, widened (exactly) otherwise.
     ///
     /// # Panics
     /// As [`ParamTable::view`].
@@ -254,15 +289,8 @@ impl ParamTable {
                 slot.shape
             )));
         }
-        let range = slot.range();
-        let storage = if slot.frozen {
-            &mut self.frozen
-        } else {
-            self.storage.as_mut().expect(
-                "parameter values written while the storage is lent to the optimizer buffer",
-            )
-        };
-        storage.set_from_f32(range, values);
+        let (range, home) = (slot.range(), slot.home);
+        self.home_mut(home).set_from_f32(range, values);
         Ok(())
     }
 
@@ -345,25 +373,26 @@ impl ParamTable {
         Ok(())
     }
 
-    /// Bytes of both storages held in memory ([`Storage::resident_bytes`]: pages a
+    /// Bytes of the storages held in memory ([`Storage::resident_bytes`]: pages a
     /// ZeRO-3 trainer released are not).
     pub fn resident_bytes(&self) -> usize {
-        self.storage.as_ref().map_or(0, Storage::resident_bytes) + self.frozen.resident_bytes()
+        let kept = self.frozen.resident_bytes() + self.buffers.resident_bytes();
+        self.storage.as_ref().map_or(0, Storage::resident_bytes) + kept
     }
 
     /// Bytes of the dense values: the trainable storage (padding included; 0 while lent
-    /// out) and the frozen one.
+    /// out), the frozen one and the buffers.
     pub fn storage_bytes(&self) -> usize {
         let bytes = |s: &Storage| s.len() * s.dtype().size_in_bytes();
-        self.storage.as_ref().map_or(0, bytes) + bytes(&self.frozen)
+        self.storage.as_ref().map_or(0, bytes) + bytes(&self.frozen) + bytes(&self.buffers)
     }
 
-    /// Whether parameter `i` is frozen (in the frozen storage, or quantized).
+    /// Whether parameter `i` is not trained: frozen, quantized or a buffer.
     ///
     /// # Panics
     /// `i >= len()`.
     pub fn is_frozen(&self, i: usize) -> bool {
-        self.slots[i].frozen
+        self.slots[i].home != ParamHome::Trainable
     }
 }
 
@@ -405,100 +434,5 @@ fn copy_range(src: &Storage, range: Range<usize>, dst: &mut Storage, at: usize) 
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn table() -> ParamTable {
-        let a = Tensor::from_f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
-        let b = Tensor::from_f32(&[2], vec![1.0 + 1.0 / 512.0, -7.0]).unwrap();
-        ParamTable::packed(vec![a.into(), b.into()], DType::BF16, &[false, false])
-    }
-
-    #[test]
-    fn packing_rounds_to_the_table_dtype() {
-        let t = table();
-        assert_eq!(t.dtype(), DType::BF16);
-        assert_eq!(t.view(0).shape(), &[2, 3]);
-        // 1 + 2^-9 is a quarter of a bf16 ulp above 1: it rounds to 1.
-        assert_eq!(&*t.f32_values(1), &[1.0, -7.0]);
-        assert_eq!(t.storage_bytes(), 8 * 2);
-    }
-
-    #[test]
-    fn rehome_moves_values_to_the_offsets_and_keeps_the_padding() {
-        let mut t = table();
-        let mut dst = Storage::zeros(DType::BF16, 12);
-        dst.set_from_f32(10..12, &[9.0, 9.0]);
-        t.rehome(dst, &[3, 0]).unwrap();
-        assert_eq!(&*t.f32_values(0), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        assert_eq!(&*t.f32_values(1), &[1.0, -7.0]);
-        let storage = t.take_storage().unwrap();
-        let all = storage.to_f32_range(0..12);
-        assert_eq!(all, [1., -7., 0., 1., 2., 3., 4., 5., 6., 0., 9., 9.]);
-        t.restore_storage(storage).unwrap();
-        assert_eq!(t.view(0).numel(), 6);
-    }
-
-    #[test]
-    fn bad_layouts_and_lending_errors_leave_the_table_usable() {
-        let mut t = table();
-        let overlap = t.rehome(Storage::zeros(DType::BF16, 12), &[0, 5]);
-        assert!(format!("{}", overlap.unwrap_err()).contains("overlaps"));
-        let short = t.rehome(Storage::zeros(DType::BF16, 7), &[0, 6]);
-        assert!(format!("{}", short.unwrap_err()).contains("leaves the 7-element storage"));
-        let dtype = t.rehome(Storage::zeros(DType::F32, 8), &[0, 6]);
-        assert!(dtype.is_err());
-        assert_eq!(&*t.f32_values(1), &[1.0, -7.0]);
-        let storage = t.take_storage().unwrap();
-        assert!(t.take_storage().is_err());
-        assert!(t.restore_storage(Storage::zeros(DType::BF16, 3)).is_err());
-        t.restore_storage(storage).unwrap();
-        assert!(t.restore_storage(Storage::zeros(DType::BF16, 8)).is_err());
-        let err = t.set_from_f32(1, "b", &[1.0]).unwrap_err();
-        assert!(format!("{err}").contains("b: slice of 1 elements"));
-    }
-
-    #[test]
-    fn quantized_slots_keep_their_blocks_and_refuse_writes() {
-        use ferrotron_tensor::quant::{QuantMatrix, QuantType};
-        let a = Tensor::from_f32(&[2], vec![1.0, 2.0]).unwrap();
-        // Two Q8_0 rows of 32 values: scale 1.0 (f16 0x3C00), values 0..32.
-        let mut bytes = Vec::new();
-        for _ in 0..2 {
-            bytes.extend([0x00, 0x3C]);
-            bytes.extend(0..32u8);
-        }
-        let q = QuantMatrix::new(QuantType::Q8_0, 2, 32, bytes).unwrap();
-        let values = vec![a.into(), ParamValue::Quantized(q)];
-        let mut t = ParamTable::packed(values, DType::F32, &[false, false]);
-        assert_eq!(t.storage_bytes(), 2 * 4);
-        assert_eq!(t.quantized_bytes(), 2 * 34);
-        assert!(matches!(t.view(1).weight_ref(), WeightRef::Quant(_)));
-        assert_eq!(t.view(1).shape(), &[2, 32]);
-        assert_eq!(t.f32_values(1)[..3], [0.0, 1.0, 2.0]);
-        assert_eq!(&*t.f32_values(0), &[1.0, 2.0]);
-        let err = t.set_from_f32(1, "w", &[0.0; 64]).unwrap_err();
-        assert!(format!("{err}").contains("w: a quantized weight cannot be written"));
-        assert!(t.is_frozen(1));
-        // The quantized weight stays behind; the dense one moves.
-        t.rehome(Storage::zeros(DType::F32, 4), &[2, 0]).unwrap();
-        assert_eq!(&*t.f32_values(0), &[1.0, 2.0]);
-        assert_eq!(t.f32_values(1)[..3], [0.0, 1.0, 2.0]);
-    }
-
-    #[test]
-    fn frozen_values_stay_readable_while_the_trainable_storage_is_lent() {
-        let a = Tensor::from_f32(&[2], vec![1.0, 2.0]).unwrap();
-        let b = Tensor::from_f32(&[3], vec![3.0, 4.0, 5.0]).unwrap();
-        let mut t = ParamTable::packed(vec![a.into(), b.into()], DType::F32, &[true, false]);
-        assert_eq!(t.storage_bytes(), 5 * 4);
-        t.rehome(Storage::zeros(DType::F32, 3), &[99, 0]).unwrap();
-        let lent = t.take_storage().unwrap();
-        assert_eq!(lent.to_f32_range(0..3), [3.0, 4.0, 5.0]);
-        assert_eq!(&*t.f32_values(0), &[1.0, 2.0]);
-        t.set_from_f32(0, "a", &[7.0, 8.0]).unwrap();
-        t.restore_storage(lent).unwrap();
-        assert_eq!(&*t.f32_values(0), &[7.0, 8.0]);
-        assert_eq!(&*t.f32_values(1), &[3.0, 4.0, 5.0]);
-    }
-}
+#[path = "param_table_tests.rs"]
+mod tests;

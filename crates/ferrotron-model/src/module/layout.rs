@@ -4,7 +4,7 @@
 use super::decl::{Declarer, ParamDecl, ParamId, ParamRole};
 use super::layer::TransformerLayer;
 use super::norm::{Norm, declare_vocab_table};
-use crate::{OutputHead, TransformerConfig};
+use crate::{OutputHead, ParamHome, TransformerConfig};
 
 /// Which part of the model a layout covers (Megatron-Core `GPTModel(pre_process,
 /// post_process)` on one pipeline rank).
@@ -133,14 +133,24 @@ impl ModelLayout {
         }
     }
 
-    /// Whether the parameter at table position `index` is frozen: under LoRA, every one but
-    /// the adapters ([`ParamRole::Adapter`]) and a reward model's score head (trained in full,
-    /// as PEFT's `modules_to_save` does for sequence classification); none otherwise.
-    pub fn is_frozen(&self, index: usize) -> bool {
+    /// The storage of the parameter at table position `index`: a buffer
+    /// ([`ParamRole::Buffer`], f32); frozen under LoRA, every one but the adapters
+    /// ([`ParamRole::Adapter`]) and a reward model's score head (trained in full, as PEFT's
+    /// `modules_to_save` does for sequence classification); trainable otherwise.
+    pub fn home(&self, index: usize) -> ParamHome {
         let head = self.output_layer.is_some_and(|id| id.0 == index)
             && self.decls[index].name == SCORE_WEIGHT;
-        let role = self.decls[index].role;
-        role == ParamRole::Buffer || (self.frozen_base && role != ParamRole::Adapter && !head)
+        match self.decls[index].role {
+            ParamRole::Buffer => ParamHome::Buffer,
+            role if self.frozen_base && role != ParamRole::Adapter && !head => ParamHome::Frozen,
+            _ => ParamHome::Trainable,
+        }
+    }
+
+    /// Whether the parameter at table position `index` is not trained (see
+    /// [`ModelLayout::home`]).
+    pub fn is_frozen(&self, index: usize) -> bool {
+        self.home(index) != ParamHome::Trainable
     }
 
     /// Every parameter's declaration, in table order.

@@ -86,7 +86,8 @@ section! {
         moe_pad_expert_input_to_capacity: bool = false,
         /// Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the sigmoid
         /// scores when choosing the experts, moved after every step toward an even load.
-        /// Needs moe_router_score_function = "sigmoid" and f32 weights. Default: false.
+        /// Needs moe_router_score_function = "sigmoid"; the bias is kept in f32 whatever
+        /// the weights' dtype (Megatron's fp32 buffer). Default: false.
         /// Unset with `model.load`. Megatron: `--moe-router-enable-expert-bias`.
         moe_router_enable_expert_bias: Option<bool> = None,
         /// How far the expert bias moves per step. Default: 1e-3. Megatron:

@@ -9,6 +9,8 @@
 //!   tensor-parallel rank 0 only, the last stage's copy of a tied embedding not at all.
 //!   Under expert parallelism expert-parallel rank `e > 0` (data-parallel rank `e`) writes
 //!   its experts' rows of every expert stack to `model_tp{t}_pp{p}_ep{e}.safetensors`.
+//!   Buffers (the routers' expert biases, f32 whatever the weights' dtype) go to the writing
+//!   rank's optimizer file, which is f32, under their model keys.
 //! - Optimizer state (Adam moments, fp32 master weights): in the parameters' own full shapes;
 //!   a distributed optimizer's flat owned ranges become boxes (a partial first row, whole
 //!   rows, a partial last row), so every data-parallel rank writes
@@ -52,41 +54,69 @@ impl Trainer {
     /// Writes this rank's model and optimizer shards through `writer`.
     pub(super) fn write_rank_shards(&self, writer: &mut CheckpointWriter) -> Result<()> {
         let (tp, pp) = self.tp_pp_rank();
-        let infos = self.buffer.params();
         // Expert-parallel rank r (data-parallel rank r of the first expert-data-parallel
         // group, Megatron's grid) writes its experts; rank 0 everything else too.
         let ep = self.model.expert_parallel().map_or(1, |e| e.shard().size);
         let writes = self.dp.rank() < ep;
+        let mut buffers = Vec::new();
         if writes {
-            let mut planned = Vec::new();
-            for (i, p) in infos.iter().enumerate() {
-                // Frozen parameters (a LoRA model's base) come from the base model; buffers
-                // (the routers' expert biases) are saved.
-                let buffer = self.model.is_buffer(i);
-                if self.model.is_param_replica(i) || (p.flags.frozen && !buffer) {
-                    continue;
-                }
-                // The gradient buffer holds no elements of a frozen parameter.
-                let numel = match buffer {
-                    true => self.model.param_table().numel(i),
-                    false => p.numel,
-                };
-                self.plan(&mut planned, MODEL, &p.name, i, 0..numel, 0);
-            }
-            let specs: Vec<ShardSpec> = planned.iter().map(|p| p.spec.clone()).collect();
+            let (weights, kept) = self.plan_model();
+            buffers = kept;
+            let specs: Vec<ShardSpec> = weights.iter().map(|p| p.spec.clone()).collect();
             let dtype = stored(self.buffer.param_dtype())?;
             let file = expert_model_file(tp, pp, self.dp.rank());
             let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
-            // A parameter's boxes are consecutive: widen it to f32 once for all of them.
-            for boxes in planned.chunk_by(|a, b| a.param == b.param) {
-                let values = self.model.parameter_f32(boxes[0].param)?;
-                push_boxes(&mut out, boxes, &values)?;
-            }
+            self.push_model_boxes(&mut out, &weights)?;
             out.finish().map_err(ckpt_err)?;
         }
         if !writes && !self.dp.use_distributed_optimizer() {
             return Ok(());
         }
+        self.write_optimizer_shards(writer, &buffers)
+    }
+
+    /// The boxes this rank writes of the model's weights (frozen ones, a LoRA model's base,
+    /// come from the base model) and, apart, of its buffers (the routers' expert biases),
+    /// which are kept in f32 and so go to the f32 optimizer file (Megatron saves the fp32
+    /// `expert_bias` in fp32 too).
+    fn plan_model(&self) -> (Vec<Planned>, Vec<Planned>) {
+        let (mut weights, mut buffers) = (Vec::new(), Vec::new());
+        for (i, p) in self.buffer.params().iter().enumerate() {
+            let buffer = self.model.is_buffer(i);
+            if self.model.is_param_replica(i) || (p.flags.frozen && !buffer) {
+                continue;
+            }
+            // The gradient buffer holds no elements of a frozen parameter.
+            match buffer {
+                true => {
+                    let numel = self.model.param_table().numel(i);
+                    self.plan(&mut buffers, MODEL, &p.name, i, 0..numel, 0);
+                }
+                false => self.plan(&mut weights, MODEL, &p.name, i, 0..p.numel, 0),
+            }
+        }
+        (weights, buffers)
+    }
+
+    /// Pushes the model's values of `planned` (a parameter's boxes consecutive: each
+    /// parameter is widened to f32 once for all of them).
+    fn push_model_boxes(&self, out: &mut ShardFile, planned: &[Planned]) -> Result<()> {
+        for boxes in planned.chunk_by(|a, b| a.param == b.param) {
+            let values = self.model.parameter_f32(boxes[0].param)?;
+            push_boxes(out, boxes, &values)?;
+        }
+        Ok(())
+    }
+
+    /// Writes this rank's optimizer file: its shards of the optimizer state and the model's
+    /// `buffers` (f32; see [`Trainer::plan_model`]).
+    fn write_optimizer_shards(
+        &self,
+        writer: &mut CheckpointWriter,
+        buffers: &[Planned],
+    ) -> Result<()> {
+        let (tp, pp) = self.tp_pp_rank();
+        let infos = self.buffer.params();
         let meta = self.optimizer.meta();
         let owned = &meta.adam.owned;
         // Per optimizer array: the boxes of its owned parts; its values are read one array
@@ -114,7 +144,9 @@ impl Trainer {
         }
         let specs: Vec<ShardSpec> = per_array
             .iter()
-            .flat_map(|(_, planned)| planned.iter().map(|p| p.spec.clone()))
+            .flat_map(|(_, planned)| planned)
+            .chain(buffers)
+            .map(|p| p.spec.clone())
             .collect();
         let file = optim_file(tp, pp, self.dp.rank());
         let mut out = writer
@@ -124,6 +156,7 @@ impl Trainer {
             let values = self.optimizer.adam().state_array(name)?;
             push_boxes(&mut out, planned, &values)?;
         }
+        self.push_model_boxes(&mut out, buffers)?;
         out.finish().map_err(ckpt_err)?;
         Ok(())
     }

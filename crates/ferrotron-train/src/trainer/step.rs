@@ -121,12 +121,6 @@ impl Trainer {
                 .ok_or_else(|| TrainError::Comm("duplicating the data-parallel group".into()))?;
             model.set_global_aux_group(dup);
         }
-        if model.has_expert_bias() && stored != ferrotron_tensor::DType::F32 {
-            return Err(TrainError::Config(format!(
-                "moe_router_enable_expert_bias needs f32 weights: the expert bias moves by the \
-                 update rate and is kept in the weights' dtype ({stored:?})"
-            )));
-        }
         if stored != dtype {
             return Err(TrainError::Config(format!(
                 "precision {:?} needs {dtype} model weights, the model stores {stored}",
