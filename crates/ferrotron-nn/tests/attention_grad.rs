@@ -486,7 +486,7 @@ fn bf16_products_match_the_rounded_f64_reference() {
         };
         let x = inputs(&dims, 40 + seed as u64).map(|t| bf16_round(&t));
         let [q, k, v, dout] = &x;
-        let got = run(&x, dims, mask, AttentionPrecision::Bf16);
+        let got = run(&x, dims, mask, AttentionPrecision::Bf16Tiles);
         let (out, lse) = forward_ref(q, k, v, &dims, mask);
         let name = format!("bf16 d={} w={window:?}", dims.head_dim);
         check(&format!("{name} out"), &got.out, &out, 6e-3);
@@ -503,11 +503,21 @@ fn bf16_products_match_the_rounded_f64_reference() {
         if kernels {
             let f32_run = run(&x, dims, mask, F32);
             assert_ne!(got.out, f32_run.out, "{name}: bf16 kernels did not run");
+            // The default bf16 precision takes the tiles only where their dot is fast.
+            let auto = run(&x, dims, mask, AttentionPrecision::Bf16);
+            let want = match ferrotron_tensor::gemm_bf16::fast_bf16_dot() {
+                true => &got,
+                false => &f32_run,
+            };
+            assert!(
+                auto.out == want.out && auto.grads == want.grads,
+                "{name}: the default bf16 attention ran the other kernels"
+            );
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(3)
                 .build()
                 .unwrap();
-            let again = pool.install(|| run(&x, dims, mask, AttentionPrecision::Bf16));
+            let again = pool.install(|| run(&x, dims, mask, AttentionPrecision::Bf16Tiles));
             assert!(
                 got.out == again.out && got.grads == again.grads,
                 "{name}: not deterministic"

@@ -161,7 +161,7 @@ fn check(case: Case, cp_size: usize, comm_type: CpCommType, label: &str) {
     let want = one_rank(case, &docs, &slopes);
     let tol = match case.precision {
         AttentionPrecision::F32 => 1e-5,
-        AttentionPrecision::Bf16 => 2e-2,
+        AttentionPrecision::Bf16 | AttentionPrecision::Bf16Tiles => 2e-2,
     };
     run_local(cp_size, |comm| {
         let cp = ContextParallel::new(Arc::new(comm), comm_type);
@@ -270,7 +270,7 @@ fn masks_equal_one_rank() {
 #[test]
 fn bf16_products_equal_one_rank() {
     let case = Case {
-        precision: AttentionPrecision::Bf16,
+        precision: AttentionPrecision::Bf16Tiles,
         documents: true,
         ..causal(128)
     };

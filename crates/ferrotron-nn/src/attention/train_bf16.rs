@@ -24,18 +24,27 @@ pub enum AttentionPrecision {
     F32,
     /// As PyTorch's CPU flash attention on bf16 tensors (autocast): `q`, `k`, `v`, `dO`, the
     /// softmax numerators `P` and `dS` rounded to bf16 for each product, f32 accumulation,
-    /// softmax and statistics in f32. Runs `vdpbf16ps` where the CPU has AVX512-BF16 and
-    /// `head_dim % 16 == 0`; elsewhere the f32 kernels run on the same `q`, `k`, `v` (already
-    /// bf16 values in bf16 training) with `P`, `dS` and `dO` unrounded.
+    /// softmax and statistics in f32. Runs `vdpbf16ps` where the CPU has AVX512-BF16 at a
+    /// rate that beats its f32 FMAs ([`ferrotron_tensor::gemm_bf16::fast_bf16_dot`], as the
+    /// bf16 GEMM chooses) and `head_dim % 16 == 0`; elsewhere the f32 kernels run on the same
+    /// `q`, `k`, `v` (already bf16 values in bf16 training) with `P`, `dS` and `dO`
+    /// unrounded.
     Bf16,
+    /// [`AttentionPrecision::Bf16`] on the `vdpbf16ps` kernels wherever the CPU has
+    /// AVX512-BF16, whatever their rate (tests and benchmarks compare the kernels).
+    Bf16Tiles,
 }
 
 impl AttentionPrecision {
     /// Whether this call runs the bf16 kernels (see [`AttentionPrecision::Bf16`]).
     pub(super) fn runs_bf16(self, head_dim: usize) -> bool {
-        self == AttentionPrecision::Bf16
-            && head_dim.is_multiple_of(16)
-            && ferrotron_tensor::ops::tile_bf16::bf16_tiles_available()
+        let tiles =
+            head_dim.is_multiple_of(16) && ferrotron_tensor::ops::tile_bf16::bf16_tiles_available();
+        match self {
+            AttentionPrecision::F32 => false,
+            AttentionPrecision::Bf16 => tiles && ferrotron_tensor::gemm_bf16::fast_bf16_dot(),
+            AttentionPrecision::Bf16Tiles => tiles,
+        }
     }
 }
 

@@ -20,6 +20,7 @@ use crate::gemm::Op;
 use half::bf16;
 use pack::{K_ALIGN, MR, NR, pack_a, pack_b};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -47,20 +48,65 @@ impl Operand<'_> {
     }
 
     /// `rows` runs of `width` stored values, the `r`-th starting at `start + r·stride`, rounded
-    /// to bf16 and widened back to f32 (a block of columns of a row-major matrix).
+    /// to bf16 and widened back to f32 (a block of columns of a row-major matrix). Vectorized
+    /// and spread over the current rayon pool (it sits beside a GEMM on the widened path).
     fn rounded_f32(&self, start: usize, rows: usize, width: usize, stride: usize) -> Vec<f32> {
-        let wide = |bits: u16| f32::from_bits((bits as u32) << 16);
         let mut out = Vec::with_capacity(rows * width);
-        for r in 0..rows {
-            let run = start + r * stride..start + r * stride + width;
-            match self {
-                Operand::F32(v) => {
-                    out.extend(v[run].iter().map(|&x| wide(crate::round_to_bf16_bits(x))))
-                }
-                Operand::Bf16(v) => out.extend(v[run].iter().map(|x| x.to_f32())),
-            }
+        let dst = &mut out.spare_capacity_mut()[..rows * width];
+        let src = |r: usize, len: usize| start + r * stride..start + r * stride + len;
+        if rows == 1 || stride == width {
+            // One contiguous run: chunks of it.
+            let run = src(0, rows * width);
+            dst.par_chunks_mut(WIDEN_CHUNK)
+                .enumerate()
+                .for_each(|(i, d)| self.widen_into(run.start + i * WIDEN_CHUNK, d));
+        } else {
+            dst.par_chunks_mut(width)
+                .enumerate()
+                .with_min_len(WIDEN_CHUNK.div_ceil(width))
+                .for_each(|(r, d)| self.widen_into(src(r, 0).start, d));
         }
+        // SAFETY: every element of the first `rows·width` was written above.
+        unsafe { out.set_len(rows * width) };
         out
+    }
+
+    /// `dst[i]` = stored value `at + i` rounded to bf16 and widened to f32.
+    fn widen_into(&self, at: usize, dst: &mut [MaybeUninit<f32>]) {
+        match self {
+            Operand::F32(v) => round_span(&v[at..at + dst.len()], dst),
+            Operand::Bf16(v) => widen_span(&v[at..at + dst.len()], dst),
+        }
+    }
+}
+
+/// Elements one task of [`Operand::rounded_f32`] converts at least (64 KiB of f32).
+const WIDEN_CHUNK: usize = 1 << 14;
+
+/// `x` rounded to the nearest bf16 (ties to even; NaN stays NaN, quieted) as an f32: the bits
+/// of [`crate::round_to_bf16_bits`] in the upper half, branch-free so that loops vectorize.
+#[inline(always)]
+fn round_bf16_f32(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1));
+    let quiet = bits | 0x0040_0000;
+    let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    f32::from_bits(if nan { quiet } else { rounded } & 0xffff_0000)
+}
+
+crate::multiversion! {
+    fn round_span(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            d.write(round_bf16_f32(x));
+        }
+    }
+}
+
+crate::multiversion! {
+    fn widen_span(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
+        for (d, x) in dst.iter_mut().zip(src) {
+            d.write(f32::from_bits(u32::from(x.to_bits()) << 16));
+        }
     }
 }
 
@@ -85,12 +131,10 @@ impl Bf16Kernel {
     pub fn detect() -> Bf16Kernel {
         static CHOSEN: OnceLock<Bf16Kernel> = OnceLock::new();
         *CHOSEN.get_or_init(|| {
-            let fast_dot =
-                || crate::peak::core_bf16_dot_ratio().is_some_and(|r| r >= BF16_DOT_MIN_RATIO);
             Self::available()
                 .iter()
                 .copied()
-                .find(|&k| k != Bf16Kernel::Avx512Bf16 || fast_dot())
+                .find(|&k| k != Bf16Kernel::Avx512Bf16 || fast_bf16_dot())
                 .unwrap_or(Bf16Kernel::Widened)
         })
     }
@@ -126,6 +170,17 @@ impl Bf16Kernel {
             Bf16Kernel::Widened => "f32-widened",
         }
     }
+}
+
+/// Whether this CPU has AVX512-BF16 and one core's measured `vdpbf16ps` FLOP rate is at least
+/// [`BF16_DOT_MIN_RATIO`] of its f32 FMA rate ([`crate::peak::core_bf16_dot_ratio`]): where
+/// the bf16 dot kernels (this GEMM's, the bf16 attention tiles of
+/// [`crate::ops::tile_bf16`]) beat f32 ones on bf16-rounded operands. Measured once per
+/// process (a few milliseconds).
+pub fn fast_bf16_dot() -> bool {
+    static FAST: OnceLock<bool> = OnceLock::new();
+    *FAST
+        .get_or_init(|| crate::peak::core_bf16_dot_ratio().is_some_and(|r| r >= BF16_DOT_MIN_RATIO))
 }
 
 /// The least `vdpbf16ps` FLOP rate, as a fraction of the f32 FMA rate of one core, at which
@@ -371,11 +426,13 @@ impl BlockKernel {
     }
 }
 
-/// Columns of `op(b)` widened to f32 at a time on the [`Bf16Kernel::Widened`] path.
-const WIDEN_COLS: usize = 1024;
+/// Elements of `op(b)` widened to f32 at a time on the [`Bf16Kernel::Widened`] path (16 MiB
+/// of scratch: a whole projection of a small model, an LM head in a few column blocks).
+const WIDEN_ELEMS: usize = 1 << 22;
 
 /// The [`Bf16Kernel::Widened`] GEMM: `a` rounded to bf16 and widened back to f32 whole, `b`
-/// [`WIDEN_COLS`] columns at a time (bounded scratch), then the f32 GEMM.
+/// in blocks of whole columns of at most [`WIDEN_ELEMS`] (bounded scratch; fewer, wider
+/// f32 GEMMs), then the f32 GEMM.
 #[allow(clippy::too_many_arguments)]
 fn widened_gemm(
     m: usize,
@@ -389,8 +446,9 @@ fn widened_gemm(
     accumulate: bool,
 ) {
     let a_wide = a.rounded_f32(0, 1, m * k, 0);
-    for j0 in (0..n).step_by(WIDEN_COLS) {
-        let w = WIDEN_COLS.min(n - j0);
+    let block = (WIDEN_ELEMS / k).max(1);
+    for j0 in (0..n).step_by(block) {
+        let w = block.min(n - j0);
         // The block as stored: `[w, k]` rows of `[n, k]` (Op::T), or `[k, w]` (Op::N).
         let b_wide = match op_b {
             Op::T => b.rounded_f32(j0 * k, 1, w * k, 0),
