@@ -110,7 +110,8 @@ impl GptModel {
         let (r, k) = (a_in.shape()[0], a_in.shape()[1]);
         let n = b_out.shape()[0];
         let b: Vec<f32> = b_out.to_f32().iter().map(|v| v * scale).collect();
-        ferrotron_tensor::gemm::matmul_weight(&b, a_in.weight_ref(), w, n, r, k, true);
+        let b = ferrotron_tensor::gemm_bf16::Operand::F32(&b);
+        ferrotron_tensor::gemm::matmul_weight(b, a_in.weight_ref(), w, n, r, k, true);
     }
 
     /// Checks that each of `lora`'s targets matches a linear layer of the model.

@@ -16,8 +16,9 @@ use super::{GradReady, TrainBatch};
 use crate::module::{LinearParams, Norm, ParamId, TransformerLayer};
 use crate::{GptModel, OutputHead, Result};
 use ferrotron_tensor::Buffer;
+use ferrotron_tensor::gemm::WeightRef;
 use ferrotron_tensor::gemm::{matmul_weight, weight_grad};
-use ferrotron_tensor::gemm_bf16::Operand;
+use ferrotron_tensor::gemm_bf16::{Operand, round_to_bf16_in_place, rounded_to_bf16};
 use ferrotron_tensor::ops::{add_bias_backward, add_inplace};
 
 /// The running state of one backward pass, shared by every layer.
@@ -164,7 +165,7 @@ impl GptModel {
             x_final,
             final_stats,
             normed_final,
-            dlogits,
+            mut dlogits,
         } = head;
         let rows = batch.tokens.len();
         // Output layer `logits = normed·Wᵀ`, W: [v, h] (the embedding table when tied; [1, h]
@@ -176,7 +177,10 @@ impl GptModel {
         let w_out = self.param(out_id);
         let (v, h) = (w_out.shape()[0], w_out.shape()[1]);
         let mut dnormed_all = Buffer::zeros(self.device(), rows * h);
-        let (dl, w) = (dlogits.host(), w_out.weight_ref());
+        let w = w_out.weight_ref();
+        // A bf16 output weight multiplies bf16 logit gradients in both products: rounded
+        // once, in place (nothing else reads them).
+        let dl = rounded_once(dlogits.host_mut(), w);
         // A score head is replicated: every tensor-parallel rank computes the whole of its
         // gradients, so the first alone contributes them and the sums over the group (the
         // input's below, the weight's in `finalize_grads`) are exactly that rank's.
@@ -361,9 +365,15 @@ pub(super) fn linear_backward(
     let (n, k) = (l.out_features(), l.in_features());
     let rows = dy.len() / n;
     let w = l.weight().weight_ref();
-    matmul_weight(dy, w, dx, rows, n, k, false);
+    // A bf16 weight's two products read `dy` rounded to bf16: rounded once, into a copy (the
+    // bias and adapter gradients, and the residual stream, read it unrounded).
+    let rounded = matches!(w, WeightRef::BF16(_)).then(|| rounded_to_bf16(dy));
+    let dy_op = rounded
+        .as_deref()
+        .map_or(Operand::F32(dy), Operand::Rounded);
+    matmul_weight(dy_op, w, dx, rows, n, k, false);
     if let Some(dw) = trainable(grads, p.weight) {
-        weight_grad(dy, x, w, dw, rows, n, k);
+        weight_grad(dy_op, x, w, dw, rows, n, k);
     }
     if let Some(db) = p.bias.and_then(|b| trainable(grads, b)) {
         add_bias_backward(dy, db);
@@ -378,4 +388,16 @@ pub(super) fn linear_backward(
 pub(super) fn trainable<'g>(grads: &'g mut [&mut [f32]], id: ParamId) -> Option<&'g mut [f32]> {
     let g = &mut *grads[id.index()];
     (!g.is_empty()).then_some(g)
+}
+
+/// `dy` as the products with weight `w` read it: for a bf16 weight rounded to bf16 in place
+/// (once for both products; the caller reads `dy` no more), else as it is.
+fn rounded_once<'a>(dy: &'a mut [f32], w: WeightRef<'_>) -> Operand<'a> {
+    match w {
+        WeightRef::BF16(_) => {
+            round_to_bf16_in_place(dy);
+            Operand::Rounded(dy)
+        }
+        _ => Operand::F32(dy),
+    }
 }

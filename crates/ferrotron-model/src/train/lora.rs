@@ -46,7 +46,7 @@ pub(super) fn lora_backward(
     let mut z = vec![0f32; rows * r];
     adapter.down(&x.to_f32(), &mut z);
     weight_grad(
-        dy,
+        Operand::F32(dy),
         Operand::F32(&z),
         b.weight_ref(),
         grads[p.linear_out.index()],
@@ -55,10 +55,10 @@ pub(super) fn lora_backward(
         r,
     );
     let mut dz = z;
-    matmul_weight(dy, b.weight_ref(), &mut dz, rows, n, r, false);
+    matmul_weight(Operand::F32(dy), b.weight_ref(), &mut dz, rows, n, r, false);
     dz.iter_mut().for_each(|v| *v *= adapter.scale);
     weight_grad(
-        &dz,
+        Operand::F32(&dz),
         x,
         a.weight_ref(),
         grads[p.linear_in.index()],
@@ -67,10 +67,18 @@ pub(super) fn lora_backward(
         k,
     );
     match adapter.dropout {
-        None => matmul_weight(&dz, a.weight_ref(), dx, rows, r, k, true),
+        None => matmul_weight(Operand::F32(&dz), a.weight_ref(), dx, rows, r, k, true),
         Some(d) => {
             let mut dxa = vec![0f32; rows * k];
-            matmul_weight(&dz, a.weight_ref(), &mut dxa, rows, r, k, false);
+            matmul_weight(
+                Operand::F32(&dz),
+                a.weight_ref(),
+                &mut dxa,
+                rows,
+                r,
+                k,
+                false,
+            );
             d.apply(&mut dxa, k);
             dx.iter_mut().zip(&dxa).for_each(|(g, v)| *g += v);
         }

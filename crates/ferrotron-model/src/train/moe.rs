@@ -20,6 +20,7 @@ use ferrotron_nn::moe::Routing;
 use ferrotron_nn::tensor_parallel::reduce_from_tensor_model_parallel_region;
 use ferrotron_tensor::Buffer;
 use ferrotron_tensor::gemm::{matmul_weight, matmul_weight_t, weight_grad};
+use ferrotron_tensor::gemm_bf16::Operand;
 
 /// What an MoE layer's backward needs, over `rows` tokens (all rows).
 pub(crate) struct MoeActs {
@@ -248,7 +249,7 @@ pub(super) fn moe_backward(
     if adds_replicated_grads(pass.tp) {
         if let Some(dw) = trainable(grads, m.router) {
             weight_grad(
-                &dlogits,
+                Operand::F32(&dlogits),
                 mlp_in.operand(),
                 router.weight_ref(),
                 dw,
@@ -258,7 +259,7 @@ pub(super) fn moe_backward(
             );
         }
         matmul_weight(
-            &dlogits,
+            Operand::F32(&dlogits),
             router.weight_ref(),
             dx.host_mut(),
             rows,
@@ -318,9 +319,17 @@ fn shared_gate_backward(
     if sequence_parallel || adds_replicated_grads(pass.tp) {
         let w = pass.model.param(id);
         if let Some(dw) = trainable(grads, id) {
-            weight_grad(&dz, mlp_in.operand(), w.weight_ref(), dw, rows, 1, h);
+            weight_grad(
+                Operand::F32(&dz),
+                mlp_in.operand(),
+                w.weight_ref(),
+                dw,
+                rows,
+                1,
+                h,
+            );
         }
-        matmul_weight(&dz, w.weight_ref(), dx, rows, 1, h, true);
+        matmul_weight(Operand::F32(&dz), w.weight_ref(), dx, rows, 1, h, true);
     }
     dshared
 }

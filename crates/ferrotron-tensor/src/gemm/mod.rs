@@ -348,11 +348,12 @@ pub(crate) fn dequantized_blocks_t(
 
 /// `dx[m, k] = dy[m, n] · w` (or `+=` when `accumulate`) for a weight `w[n, k]` in any
 /// storage dtype: the input gradient of a linear layer. f32 weights go straight to GEMM;
-/// bf16 weights compute in bf16 ([`bf16_gemm`], `dy` rounded to bf16); f16 weights are
-/// widened `CONVERT_ROWS` rows at a time, each block adding its part
-/// (`dy[:, j0..j1] · w[j0..j1, :]`), so no f32 copy of the whole weight is ever made.
+/// bf16 weights compute in bf16 ([`bf16_gemm`], `dy` rounded to bf16 unless it is
+/// [`Operand::Rounded`] already); f16 weights are widened `CONVERT_ROWS` rows at a time,
+/// each block adding its part (`dy[:, j0..j1] · w[j0..j1, :]`), so no f32 copy of the whole
+/// weight is ever made. `dy` as f32 for the weights that are not bf16 (a bf16 `dy` widened).
 pub fn matmul_weight(
-    dy: &[f32],
+    dy: Operand<'_>,
     w: WeightRef<'_>,
     dx: &mut [f32],
     m: usize,
@@ -360,15 +361,20 @@ pub fn matmul_weight(
     k: usize,
     accumulate: bool,
 ) {
-    assert!(dy.len() >= m * n && dx.len() >= m * k);
+    assert!(dx.len() >= m * k);
+    if let WeightRef::BF16(w) = w {
+        return bf16_gemm(m, k, n, dy, Op::N, Bf16(w), Op::N, dx, accumulate);
+    }
+    let dy = dy.to_f32();
+    assert!(dy.len() >= m * n);
     match w {
-        WeightRef::F32(w) => sgemm(m, k, n, dy, Op::N, w, Op::N, dx, accumulate),
-        WeightRef::BF16(w) => bf16_gemm(m, k, n, F32(dy), Op::N, Bf16(w), Op::N, dx, accumulate),
+        WeightRef::F32(w) => sgemm(m, k, n, &dy, Op::N, w, Op::N, dx, accumulate),
         WeightRef::F16(w) => {
             let widen = |rows, out: &mut [f32]| widen_rows(w, rows, k, out);
-            dequantized_blocks_n(dy, widen, dx, (m, n, k), accumulate)
+            dequantized_blocks_n(&dy, widen, dx, (m, n, k), accumulate)
         }
-        WeightRef::Quant(w) => quant_matmul(dy, w, dx, (m, n, k), accumulate),
+        WeightRef::Quant(w) => quant_matmul(&dy, w, dx, (m, n, k), accumulate),
+        WeightRef::BF16(_) => unreachable!("bf16 weights returned above"),
     }
 }
 
@@ -376,10 +382,11 @@ pub fn matmul_weight(
 /// is stored as given, accumulated in f32 (Megatron's `gradient_accumulation_fusion` into the
 /// f32 main gradient). A bf16 weight trains in bf16: `dy` and `x` are rounded to bf16 and
 /// multiplied by [`bf16_gemm`], as autocast's backward multiplies bf16 tensors (`x` may be
-/// the bf16 activation the forward kept, read as it is); f32 and f16 weights use the f32 GEMM
-/// (a bf16 `x` widened first).
+/// the bf16 activation the forward kept, read as it is; either may be
+/// [`Operand::Rounded`]); f32 and f16 weights use the f32 GEMM (bf16 operands widened
+/// first).
 pub fn weight_grad(
-    dy: &[f32],
+    dy: Operand<'_>,
     x: Operand<'_>,
     w: WeightRef<'_>,
     dw: &mut [f32],
@@ -388,10 +395,10 @@ pub fn weight_grad(
     k: usize,
 ) {
     match w {
-        WeightRef::BF16(_) => bf16_gemm(n, k, m, F32(dy), Op::T, x, Op::N, dw, true),
+        WeightRef::BF16(_) => bf16_gemm(n, k, m, dy, Op::T, x, Op::N, dw, true),
         WeightRef::F32(_) | WeightRef::F16(_) => {
-            let x = x.to_f32();
-            sgemm(n, k, m, dy, Op::T, &x, Op::N, dw, true)
+            let (dy, x) = (dy.to_f32(), x.to_f32());
+            sgemm(n, k, m, &dy, Op::T, &x, Op::N, dw, true)
         }
         WeightRef::Quant(_) => panic!("a quantized weight is frozen: it has no gradient"),
     }

@@ -82,13 +82,23 @@ fn input_gradient_products_agree_across_dtypes() {
             let dy_used = if round { rounded(&dy) } else { dy.clone() };
             let want = naive(m, k, n, &dy_used, Op::N, values, Op::N);
             let mut dx = vec![1.0; m * k];
-            matmul_weight(&dy, weight, &mut dx, m, n, k, accumulate);
+            matmul_weight(F32(&dy), weight, &mut dx, m, n, k, accumulate);
             for (g, w) in dx.iter().zip(&want) {
                 assert!(
                     (g - (w + base)).abs() < 1e-3,
                     "{weight:?}: {g} vs {w} + {base}"
                 );
             }
+            // dy rounded by the caller: the same product, bit for bit.
+            let mut again = vec![1.0; m * k];
+            let dy_rounded = crate::gemm_bf16::rounded_to_bf16(&dy);
+            let op = if round {
+                Operand::Rounded(&dy_rounded)
+            } else {
+                F32(&dy)
+            };
+            matmul_weight(op, weight, &mut again, m, n, k, accumulate);
+            assert_eq!(again, dx, "{weight:?}: rounded dy");
         }
     }
 }
@@ -132,9 +142,23 @@ fn weight_gradients_compute_in_the_weights_precision() {
         };
         let want = naive(n, k, m, &dy_used, Op::T, &x_used, Op::N);
         let mut dw = vec![0.5f32; n * k];
-        weight_grad(&dy, F32(&x), weight, &mut dw, m, n, k);
+        weight_grad(F32(&dy), F32(&x), weight, &mut dw, m, n, k);
         for (g, w) in dw.iter().zip(&want) {
             assert!((g - (w + 0.5)).abs() < 1e-4, "{weight:?}: {g} vs {w} + 0.5");
+        }
+        if round {
+            let mut again = vec![0.5f32; n * k];
+            let dy_rounded = crate::gemm_bf16::rounded_to_bf16(&dy);
+            weight_grad(
+                Operand::Rounded(&dy_rounded),
+                F32(&x),
+                weight,
+                &mut again,
+                m,
+                n,
+                k,
+            );
+            assert_eq!(again, dw, "{weight:?}: rounded dy");
         }
     }
 }

@@ -20,6 +20,7 @@ use crate::gemm::Op;
 use half::bf16;
 use pack::{K_ALIGN, MR, NR, pack_a, pack_b};
 use rayon::prelude::*;
+use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -29,21 +30,36 @@ use std::sync::OnceLock;
 pub enum Operand<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
+    /// f32 values that are bf16 values already (rounded by the caller, e.g. by
+    /// [`round_to_bf16_in_place`] once for two products): read as they are — the widened path
+    /// multiplies them without a copy, the packers' rounding leaves them unchanged.
+    Rounded(&'a [f32]),
 }
 
 impl Operand<'_> {
     /// The values as f32: borrowed when stored in f32, widened (exactly) from bf16.
-    pub fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+    pub fn to_f32(&self) -> Cow<'_, [f32]> {
         match self {
-            Operand::F32(v) => std::borrow::Cow::Borrowed(v),
-            Operand::Bf16(v) => std::borrow::Cow::Owned(self.rounded_f32(0, 1, v.len(), 0)),
+            Operand::F32(v) | Operand::Rounded(v) => Cow::Borrowed(v),
+            Operand::Bf16(v) => Cow::Owned(self.rounded_f32(0, 1, v.len(), 0)),
         }
     }
 
     fn len(&self) -> usize {
         match self {
-            Operand::F32(v) => v.len(),
+            Operand::F32(v) | Operand::Rounded(v) => v.len(),
             Operand::Bf16(v) => v.len(),
+        }
+    }
+
+    /// As [`Operand::rounded_f32`], borrowed where the values are [`Operand::Rounded`] and
+    /// contiguous.
+    fn widened(&self, start: usize, rows: usize, width: usize, stride: usize) -> Cow<'_, [f32]> {
+        match self {
+            Operand::Rounded(v) if rows == 1 || stride == width => {
+                Cow::Borrowed(&v[start..start + rows * width])
+            }
+            _ => Cow::Owned(self.rounded_f32(start, rows, width, stride)),
         }
     }
 
@@ -74,8 +90,28 @@ impl Operand<'_> {
     /// `dst[i]` = stored value `at + i` rounded to bf16 and widened to f32.
     fn widen_into(&self, at: usize, dst: &mut [MaybeUninit<f32>]) {
         match self {
-            Operand::F32(v) => round_span(&v[at..at + dst.len()], dst),
+            Operand::F32(v) | Operand::Rounded(v) => round_span(&v[at..at + dst.len()], dst),
             Operand::Bf16(v) => widen_span(&v[at..at + dst.len()], dst),
+        }
+    }
+}
+
+/// Rounds `x` to bf16 values in place (nearest, ties to even; NaN stays NaN), vectorized
+/// over the current rayon pool: a product's operand rounded once, then passed as
+/// [`Operand::Rounded`] to several bf16 GEMMs.
+pub fn round_to_bf16_in_place(x: &mut [f32]) {
+    x.par_chunks_mut(WIDEN_CHUNK).for_each(round_in_place_span);
+}
+
+/// A rounded copy of `x` (see [`round_to_bf16_in_place`]), for [`Operand::Rounded`].
+pub fn rounded_to_bf16(x: &[f32]) -> Vec<f32> {
+    Operand::F32(x).rounded_f32(0, 1, x.len(), 0)
+}
+
+crate::multiversion! {
+    fn round_in_place_span(x: &mut [f32]) {
+        for v in x.iter_mut() {
+            *v = round_bf16_f32(*v);
         }
     }
 }
@@ -445,14 +481,18 @@ fn widened_gemm(
     c: &mut [f32],
     accumulate: bool,
 ) {
-    let a_wide = a.rounded_f32(0, 1, m * k, 0);
-    let block = (WIDEN_ELEMS / k).max(1);
+    let a_wide = a.widened(0, 1, m * k, 0);
+    // Rounded values are multiplied where they are: one block.
+    let block = match b {
+        Operand::Rounded(_) => n,
+        _ => (WIDEN_ELEMS / k).max(1),
+    };
     for j0 in (0..n).step_by(block) {
         let w = block.min(n - j0);
         // The block as stored: `[w, k]` rows of `[n, k]` (Op::T), or `[k, w]` (Op::N).
         let b_wide = match op_b {
-            Op::T => b.rounded_f32(j0 * k, 1, w * k, 0),
-            Op::N => b.rounded_f32(j0, k, w, n),
+            Op::T => b.widened(j0 * k, 1, w * k, 0),
+            Op::N => b.widened(j0, k, w, n),
         };
         // SAFETY: a_wide is op(a) stored as given, b_wide the block's `[w, k]`/`[k, w]`;
         // columns j0..j0+w of c[m, n] (row stride n).

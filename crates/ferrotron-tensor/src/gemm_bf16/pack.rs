@@ -95,7 +95,9 @@ pub fn pack_a(
         // SAFETY: the AVX-512 packers are available (checked); they assert dst's size.
         unsafe {
             match a {
-                Operand::F32(d) => super::pack_x86::pack_a(d, op, (m, k), rows, cols, kcp, dst),
+                Operand::F32(d) | Operand::Rounded(d) => {
+                    super::pack_x86::pack_a(d, op, (m, k), rows, cols, kcp, dst)
+                }
                 Operand::Bf16(d) => super::pack_x86::pack_a(d, op, (m, k), rows, cols, kcp, dst),
             }
         }
@@ -116,7 +118,9 @@ pub fn pack_a_scalar(
     dst: &mut [u16],
 ) {
     match a {
-        Operand::F32(d) => pack_a_view(view(d, op, m, k), rows, cols, kcp, dst),
+        Operand::F32(d) | Operand::Rounded(d) => {
+            pack_a_view(view(d, op, m, k), rows, cols, kcp, dst)
+        }
         Operand::Bf16(d) => pack_a_view(view(d, op, m, k), rows, cols, kcp, dst),
     }
 }
@@ -159,7 +163,9 @@ pub fn pack_b(
         // SAFETY: the AVX-512 packers are available (checked); they assert dst's size.
         unsafe {
             match b {
-                Operand::F32(d) => super::pack_x86::pack_b(d, op, (k, n), rows, cols, kcp, dst),
+                Operand::F32(d) | Operand::Rounded(d) => {
+                    super::pack_x86::pack_b(d, op, (k, n), rows, cols, kcp, dst)
+                }
                 Operand::Bf16(d) => super::pack_x86::pack_b(d, op, (k, n), rows, cols, kcp, dst),
             }
         }
@@ -180,7 +186,9 @@ pub fn pack_b_scalar(
     dst: &mut [u16],
 ) {
     match b {
-        Operand::F32(d) => pack_b_view(view(d, op, k, n), rows, cols, kcp, dst),
+        Operand::F32(d) | Operand::Rounded(d) => {
+            pack_b_view(view(d, op, k, n), rows, cols, kcp, dst)
+        }
         Operand::Bf16(d) => pack_b_view(view(d, op, k, n), rows, cols, kcp, dst),
     }
 }
