@@ -9,6 +9,11 @@ use crate::quant::{QuantMatrix, QuantRows, quant_matmul, quant_matmul_t_with};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+mod sgemm;
+pub use sgemm::sgemm;
+pub(crate) use sgemm::sgemm_raw;
+use sgemm::{Dest, Strided, sgemm_strided};
+
 /// How an operand is read: as stored (row-major) or transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -16,111 +21,6 @@ pub enum Op {
     N,
     /// Use the transpose of the stored row-major matrix.
     T,
-}
-
-/// `c[m, n] = op(a)[m, k] · op(b)[k, n]`, or `c += ...` when `accumulate`.
-///
-/// `a` is stored `[m, k]` for `Op::N` or `[k, m]` for `Op::T`; `b` is stored `[k, n]` for
-/// `Op::N` or `[n, k]` for `Op::T` (a linear layer's `[out, in]` weight). All row-major.
-/// Runs on the current rayon pool.
-///
-/// # Panics
-/// When a slice is shorter than its shape needs (a caller bug, not an input error).
-#[allow(clippy::too_many_arguments)]
-pub fn sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    op_a: Op,
-    b: &[f32],
-    op_b: Op,
-    c: &mut [f32],
-    accumulate: bool,
-) {
-    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive.
-    unsafe {
-        sgemm_raw(
-            m,
-            n,
-            k,
-            a.as_ptr(),
-            op_a,
-            b.as_ptr(),
-            op_b,
-            c.as_mut_ptr(),
-            n,
-            accumulate,
-        )
-    }
-}
-
-/// Raw-pointer GEMM with a destination row stride `ldc` (to write a column block of `c`).
-///
-/// # Safety
-/// The pointers must address the ranges implied by `m, n, k, op_a, op_b, ldc`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn sgemm_raw(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: *const f32,
-    op_a: Op,
-    b: *const f32,
-    op_b: Op,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    // (column stride, row stride) of each operand as read.
-    let (a_cs, a_rs) = match op_a {
-        Op::N => (1, k as isize),
-        Op::T => (m as isize, 1),
-    };
-    let (b_cs, b_rs) = match op_b {
-        Op::N => (1, n as isize),
-        Op::T => (k as isize, 1),
-    };
-    let par = parallelism(m * n * k);
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c,
-            1,
-            ldc as isize,
-            accumulate,
-            a,
-            a_cs,
-            a_rs,
-            b,
-            b_cs,
-            b_rs,
-            if accumulate { 1.0 } else { 0.0 },
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
-}
-
-/// All of the current rayon pool for a product of `mnk` multiply-adds, one thread when it is
-/// too small to split.
-fn parallelism(mnk: usize) -> gemm::Parallelism {
-    let threads = rayon::current_num_threads();
-    if threads > 1 && mnk >= 64 * 64 * 64 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    }
 }
 
 /// Rows `rows` of the narrow weight `w[n, k]` widened to f32 into `block[rows.len(), k]`.
@@ -432,27 +332,21 @@ pub(crate) fn dequantized_blocks_n(
         // SAFETY: dy[:, j0..j0+rows] lies inside dy[m, n] (row stride n), block is
         // [rows, k], dx is [m, k] and exclusive.
         unsafe {
-            gemm::gemm(
-                m,
-                k,
-                rows,
-                dx.as_mut_ptr(),
-                1,
-                k as isize,
-                read_dst,
-                dy.as_ptr().add(j0),
-                1,
-                n as isize,
-                block.as_ptr(),
-                1,
-                k as isize,
-                if read_dst { 1.0 } else { 0.0 },
-                1.0,
-                false,
-                false,
-                false,
-                parallelism(m * rows * k),
-            )
+            let dy = Strided {
+                ptr: dy.as_ptr().add(j0),
+                cs: 1,
+                rs: n as isize,
+            };
+            let block = Strided {
+                ptr: block.as_ptr(),
+                cs: 1,
+                rs: k as isize,
+            };
+            let dx = Dest {
+                ptr: dx.as_mut_ptr(),
+                ldc: k,
+            };
+            sgemm_strided(m, k, rows, dy, block, dx, read_dst)
         }
     }
 }

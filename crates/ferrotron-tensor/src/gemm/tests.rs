@@ -48,6 +48,48 @@ fn sgemm_matches_naive_for_all_transposes() {
     }
 }
 
+/// Products large enough to split over the threads, along the columns (`n >= m`) and along
+/// the rows, on 2 and 3 threads (a last block narrower than the others), every transpose,
+/// into a column block of a wider `c` (`ldc > n`): the naive product, the rest of `c`
+/// untouched.
+#[test]
+fn split_products_match_naive() {
+    for (m, n, k) in [(70, 400, 90), (400, 70, 90)] {
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for (op_a, op_b) in [
+                (Op::N, Op::N),
+                (Op::N, Op::T),
+                (Op::T, Op::N),
+                (Op::T, Op::T),
+            ] {
+                let (a, b) = (data(m * k, 3), data(k * n, 4));
+                let want = naive(m, n, k, &a, op_a, &b, op_b);
+                let ldc = n + 5;
+                let mut c = vec![1.0; m * ldc];
+                // SAFETY: a, b and c hold the shapes; c's rows are ldc long.
+                pool.install(|| unsafe {
+                    let (a, b) = (a.as_ptr(), b.as_ptr());
+                    sgemm_raw(m, n, k, a, op_a, b, op_b, c.as_mut_ptr(), ldc, true)
+                });
+                for i in 0..m {
+                    for j in 0..ldc {
+                        let got = c[i * ldc + j];
+                        let expected = if j < n { want[i * n + j] + 1.0 } else { 1.0 };
+                        assert!(
+                            (got - expected).abs() < 1e-4,
+                            "{m}x{n}x{k} {op_a:?}{op_b:?} t{threads} ({i}, {j}): {got}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `v` rounded to bf16 (as the bf16 GEMM reads an f32 operand).
 fn rounded(v: &[f32]) -> Vec<f32> {
     v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()

@@ -1,0 +1,225 @@
+//! The f32 GEMM: the `gemm` crate's kernels (its `x86-v4` AVX-512 ones selected at run time),
+//! spread over the current rayon pool as one single-threaded product per thread, each on its
+//! own block of the output's longer side.
+//!
+//! Why not the crate's own `Parallelism::Rayon`: on SmolLM2's shapes at 512 tokens it scales
+//! poorly where the output is narrow and the reduction deep (the forward of `linear_fc2`,
+//! `[512, 576]` from `k = 1536`: 183-232 GF/s on 2 threads against 137-148 on one), while
+//! two independent halves run at the single-thread rate each (265-281 GF/s), and no shape
+//! measured slower (`cargo bench -p ferrotron-tensor --bench gemm`, BENCHMARKS.md "GEMM").
+
+use super::Op;
+use rayon::prelude::*;
+
+/// `c[m, n] = op(a)[m, k] · op(b)[k, n]`, or `c += ...` when `accumulate`.
+///
+/// `a` is stored `[m, k]` for `Op::N` or `[k, m]` for `Op::T`; `b` is stored `[k, n]` for
+/// `Op::N` or `[n, k]` for `Op::T` (a linear layer's `[out, in]` weight). All row-major.
+/// Runs on the current rayon pool.
+///
+/// # Panics
+/// When a slice is shorter than its shape needs (a caller bug, not an input error).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive.
+    unsafe {
+        sgemm_raw(
+            m,
+            n,
+            k,
+            a.as_ptr(),
+            op_a,
+            b.as_ptr(),
+            op_b,
+            c.as_mut_ptr(),
+            n,
+            accumulate,
+        )
+    }
+}
+
+/// Products smaller than this many multiply-adds run on one thread.
+const MIN_PARALLEL_MNK: usize = 64 * 64 * 64;
+/// The narrowest block of the output's longer side one thread takes alone; below it the
+/// product runs on the crate's own parallel loop.
+const MIN_SPLIT: usize = 128;
+
+/// One operand as the `gemm` crate reads it: a pointer and its (column, row) strides.
+#[derive(Clone, Copy)]
+pub(super) struct Strided {
+    pub ptr: *const f32,
+    pub cs: isize,
+    pub rs: isize,
+}
+
+// SAFETY: the operands are read-only for the duration of one GEMM call, by every thread.
+unsafe impl Send for Strided {}
+unsafe impl Sync for Strided {}
+
+/// The destination: a pointer and its row stride.
+#[derive(Clone, Copy)]
+pub(super) struct Dest {
+    pub ptr: *mut f32,
+    pub ldc: usize,
+}
+
+// SAFETY: the threads of one call write disjoint blocks of it.
+unsafe impl Send for Dest {}
+unsafe impl Sync for Dest {}
+
+/// Raw-pointer GEMM with a destination row stride `ldc` (to write a column block of `c`).
+///
+/// # Safety
+/// The pointers must address the ranges implied by `m, n, k, op_a, op_b, ldc`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    op_a: Op,
+    b: *const f32,
+    op_b: Op,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    // (column stride, row stride) of each operand as read.
+    let (cs, rs) = match op_a {
+        Op::N => (1, k as isize),
+        Op::T => (m as isize, 1),
+    };
+    let a = Strided { ptr: a, cs, rs };
+    let (cs, rs) = match op_b {
+        Op::N => (1, n as isize),
+        Op::T => (k as isize, 1),
+    };
+    let b = Strided { ptr: b, cs, rs };
+    // SAFETY: forwarded from the caller.
+    unsafe { sgemm_strided(m, n, k, a, b, Dest { ptr: c, ldc }, accumulate) }
+}
+
+/// [`sgemm_raw`] on operands given by their strides (`a`'s row stride the stored row length
+/// of a wider matrix: a block of its columns).
+///
+/// # Safety
+/// The pointers address `m × k`, `k × n` and `m × n` elements at their strides.
+pub(super) unsafe fn sgemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided,
+    b: Strided,
+    c: Dest,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    if threads == 1 || m * n * k < MIN_PARALLEL_MNK {
+        // SAFETY: forwarded from the caller.
+        return unsafe { product(m, n, k, a, b, c, accumulate, gemm::Parallelism::None) };
+    }
+    let by_cols = n >= m;
+    let long = if by_cols { n } else { m };
+    let width = long.div_ceil(threads).next_multiple_of(16);
+    if width < MIN_SPLIT {
+        let par = gemm::Parallelism::Rayon(threads);
+        // SAFETY: forwarded from the caller.
+        return unsafe { product(m, n, k, a, b, c, accumulate, par) };
+    }
+    (0..long.div_ceil(width)).into_par_iter().for_each(|i| {
+        let start = i * width;
+        let len = width.min(long - start);
+        // SAFETY: the block's rows (or columns) of `op(a)` (or `op(b)`) and of `c` lie inside
+        // the caller's ranges; the blocks of `c` are disjoint.
+        unsafe {
+            let (mm, nn, a, b, c) = match by_cols {
+                true => (m, len, a, b.offset(start, b.cs), c.offset(start)),
+                false => (len, n, a.offset(start, a.rs), b, c.offset(start * c.ldc)),
+            };
+            product(mm, nn, k, a, b, c, accumulate, gemm::Parallelism::None)
+        }
+    });
+}
+
+impl Strided {
+    /// The operand from its `index`-th row or column on (`stride` apart).
+    ///
+    /// # Safety
+    /// The result stays inside the operand.
+    unsafe fn offset(self, index: usize, stride: isize) -> Strided {
+        Strided {
+            // SAFETY: the caller's.
+            ptr: unsafe { self.ptr.offset(index as isize * stride) },
+            ..self
+        }
+    }
+}
+
+impl Dest {
+    /// The destination from element `at` on.
+    ///
+    /// # Safety
+    /// The result stays inside the destination.
+    unsafe fn offset(self, at: usize) -> Dest {
+        Dest {
+            // SAFETY: the caller's.
+            ptr: unsafe { self.ptr.add(at) },
+            ..self
+        }
+    }
+}
+
+/// One `gemm::gemm` call: `c = a·b` (`+=` when `accumulate`) on `par`.
+///
+/// # Safety
+/// As [`sgemm_raw`], for this block.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided,
+    b: Strided,
+    c: Dest,
+    accumulate: bool,
+    par: gemm::Parallelism,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.ptr,
+            1,
+            c.ldc as isize,
+            accumulate,
+            a.ptr,
+            a.cs,
+            a.rs,
+            b.ptr,
+            b.cs,
+            b.rs,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
