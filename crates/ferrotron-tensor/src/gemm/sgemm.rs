@@ -134,7 +134,11 @@ pub(super) unsafe fn sgemm_strided(
     }
     let by_cols = n >= m;
     let long = if by_cols { n } else { m };
-    let width = long.div_ceil(threads).next_multiple_of(16);
+    // Whole register blocks of the crate's AVX-512 kernel (64 rows x 6 columns), so no
+    // block but the last runs the narrower edge kernels.
+    let width = long
+        .div_ceil(threads)
+        .next_multiple_of(if by_cols { 48 } else { 64 });
     if width < MIN_SPLIT {
         let par = gemm::Parallelism::Rayon(threads);
         // SAFETY: forwarded from the caller.
