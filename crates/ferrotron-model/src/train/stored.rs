@@ -13,10 +13,9 @@
 
 use std::borrow::Cow;
 
-use ferrotron_tensor::gemm_bf16::Operand;
-use ferrotron_tensor::{Buffer, DType, round_to_bf16_bits};
+use ferrotron_tensor::gemm_bf16::{Operand, narrow_to_bf16_in_place};
+use ferrotron_tensor::{Buffer, DType};
 use half::bf16;
-use rayon::prelude::*;
 
 use crate::GptModel;
 
@@ -50,7 +49,7 @@ impl Kept {
                 wide: Buffer::default(),
             };
         }
-        let narrowed = Stored::round_and_narrow(x.host_mut());
+        let narrowed = narrow_to_bf16_in_place(x.host_mut());
         Kept {
             stored: Stored::Bf16(Buffer::from_host(narrowed)),
             wide: x,
@@ -72,25 +71,7 @@ pub(crate) enum Stored {
     Bf16(Buffer<bf16>),
 }
 
-/// Elements per parallel task of the conversions.
-const CHUNK: usize = 1 << 14;
-
 impl Stored {
-    /// Rounds `x` to bf16 in place under `narrow`, keeping the bf16 copy, in one pass.
-    fn round_and_narrow(x: &mut [f32]) -> Vec<bf16> {
-        let mut out = vec![bf16::ZERO; x.len()];
-        out.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks_mut(CHUNK))
-            .for_each(|(o, i)| {
-                for (o, v) in o.iter_mut().zip(i.iter_mut()) {
-                    let b = round_to_bf16_bits(*v);
-                    *o = bf16::from_bits(b);
-                    *v = f32::from_bits(u32::from(b) << 16);
-                }
-            });
-        out
-    }
-
     /// The values as a GEMM operand, as kept (no copy): a bf16 activation feeds the bf16 GEMM
     /// of its weight gradient directly.
     pub(crate) fn operand(&self) -> Operand<'_> {
@@ -104,17 +85,7 @@ impl Stored {
     pub(crate) fn f32(&self) -> Cow<'_, [f32]> {
         match self {
             Stored::F32(v) => Cow::Borrowed(v.host()),
-            Stored::Bf16(v) => {
-                let mut out = vec![0f32; v.len()];
-                out.par_chunks_mut(CHUNK)
-                    .zip(v.host().par_chunks(CHUNK))
-                    .for_each(|(o, i)| {
-                        for (o, b) in o.iter_mut().zip(i) {
-                            *o = f32::from_bits(u32::from(b.to_bits()) << 16);
-                        }
-                    });
-                Cow::Owned(out)
-            }
+            Stored::Bf16(v) => Cow::Owned(Operand::Bf16(v.host()).to_f32().into_owned()),
         }
     }
 
@@ -173,6 +144,6 @@ mod tests {
         assert_eq!(kept.stored.f32().as_ref(), rounded);
         let wide = Kept::new(Buffer::from_host(x.clone()), false);
         assert!(matches!(wide.stored, Stored::F32(_)));
-        assert!(round_to_bf16_bits(f32::NAN) & 0x7fc0 == 0x7fc0);
+        assert!(ferrotron_tensor::round_to_bf16_bits(f32::NAN) & 0x7fc0 == 0x7fc0);
     }
 }

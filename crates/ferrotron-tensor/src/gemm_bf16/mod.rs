@@ -12,139 +12,17 @@
 
 pub(crate) mod amx;
 mod avx512;
+mod operand;
 pub mod pack;
 #[cfg(target_arch = "x86_64")]
 mod pack_x86;
 
 use crate::gemm::Op;
-use half::bf16;
+pub use operand::{Operand, narrow_to_bf16_in_place, round_to_bf16_in_place, rounded_to_bf16};
 use pack::{K_ALIGN, MR, NR, pack_a, pack_b};
 use rayon::prelude::*;
-use std::borrow::Cow;
-use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::OnceLock;
-
-/// One GEMM operand as stored (row-major): f32 values, rounded to bf16 when packed, or bf16.
-#[derive(Clone, Copy, Debug)]
-pub enum Operand<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [bf16]),
-    /// f32 values that are bf16 values already (rounded by the caller, e.g. by
-    /// [`round_to_bf16_in_place`] once for two products): read as they are — the widened path
-    /// multiplies them without a copy, the packers' rounding leaves them unchanged.
-    Rounded(&'a [f32]),
-}
-
-impl Operand<'_> {
-    /// The values as f32: borrowed when stored in f32, widened (exactly) from bf16.
-    pub fn to_f32(&self) -> Cow<'_, [f32]> {
-        match self {
-            Operand::F32(v) | Operand::Rounded(v) => Cow::Borrowed(v),
-            Operand::Bf16(v) => Cow::Owned(self.rounded_f32(0, 1, v.len(), 0)),
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Operand::F32(v) | Operand::Rounded(v) => v.len(),
-            Operand::Bf16(v) => v.len(),
-        }
-    }
-
-    /// As [`Operand::rounded_f32`], borrowed where the values are [`Operand::Rounded`] and
-    /// contiguous.
-    fn widened(&self, start: usize, rows: usize, width: usize, stride: usize) -> Cow<'_, [f32]> {
-        match self {
-            Operand::Rounded(v) if rows == 1 || stride == width => {
-                Cow::Borrowed(&v[start..start + rows * width])
-            }
-            _ => Cow::Owned(self.rounded_f32(start, rows, width, stride)),
-        }
-    }
-
-    /// `rows` runs of `width` stored values, the `r`-th starting at `start + r·stride`, rounded
-    /// to bf16 and widened back to f32 (a block of columns of a row-major matrix). Vectorized
-    /// and spread over the current rayon pool (it sits beside a GEMM on the widened path).
-    fn rounded_f32(&self, start: usize, rows: usize, width: usize, stride: usize) -> Vec<f32> {
-        let mut out = Vec::with_capacity(rows * width);
-        let dst = &mut out.spare_capacity_mut()[..rows * width];
-        let src = |r: usize, len: usize| start + r * stride..start + r * stride + len;
-        if rows == 1 || stride == width {
-            // One contiguous run: chunks of it.
-            let run = src(0, rows * width);
-            dst.par_chunks_mut(WIDEN_CHUNK)
-                .enumerate()
-                .for_each(|(i, d)| self.widen_into(run.start + i * WIDEN_CHUNK, d));
-        } else {
-            dst.par_chunks_mut(width)
-                .enumerate()
-                .with_min_len(WIDEN_CHUNK.div_ceil(width))
-                .for_each(|(r, d)| self.widen_into(src(r, 0).start, d));
-        }
-        // SAFETY: every element of the first `rows·width` was written above.
-        unsafe { out.set_len(rows * width) };
-        out
-    }
-
-    /// `dst[i]` = stored value `at + i` rounded to bf16 and widened to f32.
-    fn widen_into(&self, at: usize, dst: &mut [MaybeUninit<f32>]) {
-        match self {
-            Operand::F32(v) | Operand::Rounded(v) => round_span(&v[at..at + dst.len()], dst),
-            Operand::Bf16(v) => widen_span(&v[at..at + dst.len()], dst),
-        }
-    }
-}
-
-/// Rounds `x` to bf16 values in place (nearest, ties to even; NaN stays NaN), vectorized
-/// over the current rayon pool: a product's operand rounded once, then passed as
-/// [`Operand::Rounded`] to several bf16 GEMMs.
-pub fn round_to_bf16_in_place(x: &mut [f32]) {
-    x.par_chunks_mut(WIDEN_CHUNK).for_each(round_in_place_span);
-}
-
-/// A rounded copy of `x` (see [`round_to_bf16_in_place`]), for [`Operand::Rounded`].
-pub fn rounded_to_bf16(x: &[f32]) -> Vec<f32> {
-    Operand::F32(x).rounded_f32(0, 1, x.len(), 0)
-}
-
-crate::multiversion! {
-    fn round_in_place_span(x: &mut [f32]) {
-        for v in x.iter_mut() {
-            *v = round_bf16_f32(*v);
-        }
-    }
-}
-
-/// Elements one task of [`Operand::rounded_f32`] converts at least (64 KiB of f32).
-const WIDEN_CHUNK: usize = 1 << 14;
-
-/// `x` rounded to the nearest bf16 (ties to even; NaN stays NaN, quieted) as an f32: the bits
-/// of [`crate::round_to_bf16_bits`] in the upper half, branch-free so that loops vectorize.
-#[inline(always)]
-fn round_bf16_f32(x: f32) -> f32 {
-    let bits = x.to_bits();
-    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1));
-    let quiet = bits | 0x0040_0000;
-    let nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
-    f32::from_bits(if nan { quiet } else { rounded } & 0xffff_0000)
-}
-
-crate::multiversion! {
-    fn round_span(src: &[f32], dst: &mut [MaybeUninit<f32>]) {
-        for (d, &x) in dst.iter_mut().zip(src) {
-            d.write(round_bf16_f32(x));
-        }
-    }
-}
-
-crate::multiversion! {
-    fn widen_span(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
-        for (d, x) in dst.iter_mut().zip(src) {
-            d.write(f32::from_bits(u32::from(x.to_bits()) << 16));
-        }
-    }
-}
 
 /// The instructions a bf16 GEMM runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
