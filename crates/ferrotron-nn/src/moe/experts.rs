@@ -5,7 +5,7 @@
 //! GEMM, not a loop over tokens), and each token's output is the routing-weighted sum of its
 //! rows. Backward gives the input, weight and routing-weight gradients.
 
-use ferrotron_tensor::gemm::{Op, sgemm};
+use ferrotron_tensor::gemm::{Op, sgemm_serial};
 use ferrotron_tensor::ops::{swiglu_packed, swiglu_packed_backward};
 use rayon::prelude::*;
 
@@ -366,8 +366,8 @@ fn split_rows<'a>(offsets: &[usize], mut data: &'a mut [f32], width: usize) -> V
 }
 
 /// Runs `job(e, rows_e, part_e)` for every expert with rows, side by side (one expert per
-/// task, each GEMM on its own thread; measured 5-10% faster on 2 cores than one expert after
-/// another with each GEMM spread over the threads, BENCHMARKS.md).
+/// task, each GEMM on its own thread, [`sgemm_serial`]; measured faster on 2 cores than one
+/// expert after another with each GEMM spread over the threads, BENCHMARKS.md).
 fn for_each_expert(
     offsets: &[usize],
     parts: Vec<&mut [f32]>,
@@ -393,7 +393,7 @@ fn grouped_matmul_t(
     for_each_expert(offsets, parts, |e, m, o| {
         let a = &a[offsets[e] * kd..][..m * kd];
         let w = &w[e * n * kd..][..n * kd];
-        sgemm(m, n, kd, a, Op::N, w, Op::T, o, false);
+        sgemm_serial(m, n, kd, a, Op::N, w, Op::T, o, false);
     });
 }
 
@@ -409,7 +409,7 @@ fn grouped_matmul(
     for_each_expert(offsets, parts, |e, m, o| {
         let g = &g[offsets[e] * n..][..m * n];
         let w = &w[e * n * kd..][..n * kd];
-        sgemm(m, kd, n, g, Op::N, w, Op::N, o, false);
+        sgemm_serial(m, kd, n, g, Op::N, w, Op::N, o, false);
     });
 }
 
@@ -428,6 +428,6 @@ fn grouped_weight_grad(
             &g[offsets[e] * n..][..m * n],
             &a[offsets[e] * kd..][..m * kd],
         );
-        sgemm(n, kd, m, g, Op::T, a, Op::N, d, true);
+        sgemm_serial(n, kd, m, g, Op::T, a, Op::N, d, true);
     });
 }

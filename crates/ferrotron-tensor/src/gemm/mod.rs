@@ -10,9 +10,9 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 mod sgemm;
-pub use sgemm::sgemm;
 pub(crate) use sgemm::sgemm_raw;
 use sgemm::{Dest, Strided, sgemm_strided};
+pub use sgemm::{sgemm, sgemm_serial};
 
 /// How an operand is read: as stored (row-major) or transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -49,6 +49,50 @@ pub fn sgemm(
     }
 }
 
+/// [`sgemm`] on the calling thread alone, for callers that already spread independent
+/// products over the pool (the experts of a grouped MoE GEMM, side by side): splitting each
+/// of them again would only cut them narrower.
+///
+/// # Panics
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [f32],
+    accumulate: bool,
+) {
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let (a, b) = (
+        strided(a.as_ptr(), op_a, m, k),
+        strided(b.as_ptr(), op_b, k, n),
+    );
+    let c = Dest {
+        ptr: c.as_mut_ptr(),
+        ldc: n,
+    };
+    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive.
+    unsafe { product(m, n, k, a, b, c, accumulate, gemm::Parallelism::None) }
+}
+
+/// A row-major `rows × cols` operand read as stored (`Op::N`) or transposed (stored
+/// `[cols, rows]`).
+fn strided(ptr: *const f32, op: Op, rows: usize, cols: usize) -> Strided {
+    let (cs, rs) = match op {
+        Op::N => (1, cols as isize),
+        Op::T => (rows as isize, 1),
+    };
+    Strided { ptr, cs, rs }
+}
+
 /// Products smaller than this many multiply-adds run on one thread.
 const MIN_PARALLEL_MNK: usize = 64 * 64 * 64;
 /// The narrowest block of the output's longer side one thread takes alone; below it the
@@ -95,17 +139,7 @@ pub(crate) unsafe fn sgemm_raw(
     ldc: usize,
     accumulate: bool,
 ) {
-    // (column stride, row stride) of each operand as read.
-    let (cs, rs) = match op_a {
-        Op::N => (1, k as isize),
-        Op::T => (m as isize, 1),
-    };
-    let a = Strided { ptr: a, cs, rs };
-    let (cs, rs) = match op_b {
-        Op::N => (1, n as isize),
-        Op::T => (k as isize, 1),
-    };
-    let b = Strided { ptr: b, cs, rs };
+    let (a, b) = (strided(a, op_a, m, k), strided(b, op_b, k, n));
     // SAFETY: forwarded from the caller.
     unsafe { sgemm_strided(m, n, k, a, b, Dest { ptr: c, ldc }, accumulate) }
 }
