@@ -83,10 +83,7 @@ impl Stored {
 
     /// The values as f32 (borrowed when kept in f32, widened otherwise).
     pub(crate) fn f32(&self) -> Cow<'_, [f32]> {
-        match self {
-            Stored::F32(v) => Cow::Borrowed(v.host()),
-            Stored::Bf16(v) => Cow::Owned(Operand::Bf16(v.host()).to_f32().into_owned()),
-        }
+        self.operand().to_f32()
     }
 
     /// Bytes held.

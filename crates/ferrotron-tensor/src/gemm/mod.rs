@@ -261,20 +261,15 @@ pub fn matmul_weight(
     k: usize,
     accumulate: bool,
 ) {
-    assert!(dx.len() >= m * k);
-    if let WeightRef::BF16(w) = w {
-        return bf16_gemm(m, k, n, dy, Op::N, Bf16(w), Op::N, dx, accumulate);
-    }
-    let dy = dy.to_f32();
-    assert!(dy.len() >= m * n);
+    assert!(dy.len() >= m * n && dx.len() >= m * k);
     match w {
-        WeightRef::F32(w) => sgemm(m, k, n, &dy, Op::N, w, Op::N, dx, accumulate),
+        WeightRef::BF16(w) => bf16_gemm(m, k, n, dy, Op::N, Bf16(w), Op::N, dx, accumulate),
+        WeightRef::F32(w) => sgemm(m, k, n, &dy.to_f32(), Op::N, w, Op::N, dx, accumulate),
         WeightRef::F16(w) => {
             let widen = |rows, out: &mut [f32]| widen_rows(w, rows, k, out);
-            dequantized_blocks_n(&dy, widen, dx, (m, n, k), accumulate)
+            dequantized_blocks_n(&dy.to_f32(), widen, dx, (m, n, k), accumulate)
         }
-        WeightRef::Quant(w) => quant_matmul(&dy, w, dx, (m, n, k), accumulate),
-        WeightRef::BF16(_) => unreachable!("bf16 weights returned above"),
+        WeightRef::Quant(w) => quant_matmul(&dy.to_f32(), w, dx, (m, n, k), accumulate),
     }
 }
 
@@ -346,7 +341,8 @@ pub(crate) fn dequantized_blocks_n(
                 ptr: dx.as_mut_ptr(),
                 ldc: k,
             };
-            sgemm_strided(m, k, rows, dy, block, dx, read_dst)
+            let threads = rayon::current_num_threads();
+            sgemm_strided(m, k, rows, dy, block, dx, read_dst, threads)
         }
     }
 }

@@ -31,22 +31,8 @@ pub fn sgemm(
     c: &mut [f32],
     accumulate: bool,
 ) {
-    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive.
-    unsafe {
-        sgemm_raw(
-            m,
-            n,
-            k,
-            a.as_ptr(),
-            op_a,
-            b.as_ptr(),
-            op_b,
-            c.as_mut_ptr(),
-            n,
-            accumulate,
-        )
-    }
+    let threads = rayon::current_num_threads();
+    checked(m, n, k, (a, op_a), (b, op_b), c, accumulate, threads);
 }
 
 /// [`sgemm`] on the calling thread alone, for callers that already spread independent
@@ -67,10 +53,25 @@ pub fn sgemm_serial(
     c: &mut [f32],
     accumulate: bool,
 ) {
+    checked(m, n, k, (a, op_a), (b, op_b), c, accumulate, 1);
+}
+
+/// [`sgemm`] on `threads` threads of the current pool (1: the calling thread).
+///
+/// # Panics
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+fn checked(
+    m: usize,
+    n: usize,
+    k: usize,
+    (a, op_a): (&[f32], Op),
+    (b, op_b): (&[f32], Op),
+    c: &mut [f32],
+    accumulate: bool,
+    threads: usize,
+) {
     assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    if m == 0 || n == 0 {
-        return;
-    }
     let (a, b) = (
         strided(a.as_ptr(), op_a, m, k),
         strided(b.as_ptr(), op_b, k, n),
@@ -80,7 +81,7 @@ pub fn sgemm_serial(
         ldc: n,
     };
     // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive.
-    unsafe { product(m, n, k, a, b, c, accumulate, gemm::Parallelism::None) }
+    unsafe { sgemm_strided(m, n, k, a, b, c, accumulate, threads) }
 }
 
 /// A row-major `rows × cols` operand read as stored (`Op::N`) or transposed (stored
@@ -140,15 +141,17 @@ pub(crate) unsafe fn sgemm_raw(
     accumulate: bool,
 ) {
     let (a, b) = (strided(a, op_a, m, k), strided(b, op_b, k, n));
+    let threads = rayon::current_num_threads();
     // SAFETY: forwarded from the caller.
-    unsafe { sgemm_strided(m, n, k, a, b, Dest { ptr: c, ldc }, accumulate) }
+    unsafe { sgemm_strided(m, n, k, a, b, Dest { ptr: c, ldc }, accumulate, threads) }
 }
 
 /// [`sgemm_raw`] on operands given by their strides (`a`'s row stride the stored row length
-/// of a wider matrix: a block of its columns).
+/// of a wider matrix: a block of its columns), on `threads` threads of the current pool.
 ///
 /// # Safety
 /// The pointers address `m × k`, `k × n` and `m × n` elements at their strides.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn sgemm_strided(
     m: usize,
     n: usize,
@@ -157,11 +160,11 @@ pub(super) unsafe fn sgemm_strided(
     b: Strided,
     c: Dest,
     accumulate: bool,
+    threads: usize,
 ) {
     if m == 0 || n == 0 {
         return;
     }
-    let threads = rayon::current_num_threads();
     if threads == 1 || m * n * k < MIN_PARALLEL_MNK {
         // SAFETY: forwarded from the caller.
         return unsafe { product(m, n, k, a, b, c, accumulate, gemm::Parallelism::None) };

@@ -18,20 +18,26 @@ pub enum Operand<'a> {
     Rounded(&'a [f32]),
 }
 
-impl Operand<'_> {
+impl<'a> Operand<'a> {
     /// The values as f32: borrowed when stored in f32, widened (exactly) from bf16.
-    pub fn to_f32(&self) -> Cow<'_, [f32]> {
-        match self {
+    pub fn to_f32(&self) -> Cow<'a, [f32]> {
+        match *self {
             Operand::F32(v) | Operand::Rounded(v) => Cow::Borrowed(v),
             Operand::Bf16(v) => Cow::Owned(self.rounded_f32(0, 1, v.len(), 0)),
         }
     }
 
-    pub(super) fn len(&self) -> usize {
+    /// Element count.
+    pub fn len(&self) -> usize {
         match self {
             Operand::F32(v) | Operand::Rounded(v) => v.len(),
             Operand::Bf16(v) => v.len(),
         }
+    }
+
+    /// No elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// As [`Operand::rounded_f32`], borrowed where the values are [`Operand::Rounded`] and
@@ -42,8 +48,8 @@ impl Operand<'_> {
         rows: usize,
         width: usize,
         stride: usize,
-    ) -> Cow<'_, [f32]> {
-        match self {
+    ) -> Cow<'a, [f32]> {
+        match *self {
             Operand::Rounded(v) if rows == 1 || stride == width => {
                 Cow::Borrowed(&v[start..start + rows * width])
             }

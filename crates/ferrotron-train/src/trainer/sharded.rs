@@ -57,21 +57,19 @@ impl Trainer {
         // Expert-parallel rank r (data-parallel rank r of the first expert-data-parallel
         // group, Megatron's grid) writes its experts; rank 0 everything else too.
         let ep = self.model.expert_parallel().map_or(1, |e| e.shard().size);
-        let writes = self.dp.rank() < ep;
-        let mut buffers = Vec::new();
-        if writes {
-            let (weights, kept) = self.plan_model();
-            buffers = kept;
-            let specs: Vec<ShardSpec> = weights.iter().map(|p| p.spec.clone()).collect();
-            let dtype = stored(self.buffer.param_dtype())?;
-            let file = expert_model_file(tp, pp, self.dp.rank());
-            let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
-            self.push_model_boxes(&mut out, &weights)?;
-            out.finish().map_err(ckpt_err)?;
+        if self.dp.rank() >= ep {
+            return match self.dp.use_distributed_optimizer() {
+                true => self.write_optimizer_shards(writer, &[]),
+                false => Ok(()),
+            };
         }
-        if !writes && !self.dp.use_distributed_optimizer() {
-            return Ok(());
-        }
+        let (weights, buffers) = self.plan_model();
+        let specs: Vec<ShardSpec> = weights.iter().map(|p| p.spec.clone()).collect();
+        let dtype = stored(self.buffer.param_dtype())?;
+        let file = expert_model_file(tp, pp, self.dp.rank());
+        let mut out = writer.open_file(&file, dtype, &specs).map_err(ckpt_err)?;
+        self.push_model_boxes(&mut out, &weights)?;
+        out.finish().map_err(ckpt_err)?;
         self.write_optimizer_shards(writer, &buffers)
     }
 
