@@ -160,6 +160,30 @@ impl ParamTable {
         table
     }
 
+    /// The table with its dense weights converted to `dtype` (round-to-nearest-even when
+    /// narrowing), in the same layout; buffers stay f32 and quantized weights are shared.
+    ///
+    /// # Panics
+    /// The trainable storage is lent out.
+    pub fn to_dtype(&self, dtype: DType) -> ParamTable {
+        const BLOCK: usize = 1 << 20;
+        let convert = |s: &Storage| {
+            let mut out = Storage::zeros(dtype, s.len());
+            for start in (0..s.len()).step_by(BLOCK) {
+                let block = start..(start + BLOCK).min(s.len());
+                out.set_from_f32(block.clone(), &s.to_f32_range(block));
+            }
+            out
+        };
+        ParamTable {
+            storage: Some(convert(self.storage())),
+            frozen: convert(&self.frozen),
+            buffers: self.buffers.clone(),
+            dtype,
+            slots: self.slots.clone(),
+        }
+    }
+
     /// The storage of `home` (the trainable one must not be lent out; see
     /// [`ParamTable::storage`]).
     fn home(&self, home: ParamHome) -> &Storage {

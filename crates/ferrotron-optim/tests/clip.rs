@@ -34,6 +34,32 @@ fn f64_accumulation_over_many_elements() {
 }
 
 #[test]
+fn sq_sum_of_every_length_and_non_finite_values() {
+    // Lengths around the lane and chunk sizes; squares of small integers sum exactly in f64.
+    for n in [
+        0,
+        1,
+        15,
+        16,
+        17,
+        33,
+        64 * 1024 - 1,
+        64 * 1024,
+        64 * 1024 + 17,
+        200_003,
+    ] {
+        let g: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+        let exact: f64 = g.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        assert_eq!(grad_sq_sum(&g), exact, "n = {n}");
+    }
+    let mut g = vec![1.0f32; 100_000];
+    g[77_777] = f32::INFINITY;
+    assert_eq!(grad_sq_sum(&g), f64::INFINITY);
+    g[5] = f32::NAN;
+    assert!(grad_sq_sum(&g).is_nan());
+}
+
+#[test]
 fn unscale_reports_non_finite_before_scaling() {
     let mut g = [2.0f32, 4.0];
     assert!(!unscale_and_check_finite(&mut g, 0.5));

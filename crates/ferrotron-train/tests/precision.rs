@@ -119,8 +119,58 @@ fn fp16_trains_and_overflow_skips_steps_and_lowers_the_scale() {
 
 #[test]
 fn precision_and_weights_must_agree() {
-    let err = Trainer::new(tiny_model(DType::F32), options(Precision::Bf16))
+    let err = Trainer::new(tiny_model(DType::BF16), options(Precision::Fp16))
         .err()
-        .expect("f32 weights with bf16 precision");
-    assert!(err.to_string().contains("bf16"), "{err}");
+        .expect("bf16 weights with fp16 precision");
+    assert!(err.to_string().contains("f16"), "{err}");
+}
+
+/// A bf16 run given f32 weights computes with their rounded copies but starts its master
+/// weights from the f32 values (as PyTorch mixed precision keeps its f32 weights): weights
+/// 0.45 ulp above a bf16 value move to the next one after an update of +0.1 ulp, where
+/// masters started from the rounded copies (what a bf16 model gives) move none of them.
+#[test]
+fn f32_weights_start_the_master_weights_of_a_bf16_run() {
+    let mut model = tiny_model(DType::F32);
+    let i = model
+        .parameters()
+        .iter()
+        .position(|p| p.name == "decoder.layers.0.self_attention.linear_qkv.weight")
+        .expect("layer 0 qkv");
+    let name = model.parameters()[i].name.clone();
+    let ulp = 2f32.powi(-8); // of a bf16 in [0.5, 1)
+    let n = model.param_table().numel(i);
+    let start: Vec<f32> = (0..n)
+        .map(|k| if k % 2 == 0 { 1.0 } else { -1.0 } * (0.5 + 0.45 * ulp))
+        .collect();
+    model
+        .param_table_mut()
+        .set_from_f32(i, &name, &start)
+        .unwrap();
+    let mut rounded = model.clone();
+    let narrow = rounded.param_table().to_dtype(DType::BF16);
+    *rounded.param_table_mut() = narrow;
+
+    let mut opts = options(Precision::Bf16);
+    (opts.lr, opts.min_lr) = (0.1 * f64::from(ulp), 0.1 * f64::from(ulp));
+    let moved = |model: GptModel| {
+        let mut run = Trainer::new(model, opts.clone()).unwrap();
+        let before = run.param(i);
+        assert!(before.iter().all(|&x| x.abs() == 0.5), "rounded copies");
+        run.train_step(&batches(0)).unwrap();
+        run.param(i)
+            .iter()
+            .zip(&before)
+            .filter(|(a, b)| a != b)
+            .count()
+    };
+    let from_f32 = moved(model);
+    let from_rounded = moved(rounded);
+    // About half the elements are pushed away from zero (+0.1 ulp crosses the half-ulp
+    // boundary); the others move toward zero and stay.
+    assert!(from_f32 > n / 4, "{from_f32} of {n} weights moved");
+    assert_eq!(
+        from_rounded, 0,
+        "updates of 0.1 ulp round away from a rounded master"
+    );
 }

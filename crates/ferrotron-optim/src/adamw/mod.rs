@@ -317,6 +317,43 @@ impl AdamW {
         Ok(())
     }
 
+    /// Overwrites the master weights of the buffer's flat `range` where this optimizer owns
+    /// it, from `values` (f32, one per element of `range`): a bf16/f16 run whose starting
+    /// weights hold more precision than its params keeps them in the masters rather than
+    /// their rounded copies (see [`Optimizer::set_master_weights`](crate::Optimizer)).
+    /// No-op for fp32 params.
+    ///
+    /// # Errors
+    /// [`OptimError::Length`] when `values.len() != range.len()` (nothing written);
+    /// [`OptimError::Offload`] when writing offloaded chunks fails.
+    pub fn set_master_weights(&mut self, range: Range<usize>, values: &[f32]) -> Result<()> {
+        if values.len() != range.len() {
+            return Err(OptimError::Length {
+                what: format!("master weights of the flat range {range:?}"),
+                expected: range.len(),
+                actual: values.len(),
+            });
+        }
+        if !self.has_master {
+            return Ok(());
+        }
+        for (owned, local) in self.owned.iter() {
+            let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            let at = |sub: &Range<usize>| owned.start + sub.start - local - range.start;
+            let local_lo = local + lo - owned.start;
+            self.state
+                .for_each(local_lo..local_lo + (hi - lo), |sub, mut planes| {
+                    let from = at(&sub);
+                    planes[MASTER].copy_from_slice(&values[from..from + sub.len()]);
+                    Ok(())
+                })?;
+        }
+        Ok(())
+    }
+
     /// Writes the master weights (rounded) into the buffer's params over the owned ranges.
     /// No-op for fp32 params.
     ///

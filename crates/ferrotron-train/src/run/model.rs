@@ -1,7 +1,8 @@
 //! The model a run trains: loaded from an HF directory or a Ferrotron checkpoint
 //! (`model.load`) or built from the explicit `[model]` dimensions with Megatron's random init
-//! (pretraining from scratch), stored in the dtype `[precision]` asks for, with the run's
-//! activation recompute (Megatron's `model_provider` before `get_model` splits it).
+//! (pretraining from scratch): loaded weights in f32 (the trainer rounds them for bf16 /
+//! fp16 and keeps them as the master weights), initialized ones in the dtype `[precision]`
+//! asks for; with the run's activation recompute (Megatron's `model_provider` before `get_model` splits it).
 
 use super::{Context, RunError};
 use crate::config::{ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig};
@@ -22,7 +23,9 @@ use std::path::{Path, PathBuf};
 
 /// The model of a run and what the rest of the run needs to know about where it came from.
 pub struct RunModel {
-    /// The full model, weights stored in the dtype `[precision]` asks for.
+    /// The full model: loaded weights in f32 (a bf16/fp16 trainer rounds its copy and keeps
+    /// these values as the master weights), freshly initialized ones in the dtype
+    /// `[precision]` asks for (Megatron initializes the bf16/fp16 params themselves).
     pub model: GptModel,
     /// End-of-document token id (Megatron's EOD), when known.
     pub eod: Option<u32>,
@@ -64,7 +67,12 @@ fn recompute(r: Recompute) -> Option<RecomputeGranularity> {
 /// rejects (naming the key), a recompute setting the model rejects, or a
 /// `data.tokenizer_model` without a usable tokenizer.
 pub fn build_model(rc: &RunConfig) -> Result<RunModel, RunError> {
-    let (_, dtype) = precision(rc);
+    let dtype = match rc.model {
+        // Loaded weights stay f32 here: under bf16/fp16 the trainer rounds the model's copy
+        // and starts the optimizer's master weights from these values.
+        ModelSource::Load(_) => DType::F32,
+        ModelSource::Explicit(_) => precision(rc).1,
+    };
     let tokenizer_model = rc.resolved.data.tokenizer_model.clone();
     let mut run = match &rc.model {
         ModelSource::Load(file) if crate::config::is_gguf(file) => {

@@ -14,6 +14,7 @@ use ferrotron_optim::{
     BufferConfig, Optimizer, OptimizerParamScheduler, OwnedRanges, ParamAndGradBuffer,
     ParamAndGradBufferBuilder, ParamFlags,
 };
+use ferrotron_tensor::DType;
 use std::time::{Duration, Instant};
 
 /// What one [`Trainer::train_step`] did.
@@ -121,12 +122,22 @@ impl Trainer {
                 .ok_or_else(|| TrainError::Comm("duplicating the data-parallel group".into()))?;
             model.set_global_aux_group(dup);
         }
-        if stored != dtype {
-            return Err(TrainError::Config(format!(
-                "precision {:?} needs {dtype} model weights, the model stores {stored}",
-                options.precision
-            )));
-        }
+        let master_source = match (stored, dtype) {
+            _ if stored == dtype => None,
+            // f32 weights under bf16/f16: the model computes with their rounded copies and
+            // the optimizer's masters start from the f32 values themselves (below).
+            (DType::F32, DType::BF16 | DType::F16) => {
+                let narrow = model.param_table().to_dtype(dtype);
+                Some(std::mem::replace(model.param_table_mut(), narrow))
+            }
+            _ => {
+                return Err(TrainError::Config(format!(
+                    "precision {:?} needs {dtype} (or f32) model weights, the model stores \
+                     {stored}",
+                    options.precision
+                )));
+            }
+        };
         let mut config = BufferConfig::new(dtype, dp.size());
         if let Some(size) = options.ddp_bucket_size {
             config.bucket_size = Some(size);
@@ -164,10 +175,17 @@ impl Trainer {
         model
             .param_table_mut()
             .rehome(buffer.take_params()?, &offsets)?;
-        let optimizer = with_params_in_buffer(&mut model, &mut buffer, |buffer| {
+        let mut optimizer = with_params_in_buffer(&mut model, &mut buffer, |buffer| {
             dp.broadcast_params(buffer)?;
             new_optimizer(&options, buffer, &dp)
         })?;
+        if let Some(source) = master_source {
+            for (i, p) in buffer.params().iter().enumerate() {
+                if !source.is_frozen(i) {
+                    optimizer.set_master_weights(p.range(), &source.f32_values(i))?;
+                }
+            }
+        }
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
         // ZeRO-3: from here on a rank holds its shards of the weights only.
         let param_shards = match sharding.shards_params() {
