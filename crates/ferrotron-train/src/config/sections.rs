@@ -245,8 +245,9 @@ section! {
     /// `[precision]`: compute dtype and the fp16 loss scaler.
     PrecisionSection, "precision" {
         /// bf16 weights and saved activations, bf16 x bf16 -> f32 matmuls, f32 gradients,
-        /// master weights and Adam state. Default: false.
-        /// Megatron: `--bf16`.
+        /// master weights and Adam state; the master weights start from `model.load`'s
+        /// values as loaded (f32), the model computes with their rounded copies. Default:
+        /// false. Megatron: `--bf16`.
         bf16: bool = false,
         /// fp16 with dynamic loss scaling. Default: false. Megatron: `--fp16`.
         fp16: bool = false,
