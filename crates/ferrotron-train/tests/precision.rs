@@ -2,14 +2,16 @@
 //! f32 gradients, master weights and Adam moments; fp16 dynamic loss scaling skips and
 //! counts overflowing steps and lowers the scale.
 
+use ferrotron_comm::{Communicator, run_local};
 use ferrotron_data::{GptSample, MicroBatch};
 use ferrotron_model::GptModel;
 use ferrotron_model::families::load_hf_model;
 use ferrotron_optim::{DynamicGradScalerConfig, LrDecayStyle, Precision};
 use ferrotron_tensor::DType;
-use ferrotron_train::trainer::{Trainer, TrainerOptions};
+use ferrotron_train::trainer::{DataParallel, TrainError, Trainer, TrainerOptions};
 use half::{bf16, f16};
 use std::path::Path;
+use std::sync::Arc;
 
 const SEQ: usize = 12;
 const PATTERN: [u32; 7] = [5, 17, 42, 8, 99, 23, 61];
@@ -125,47 +127,68 @@ fn precision_and_weights_must_agree() {
     assert!(err.to_string().contains("f16"), "{err}");
 }
 
+/// tiny-llama in f32 with its layer-0 qkv weight (parameter `i` of `n` elements) set to
+/// ±(0.5 + 0.45 ulp): 0.45 bf16 ulp above the bf16 value 0.5 the model computes with.
+fn nudged_model() -> (GptModel, usize, usize) {
+    let mut model = tiny_model(DType::F32);
+    let name = "decoder.layers.0.self_attention.linear_qkv.weight";
+    let i = model
+        .parameters()
+        .iter()
+        .position(|p| p.name == name)
+        .expect("layer 0 qkv");
+    let n = model.param_table().numel(i);
+    let start: Vec<f32> = (0..n)
+        .map(|k| if k % 2 == 0 { 1.0 } else { -1.0 } * (0.5 + 0.45 * ULP))
+        .collect();
+    model
+        .param_table_mut()
+        .set_from_f32(i, name, &start)
+        .unwrap();
+    (model, i, n)
+}
+
+/// One bf16 ulp in [0.5, 1).
+const ULP: f32 = 1.0 / 256.0;
+
+/// bf16 options whose first AdamW step moves every weight by about 0.1 ulp.
+fn tenth_ulp_options() -> TrainerOptions {
+    let mut opts = options(Precision::Bf16);
+    (opts.lr, opts.min_lr) = (0.1 * f64::from(ULP), 0.1 * f64::from(ULP));
+    opts
+}
+
+/// Which elements of parameter `i` one step of `run` (this rank's `batches`) moved.
+fn moved(run: &mut Trainer, i: usize, batches: &[MicroBatch]) -> Vec<bool> {
+    let before = run.param(i);
+    assert!(before.iter().all(|&x| x.abs() == 0.5), "rounded copies");
+    run.train_step(batches).unwrap();
+    run.finish_param_gather().unwrap();
+    run.param(i)
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| a != b)
+        .collect()
+}
+
 /// A bf16 run given f32 weights computes with their rounded copies but starts its master
 /// weights from the f32 values (as PyTorch mixed precision keeps its f32 weights): weights
 /// 0.45 ulp above a bf16 value move to the next one after an update of +0.1 ulp, where
 /// masters started from the rounded copies (what a bf16 model gives) move none of them.
 #[test]
 fn f32_weights_start_the_master_weights_of_a_bf16_run() {
-    let mut model = tiny_model(DType::F32);
-    let i = model
-        .parameters()
-        .iter()
-        .position(|p| p.name == "decoder.layers.0.self_attention.linear_qkv.weight")
-        .expect("layer 0 qkv");
-    let name = model.parameters()[i].name.clone();
-    let ulp = 2f32.powi(-8); // of a bf16 in [0.5, 1)
-    let n = model.param_table().numel(i);
-    let start: Vec<f32> = (0..n)
-        .map(|k| if k % 2 == 0 { 1.0 } else { -1.0 } * (0.5 + 0.45 * ulp))
-        .collect();
-    model
-        .param_table_mut()
-        .set_from_f32(i, &name, &start)
-        .unwrap();
+    let (model, i, n) = nudged_model();
     let mut rounded = model.clone();
     let narrow = rounded.param_table().to_dtype(DType::BF16);
     *rounded.param_table_mut() = narrow;
-
-    let mut opts = options(Precision::Bf16);
-    (opts.lr, opts.min_lr) = (0.1 * f64::from(ulp), 0.1 * f64::from(ulp));
-    let moved = |model: GptModel| {
-        let mut run = Trainer::new(model, opts.clone()).unwrap();
-        let before = run.param(i);
-        assert!(before.iter().all(|&x| x.abs() == 0.5), "rounded copies");
-        run.train_step(&batches(0)).unwrap();
-        run.param(i)
+    let count = |model| {
+        let mut run = Trainer::new(model, tenth_ulp_options()).unwrap();
+        moved(&mut run, i, &batches(0))
             .iter()
-            .zip(&before)
-            .filter(|(a, b)| a != b)
+            .filter(|&&m| m)
             .count()
     };
-    let from_f32 = moved(model);
-    let from_rounded = moved(rounded);
+    let (from_f32, from_rounded) = (count(model), count(rounded));
     // About half the elements are pushed away from zero (+0.1 ulp crosses the half-ulp
     // boundary); the others move toward zero and stay.
     assert!(from_f32 > n / 4, "{from_f32} of {n} weights moved");
@@ -173,4 +196,32 @@ fn f32_weights_start_the_master_weights_of_a_bf16_run() {
         from_rounded, 0,
         "updates of 0.1 ulp round away from a rounded master"
     );
+}
+
+/// The same under the distributed optimizer on 2 ranks: each rank starts the masters of its
+/// own shard from the f32 weights, and the gathered weights move as on one rank.
+#[test]
+fn f32_weights_start_the_sharded_master_weights() {
+    let (model, i, n) = nudged_model();
+    let mut one = Trainer::new(model.clone(), tenth_ulp_options()).unwrap();
+    let want = moved(&mut one, i, &batches(0));
+    let runs = run_local(2, |comm| {
+        let rank = comm.rank();
+        let group = DataParallel::new(Arc::new(comm), true);
+        let opts = TrainerOptions {
+            data_parallel_size: 2,
+            ..tenth_ulp_options()
+        };
+        let mut run = Trainer::new_data_parallel(model.clone(), opts, group)?;
+        Ok::<_, TrainError>(moved(&mut run, i, &batches(0)[rank..rank + 1]))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    for got in runs {
+        let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+        // Gradients summed in another order may flip a near-zero one's sign: a few elements.
+        assert!(
+            same >= n * 99 / 100,
+            "{same} of {n} elements moved as on one rank"
+        );
+    }
 }
