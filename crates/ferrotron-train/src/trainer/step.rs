@@ -88,9 +88,15 @@ impl Trainer {
     /// (then rank 0's to every rank of `dp`) and builds the optimizer (sharded with the
     /// distributed optimizer) and the schedule from `options`. Collective over `dp`.
     ///
+    /// The model's weights are in the dtype of `options.precision`, or in f32 under bf16 /
+    /// fp16: the model then computes with their rounded copies and the fp32 master weights
+    /// start from the f32 values themselves (from rounded copies, a run's first updates
+    /// below half an ulp would all round back; see BENCHMARKS.md, bf16 loss curves).
+    ///
     /// # Errors
     /// Invalid options ([`TrainerOptions::validate`]), `options.data_parallel_size` not the
-    /// group's size, or a buffer/optimizer/communication failure.
+    /// group's size, weights in neither the precision's dtype nor f32, or a
+    /// buffer/optimizer/communication failure.
     pub fn new_data_parallel(
         model: GptModel,
         options: TrainerOptions,
