@@ -236,17 +236,20 @@ impl Optimizer {
         self.adam.reload_model_params(buffer)
     }
 
-    /// Sets the fp32 master weights of the buffer's flat `range` (where this rank owns it)
-    /// from `values`, which may hold more precision than the bf16/f16 params rounded from
-    /// them: a run that starts from f32 weights (an f32 HF checkpoint, a dequantized GGUF)
+    /// Sets the fp32 master weights over this rank's owned ranges from `source(range, out)`
+    /// (the f32 values of the buffer's flat `range`), which may hold more precision than the
+    /// bf16/f16 params rounded from them: a run that starts from f32 weights (an f32 HF checkpoint, a dequantized GGUF)
     /// keeps them exactly, as PyTorch mixed precision keeps its f32 weights, instead of
     /// starting the masters from the rounded params, whose first updates (smaller than half
     /// a bf16 ulp) would all round back to the same values. No-op for fp32 params.
     ///
     /// # Errors
     /// As [`AdamW::set_master_weights`].
-    pub fn set_master_weights(&mut self, range: Range<usize>, values: &[f32]) -> Result<()> {
-        self.adam.set_master_weights(range, values)
+    pub fn set_master_weights(
+        &mut self,
+        source: impl FnMut(Range<usize>, &mut [f32]),
+    ) -> Result<()> {
+        self.adam.set_master_weights(source)
     }
 
     /// Local sum of squared grads over the owned ranges, leaving out params flagged

@@ -302,6 +302,21 @@ impl AdamW {
     /// # Errors
     /// [`OptimError::Offload`] when writing offloaded chunks fails.
     pub fn reload_model_params(&mut self, buffer: &ParamAndGradBuffer) -> Result<()> {
+        self.set_master_weights(|range, out| buffer.param_storage().copy_to_f32(range, out))
+    }
+
+    /// Overwrites the master weights over the owned ranges in one pass: `source(range, out)`
+    /// fills `out` with the f32 values of the buffer's flat `range`. A bf16/f16 run whose
+    /// starting weights hold more precision than its params keeps them in the masters rather
+    /// than their rounded copies (see [`Optimizer::set_master_weights`](crate::Optimizer)).
+    /// No-op for fp32 params.
+    ///
+    /// # Errors
+    /// [`OptimError::Offload`] when writing offloaded chunks fails.
+    pub fn set_master_weights(
+        &mut self,
+        mut source: impl FnMut(Range<usize>, &mut [f32]),
+    ) -> Result<()> {
         if !self.has_master {
             return Ok(());
         }
@@ -310,44 +325,7 @@ impl AdamW {
                 |sub: &Range<usize>| range.start + sub.start - local..range.start + sub.end - local;
             self.state
                 .for_each(local..local + range.len(), |sub, mut planes| {
-                    buffer.param_storage().copy_to_f32(at(&sub), planes[MASTER]);
-                    Ok(())
-                })?;
-        }
-        Ok(())
-    }
-
-    /// Overwrites the master weights of the buffer's flat `range` where this optimizer owns
-    /// it, from `values` (f32, one per element of `range`): a bf16/f16 run whose starting
-    /// weights hold more precision than its params keeps them in the masters rather than
-    /// their rounded copies (see [`Optimizer::set_master_weights`](crate::Optimizer)).
-    /// No-op for fp32 params.
-    ///
-    /// # Errors
-    /// [`OptimError::Length`] when `values.len() != range.len()` (nothing written);
-    /// [`OptimError::Offload`] when writing offloaded chunks fails.
-    pub fn set_master_weights(&mut self, range: Range<usize>, values: &[f32]) -> Result<()> {
-        if values.len() != range.len() {
-            return Err(OptimError::Length {
-                what: format!("master weights of the flat range {range:?}"),
-                expected: range.len(),
-                actual: values.len(),
-            });
-        }
-        if !self.has_master {
-            return Ok(());
-        }
-        for (owned, local) in self.owned.iter() {
-            let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
-            if lo >= hi {
-                continue;
-            }
-            let at = |sub: &Range<usize>| owned.start + sub.start - local - range.start;
-            let local_lo = local + lo - owned.start;
-            self.state
-                .for_each(local_lo..local_lo + (hi - lo), |sub, mut planes| {
-                    let from = at(&sub);
-                    planes[MASTER].copy_from_slice(&values[from..from + sub.len()]);
+                    source(at(&sub), planes[MASTER]);
                     Ok(())
                 })?;
         }

@@ -2,7 +2,8 @@
 //! (`model.load`) or built from the explicit `[model]` dimensions with Megatron's random init
 //! (pretraining from scratch): loaded weights in f32 (the trainer rounds them for bf16 /
 //! fp16 and keeps them as the master weights), initialized ones in the dtype `[precision]`
-//! asks for; with the run's activation recompute (Megatron's `model_provider` before `get_model` splits it).
+//! asks for; with the run's activation recompute (Megatron's `model_provider` before
+//! `get_model` splits it).
 
 use super::{Context, RunError};
 use crate::config::{ModelDims, ModelSource, Precision, Recompute, RecomputeMethod, RunConfig};

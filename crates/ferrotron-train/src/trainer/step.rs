@@ -9,7 +9,7 @@ use super::param_shards::ParamShards;
 use super::sharding::fsdp_units;
 use super::{Result, TrainError, TrainerOptions};
 use ferrotron_data::MicroBatch;
-use ferrotron_model::GptModel;
+use ferrotron_model::{GptModel, ParamTable};
 use ferrotron_optim::{
     BufferConfig, Optimizer, OptimizerParamScheduler, OwnedRanges, ParamAndGradBuffer,
     ParamAndGradBufferBuilder, ParamFlags,
@@ -181,17 +181,15 @@ impl Trainer {
         model
             .param_table_mut()
             .rehome(buffer.take_params()?, &offsets)?;
-        let mut optimizer = with_params_in_buffer(&mut model, &mut buffer, |buffer| {
+        let optimizer = with_params_in_buffer(&mut model, &mut buffer, |buffer| {
             dp.broadcast_params(buffer)?;
-            new_optimizer(&options, buffer, &dp)
-        })?;
-        if let Some(source) = master_source {
-            for (i, p) in buffer.params().iter().enumerate() {
-                if !source.is_frozen(i) {
-                    optimizer.set_master_weights(p.range(), &source.f32_values(i))?;
-                }
+            let mut optimizer = new_optimizer(&options, buffer, &dp)?;
+            if let Some(source) = &master_source {
+                masters_from(source, buffer, &mut optimizer)?;
             }
-        }
+            Ok(optimizer)
+        })?;
+        drop(master_source);
         let scheduler = OptimizerParamScheduler::new(options.scheduler_config())?;
         // ZeRO-3: from here on a rank holds its shards of the weights only.
         let param_shards = match sharding.shards_params() {
@@ -441,6 +439,29 @@ impl Trainer {
         }
         Ok(())
     }
+}
+
+/// Starts the master weights from `source`, the f32 table the bf16/f16 params were rounded
+/// from (same parameter order as `buffer`), in one pass over the owned ranges; padding and
+/// frozen parameters keep what the buffer holds.
+fn masters_from(
+    source: &ParamTable,
+    buffer: &ParamAndGradBuffer,
+    optimizer: &mut Optimizer,
+) -> Result<()> {
+    let params = buffer.params();
+    optimizer.set_master_weights(|range, out| {
+        buffer.param_storage().copy_to_f32(range.clone(), out);
+        for (i, p) in params.iter().enumerate() {
+            let r = p.range();
+            let (lo, hi) = (r.start.max(range.start), r.end.min(range.end));
+            if lo < hi && !source.is_frozen(i) {
+                out[lo - range.start..hi - range.start]
+                    .copy_from_slice(&source.f32_values(i)[lo - r.start..hi - r.start]);
+            }
+        }
+    })?;
+    Ok(())
 }
 
 /// AdamW over the whole buffer, or over this rank's shards with the distributed optimizer.
