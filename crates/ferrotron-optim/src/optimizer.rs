@@ -9,7 +9,10 @@
 //!
 //! Differences from Megatron, on purpose: the grad norm is computed even when
 //! `clip_grad == 0` (for the log line; Megatron reports 0.0), and in bf16/fp32 a non-finite
-//! grad norm skips the update (counted) instead of aborting, so the trainer decides.
+//! grad norm skips the update (counted) instead of aborting, so the trainer decides. The clip
+//! coefficient multiplies the gradients inside AdamW's pass (the same f32 products, the same
+//! update) rather than in a pass of its own, so after [`Optimizer::step_with`] the buffer
+//! holds the unclipped gradients ([`Optimizer::clip_grad_norm`] scales them in place).
 //!
 //! Ranks slot in through [`GradStatsReduce`] (the two all-reduces) and
 //! [`Optimizer::new_sharded`] (the distributed optimizer's owned shard ranges).
@@ -297,9 +300,31 @@ impl Optimizer {
         Ok(found_inf)
     }
 
-    /// Computes the global grad norm (reduced SUM of squares) and, when `clip_grad > 0`,
-    /// scales the owned grads by `clip_grad / (norm + 1e-6)` if that is < 1. Returns the norm
-    /// before clipping.
+    /// The global grad norm (the reduced SUM of squares' root) and the clip coefficient the
+    /// owned grads are to be multiplied by: `clip_grad / (norm + 1e-6)` when `clip_grad > 0`
+    /// and that is < 1, else 1.
+    ///
+    /// # Errors
+    /// The reduction failed.
+    pub fn grad_norm_and_clip_coeff(
+        &self,
+        buffer: &ParamAndGradBuffer,
+        reduce: &mut dyn GradStatsReduce,
+    ) -> Result<(f64, f32)> {
+        let total_norm = reduce
+            .all_reduce_sum(self.local_grad_sq_sum(buffer))?
+            .sqrt();
+        let coeff = match self.config.clip_grad > 0.0 {
+            true => clip::clip_coeff(self.config.clip_grad, total_norm),
+            false => 1.0,
+        };
+        Ok((total_norm, if coeff < 1.0 { coeff as f32 } else { 1.0 }))
+    }
+
+    /// Computes the global grad norm and, when `clip_grad > 0`, scales the owned grads in
+    /// place by `clip_grad / (norm + 1e-6)` if that is < 1 (Megatron's `clip_grad_norm_fp32`;
+    /// [`step_with`](Self::step_with) folds the same factor into the update instead). Returns
+    /// the norm before clipping.
     ///
     /// # Errors
     /// The reduction failed.
@@ -308,16 +333,11 @@ impl Optimizer {
         buffer: &mut ParamAndGradBuffer,
         reduce: &mut dyn GradStatsReduce,
     ) -> Result<f64> {
-        let total_norm = reduce
-            .all_reduce_sum(self.local_grad_sq_sum(buffer))?
-            .sqrt();
-        if self.config.clip_grad > 0.0 {
-            let coeff = clip::clip_coeff(self.config.clip_grad, total_norm);
-            if coeff < 1.0 {
-                let grads = buffer.grads_mut();
-                for range in self.adam.owned().ranges() {
-                    clip::scale_in_place(&mut grads[range.clone()], coeff as f32);
-                }
+        let (total_norm, coeff) = self.grad_norm_and_clip_coeff(buffer, reduce)?;
+        if coeff < 1.0 {
+            let grads = buffer.grads_mut();
+            for range in self.adam.owned().ranges() {
+                clip::scale_in_place(&mut grads[range.clone()], coeff);
             }
         }
         Ok(total_norm)
@@ -371,14 +391,14 @@ impl Optimizer {
             outcome.found_inf = true;
             return Ok(outcome);
         }
-        let norm = self.clip_grad_norm(buffer, reduce)?;
+        let (norm, clip_coeff) = self.grad_norm_and_clip_coeff(buffer, reduce)?;
         outcome.grad_norm = Some(norm);
         if !norm.is_finite() {
             self.skipped_iterations += 1;
             outcome.found_inf = true;
             return Ok(outcome);
         }
-        self.adam.step(buffer, lr, weight_decay)?;
+        self.adam.step(buffer, lr, weight_decay, clip_coeff)?;
         outcome.update_successful = true;
         Ok(outcome)
     }

@@ -205,14 +205,16 @@ fn step_range_pieces_equal_whole_step() {
     };
     let mut whole = build();
     let mut adam_whole = AdamW::new(cfg, &whole).unwrap();
-    adam_whole.step(&mut whole, 1e-3, 0.1).unwrap();
+    adam_whole.step(&mut whole, 1e-3, 0.1, 1.0).unwrap();
 
     let mut pieces = build();
     let mut adam_pieces = AdamW::new(cfg, &pieces).unwrap();
     adam_pieces.begin_step();
     let n = pieces.numel();
     for r in [0..12_345, 12_345..50_001, 50_001..n] {
-        adam_pieces.step_range(&mut pieces, r, 1e-3, 0.1).unwrap();
+        adam_pieces
+            .step_range(&mut pieces, r, 1e-3, 0.1, 1.0)
+            .unwrap();
     }
     assert_eq!(
         adam_whole.master_weights().unwrap(),
@@ -262,8 +264,8 @@ fn sharded_adamw_matches_full_on_its_ranges() {
     let mut adam_full = AdamW::new(AdamWConfig::default(), &full).unwrap();
     let mut adam_shard =
         AdamW::new_sharded(AdamWConfig::default(), &shard_buf, owned.ranges().to_vec()).unwrap();
-    adam_full.step(&mut full, 1e-2, 0.01).unwrap();
-    adam_shard.step(&mut shard_buf, 1e-2, 0.01).unwrap();
+    adam_full.step(&mut full, 1e-2, 0.01, 1.0).unwrap();
+    adam_shard.step(&mut shard_buf, 1e-2, 0.01, 1.0).unwrap();
     let pf = full.params_flat::<f32>().unwrap();
     let ps = shard_buf.params_flat::<f32>().unwrap();
     for (r, local) in adam_shard.owned().iter() {
@@ -283,7 +285,7 @@ fn sharded_adamw_matches_full_on_its_ranges() {
     }
     assert!(
         adam_shard
-            .step_range(&mut shard_buf, 0..1, 1e-2, 0.0)
+            .step_range(&mut shard_buf, 0..1, 1e-2, 0.0, 1.0)
             .is_err()
     );
 }

@@ -5,9 +5,10 @@
 //! GEMM, not a loop over tokens), and each token's output is the routing-weighted sum of its
 //! rows. Backward gives the input, weight and routing-weight gradients.
 
-use ferrotron_tensor::gemm::{Op, sgemm_serial};
+use ferrotron_tensor::gemm::{Op, sgemm_serial, sgemm_serial_uninit};
 use ferrotron_tensor::ops::{swiglu_packed, swiglu_packed_backward};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 use super::Routing;
 
@@ -315,13 +316,10 @@ pub fn grouped_mlp_forward(
     w: &ExpertWeights<'_>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (h, f) = (w.hidden, w.ffn);
-    let rows = xp.len() / h;
-    let mut fc1 = vec![0f32; rows * 2 * f];
-    grouped_matmul_t(offsets, xp, w.fc1, &mut fc1, (2 * f, h));
-    let mut act = vec![0f32; rows * f];
+    let fc1 = grouped_matmul_t(offsets, xp, w.fc1, (2 * f, h));
+    let mut act = vec![0f32; fc1.len() / 2];
     swiglu_packed(&fc1, &mut act, f);
-    let mut out = vec![0f32; rows * h];
-    grouped_matmul_t(offsets, &act, w.fc2, &mut out, (h, f));
+    let out = grouped_matmul_t(offsets, &act, w.fc2, (h, f));
     (fc1, act, out)
 }
 
@@ -341,20 +339,17 @@ pub fn grouped_mlp_backward(
 ) -> Vec<f32> {
     let (h, f) = (w.hidden, w.ffn);
     assert!(dfc1.len() == w.fc1.len() && dfc2.len() == w.fc2.len());
-    let rows = xp.len() / h;
-    let mut dact = vec![0f32; rows * f];
-    grouped_matmul(offsets, dout, w.fc2, &mut dact, (h, f));
+    let dact = grouped_matmul(offsets, dout, w.fc2, (h, f));
     grouped_weight_grad(offsets, dout, act, dfc2, (h, f));
-    let mut dfc1_out = vec![0f32; rows * 2 * f];
+    let mut dfc1_out = vec![0f32; fc1.len()];
     swiglu_packed_backward(fc1, &dact, &mut dfc1_out, f);
-    let mut dxp = vec![0f32; rows * h];
-    grouped_matmul(offsets, &dfc1_out, w.fc1, &mut dxp, (2 * f, h));
+    let dxp = grouped_matmul(offsets, &dfc1_out, w.fc1, (2 * f, h));
     grouped_weight_grad(offsets, &dfc1_out, xp, dfc1, (2 * f, h));
     dxp
 }
 
 /// Expert `e`'s slice of `rows_data` (`width` values per row) for every expert, mutable.
-fn split_rows<'a>(offsets: &[usize], mut data: &'a mut [f32], width: usize) -> Vec<&'a mut [f32]> {
+fn split_rows<'a, T>(offsets: &[usize], mut data: &'a mut [T], width: usize) -> Vec<&'a mut [T]> {
     offsets
         .windows(2)
         .map(|r| {
@@ -368,10 +363,10 @@ fn split_rows<'a>(offsets: &[usize], mut data: &'a mut [f32], width: usize) -> V
 /// Runs `job(e, rows_e, part_e)` for every expert with rows, side by side (one expert per
 /// task, each GEMM on its own thread, [`sgemm_serial`]; measured faster on 2 cores than one
 /// expert after another with each GEMM spread over the threads, BENCHMARKS.md).
-fn for_each_expert(
+fn for_each_expert<T: Send>(
     offsets: &[usize],
-    parts: Vec<&mut [f32]>,
-    job: impl Fn(usize, usize, &mut [f32]) + Sync,
+    parts: Vec<&mut [T]>,
+    job: impl Fn(usize, usize, &mut [T]) + Sync,
 ) {
     parts.into_par_iter().enumerate().for_each(|(e, part)| {
         let m = offsets[e + 1] - offsets[e];
@@ -381,36 +376,41 @@ fn for_each_expert(
     });
 }
 
-/// Grouped `out_e [R_e, n] = a_e [R_e, kd] · w_eᵀ` for every expert `e` (`w: [E, n, kd]`).
-fn grouped_matmul_t(
+/// `[R, width]` (`R = offsets[E]`) with every expert's rows written by `job(e, m, rows_e)`
+/// (side by side, [`for_each_expert`]) into memory not zeroed first.
+fn grouped_rows(
     offsets: &[usize],
-    a: &[f32],
-    w: &[f32],
-    out: &mut [f32],
-    (n, kd): (usize, usize),
-) {
-    let parts = split_rows(offsets, out, n);
-    for_each_expert(offsets, parts, |e, m, o| {
-        let a = &a[offsets[e] * kd..][..m * kd];
-        let w = &w[e * n * kd..][..n * kd];
-        sgemm_serial(m, n, kd, a, Op::N, w, Op::T, o, false);
-    });
+    width: usize,
+    job: impl Fn(usize, usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let len = offsets[offsets.len() - 1] * width;
+    let mut out = Vec::with_capacity(len);
+    let parts = split_rows(offsets, &mut out.spare_capacity_mut()[..len], width);
+    for_each_expert(offsets, parts, job);
+    // SAFETY: the experts' row blocks tile `0..R`, and `job` wrote each block whole (an
+    // expert without rows has an empty block).
+    unsafe { out.set_len(len) };
+    out
 }
 
-/// Grouped `out_e [R_e, kd] = g_e [R_e, n] · w_e` for every expert (`w: [E, n, kd]`).
-fn grouped_matmul(
-    offsets: &[usize],
-    g: &[f32],
-    w: &[f32],
-    out: &mut [f32],
-    (n, kd): (usize, usize),
-) {
-    let parts = split_rows(offsets, out, kd);
-    for_each_expert(offsets, parts, |e, m, o| {
+/// Grouped `out_e [R_e, n] = a_e [R_e, kd] · w_eᵀ` for every expert `e` (`w: [E, n, kd]`):
+/// `out [R, n]`.
+fn grouped_matmul_t(offsets: &[usize], a: &[f32], w: &[f32], (n, kd): (usize, usize)) -> Vec<f32> {
+    grouped_rows(offsets, n, |e, m, o| {
+        let a = &a[offsets[e] * kd..][..m * kd];
+        let w = &w[e * n * kd..][..n * kd];
+        sgemm_serial_uninit(m, n, kd, a, Op::N, w, Op::T, o);
+    })
+}
+
+/// Grouped `out_e [R_e, kd] = g_e [R_e, n] · w_e` for every expert (`w: [E, n, kd]`):
+/// `out [R, kd]`.
+fn grouped_matmul(offsets: &[usize], g: &[f32], w: &[f32], (n, kd): (usize, usize)) -> Vec<f32> {
+    grouped_rows(offsets, kd, |e, m, o| {
         let g = &g[offsets[e] * n..][..m * n];
         let w = &w[e * n * kd..][..n * kd];
-        sgemm_serial(m, kd, n, g, Op::N, w, Op::N, o, false);
-    });
+        sgemm_serial_uninit(m, kd, n, g, Op::N, w, Op::N, o);
+    })
 }
 
 /// Grouped `dw_e [n, kd] += g_eᵀ [n, R_e] · a_e [R_e, kd]` (nothing for an expert without

@@ -22,10 +22,12 @@ pub(super) struct Consts {
     bias_correction2_sqrt: f32,
     neg_step_size: f32,
     eps: f32,
+    /// The clip coefficient each gradient is multiplied by first (1.0: not clipping).
+    grad_scale: f32,
 }
 
 impl Consts {
-    pub(super) fn new(config: &AdamWConfig, step: u64, lr: f64, wd: f64) -> Self {
+    pub(super) fn new(config: &AdamWConfig, step: u64, lr: f64, wd: f64, grad_scale: f32) -> Self {
         let t = step as f64;
         let bias_correction1 = 1.0 - config.beta1.powf(t);
         let bias_correction2 = 1.0 - config.beta2.powf(t);
@@ -41,6 +43,7 @@ impl Consts {
             bias_correction2_sqrt: bias_correction2.sqrt() as f32,
             neg_step_size: (-(lr / bias_correction1)) as f32,
             eps: config.eps as f32,
+            grad_scale,
         }
     }
 }
@@ -113,15 +116,29 @@ pub(super) fn run<T: ParamElement>(
 }
 
 /// The fused AdamW update of one chunk (see the module docs for the formula). Runs the
-/// AVX2+FMA compilation of the loop when the CPU has it; the portable one computes the same
-/// bits (`mul_add` is a fused multiply-add either way), only slower.
+/// AVX-512 or AVX2+FMA compilation of the loop when the CPU has it; the portable one computes
+/// the same bits (`mul_add` is a fused multiply-add either way), only slower.
 fn kernel<T: Element>(w: Work<'_, T>) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features `kernel_fma` is compiled for (checked above).
-        unsafe { kernel_fma(w) };
-        return;
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports the features `kernel_avx512` is compiled for.
+            unsafe { kernel_avx512(w) };
+            return;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports the features `kernel_fma` is compiled for (checked above).
+            unsafe { kernel_fma(w) };
+            return;
+        }
     }
+    kernel_body(w);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn kernel_avx512<T: Element>(w: Work<'_, T>) {
     kernel_body(w);
 }
 
@@ -139,6 +156,7 @@ fn kernel_fma<T: Element>(w: Work<'_, T>) {
 fn kernel_body<T: Element>(w: Work<'_, T>) {
     let k = w.k;
     let update = |weight: f32, g: f32, m: &mut f32, v: &mut f32| -> f32 {
+        let g = g * k.grad_scale;
         let weight = weight * k.decay;
         *m = k.one_minus_beta1.mul_add(g - *m, *m);
         *v = (k.one_minus_beta2 * g).mul_add(g, *v * k.beta2);

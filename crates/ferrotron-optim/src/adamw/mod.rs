@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! t      += 1                                         (once per optimizer step)
+//! g      *= clip_coeff                                (1 when not clipping; see below)
 //! w      *= 1 - lr*wd                                 (decoupled decay, first; skipped if wd == 0)
 //! m       = fma(1-beta1, g - m, m)                    (exp_avg.lerp_(g, 1-beta1))
 //! v       = fma((1-beta2)*g, g, v*beta2)              (exp_avg_sq.mul_(beta2).addcmul_(g, g, 1-beta2))
@@ -16,6 +17,9 @@
 //!
 //! The two fused multiply-adds are where torch's vectorized CPU kernels use them; with them
 //! the result matches torch bit for bit (tests/adamw.rs against fixtures/optim/adamw.json).
+//! The clip coefficient (`grad_scale`) multiplies each gradient in the update's own pass:
+//! the same f32 product Megatron's `multi_tensor_scale` writes back before the step, without
+//! a pass of its own over the gradients (the buffer keeps the unclipped values).
 //!
 //! `lr` and `wd` are per parameter: the step's lr/wd times the parameter's
 //! [`ParamHyper`] multipliers (norm weights and biases get `wd_mult = 0` by default).
@@ -362,7 +366,8 @@ impl AdamW {
     }
 
     /// One whole step: [`begin_step`](Self::begin_step), then
-    /// [`step_range`](Self::step_range) over every owned range.
+    /// [`step_range`](Self::step_range) over every owned range, with the gradients times
+    /// `grad_scale` (the clip coefficient; 1.0 when not clipping).
     ///
     /// # Errors
     /// As [`step_range`](Self::step_range).
@@ -371,19 +376,21 @@ impl AdamW {
         buffer: &mut ParamAndGradBuffer,
         lr: f64,
         weight_decay: f64,
+        grad_scale: f32,
     ) -> Result<()> {
         self.begin_step();
         for i in 0..self.owned.ranges().len() {
             let range = self.owned.ranges()[i].clone();
-            self.step_range(buffer, range, lr, weight_decay)?;
+            self.step_range(buffer, range, lr, weight_decay, grad_scale)?;
         }
         Ok(())
     }
 
     /// Updates the flat range `range` (global buffer indices, inside one owned range) from
-    /// the gradients in `buffer`, then writes the new weights into `buffer`'s params there.
-    /// Padding between parameters is skipped. Uses the current step count (after
-    /// [`begin_step`](Self::begin_step)); parallel over 16K-element chunks.
+    /// the gradients in `buffer` times `grad_scale` (the clip coefficient, applied in the
+    /// update: the buffer's gradients are left as they are), then writes the new weights
+    /// into `buffer`'s params there. Padding between parameters is skipped. Uses the current
+    /// step count (after [`begin_step`](Self::begin_step)); parallel over 16K-element chunks.
     ///
     /// # Errors
     /// [`OptimError::Range`] when `range` is not inside one owned range or no step was begun.
@@ -393,6 +400,7 @@ impl AdamW {
         range: Range<usize>,
         lr: f64,
         weight_decay: f64,
+        grad_scale: f32,
     ) -> Result<()> {
         buffer.check_range(&range)?;
         if self.step == 0 {
@@ -417,6 +425,7 @@ impl AdamW {
                 self.step,
                 lr * h.lr_mult,
                 weight_decay * h.wd_mult,
+                grad_scale,
             );
             pieces.push((a - range.start..b - range.start, k));
         }

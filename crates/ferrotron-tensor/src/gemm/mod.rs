@@ -12,7 +12,7 @@ use rayon::prelude::*;
 mod sgemm;
 pub(crate) use sgemm::sgemm_raw;
 use sgemm::{Dest, Strided, sgemm_strided};
-pub use sgemm::{sgemm, sgemm_serial};
+pub use sgemm::{sgemm, sgemm_serial, sgemm_serial_uninit};
 
 /// How an operand is read: as stored (row-major) or transposed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,10 +118,12 @@ impl<'a> WeightRef<'a> {
         }
     }
 
-    /// The elements as f32: borrowed when stored in f32, widened (exactly) otherwise.
+    /// The elements as f32: borrowed when stored in f32, widened (exactly) otherwise (bf16
+    /// by the vectorized widening of [`Operand::to_f32`], into memory not zeroed first).
     pub fn to_f32(&self) -> std::borrow::Cow<'a, [f32]> {
         match *self {
             WeightRef::F32(v) => std::borrow::Cow::Borrowed(v),
+            WeightRef::BF16(v) => Bf16(v).to_f32(),
             narrow => {
                 let mut out = vec![0.0; narrow.len()];
                 narrow.copy_to_f32(&mut out);

@@ -10,6 +10,7 @@
 
 use super::Op;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// `c[m, n] = op(a)[m, k] · op(b)[k, n]`, or `c += ...` when `accumulate`.
 ///
@@ -54,6 +55,37 @@ pub fn sgemm_serial(
     accumulate: bool,
 ) {
     checked(m, n, k, (a, op_a), (b, op_b), c, accumulate, 1);
+}
+
+/// [`sgemm_serial`] writing `c[m, n] = op(a) · op(b)` into memory not initialized yet (an
+/// output buffer not zeroed first): on return its first `m·n` elements are initialized.
+///
+/// # Panics
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_serial_uninit(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    c: &mut [MaybeUninit<f32>],
+) {
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    let (a, b) = (
+        strided(a.as_ptr(), op_a, m, k),
+        strided(b.as_ptr(), op_b, k, n),
+    );
+    let c = Dest {
+        ptr: c.as_mut_ptr().cast(),
+        ldc: n,
+    };
+    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive; with
+    // `accumulate` false the crate writes every element of `c` without reading it (zeros
+    // when `k == 0`).
+    unsafe { sgemm_strided(m, n, k, a, b, c, false, 1) }
 }
 
 /// [`sgemm`] on `threads` threads of the current pool (1: the calling thread).
