@@ -18,6 +18,7 @@ use ferrotron_nn::moe::{
     ExpertWeights, RouterConfig, Routing, ScoreFunction, ep_experts_backward_into,
     ep_experts_forward, experts_backward_into, experts_forward,
 };
+use ferrotron_tensor::gemm::WeightRef;
 use ferrotron_tensor::gemm::{Op, sgemm};
 use ferrotron_tensor::ops::{swiglu_packed, swiglu_packed_backward};
 use std::time::Instant;
@@ -68,6 +69,9 @@ fn sequential(
     (dfc1, dfc2): (&mut [f32], &mut [f32]),
 ) -> f32 {
     let (h, f, e) = (w.hidden, w.ffn, w.num_experts());
+    let (WeightRef::F32(fc1_all), WeightRef::F32(fc2_all)) = (w.fc1, w.fc2) else {
+        panic!("the per-expert loop runs on f32 weights");
+    };
     let k = routing.topk();
     let mut y = vec![0f32; x.len()];
     let mut dx = vec![0f32; x.len()];
@@ -83,8 +87,8 @@ fn sequential(
             .iter()
             .flat_map(|&s| x[s / k * h..][..h].iter().copied())
             .collect();
-        let w1 = &w.fc1[ex * 2 * f * h..][..2 * f * h];
-        let w2 = &w.fc2[ex * h * f..][..h * f];
+        let w1 = &fc1_all[ex * 2 * f * h..][..2 * f * h];
+        let w2 = &fc2_all[ex * h * f..][..h * f];
         let mut fc1 = vec![0f32; m * 2 * f];
         sgemm(m, 2 * f, h, &xe, Op::N, w1, Op::T, &mut fc1, false);
         let mut act = vec![0f32; m * f];
@@ -146,8 +150,8 @@ fn main() {
     let routing = router.route(&values(t * e, 3, 4.0), None).unwrap();
     let (fc1, fc2) = (values(e * 2 * f * h, 4, 0.1), values(e * h * f, 5, 0.1));
     let w = ExpertWeights {
-        fc1: &fc1,
-        fc2: &fc2,
+        fc1: WeightRef::F32(&fc1),
+        fc2: WeightRef::F32(&fc2),
         hidden: h,
         ffn: f,
     };
@@ -172,8 +176,8 @@ fn main() {
             .unwrap();
         let local = e / 2;
         let w = ExpertWeights {
-            fc1: &fc1[r * local * 2 * f * h..][..local * 2 * f * h],
-            fc2: &fc2[r * local * h * f..][..local * h * f],
+            fc1: WeightRef::F32(&fc1[r * local * 2 * f * h..][..local * 2 * f * h]),
+            fc2: WeightRef::F32(&fc2[r * local * h * f..][..local * h * f]),
             hidden: h,
             ffn: f,
         };

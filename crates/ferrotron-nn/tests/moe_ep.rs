@@ -10,6 +10,7 @@ use ferrotron_nn::moe::{
     DropPolicy, ExpertWeights, ag_experts_backward, ag_experts_forward, ep_experts_backward,
     ep_experts_forward, experts_backward, experts_forward,
 };
+use ferrotron_tensor::gemm::WeightRef;
 
 mod common;
 use common::{assert_close, mixtral_router, values};
@@ -24,8 +25,8 @@ fn expert_parallel_equals_one_rank() {
     let cfg = mixtral_router(E);
     let (fc1, fc2) = (values(E * 2 * F * H, 1, 1.0), values(E * H * F, 2, 1.0));
     let full = ExpertWeights {
-        fc1: &fc1,
-        fc2: &fc2,
+        fc1: WeightRef::F32(&fc1),
+        fc2: WeightRef::F32(&fc2),
         hidden: H,
         ffn: F,
     };
@@ -70,8 +71,8 @@ fn expert_parallel_equals_one_rank() {
                 let r = c.rank();
                 let ((x, dy), routing) = (tokens(r), route(r));
                 let w = ExpertWeights {
-                    fc1: &fc1[r * local * 2 * F * H..][..local * 2 * F * H],
-                    fc2: &fc2[r * local * H * F..][..local * H * F],
+                    fc1: WeightRef::F32(&fc1[r * local * 2 * F * H..][..local * 2 * F * H]),
+                    fc2: WeightRef::F32(&fc2[r * local * H * F..][..local * H * F]),
                     hidden: H,
                     ffn: F,
                 };

@@ -2,6 +2,7 @@
 //! tokens dropped over capacity), and finite differences for every gradient.
 
 use ferrotron_nn::moe::{DropPolicy, ExpertWeights, Routing, experts_backward, experts_forward};
+use ferrotron_tensor::gemm::WeightRef;
 
 mod common;
 use common::{mixtral_router, values};
@@ -46,8 +47,8 @@ fn grouped_experts_case(capacity: Option<f32>) {
         values(E * H * F, 4, 1.0),
     );
     let w = ExpertWeights {
-        fc1: &fc1,
-        fc2: &fc2,
+        fc1: WeightRef::F32(&fc1),
+        fc2: WeightRef::F32(&fc2),
         hidden: H,
         ffn: F,
     };
@@ -91,8 +92,8 @@ fn experts_backward_matches_finite_differences() {
     assert!(r.drop_over_capacity(E, 0.75, DropPolicy::Position).unwrap() > 0);
     let loss = |x: &[f32], fc1: &[f32], fc2: &[f32], r: &Routing| {
         let w = ExpertWeights {
-            fc1,
-            fc2,
+            fc1: WeightRef::F32(fc1),
+            fc2: WeightRef::F32(fc2),
             hidden: H,
             ffn: F,
         };
@@ -100,8 +101,8 @@ fn experts_backward_matches_finite_differences() {
         y.iter().zip(&c).map(|(y, c)| (y * c) as f64).sum::<f64>()
     };
     let w = ExpertWeights {
-        fc1: &fc1,
-        fc2: &fc2,
+        fc1: WeightRef::F32(&fc1),
+        fc2: WeightRef::F32(&fc2),
         hidden: H,
         ffn: F,
     };
@@ -177,8 +178,8 @@ fn padding_to_capacity_changes_no_value() {
     );
     let dy = values(T * H, 12, 2.0);
     let w = ExpertWeights {
-        fc1: &fc1,
-        fc2: &fc2,
+        fc1: WeightRef::F32(&fc1),
+        fc2: WeightRef::F32(&fc2),
         hidden: H,
         ffn: F,
     };

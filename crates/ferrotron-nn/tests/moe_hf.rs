@@ -7,6 +7,7 @@ use ferrotron_nn::moe::{
     ExpertGroups, ExpertWeights, GroupScore, RouterConfig, ScoreFunction, experts_backward,
     experts_forward,
 };
+use ferrotron_tensor::gemm::WeightRef;
 use ferrotron_tensor::gemm::{Op, sgemm};
 use safetensors::SafeTensors;
 
@@ -80,8 +81,8 @@ fn router_and_experts_match_transformers() {
             .collect();
         assert_eq!(routing.experts, hf_experts, "{family}: experts chosen");
         let w = ExpertWeights {
-            fc1: &fc1,
-            fc2: &fc2,
+            fc1: WeightRef::F32(&fc1),
+            fc2: WeightRef::F32(&fc2),
             hidden: H,
             ffn: F,
         };

@@ -43,6 +43,10 @@ fn sq_sum_of_every_length_and_non_finite_values() {
         16,
         17,
         33,
+        63,
+        64,
+        65,
+        129,
         64 * 1024 - 1,
         64 * 1024,
         64 * 1024 + 17,
@@ -127,4 +131,34 @@ fn bf16_non_finite_grad_skips_the_update() {
     assert!(!out.grad_norm.unwrap().is_finite());
     assert_eq!((opt.skipped_iterations(), opt.adam().step_count()), (1, 0));
     assert_eq!(buf.param_to_f32(w), before);
+}
+
+#[test]
+fn clipping_inside_adamw_updates_as_clipping_the_grads_first() {
+    // step_with multiplies each gradient by the clip coefficient inside AdamW's pass; the
+    // masters and moments must be those of scaling the gradients first (Megatron's order).
+    let run = |fold: bool| {
+        let (mut buf, w, dup) = two_param_buffer();
+        let mut opt = Optimizer::new(OptimizerConfig::new(Precision::Bf16), &buf).unwrap();
+        for step in 1..=3 {
+            let s = step as f32;
+            buf.grad_mut(w)
+                .copy_from_slice(&[1.0 * s, -2.0, 2.5, 4.0 / s]); // clipped
+            buf.grad_mut(dup).copy_from_slice(&[0.3, -0.1 * s]);
+            if fold {
+                let out = opt.step_with(&mut buf, 1e-2, 0.1, &mut NoReduce).unwrap();
+                assert!(out.update_successful && out.grad_norm.unwrap() > 1.0);
+            } else {
+                opt.clip_grad_norm(&mut buf, &mut NoReduce).unwrap();
+                opt.adam_mut().step(&mut buf, 1e-2, 0.1, 1.0).unwrap();
+            }
+        }
+        let adam = opt.adam();
+        (
+            adam.master_weights().unwrap(),
+            adam.exp_avg().unwrap(),
+            adam.exp_avg_sq().unwrap(),
+        )
+    };
+    assert_eq!(run(true), run(false));
 }

@@ -4,7 +4,6 @@
 //! ([`ferrotron_nn::moe::ep_experts_forward`], [`ferrotron_nn::moe::ag_experts_forward`]);
 //! the backward of each beside it.
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use super::forward::Pass;
@@ -38,27 +37,14 @@ impl ExpertRun {
     }
 }
 
-/// The held experts' weights widened to f32 (borrowed when stored in f32).
-struct Weights<'a> {
-    fc1: Cow<'a, [f32]>,
-    fc2: Cow<'a, [f32]>,
-}
-
-impl<'a> Weights<'a> {
-    fn of(pass: &Pass<'a>, m: &MoeMlp) -> Weights<'a> {
-        Weights {
-            fc1: pass.model.param(m.experts_fc1).to_f32(),
-            fc2: pass.model.param(m.experts_fc2).to_f32(),
-        }
-    }
-
-    fn view(&self, pass: &Pass<'_>) -> ExpertWeights<'_> {
-        ExpertWeights {
-            fc1: &self.fc1,
-            fc2: &self.fc2,
-            hidden: pass.c.hidden_size,
-            ffn: moe_config(pass).moe_ffn_hidden_size,
-        }
+/// The held experts' weights as stored (f32, or bf16 under `precision.bf16`: the grouped
+/// GEMM widens them a block of rows at a time).
+fn expert_weights<'a>(pass: &Pass<'a>, m: &MoeMlp) -> ExpertWeights<'a> {
+    ExpertWeights {
+        fc1: pass.model.param(m.experts_fc1).weight_ref(),
+        fc2: pass.model.param(m.experts_fc2).weight_ref(),
+        hidden: pass.c.hidden_size,
+        ffn: moe_config(pass).moe_ffn_hidden_size,
     }
 }
 
@@ -125,8 +111,7 @@ fn experts_forward_on(
     x: &[f32],
     routing: &Routing,
 ) -> Result<(Vec<f32>, ExpertRun)> {
-    let weights = Weights::of(pass, m);
-    let w = weights.view(pass);
+    let w = expert_weights(pass, m);
     match &pass.model.ep {
         None => {
             let (y, acts) = experts_forward(x, routing, &w);
@@ -190,8 +175,7 @@ fn experts_backward_on(
     dy: &[f32],
     grads: &mut [&mut [f32]],
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let weights = Weights::of(pass, m);
-    let w = weights.view(pass);
+    let w = expert_weights(pass, m);
     // The gradient slices themselves (scratch for a frozen stack, never in training).
     let (i1, i2) = (m.experts_fc1.index(), m.experts_fc2.index());
     let (mut s1, mut s2) = (Vec::new(), Vec::new());

@@ -5,20 +5,24 @@
 //! GEMM, not a loop over tokens), and each token's output is the routing-weighted sum of its
 //! rows. Backward gives the input, weight and routing-weight gradients.
 
-use ferrotron_tensor::gemm::{Op, sgemm_serial, sgemm_serial_uninit};
+use ferrotron_tensor::gemm::{
+    Op, WeightRef, matmul_weight_serial, matmul_weight_t_serial, sgemm_serial,
+};
 use ferrotron_tensor::ops::{swiglu_packed, swiglu_packed_backward};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
 use super::Routing;
 
-/// The experts' weights, HF / Megatron orientation, every expert's matrix contiguous.
+/// The experts' weights, HF / Megatron orientation, every expert's matrix contiguous, in
+/// f32, bf16 or f16 (narrow weights are widened exactly to f32 a block of rows at a time
+/// inside each expert's products: f32 products, no f32 copy of the experts).
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights<'a> {
     /// `[E, 2f, h]`: each expert's `linear_fc1` (rows `[gate; up]`, Megatron's packing).
-    pub fc1: &'a [f32],
+    pub fc1: WeightRef<'a>,
     /// `[E, h, f]`: each expert's `linear_fc2`.
-    pub fc2: &'a [f32],
+    pub fc2: WeightRef<'a>,
     /// Hidden size `h`.
     pub hidden: usize,
     /// Expert FFN size `f` (`moe_ffn_hidden_size`).
@@ -395,21 +399,31 @@ fn grouped_rows(
 
 /// Grouped `out_e [R_e, n] = a_e [R_e, kd] · w_eᵀ` for every expert `e` (`w: [E, n, kd]`):
 /// `out [R, n]`.
-fn grouped_matmul_t(offsets: &[usize], a: &[f32], w: &[f32], (n, kd): (usize, usize)) -> Vec<f32> {
+fn grouped_matmul_t(
+    offsets: &[usize],
+    a: &[f32],
+    w: WeightRef<'_>,
+    (n, kd): (usize, usize),
+) -> Vec<f32> {
     grouped_rows(offsets, n, |e, m, o| {
         let a = &a[offsets[e] * kd..][..m * kd];
-        let w = &w[e * n * kd..][..n * kd];
-        sgemm_serial_uninit(m, n, kd, a, Op::N, w, Op::T, o);
+        let w = w.slice(e * n * kd..(e + 1) * n * kd);
+        matmul_weight_t_serial(a, w, o, (m, n, kd));
     })
 }
 
 /// Grouped `out_e [R_e, kd] = g_e [R_e, n] · w_e` for every expert (`w: [E, n, kd]`):
 /// `out [R, kd]`.
-fn grouped_matmul(offsets: &[usize], g: &[f32], w: &[f32], (n, kd): (usize, usize)) -> Vec<f32> {
+fn grouped_matmul(
+    offsets: &[usize],
+    g: &[f32],
+    w: WeightRef<'_>,
+    (n, kd): (usize, usize),
+) -> Vec<f32> {
     grouped_rows(offsets, kd, |e, m, o| {
         let g = &g[offsets[e] * n..][..m * n];
-        let w = &w[e * n * kd..][..n * kd];
-        sgemm_serial_uninit(m, kd, n, g, Op::N, w, Op::N, o);
+        let w = w.slice(e * n * kd..(e + 1) * n * kd);
+        matmul_weight_serial(g, w, o, (m, n, kd));
     })
 }
 

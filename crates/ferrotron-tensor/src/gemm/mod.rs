@@ -9,9 +9,13 @@ use crate::quant::{QuantMatrix, QuantRows, quant_matmul, quant_matmul_t_with};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+mod blocks;
 mod sgemm;
+pub(crate) use blocks::dequantized_blocks_n;
+use blocks::{dequantized_blocks_t, widen_rows};
+pub use blocks::{matmul_weight_serial, matmul_weight_t_serial};
 pub(crate) use sgemm::sgemm_raw;
-use sgemm::{Dest, Strided, sgemm_strided};
+
 pub use sgemm::{sgemm, sgemm_serial, sgemm_serial_uninit};
 
 /// How an operand is read: as stored (row-major) or transposed.
@@ -21,23 +25,6 @@ pub enum Op {
     N,
     /// Use the transpose of the stored row-major matrix.
     T,
-}
-
-/// Rows `rows` of the narrow weight `w[n, k]` widened to f32 into `block[rows.len(), k]`.
-fn widen_rows<W: crate::Element>(
-    w: &[W],
-    rows: std::ops::Range<usize>,
-    k: usize,
-    block: &mut [f32],
-) {
-    block
-        .par_chunks_mut(k)
-        .zip(w[rows.start * k..rows.end * k].par_chunks(k))
-        .for_each(|(dst, src)| {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d = s.to_f32();
-            }
-        });
 }
 
 /// Elements borrowed in their storage dtype: a linear layer's weight `[n, k]` (HF
@@ -144,9 +131,6 @@ pub const GEMV_MAX_ROWS: usize = 16;
 /// the bf16 GEMM's half-size packing and double-rate products win from 17 rows on.
 pub const GEMV_MAX_ROWS_F32: usize = 64;
 
-/// Rows of a narrow weight converted to f32 at a time before GEMM (bounded scratch memory).
-const CONVERT_ROWS: usize = 512;
-
 /// `y[m, n] = x[m, k] · wᵀ` (or `+=` when `accumulate`) for a weight `w[n, k]` in any storage
 /// dtype. Few rows use the GEMV kernels ([`GEMV_MAX_ROWS_F32`], [`GEMV_MAX_ROWS`]); otherwise f32 weights go straight to GEMM, bf16
 /// weights compute in bf16 ([`bf16_gemm`]: `x` rounded to bf16, f32 sums) and f16 weights are
@@ -214,40 +198,6 @@ pub fn matmul_weight_t_with(
     }
 }
 
-/// `y[m, n] = x[m, k] · wᵀ` (`+=` when `accumulate`) for a weight `w[n, k]` stored narrower
-/// than f32 (f16, quantized blocks): `widen(rows, out)` writes rows `rows` of `w` as f32 into
-/// `out[rows.len(), k]`, [`CONVERT_ROWS`] rows at a time, each block multiplied by the f32
-/// GEMM into its columns of `y` — so no f32 copy of the whole weight is ever made.
-pub(crate) fn dequantized_blocks_t(
-    x: &[f32],
-    widen: impl Fn(std::ops::Range<usize>, &mut [f32]),
-    y: &mut [f32],
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-) {
-    let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
-    for j0 in (0..n).step_by(CONVERT_ROWS) {
-        let rows = CONVERT_ROWS.min(n - j0);
-        let block = &mut scratch[..rows * k];
-        widen(j0..j0 + rows, block);
-        // SAFETY: block is [rows, k]; y's column block j0..j0+rows lies inside y[m, n].
-        unsafe {
-            sgemm_raw(
-                m,
-                rows,
-                k,
-                x.as_ptr(),
-                Op::N,
-                block.as_ptr(),
-                Op::T,
-                y.as_mut_ptr().add(j0),
-                n,
-                accumulate,
-            )
-        }
-    }
-}
-
 /// `dx[m, k] = dy[m, n] · w` (or `+=` when `accumulate`) for a weight `w[n, k]` in any
 /// storage dtype: the input gradient of a linear layer. f32 weights go straight to GEMM;
 /// bf16 weights compute in bf16 ([`bf16_gemm`], `dy` rounded to bf16 unless it is
@@ -298,54 +248,6 @@ pub fn weight_grad(
             sgemm(n, k, m, &dy, Op::T, &x, Op::N, dw, true)
         }
         WeightRef::Quant(_) => panic!("a quantized weight is frozen: it has no gradient"),
-    }
-}
-
-/// `dx[m, k] = dy[m, n] · w` (`+=` when `accumulate`) for a narrow weight `w[n, k]` that
-/// `widen` writes as f32 a block of rows at a time (see [`dequantized_blocks_t`]): each
-/// block adds its part `dy[:, j0..j1] · w[j0..j1, :]`.
-pub(crate) fn dequantized_blocks_n(
-    dy: &[f32],
-    widen: impl Fn(std::ops::Range<usize>, &mut [f32]),
-    dx: &mut [f32],
-    (m, n, k): (usize, usize, usize),
-    accumulate: bool,
-) {
-    if m == 0 || k == 0 {
-        return;
-    }
-    if n == 0 {
-        if !accumulate {
-            dx[..m * k].fill(0.0);
-        }
-        return;
-    }
-    let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
-    for j0 in (0..n).step_by(CONVERT_ROWS) {
-        let rows = CONVERT_ROWS.min(n - j0);
-        let block = &mut scratch[..rows * k];
-        widen(j0..j0 + rows, block);
-        let read_dst = accumulate || j0 > 0;
-        // SAFETY: dy[:, j0..j0+rows] lies inside dy[m, n] (row stride n), block is
-        // [rows, k], dx is [m, k] and exclusive.
-        unsafe {
-            let dy = Strided {
-                ptr: dy.as_ptr().add(j0),
-                cs: 1,
-                rs: n as isize,
-            };
-            let block = Strided {
-                ptr: block.as_ptr(),
-                cs: 1,
-                rs: k as isize,
-            };
-            let dx = Dest {
-                ptr: dx.as_mut_ptr(),
-                ldc: k,
-            };
-            let threads = rayon::current_num_threads();
-            sgemm_strided(m, k, rows, dy, block, dx, read_dst, threads)
-        }
     }
 }
 

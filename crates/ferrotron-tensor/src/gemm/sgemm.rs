@@ -247,7 +247,7 @@ impl Dest {
     ///
     /// # Safety
     /// The result stays inside the destination.
-    unsafe fn offset(self, at: usize) -> Dest {
+    pub(super) unsafe fn offset(self, at: usize) -> Dest {
         Dest {
             // SAFETY: the caller's.
             ptr: unsafe { self.ptr.add(at) },

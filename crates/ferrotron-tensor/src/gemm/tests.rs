@@ -1,4 +1,6 @@
 use super::*;
+use blocks::CONVERT_ROWS;
+use std::mem::MaybeUninit;
 
 fn naive(m: usize, n: usize, k: usize, a: &[f32], op_a: Op, b: &[f32], op_b: Op) -> Vec<f32> {
     let mut c = vec![0f32; m * n];
@@ -203,4 +205,63 @@ fn weight_gradients_compute_in_the_weights_precision() {
             assert_eq!(again, dw, "{weight:?}: rounded dy");
         }
     }
+}
+
+/// A buffer of `len` "uninitialized" elements holding NaN, so a product that leaves one
+/// unwritten shows it.
+fn garbage(len: usize) -> Vec<MaybeUninit<f32>> {
+    vec![MaybeUninit::new(f32::NAN); len]
+}
+
+/// The values of a buffer every element of which was written.
+fn written(v: &[MaybeUninit<f32>]) -> Vec<f32> {
+    // SAFETY: the NaN fill initialized every element.
+    v.iter().map(|x| unsafe { x.assume_init() }).collect()
+}
+
+#[test]
+fn uninit_gemm_writes_every_element() {
+    for (m, n, k) in [(37, 29, 71), (5, 3, 0), (64, 130, 9)] {
+        for op_b in [Op::N, Op::T] {
+            let (a, b) = (data(m * k, 1), data(k * n, 2));
+            let mut c = garbage(m * n);
+            sgemm_serial_uninit(m, n, k, &a, Op::N, &b, op_b, &mut c);
+            let want = naive(m, n, k, &a, Op::N, &b, op_b);
+            for (g, w) in written(&c).iter().zip(&want) {
+                assert!((g - w).abs() < 1e-4, "{m}x{n}x{k} {op_b:?}: {g} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn serial_expert_products_widen_narrow_weights_exactly() {
+    // n spans several conversion blocks; the activations stay f32 (no bf16 rounding).
+    let (m, n, k) = (9, 2 * CONVERT_ROWS + 7, 24);
+    let w = data(n * k, 11);
+    let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+    let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    let wide = (rounded(&w), wh.iter().map(|v| v.to_f32()).collect());
+    let (x, dy) = (data(m * k, 12), data(m * n, 13));
+    for (weight, values, _) in weights(&w, &wb, &wh, &wide) {
+        let mut y = garbage(m * n);
+        matmul_weight_t_serial(&x, weight, &mut y, (m, n, k));
+        let want = naive(m, n, k, &x, Op::N, values, Op::T);
+        for (g, w) in written(&y).iter().zip(&want) {
+            assert!((g - w).abs() < 1e-4, "{weight:?} forward: {g} vs {w}");
+        }
+        let mut dx = garbage(m * k);
+        matmul_weight_serial(&dy, weight, &mut dx, (m, n, k));
+        let want = naive(m, k, n, &dy, Op::N, values, Op::N);
+        for (g, w) in written(&dx).iter().zip(&want) {
+            assert!(
+                (g - w).abs() < 1e-3,
+                "{weight:?} input gradient: {g} vs {w}"
+            );
+        }
+    }
+    // No rows of the weight: the input gradient is zero.
+    let mut dx = garbage(m * k);
+    matmul_weight_serial(&[], WeightRef::BF16(&[]), &mut dx, (m, 0, k));
+    assert!(written(&dx).iter().all(|&v| v == 0.0));
 }

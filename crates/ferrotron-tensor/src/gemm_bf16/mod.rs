@@ -18,6 +18,7 @@ pub mod pack;
 mod pack_x86;
 
 use crate::gemm::Op;
+pub(crate) use operand::widen_bf16;
 pub use operand::{Operand, narrow_to_bf16_in_place, round_to_bf16_in_place, rounded_to_bf16};
 use pack::{K_ALIGN, MR, NR, pack_a, pack_b};
 use rayon::prelude::*;

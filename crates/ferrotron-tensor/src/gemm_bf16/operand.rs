@@ -138,6 +138,18 @@ crate::multiversion! {
     }
 }
 
+/// `dst[i] = src[i]` widened to f32 (exactly), vectorized, on the calling thread.
+///
+/// # Panics
+/// When the lengths differ.
+pub(crate) fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    // SAFETY: `MaybeUninit<f32>` has f32's layout, and `widen_span` only writes initialized
+    // values through the view.
+    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    widen_span(src, dst);
+}
+
 crate::multiversion! {
     fn widen_span(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
         for (d, x) in dst.iter_mut().zip(src) {
