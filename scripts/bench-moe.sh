@@ -2,7 +2,8 @@
 # MoE benchmarks side by side, on this machine:
 #  1. a tiny-but-not-toy Mixtral (hidden 512, 8 layers, 8 experts of width 1024, top-2, vocab
 #     32000; tools/make_bench_moe_models.py) trained by Ferrotron and by transformers (fwd + bwd
-#     + clip + AdamW, f32, seq 512, micro-batch 1 and 2; scripts/bench-train.sh);
+#     + clip + AdamW, f32 and bf16, seq 512, micro-batch 1 and 2, after bench-train.sh's 5
+#     warmup steps; scripts/bench-train.sh);
 #  2. the dense LLaMA of equal active parameters (one MLP of width 2048) the same way: the MoE
 #     model's step time over the dense one's;
 #  3. a DeepSeek-V2-Lite-shaped model (multi-latent attention, 16 routed experts of width 256
@@ -14,7 +15,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-steps=4 rounds=1
+steps=5 rounds=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) steps="$2"; shift 2 ;;
@@ -28,8 +29,8 @@ models="$root/.cache/bench-moe"
 [ -f "$models/deepseek/config.json" ] || tools/.venv/bin/python tools/make_bench_moe_models.py "$models"
 for m in mixtral dense deepseek; do
   echo "== $m"
-  bash scripts/bench-train.sh --model "$models/$m" --modes f32 --micro-batches 1,2 \
-    --warmup 1 --steps "$steps" --rounds "$rounds" --out "$root/target/bench-moe-$m.jsonl"
+  bash scripts/bench-train.sh --model "$models/$m" --modes f32,bf16 --micro-batches 1,2 \
+    --steps "$steps" --rounds "$rounds" --out "$root/target/bench-moe-$m.jsonl"
 done
 echo "== experts alone"
 cargo bench --quiet -p ferrotron-nn --bench moe_experts

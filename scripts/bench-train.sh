@@ -9,10 +9,15 @@
 # against each peak, peak RSS of each side, and the step-1 loss of each side (same tokens and
 # weights, so f32 losses should agree).
 #
-#   bash scripts/bench-train.sh                  # all configs: warmup 2, 5 timed steps
+#   bash scripts/bench-train.sh                  # all configs: warmup 5, 5 timed steps
 #   bash scripts/bench-train.sh --quick          # micro-batch 1 only, warmup 1, 2 timed steps
 #   bash scripts/bench-train.sh --micro-batches 1,2 --modes f32 --steps 3 --rounds 2
 #   bash scripts/bench-train.sh --lora-rank 16   # LoRA on the frozen model (ours vs PEFT)
+#
+# Why 5 warmup steps: PyTorch reaches its steady step time only after 3-5 steps (glibc raises
+# its mmap threshold as large blocks are freed, so later steps reuse heap memory instead of
+# faulting in fresh pages); on the bench Mixtral torch f32 took 3.7, 2.4, 2.0, 1.1 s for steps
+# 1-4, then ~1.03 s. Fewer warmup steps time torch's warm-up and flatter the ratio.
 #
 # Options: --model DIR (default .cache/smollm2-hf, converted from the GGUF when missing),
 # --warmup N, --steps N, --micro-batches LIST, --modes LIST (f32,bf16), --seq N, --threads N,
@@ -25,7 +30,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
 model="$root/.cache/smollm2-hf"
-warmup=2 steps=5 mbs="1,2,4" modes="f32,bf16" seq=512 threads=2 rounds=1 tokens="" out="" lora=""
+warmup=5 steps=5 mbs="1,2,4" modes="f32,bf16" seq=512 threads=2 rounds=1 tokens="" out="" lora=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) warmup=1 steps=2 mbs=1 ;;
