@@ -382,11 +382,18 @@ fn for_each_expert<T: Send>(
 
 /// `[R, width]` (`R = offsets[E]`) with every expert's rows written by `job(e, m, rows_e)`
 /// (side by side, [`for_each_expert`]) into memory not zeroed first.
+///
+/// # Panics
+/// When `offsets` does not start at 0 or decreases (a caller bug).
 fn grouped_rows(
     offsets: &[usize],
     width: usize,
     job: impl Fn(usize, usize, &mut [MaybeUninit<f32>]) + Sync,
 ) -> Vec<f32> {
+    assert!(
+        offsets.first() == Some(&0) && offsets.is_sorted(),
+        "expert row offsets start at 0 and never decrease"
+    );
     let len = offsets[offsets.len() - 1] * width;
     let mut out = Vec::with_capacity(len);
     let parts = split_rows(offsets, &mut out.spare_capacity_mut()[..len], width);
