@@ -28,61 +28,37 @@ pub fn grad_sq_sum(grads: &[f32]) -> f64 {
 /// the sum ran latency-bound at ~19 GB/s on a 2-core Xeon; the step's other passes reach ~40).
 const LANES: usize = 64;
 
-/// The sum of squares of one chunk; the AVX-512 or AVX2+FMA compilation where the CPU has it
-/// (the same bits: the lanes and their order are fixed, `mul_add` of an exact square is the
-/// same addition).
-fn chunk_sq_sum(c: &[f32]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports the features `chunk_sq_sum_avx512` is compiled for.
-            return unsafe { chunk_sq_sum_avx512(c) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports the features `chunk_sq_sum_fma` is compiled for.
-            return unsafe { chunk_sq_sum_fma(c) };
-        }
-    }
-    chunk_sq_sum_body(c)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn chunk_sq_sum_avx512(c: &[f32]) -> f64 {
-    chunk_sq_sum_body(c)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn chunk_sq_sum_fma(c: &[f32]) -> f64 {
-    chunk_sq_sum_body(c)
-}
-
-/// Parts of a chunk [`chunk_sq_sum`] reads side by side (16 lanes each): one core reads
-/// several streams faster than one (measured ~25 against ~19 GB/s on 2 cores of a Xeon).
+/// Parts of a chunk [`chunk_sq_sum`] reads side by side, [`LANES`]` / STREAMS` lanes each: one
+/// core reads several streams faster than one (measured ~25 against ~19 GB/s on 2 cores of a
+/// Xeon).
 const STREAMS: usize = 4;
+const _: () = assert!(STREAMS == 4, "chunk_sq_sum spells out four streams");
 
-#[inline(always)]
-fn chunk_sq_sum_body(c: &[f32]) -> f64 {
-    const W: usize = LANES / STREAMS;
-    let mut acc = [0f64; LANES];
-    let part = c.len() / (STREAMS * W) * W;
-    let (whole, rest) = c.split_at(STREAMS * part);
-    let (s01, s23) = whole.split_at(2 * part);
-    let ((s0, s1), (s2, s3)) = (s01.split_at(part), s23.split_at(part));
-    let blocks = s0.chunks_exact(W).zip(s1.chunks_exact(W));
-    for ((b0, b1), (b2, b3)) in blocks.zip(s2.chunks_exact(W).zip(s3.chunks_exact(W))) {
-        for (lanes, block) in acc.chunks_exact_mut(W).zip([b0, b1, b2, b3]) {
-            for (a, &g) in lanes.iter_mut().zip(block) {
-                *a = f64::from(g).mul_add(f64::from(g), *a);
+ferrotron_tensor::multiversion! {
+    /// The sum of squares of one chunk, compiled for AVX-512, AVX2+FMA and baseline (the same
+    /// bits: the lanes and their order are fixed, `mul_add` of an exact square is the same
+    /// addition).
+    fn chunk_sq_sum(c: &[f32]) -> f64 {
+        const W: usize = LANES / STREAMS;
+        let mut acc = [0f64; LANES];
+        let part = c.len() / (STREAMS * W) * W;
+        let (whole, rest) = c.split_at(STREAMS * part);
+        // Spelled out for the four streams: an array of iterators measured ~5% slower.
+        let (s01, s23) = whole.split_at(2 * part);
+        let ((s0, s1), (s2, s3)) = (s01.split_at(part), s23.split_at(part));
+        let blocks = s0.chunks_exact(W).zip(s1.chunks_exact(W));
+        for ((b0, b1), (b2, b3)) in blocks.zip(s2.chunks_exact(W).zip(s3.chunks_exact(W))) {
+            for (lanes, block) in acc.chunks_exact_mut(W).zip([b0, b1, b2, b3]) {
+                for (a, &g) in lanes.iter_mut().zip(block) {
+                    *a = f64::from(g).mul_add(f64::from(g), *a);
+                }
             }
         }
+        for (i, &g) in rest.iter().enumerate() {
+            acc[i % LANES] = f64::from(g).mul_add(f64::from(g), acc[i % LANES]);
+        }
+        acc.iter().sum()
     }
-    for (i, &g) in rest.iter().enumerate() {
-        acc[i % LANES] = f64::from(g).mul_add(f64::from(g), acc[i % LANES]);
-    }
-    acc.iter().sum()
 }
 
 /// `max_norm / (total_norm + 1e-6)`; grads are scaled by it only when it is < 1.

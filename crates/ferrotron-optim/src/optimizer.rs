@@ -314,11 +314,9 @@ impl Optimizer {
         let total_norm = reduce
             .all_reduce_sum(self.local_grad_sq_sum(buffer))?
             .sqrt();
-        let coeff = match self.config.clip_grad > 0.0 {
-            true => clip::clip_coeff(self.config.clip_grad, total_norm),
-            false => 1.0,
-        };
-        Ok((total_norm, if coeff < 1.0 { coeff as f32 } else { 1.0 }))
+        let coeff = clip::clip_coeff(self.config.clip_grad, total_norm);
+        let clipping = self.config.clip_grad > 0.0 && coeff < 1.0;
+        Ok((total_norm, if clipping { coeff as f32 } else { 1.0 }))
     }
 
     /// Computes the global grad norm and, when `clip_grad > 0`, scales the owned grads in

@@ -115,68 +115,38 @@ pub(super) fn run<T: ParamElement>(
     work.into_par_iter().for_each(kernel);
 }
 
-/// The fused AdamW update of one chunk (see the module docs for the formula). Runs the
-/// AVX-512 or AVX2+FMA compilation of the loop when the CPU has it; the portable one computes
-/// the same bits (`mul_add` is a fused multiply-add either way), only slower.
-fn kernel<T: Element>(w: Work<'_, T>) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports the features `kernel_avx512` is compiled for.
-            unsafe { kernel_avx512(w) };
-            return;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports the features `kernel_fma` is compiled for (checked above).
-            unsafe { kernel_fma(w) };
-            return;
-        }
-    }
-    kernel_body(w);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn kernel_avx512<T: Element>(w: Work<'_, T>) {
-    kernel_body(w);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn kernel_fma<T: Element>(w: Work<'_, T>) {
-    kernel_body(w);
-}
-
-/// torch's CPU kernels (vectorized, built with FMA contraction) compute
-/// `exp_avg.lerp_(g, 1-beta1)` as `fma(1-beta1, g - m, m)` and
-/// `exp_avg_sq.addcmul_(g, g, 1-beta2)` as `fma((1-beta2)*g, g, v*beta2)`; we do the same and
-/// match torch.optim.AdamW bit for bit (tests/adamw.rs).
-#[inline(always)]
-fn kernel_body<T: Element>(w: Work<'_, T>) {
-    let k = w.k;
-    let update = |weight: f32, g: f32, m: &mut f32, v: &mut f32| -> f32 {
-        let g = g * k.grad_scale;
-        let weight = weight * k.decay;
-        *m = k.one_minus_beta1.mul_add(g - *m, *m);
-        *v = (k.one_minus_beta2 * g).mul_add(g, *v * k.beta2);
-        let denom = v.sqrt() / k.bias_correction2_sqrt + k.eps;
-        weight + k.neg_step_size * *m / denom
-    };
-    let iter =
-        w.p.iter_mut()
-            .zip(w.g)
-            .zip(w.m.iter_mut().zip(w.v.iter_mut()));
-    match w.master {
-        Some(master) => {
-            for (((p, &g), (m, v)), mw) in iter.zip(master.iter_mut()) {
-                *mw = update(*mw, g, m, v);
-                *p = T::from_f32(*mw);
+ferrotron_tensor::multiversion! {
+    /// The fused AdamW update of one chunk (see the module docs for the formula), compiled
+    /// for AVX-512, AVX2+FMA and baseline (the same bits: `mul_add` is a fused multiply-add
+    /// on every path). torch's CPU kernels (vectorized, built with FMA contraction) compute
+    /// `exp_avg.lerp_(g, 1-beta1)` as `fma(1-beta1, g - m, m)` and
+    /// `exp_avg_sq.addcmul_(g, g, 1-beta2)` as `fma((1-beta2)*g, g, v*beta2)`; we do the same
+    /// and match torch.optim.AdamW bit for bit (tests/adamw.rs).
+    fn kernel<T: Element>(w: Work<'_, T>) {
+        let k = w.k;
+        let update = |weight: f32, g: f32, m: &mut f32, v: &mut f32| -> f32 {
+            let g = g * k.grad_scale;
+            let weight = weight * k.decay;
+            *m = k.one_minus_beta1.mul_add(g - *m, *m);
+            *v = (k.one_minus_beta2 * g).mul_add(g, *v * k.beta2);
+            let denom = v.sqrt() / k.bias_correction2_sqrt + k.eps;
+            weight + k.neg_step_size * *m / denom
+        };
+        let iter =
+            w.p.iter_mut()
+                .zip(w.g)
+                .zip(w.m.iter_mut().zip(w.v.iter_mut()));
+        match w.master {
+            Some(master) => {
+                for (((p, &g), (m, v)), mw) in iter.zip(master.iter_mut()) {
+                    *mw = update(*mw, g, m, v);
+                    *p = T::from_f32(*mw);
+                }
             }
-        }
-        None => {
-            for ((p, &g), (m, v)) in iter {
-                *p = T::from_f32(update(p.to_f32(), g, m, v));
+            None => {
+                for ((p, &g), (m, v)) in iter {
+                    *p = T::from_f32(update(p.to_f32(), g, m, v));
+                }
             }
         }
     }

@@ -63,16 +63,13 @@ unsafe fn blocks_t(
     accumulate: bool,
     threads: usize,
 ) {
-    let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
-    for j0 in (0..n).step_by(CONVERT_ROWS) {
-        let rows = CONVERT_ROWS.min(n - j0);
-        let block = &mut scratch[..rows * k];
-        widen(j0..j0 + rows, block);
-        let x = Strided {
-            ptr: x.as_ptr(),
-            cs: 1,
-            rs: k as isize,
-        };
+    let x = Strided {
+        ptr: x.as_ptr(),
+        cs: 1,
+        rs: k as isize,
+    };
+    for_each_widened_block(n, k, widen, |rows, block| {
+        let (j0, rows) = (rows.start, rows.len());
         let block = Strided {
             ptr: block.as_ptr(),
             cs: k as isize,
@@ -81,6 +78,24 @@ unsafe fn blocks_t(
         // SAFETY: block is [rows, k] read transposed; y's column block j0..j0+rows lies
         // inside y (the caller's).
         unsafe { sgemm_strided(m, rows, k, x, block, y.offset(j0), accumulate, threads) }
+    });
+}
+
+/// Runs `product(rows, block)` for each block of (up to) [`CONVERT_ROWS`] `rows` of the
+/// narrow weight `w[n, k]`, widened by `widen` into `block[rows.len(), k]` (one scratch for
+/// all blocks).
+fn for_each_widened_block(
+    n: usize,
+    k: usize,
+    widen: impl Fn(Range<usize>, &mut [f32]),
+    mut product: impl FnMut(Range<usize>, &[f32]),
+) {
+    let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
+    for j0 in (0..n).step_by(CONVERT_ROWS) {
+        let rows = j0..j0 + CONVERT_ROWS.min(n - j0);
+        let block = &mut scratch[..rows.len() * k];
+        widen(rows.clone(), block);
+        product(rows, block);
     }
 }
 
@@ -127,11 +142,8 @@ unsafe fn blocks_n(
         }
         return;
     }
-    let mut scratch = vec![0f32; CONVERT_ROWS.min(n) * k];
-    for j0 in (0..n).step_by(CONVERT_ROWS) {
-        let rows = CONVERT_ROWS.min(n - j0);
-        let block = &mut scratch[..rows * k];
-        widen(j0..j0 + rows, block);
+    for_each_widened_block(n, k, widen, |rows, block| {
+        let (j0, rows) = (rows.start, rows.len());
         let read_dst = accumulate || j0 > 0;
         let dy = Strided {
             // SAFETY: column j0 of dy [m, n] (row stride n).
@@ -146,7 +158,7 @@ unsafe fn blocks_n(
         };
         // SAFETY: dy[:, j0..j0+rows] lies inside dy, block is [rows, k], dx the caller's.
         unsafe { sgemm_strided(m, k, rows, dy, block, dx, read_dst, threads) }
-    }
+    });
 }
 
 /// `y[m, n] = x[m, k] · wᵀ` for a weight `w[n, k]` stored in f32, bf16 or f16, on the

@@ -33,7 +33,19 @@ pub fn sgemm(
     accumulate: bool,
 ) {
     let threads = rayon::current_num_threads();
-    checked(m, n, k, (a, op_a), (b, op_b), c, accumulate, threads);
+    // SAFETY: c is an exclusive, initialized slice of c.len() elements.
+    unsafe {
+        checked(
+            m,
+            n,
+            k,
+            (a, op_a),
+            (b, op_b),
+            (c.as_mut_ptr(), c.len()),
+            accumulate,
+            threads,
+        )
+    }
 }
 
 /// [`sgemm`] on the calling thread alone, for callers that already spread independent
@@ -54,7 +66,19 @@ pub fn sgemm_serial(
     c: &mut [f32],
     accumulate: bool,
 ) {
-    checked(m, n, k, (a, op_a), (b, op_b), c, accumulate, 1);
+    // SAFETY: c is an exclusive, initialized slice of c.len() elements.
+    unsafe {
+        checked(
+            m,
+            n,
+            k,
+            (a, op_a),
+            (b, op_b),
+            (c.as_mut_ptr(), c.len()),
+            accumulate,
+            1,
+        )
+    }
 }
 
 /// [`sgemm_serial`] writing `c[m, n] = op(a) · op(b)` into memory not initialized yet (an
@@ -73,46 +97,38 @@ pub fn sgemm_serial_uninit(
     op_b: Op,
     c: &mut [MaybeUninit<f32>],
 ) {
-    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    let (a, b) = (
-        strided(a.as_ptr(), op_a, m, k),
-        strided(b.as_ptr(), op_b, k, n),
-    );
-    let c = Dest {
-        ptr: c.as_mut_ptr().cast(),
-        ldc: n,
-    };
-    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive; with
-    // `accumulate` false the crate writes every element of `c` without reading it (zeros
-    // when `k == 0`).
-    unsafe { sgemm_strided(m, n, k, a, b, c, false, 1) }
+    let c = (c.as_mut_ptr().cast(), c.len());
+    // SAFETY: c is exclusive; not accumulating, the crate writes every element of its first
+    // m·n without reading it (zeros when `k == 0`).
+    unsafe { checked(m, n, k, (a, op_a), (b, op_b), c, false, 1) }
 }
 
-/// [`sgemm`] on `threads` threads of the current pool (1: the calling thread).
+/// [`sgemm`] into `c = (ptr, len)` on `threads` threads of the current pool (1: the calling
+/// thread), after checking the lengths.
+///
+/// # Safety
+/// `c` addresses `len` elements exclusively; initialized unless not `accumulate`.
 ///
 /// # Panics
 /// As [`sgemm`].
 #[allow(clippy::too_many_arguments)]
-fn checked(
+unsafe fn checked(
     m: usize,
     n: usize,
     k: usize,
     (a, op_a): (&[f32], Op),
     (b, op_b): (&[f32], Op),
-    c: &mut [f32],
+    (c, c_len): (*mut f32, usize),
     accumulate: bool,
     threads: usize,
 ) {
-    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    assert!(a.len() >= m * k && b.len() >= k * n && c_len >= m * n);
     let (a, b) = (
         strided(a.as_ptr(), op_a, m, k),
         strided(b.as_ptr(), op_b, k, n),
     );
-    let c = Dest {
-        ptr: c.as_mut_ptr(),
-        ldc: n,
-    };
-    // SAFETY: the slices cover the addressed ranges (checked above) and c is exclusive.
+    let c = Dest { ptr: c, ldc: n };
+    // SAFETY: the operands cover the addressed ranges (checked above), c is the caller's.
     unsafe { sgemm_strided(m, n, k, a, b, c, accumulate, threads) }
 }
 

@@ -73,8 +73,8 @@ pub fn has_avx2_fma() -> bool {
     }
 }
 
-/// Defines `fn $name(args) -> ret { body }` compiled three times on x86-64 (AVX-512, AVX2 + FMA,
-/// baseline) and picks the best clone the CPU runs ([`ops::has_avx512`],
+/// Defines `fn $name(args) -> ret { body }` (optionally generic: `fn $name<T: Bound>(..)`)
+/// compiled three times on x86-64 (AVX-512, AVX2 + FMA, baseline) and picks the best clone the CPU runs ([`ops::has_avx512`],
 /// [`ops::has_avx2_fma`]); for kernels whose plain loops should vectorize as wide as the CPU
 /// allows. Rust never contracts `a * b + c` into an FMA and `f32::mul_add` is exactly rounded on
 /// every path (an instruction in the x86 clones and on aarch64, a libm call in the x86 baseline
@@ -84,23 +84,23 @@ pub fn has_avx2_fma() -> bool {
 /// [`ops::has_avx2_fma`]: crate::ops::has_avx2_fma
 #[macro_export]
 macro_rules! multiversion {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident $(<$($g:ident: $bound:path),+>)? ($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
         #[allow(clippy::too_many_arguments)]
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
             #[allow(clippy::too_many_arguments)]
-            fn generic($($arg: $ty),*) $(-> $ret)? $body
+            fn generic $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                unsafe fn avx512 $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
                     generic($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                unsafe fn avx2 $(<$($g: $bound),+>)? ($($arg: $ty),*) $(-> $ret)? {
                     generic($($arg),*)
                 }
                 if $crate::ops::has_avx512() {
