@@ -18,7 +18,8 @@ pub fn tile_update<'a, const R: usize, const W: usize>(
 ) {
     let mut t = *acc;
     for k in 0..n {
-        let bk = &b(k)[..W];
+        // Loaded once into registers for the R rows (else the FMAs each reload it).
+        let bk: [f32; W] = b(k)[..W].try_into().unwrap();
         for (r, tr) in t.iter_mut().enumerate() {
             let ar = a(r, k);
             for l in 0..W {
