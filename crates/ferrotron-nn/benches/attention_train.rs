@@ -14,38 +14,9 @@ use ferrotron_nn::attention::{
     AttentionDims, AttentionMask, AttentionPrecision, core_attention_backward,
     core_attention_forward_train,
 };
-use std::time::Instant;
 
-// The allocator a training run has, so the passes' buffers are reused, not faulted in anew.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
-}
-
-/// Median of `runs` timings of `f` after two warmup calls, milliseconds.
-fn time(runs: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    f();
-    let mut t: Vec<f64> = (0..runs)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
-}
+mod common;
+use common::{time, values};
 
 fn main() {
     ferrotron_tensor::allocator::retain_freed_memory();
