@@ -1,5 +1,5 @@
-//! Shared by the `ferrotron-nn` benchmarks: the allocator a training run has, reproducible
-//! inputs, and the median timing.
+//! Shared by the `ferrotron-nn` benchmarks: the allocator a training run has, the integration
+//! tests' reproducible inputs, and the median timing.
 
 use std::time::Instant;
 
@@ -8,18 +8,10 @@ use std::time::Instant;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// `n` values in `[-scale/2, scale/2)` from an LCG seeded with `seed`.
-pub fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
-}
+// The integration tests' reproducible inputs.
+#[path = "../../tests/common/mod.rs"]
+mod inputs;
+pub use inputs::values;
 
 fn median(mut t: Vec<f64>) -> f64 {
     t.sort_by(f64::total_cmp);

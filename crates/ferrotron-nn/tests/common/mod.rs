@@ -1,4 +1,5 @@
-//! Shared by the MoE integration tests: reproducible inputs and a relative comparison.
+//! Shared by the MoE integration tests (and, for the inputs, the benchmarks): reproducible
+//! inputs and a relative comparison.
 
 #![allow(dead_code)] // each test binary uses a different part
 
