@@ -33,19 +33,7 @@ pub fn sgemm(
     accumulate: bool,
 ) {
     let threads = rayon::current_num_threads();
-    // SAFETY: c is an exclusive, initialized slice of c.len() elements.
-    unsafe {
-        checked(
-            m,
-            n,
-            k,
-            (a, op_a),
-            (b, op_b),
-            (c.as_mut_ptr(), c.len()),
-            accumulate,
-            threads,
-        )
-    }
+    on_threads(m, n, k, (a, op_a), (b, op_b), c, accumulate, threads)
 }
 
 /// [`sgemm`] on the calling thread alone, for callers that already spread independent
@@ -66,19 +54,7 @@ pub fn sgemm_serial(
     c: &mut [f32],
     accumulate: bool,
 ) {
-    // SAFETY: c is an exclusive, initialized slice of c.len() elements.
-    unsafe {
-        checked(
-            m,
-            n,
-            k,
-            (a, op_a),
-            (b, op_b),
-            (c.as_mut_ptr(), c.len()),
-            accumulate,
-            1,
-        )
-    }
+    on_threads(m, n, k, (a, op_a), (b, op_b), c, accumulate, 1)
 }
 
 /// [`sgemm_serial`] writing `c[m, n] = op(a) · op(b)` into memory not initialized yet (an
@@ -101,6 +77,34 @@ pub fn sgemm_serial_uninit(
     // SAFETY: c is exclusive; not accumulating, the crate writes every element of its first
     // m·n without reading it (zeros when `k == 0`).
     unsafe { checked(m, n, k, (a, op_a), (b, op_b), c, false, 1) }
+}
+
+/// [`sgemm`] into the initialized `c` on `threads` threads of the current pool (1: the
+/// calling thread).
+#[allow(clippy::too_many_arguments)]
+fn on_threads(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (&[f32], Op),
+    b: (&[f32], Op),
+    c: &mut [f32],
+    accumulate: bool,
+    threads: usize,
+) {
+    // SAFETY: c is an exclusive, initialized slice of c.len() elements.
+    unsafe {
+        checked(
+            m,
+            n,
+            k,
+            a,
+            b,
+            (c.as_mut_ptr(), c.len()),
+            accumulate,
+            threads,
+        )
+    }
 }
 
 /// [`sgemm`] into `c = (ptr, len)` on `threads` threads of the current pool (1: the calling

@@ -74,8 +74,8 @@ pub fn has_avx2_fma() -> bool {
 }
 
 /// Defines `fn $name(args) -> ret { body }` (optionally generic: `fn $name<T: Bound>(..)`)
-/// compiled three times on x86-64 (AVX-512, AVX2 + FMA, baseline) and picks the best clone the CPU runs ([`ops::has_avx512`],
-/// [`ops::has_avx2_fma`]); for kernels whose plain loops should vectorize as wide as the CPU
+/// compiled three times on x86-64 (AVX-512, AVX2 + FMA, baseline) and picks the best clone
+/// the CPU runs ([`ops::has_avx512`], [`ops::has_avx2_fma`]); for kernels whose plain loops should vectorize as wide as the CPU
 /// allows. Rust never contracts `a * b + c` into an FMA and `f32::mul_add` is exactly rounded on
 /// every path (an instruction in the x86 clones and on aarch64, a libm call in the x86 baseline
 /// clone, which only CPUs older than 2013 take), so all clones compute bit-identical results.
